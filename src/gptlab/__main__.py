@@ -1,0 +1,5 @@
+import sys
+
+from gptlab.cli import main
+
+sys.exit(main())

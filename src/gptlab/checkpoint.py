@@ -1,0 +1,316 @@
+"""Run directories and checkpoints, written so that a crash can never leave a half-written checkpoint in use.
+
+A run directory holds config.json (resolved settings), tokenizer.json, metrics.jsonl, loss.png and
+checkpoints/. Each checkpoint is a folder: model.safetensors, optimizer.safetensors, rng.safetensors,
+state.json, and manifest.json with every file's sha256. It is written as a hidden temp folder, each file
+fsynced, the manifest last, then renamed into place in one step; old checkpoints are deleted only after the new
+one is committed. Loaders accept only a checkpoint whose files match its manifest and fall back to the previous
+valid one. Nothing is pickled: tensors go to safetensors, everything else to JSON.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import logging
+import os
+import shutil
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+from gptlab import __version__
+from gptlab.config import ModelConfig, TrainConfig, from_dict, to_dict
+from gptlab.errors import GptlabError
+from gptlab.model import build_model
+from gptlab.tokenizer import Tokenizer, load as load_tokenizer
+
+log = logging.getLogger("gptlab")
+CONFIG, TOKENIZER, METRICS, CKPTS, MANIFEST = "config.json", "tokenizer.json", "metrics.jsonl", "checkpoints", \
+    "manifest.json"
+WRAPPER_PREFIXES = ("_orig_mod.", "module.")  # torch.compile and DDP wrap the model and prefix its names
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_atomic(path: str | Path, data: bytes) -> None:
+    """Replace `path` with `data` in one step: temp file in the same folder, fsync, rename."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        raise GptlabError(f"cannot write {path}: {exc.strerror}; check free space and permissions") from None
+    fsync_dir(path.parent)
+
+
+def write_json(path: str | Path, obj: Any) -> None:
+    write_atomic(path, (json.dumps(obj, indent=2) + "\n").encode())
+
+
+def sha256_file(path: Path) -> str:
+    sha = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            sha.update(block)
+    return sha.hexdigest()
+
+
+@functools.lru_cache(maxsize=1)
+def git_commit() -> str:
+    """The commit of the gptlab source tree when it is a git checkout, else "unknown"."""
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).parent, capture_output=True,
+                             text=True, timeout=5)
+        return out.stdout.strip() if out.returncode == 0 else "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+# ---- run directories -------------------------------------------------------------------------------------------
+
+def is_run(path: str | Path) -> bool:
+    return (Path(path) / CONFIG).is_file() and (Path(path) / TOKENIZER).is_file()
+
+
+def init_run(run_dir: str | Path, model_cfg: ModelConfig, train_cfg: TrainConfig, tokenizer: Tokenizer,
+             extra: dict[str, Any]) -> Path:
+    """Create (or update) a run directory with its resolved settings and tokenizer."""
+    run = Path(run_dir)
+    try:
+        (run / CKPTS).mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise GptlabError(f"cannot create run folder {run}: {exc.strerror}") from None
+    write_json(run / CONFIG, {"model": to_dict(model_cfg), "train": to_dict(train_cfg), **extra,
+                              "gptlab_version": __version__, "git_commit": git_commit()})
+    write_atomic(run / TOKENIZER, json.dumps(tokenizer.to_dict(), ensure_ascii=False).encode())
+    return run
+
+
+def read_run_config(run_dir: str | Path) -> dict[str, Any]:
+    """The run's config.json; raises GptlabError when `run_dir` is missing or not a gptlab run."""
+    run = Path(run_dir)
+    if not run.exists():
+        raise GptlabError(f"run folder {run} does not exist; train one with `gptlab train --run {run}`")
+    if not is_run(run):
+        raise GptlabError(f"{run} is not a gptlab run (no {CONFIG} and {TOKENIZER}); point --run at a folder "
+                          "made by `gptlab train` or `gptlab import`")
+    try:
+        return json.loads((run / CONFIG).read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise GptlabError(f"{run / CONFIG} is damaged (not valid JSON)") from None
+
+
+# ---- state <-> tensors -----------------------------------------------------------------------------------------
+
+def model_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The model's weights by GPT-2 name, without wrapper prefixes and with the tied LM head stored once."""
+    state = {}
+    for name, tensor in model.state_dict().items():
+        for prefix in WRAPPER_PREFIXES:
+            name = name.removeprefix(prefix)
+        state[name] = tensor.detach().contiguous()
+    wte = state.get("transformer.wte.weight")
+    if wte is not None and "lm_head.weight" in state and state["lm_head.weight"].data_ptr() == wte.data_ptr():
+        del state["lm_head.weight"]
+    return state
+
+
+def load_model_tensors(model: torch.nn.Module, tensors: dict[str, torch.Tensor], source: str) -> None:
+    """Copy `tensors` into `model`, insisting that names and shapes match exactly (the tied head may be absent)."""
+    own = model.state_dict()
+    missing = sorted(set(own) - set(tensors) - {"lm_head.weight"})
+    unexpected = sorted(set(tensors) - set(own))
+    wrong = [f"{k} {tuple(tensors[k].shape)} vs {tuple(own[k].shape)}" for k in own
+             if k in tensors and tensors[k].shape != own[k].shape]
+    if missing or unexpected or wrong:
+        detail = (f"missing {missing[:3]}" if missing else f"unexpected {unexpected[:3]}" if unexpected
+                  else f"shape mismatch {wrong[0]}")
+        raise GptlabError(f"the weights in {source} do not fit the model described by its config ({detail})")
+    model.load_state_dict(tensors, strict=False)
+
+
+def optimizer_tensors(optimizer: torch.optim.Optimizer) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """An optimizer's state split into tensors (for safetensors) and JSON-safe metadata."""
+    sd = optimizer.state_dict()
+    tensors, scalars = {}, {}
+    for pid, entry in sd["state"].items():
+        for key, value in entry.items():
+            if torch.is_tensor(value):
+                tensors[f"{pid}.{key}"] = value.detach().contiguous()
+            else:
+                scalars[f"{pid}.{key}"] = value
+    return tensors, {"param_groups": sd["param_groups"], "scalars": scalars}
+
+
+def restore_optimizer(optimizer: torch.optim.Optimizer, tensors: dict[str, torch.Tensor],
+                      meta: dict[str, Any]) -> None:
+    state: dict[int, dict[str, Any]] = {}
+    for name, value in list(tensors.items()) + list(meta["scalars"].items()):
+        pid, key = name.split(".", 1)
+        state.setdefault(int(pid), {})[key] = value
+    optimizer.load_state_dict({"state": state, "param_groups": meta["param_groups"]})
+
+
+def rng_tensors() -> dict[str, torch.Tensor]:
+    state = {"torch_cpu": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        for i, s in enumerate(torch.cuda.get_rng_state_all()):
+            state[f"cuda_{i}"] = s
+    return state
+
+
+def restore_rng(tensors: dict[str, torch.Tensor]) -> None:
+    torch.set_rng_state(tensors["torch_cpu"])
+    cuda = [tensors[k] for k in sorted(tensors) if k.startswith("cuda_")]
+    if cuda and torch.cuda.is_available() and len(cuda) == torch.cuda.device_count():
+        torch.cuda.set_rng_state_all(cuda)
+
+
+# ---- checkpoints ------------------------------------------------------------------------------------------------
+
+@dataclass
+class Checkpoint:
+    path: Path
+    kind: str  # "step" (the last ones, for resuming) or "best" (lowest validation loss, weights only)
+    step: int
+
+
+def _list(run_dir: Path, kind: str) -> list[Checkpoint]:
+    found = []
+    for p in (run_dir / CKPTS).glob(f"{kind}-*"):
+        try:
+            found.append(Checkpoint(p, kind, int(p.name.split("-", 1)[1])))
+        except ValueError:
+            continue
+    return sorted(found, key=lambda c: c.step, reverse=True)
+
+
+def verify(path: Path) -> str | None:
+    """None when every file of the checkpoint at `path` matches its manifest, else what is wrong."""
+    try:
+        manifest = json.loads((path / MANIFEST).read_text())
+    except FileNotFoundError:
+        return "no manifest (it was never finished)"
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return "damaged manifest"
+    for name, want in manifest.get("files", {}).items():
+        file = path / name
+        if not file.is_file():
+            return f"{name} is missing"
+        if file.stat().st_size != want["bytes"]:
+            return f"{name} is truncated ({file.stat().st_size} of {want['bytes']} bytes)"
+        if sha256_file(file) != want["sha256"]:
+            return f"{name} does not match its checksum (corrupted)"
+    return None
+
+
+def find_checkpoint(run_dir: str | Path, kind: str = "step") -> Checkpoint | None:
+    """The newest checkpoint of `kind` that passes verification; skipped damaged ones are logged as warnings."""
+    for ckpt in _list(Path(run_dir), kind):
+        problem = verify(ckpt.path)
+        if problem is None:
+            return ckpt
+        log.warning("checkpoint %s is unusable (%s); falling back to an older one", ckpt.path, problem)
+    return None
+
+
+def save_checkpoint(run_dir: str | Path, kind: str, step: int, model: torch.nn.Module, state: dict[str, Any],
+                    optimizer: torch.optim.Optimizer | None = None, keep: int = 2) -> Path:
+    """Write a checkpoint atomically and then prune all but the newest `keep` of its kind. Returns its path."""
+    ckpts = Path(run_dir) / CKPTS
+    final = ckpts / f"{kind}-{step:08d}"
+    tmp = ckpts / f".tmp-{kind}-{step:08d}-{os.getpid()}"
+    try:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        files = {"model.safetensors": model_tensors(model), "rng.safetensors": rng_tensors()}
+        if optimizer is not None:
+            files["optimizer.safetensors"], optimizer_meta = optimizer_tensors(optimizer)
+            state = {**state, "optimizer": optimizer_meta}
+        for name, tensors in files.items():
+            save_file(tensors, tmp / name)
+        (tmp / "state.json").write_text(json.dumps({**state, "step": step, "time": time.time()}, indent=2))
+        manifest = {"step": step, "kind": kind, "files": {}}
+        for file in sorted(tmp.iterdir()):
+            with open(file, "rb+") as f:
+                os.fsync(f.fileno())
+            manifest["files"][file.name] = {"bytes": file.stat().st_size, "sha256": sha256_file(file)}
+        write_json(tmp / MANIFEST, manifest)
+        fsync_dir(tmp)
+        if final.exists():
+            _discard(final)
+        os.replace(tmp, final)
+        fsync_dir(ckpts)
+    except OSError as exc:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise GptlabError(f"cannot write a checkpoint in {ckpts}: {exc.strerror}; free some space or fix the "
+                          "permissions (the previous checkpoint is intact)") from None
+    for old in _list(Path(run_dir), kind)[keep:]:
+        _discard(old.path)
+    return final
+
+
+def _discard(path: Path) -> None:
+    """Delete a checkpoint folder: rename it out of sight first, so no one ever reads a half-deleted one."""
+    trash = path.with_name(f".trash-{path.name}-{os.getpid()}")
+    os.replace(path, trash)
+    shutil.rmtree(trash, ignore_errors=True)
+
+
+def read_state(ckpt: Checkpoint) -> dict[str, Any]:
+    return json.loads((ckpt.path / "state.json").read_text())
+
+
+def load_tensors(path: Path) -> dict[str, torch.Tensor]:
+    try:
+        return load_file(path)
+    except (SafetensorError, OSError) as exc:
+        raise GptlabError(f"{path} cannot be read ({exc}); the checkpoint is damaged") from None
+
+
+# ---- loading a trained model -----------------------------------------------------------------------------------
+
+@dataclass
+class LoadedRun:
+    model: torch.nn.Module
+    tokenizer: Tokenizer
+    model_cfg: ModelConfig
+    state: dict[str, Any]
+    checkpoint: Checkpoint
+
+
+def load_run(run_dir: str | Path, which: str = "best", device: torch.device | str = "cpu") -> LoadedRun:
+    """The model of a run (its best checkpoint, else its latest) in eval mode, with its tokenizer.
+    Raises GptlabError when the run is missing, not a run, has no usable checkpoint, or its parts do not fit."""
+    read_run_config(run_dir)
+    ckpt = (find_checkpoint(run_dir, "best") if which == "best" else None) or find_checkpoint(run_dir, "step")
+    if ckpt is None:
+        raise GptlabError(f"run {run_dir} has no usable checkpoint yet; train it with `gptlab train --run {run_dir}`")
+    state = read_state(ckpt)
+    model_cfg = from_dict(ModelConfig, state["model"])
+    tokenizer = load_tokenizer(Path(run_dir) / TOKENIZER)
+    if tokenizer.vocab_size > model_cfg.vocab_size:
+        raise GptlabError(f"the tokenizer of {run_dir} has {tokenizer.vocab_size} tokens but the weights only "
+                          f"{model_cfg.vocab_size}: they do not belong together")
+    model = build_model(model_cfg)
+    load_model_tensors(model, load_tensors(ckpt.path / "model.safetensors"), str(ckpt.path))
+    return LoadedRun(model.to(device).eval(), tokenizer, model_cfg, state, ckpt)

@@ -1,0 +1,309 @@
+"""The `gptlab` command: thin verbs over the modules, no logic of its own.
+
+Flags for model, training and sampling settings are generated from the dataclasses in config.py, so the CLI,
+config files and Python callers share one definition. Errors a user can cause print one line and exit 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import sys
+from pathlib import Path
+from typing import Any
+
+from gptlab.config import (DEFAULT_PRESET, PRESETS, TOKENIZERS, ModelConfig, SampleConfig, TrainConfig, build,
+                           field_types, get_preset, parse_value)
+from gptlab.errors import GptlabError
+
+RUNS = Path("runs")
+DATA = Path("data")
+COMMANDS: dict[str, Any] = {}
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse that reports a usage error as one line (exit 2) instead of a usage dump."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        raise GptlabError(f"{message} (see `{self.prog} --help`)")
+
+
+def command(name: str, help: str):
+    def register(fn):
+        COMMANDS[name] = (fn, help)
+        return fn
+    return register
+
+
+def add_config_flags(parser: argparse.ArgumentParser, cls: type, skip: tuple[str, ...] = ()) -> None:
+    """One --flag per dataclass field; values stay None unless given, so presets fill the rest."""
+    group = parser.add_argument_group(f"{cls.__name__} settings")
+    for name, kind in field_types(cls).items():
+        if name in skip:
+            continue
+        flag = "--" + name.replace("_", "-")
+        if kind is bool:
+            group.add_argument(flag, dest=name, nargs="?", const="true", default=None, metavar="BOOL")
+        elif name == "stop":
+            group.add_argument(flag, dest=name, action="append", default=None, metavar="TEXT",
+                               help="stop when the generated text contains TEXT (repeatable)")
+        else:
+            group.add_argument(flag, dest=name, default=None, metavar=kind.__name__.upper() if
+                               isinstance(kind, type) else "VALUE")
+
+
+def overrides(args: argparse.Namespace, cls: type) -> dict[str, Any]:
+    """The fields of `cls` that were given on the command line, parsed to their types."""
+    out = {}
+    for name in field_types(cls):
+        value = getattr(args, name, None)
+        if value is not None:
+            out[name] = value if isinstance(value, list) else parse_value(cls, name, value)
+    return out
+
+
+# ---- prepare -----------------------------------------------------------------------------------------------------
+
+def default_data_dir(tokenizer: str) -> Path:
+    return DATA / f"tinyshakespeare-{tokenizer}"
+
+
+@command("prepare", "tokenize text files (default: the bundled Tiny Shakespeare) into train/val token files")
+def cmd_prepare(args: argparse.Namespace) -> int:
+    from gptlab.data import prepare
+
+    out = Path(args.out) if args.out else default_data_dir(args.tokenizer)
+    meta = prepare(args.paths, out, args.tokenizer, args.vocab_size, args.val_fraction, args.encoding, args.quiet)
+    print(f"prepared {out}: {meta['train_tokens']:,} train + {meta['val_tokens']:,} val tokens, "
+          f"{meta['tokenizer']} tokenizer with {meta['vocab_size']:,} ids ({meta['dtype']})")
+    return 0
+
+
+def add_prepare(p: argparse.ArgumentParser) -> None:
+    p.add_argument("paths", nargs="*", help="text files or folders (default: bundled Tiny Shakespeare)")
+    p.add_argument("--tokenizer", choices=TOKENIZERS, default="char")
+    p.add_argument("--vocab-size", type=int, default=1024, help="vocabulary size for --tokenizer bpe")
+    p.add_argument("--out", help="output folder (default: data/tinyshakespeare-TOKENIZER)")
+    p.add_argument("--val-fraction", type=float, default=0.1)
+    p.add_argument("--encoding", default="utf-8", help="text encoding of the inputs")
+    p.add_argument("--quiet", action="store_true")
+
+
+# ---- train -------------------------------------------------------------------------------------------------------
+
+def pick_run_dir(args: argparse.Namespace, preset: str) -> Path:
+    """--run if given; otherwise runs/PRESET, or runs/PRESET-2, -3, ... so that no earlier run is overwritten."""
+    from gptlab.checkpoint import CKPTS
+
+    if args.run:
+        return Path(args.run)
+    candidate, n = RUNS / preset, 1
+    while not args.resume and (candidate / CKPTS).exists() and any((candidate / CKPTS).iterdir()):
+        n += 1
+        candidate = RUNS / f"{preset}-{n}"
+    return candidate
+
+
+def resolve_train_settings(args: argparse.Namespace) -> tuple[str, ModelConfig, TrainConfig, bool, dict]:
+    """Preset (or the run being resumed) + command-line overrides -> validated settings."""
+    from gptlab.checkpoint import find_checkpoint, read_run_config
+
+    preset_name = args.preset or DEFAULT_PRESET
+    preset = get_preset(preset_name)
+    model_base, train_base = dict(preset.model), dict(preset.train)
+    run = pick_run_dir(args, preset_name)
+    resume = bool(args.resume)
+    if args.resume == "auto":
+        resume = (run / "config.json").exists() and find_checkpoint(run, "step") is not None
+    extra: dict[str, Any] = {"preset": preset_name}
+    if resume:
+        saved = read_run_config(run)
+        model_base, train_base = saved["model"], saved["train"]
+        extra = {"preset": saved.get("preset", preset_name), "resumed_with": overrides(args, TrainConfig)}
+    model_cfg = build(ModelConfig, model_base, overrides(args, ModelConfig))
+    train_cfg = build(TrainConfig, train_base, overrides(args, TrainConfig))
+    return str(run), model_cfg, train_cfg, resume, extra
+
+
+@command("train", "train a model (no arguments: the default preset on the bundled corpus, into runs/)")
+def cmd_train(args: argparse.Namespace) -> int:
+    from gptlab.train import train
+
+    if args.resume not in (None, "true", "auto"):
+        raise GptlabError(f"--resume takes no value or 'auto', not {args.resume!r}")
+    run, model_cfg, train_cfg, resume, extra = resolve_train_settings(args)
+    data = Path(args.data) if args.data else default_data_dir(get_preset(extra["preset"]).tokenizer)
+    if not args.data and not (data / "meta.json").exists():
+        from gptlab.data import prepare
+
+        print(f"preparing the bundled Tiny Shakespeare into {data} ...", file=sys.stderr)
+        prepare([], data, get_preset(extra["preset"]).tokenizer, quiet=args.quiet)
+    result = train(data, run, model_cfg, train_cfg, resume=resume, quiet=args.quiet, extra=extra)
+    print(f"run {result.run_dir}: {result.step} steps in {result.seconds:.1f} s "
+          f"({result.tokens_per_second:,.0f} tokens/s), val loss {result.val_loss:.4f} "
+          f"(best {result.best_val_loss:.4f}); loss curve in {result.run_dir / 'loss.png'}")
+    print(f"sample it: gptlab sample --run {result.run_dir}")
+    return 0
+
+
+def add_train(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--data", help="prepared data folder (default: the bundled corpus, prepared if needed)")
+    p.add_argument("--preset", help=f"one of: {', '.join(PRESETS)} (default {DEFAULT_PRESET})")
+    p.add_argument("--run", help="run folder (default: runs/PRESET, a new one if that has checkpoints)")
+    p.add_argument("--resume", nargs="?", const="true", default=None, metavar="auto",
+                   help="continue the run from its newest valid checkpoint ('auto': only if it has one)")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    add_config_flags(p, ModelConfig)
+    add_config_flags(p, TrainConfig)
+
+
+# ---- sample ------------------------------------------------------------------------------------------------------
+
+def latest_run() -> Path:
+    """The most recently trained run under runs/, for `gptlab sample` without --run."""
+    from gptlab.checkpoint import is_run
+
+    runs = [p for p in RUNS.glob("*") if is_run(p)] if RUNS.is_dir() else []
+    if not runs:
+        raise GptlabError("no run found under runs/; train one with `gptlab train` or pass --run")
+    return max(runs, key=lambda p: (p / "config.json").stat().st_mtime)
+
+
+def read_prompt(args: argparse.Namespace, tokenizer) -> list[int]:
+    if args.prompt_file:
+        try:
+            text = Path(args.prompt_file).read_text(encoding="utf-8")
+        except FileNotFoundError:
+            raise GptlabError(f"prompt file {args.prompt_file} does not exist") from None
+        except UnicodeDecodeError as exc:
+            raise GptlabError(f"prompt file {args.prompt_file} is not valid UTF-8 (bad byte at offset "
+                              f"{exc.start})") from None
+    elif args.prompt is not None:
+        text = args.prompt
+    else:
+        return [tokenizer.eot_id] if tokenizer.eot_id is not None else tokenizer.encode("\n")
+    if not text and tokenizer.eot_id is not None:
+        return [tokenizer.eot_id]
+    return tokenizer.encode(text, allow_special=args.allow_special)
+
+
+@command("sample", "generate text from a trained run, streamed as it is produced")
+def cmd_sample(args: argparse.Namespace) -> int:
+    from gptlab.checkpoint import load_run
+    from gptlab.engine import generate
+    from gptlab.runtime import resolve_device, set_threads
+    from gptlab.tokenizer import StreamDecoder
+
+    set_threads()
+    cfg = build(SampleConfig, {}, overrides(args, SampleConfig))
+    if args.num_samples < 1:
+        raise GptlabError(f"--num-samples must be >= 1, not {args.num_samples}")
+    loaded = load_run(args.run or latest_run(), device=resolve_device(args.device))
+    prompt = read_prompt(args, loaded.tokenizer)
+    for n in range(args.num_samples):
+        one = dataclasses.replace(cfg, seed=cfg.seed + n)
+        decoder = StreamDecoder(loaded.tokenizer)
+        sys.stdout.write(loaded.tokenizer.decode(prompt) if args.echo_prompt else "")
+        for ids in generate(loaded.model, prompt, one):
+            if ids[0] == loaded.tokenizer.eot_id:
+                break
+            sys.stdout.write(decoder.push(ids))
+            sys.stdout.flush()
+        sys.stdout.write(decoder.flush() + "\n")
+        if n + 1 < args.num_samples:
+            sys.stdout.write("-" * 40 + "\n")
+    return 0
+
+
+def add_sample(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--run", help="run folder (default: the most recent under runs/)")
+    p.add_argument("--prompt", help="text to continue (default: a newline, or end-of-text for BPE models)")
+    p.add_argument("--prompt-file", help="read the prompt from this UTF-8 file")
+    p.add_argument("--allow-special", action="store_true", help="encode <|endoftext|> in the prompt as special")
+    p.add_argument("--num-samples", type=int, default=1)
+    p.add_argument("--no-echo", dest="echo_prompt", action="store_false", help="do not print the prompt")
+    p.add_argument("--device", default="cpu")
+    add_config_flags(p, SampleConfig)
+
+
+# ---- eval --------------------------------------------------------------------------------------------------------
+
+@command("eval", "loss, perplexity and bits per character / byte on the validation split or on text files")
+def cmd_eval(args: argparse.Namespace) -> int:
+    from gptlab.checkpoint import load_run, read_run_config
+    from gptlab.data import load_dataset
+    from gptlab.evaluate import score
+    from gptlab.runtime import resolve_device, set_threads
+
+    set_threads()
+    run = args.run or latest_run()
+    loaded = load_run(run, device=resolve_device(args.device))
+    scores = []
+    if args.files:
+        for name in args.files:
+            try:
+                text = Path(name).read_text(encoding=args.encoding)
+            except FileNotFoundError:
+                raise GptlabError(f"{name} does not exist") from None
+            except UnicodeDecodeError as exc:
+                raise GptlabError(f"{name} is not valid {args.encoding} (bad byte at offset {exc.start}); "
+                                  "pass --encoding") from None
+            tokens = loaded.tokenizer.encode(text, allow_special=True)
+            scores.append(score(loaded.model, name, tokens, len(text), len(text.encode()), args.batch_size))
+    else:
+        data = load_dataset(args.data or read_run_config(run)["data"])
+        text = loaded.tokenizer.decode(data.val.tolist())
+        scores.append(score(loaded.model, f"{data.path} (val)", data.val, len(text), len(text.encode()),
+                            args.batch_size))
+    print(f"{'text':<40} {'tokens':>10} {'loss':>8} {'ppl':>9} {'bits/tok':>9} {'bits/char':>9} {'bits/byte':>9}")
+    for s in scores:
+        print(f"{s.name[-40:]:<40} {s.tokens:>10,} {s.loss:>8.4f} {s.perplexity:>9.3f} {s.bits_per_token:>9.4f} "
+              f"{s.bits_per_char:>9.4f} {s.bits_per_byte:>9.4f}")
+    return 0
+
+
+def add_eval(p: argparse.ArgumentParser) -> None:
+    p.add_argument("files", nargs="*", help="text files to score (default: the run's validation split)")
+    p.add_argument("--run", help="run folder (default: the most recent under runs/)")
+    p.add_argument("--data", help="prepared data folder whose val split to score (default: the run's)")
+    p.add_argument("--encoding", default="utf-8")
+    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--device", default="cpu")
+
+
+# ---- main --------------------------------------------------------------------------------------------------------
+
+ADDERS = {"prepare": add_prepare, "train": add_train, "sample": add_sample, "eval": add_eval}
+
+
+def make_parser() -> Parser:
+    parser = Parser(prog="gptlab", description="Build, train, run and look inside GPT-2-style language models.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=Parser)
+    for name, (_, help) in COMMANDS.items():
+        p = sub.add_parser(name, help=help, description=help)
+        ADDERS[name](p)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(format="gptlab: warning: %(message)s", level=logging.WARNING)
+    parser = make_parser()
+    try:
+        args = parser.parse_args(argv)
+        if not args.command:
+            parser.print_help()
+            return 2
+        return COMMANDS[args.command][0](args)
+    except GptlabError as exc:
+        print(f"gptlab: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("gptlab: interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:
+        return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

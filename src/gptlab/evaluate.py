@@ -1,0 +1,75 @@
+"""How well a model predicts a text: loss, perplexity, bits per token, per character and per byte."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from gptlab.runtime import autocast
+
+
+@dataclass
+class Score:
+    name: str
+    tokens: int
+    chars: int
+    bytes: int
+    nats: float  # total cross-entropy over all predicted tokens
+
+    @property
+    def loss(self) -> float:
+        return self.nats / max(self.tokens, 1)
+
+    @property
+    def perplexity(self) -> float:
+        return math.exp(min(self.loss, 700.0))
+
+    @property
+    def bits_per_token(self) -> float:
+        return self.loss / math.log(2)
+
+    @property
+    def bits_per_char(self) -> float:
+        return self.nats / math.log(2) / max(self.chars, 1)
+
+    @property
+    def bits_per_byte(self) -> float:
+        return self.nats / math.log(2) / max(self.bytes, 1)
+
+
+@torch.no_grad()
+def total_nats(model: torch.nn.Module, tokens: np.ndarray | list[int], batch_size: int = 16,
+               precision: str = "fp32") -> tuple[float, int]:
+    """Sum of -log p(token | its context) over every token but the first, and how many were predicted.
+
+    The text is cut into windows of block_size + 1 tokens overlapping by one, so every token is predicted
+    exactly once from up to block_size tokens of context."""
+    device = next(model.parameters()).device
+    T = model.config.block_size
+    ids = torch.as_tensor(np.asarray(tokens, dtype=np.int64))
+    starts = list(range(0, max(len(ids) - 1, 0), T))
+    nats, count = 0.0, 0
+    for i in range(0, len(starts), batch_size):
+        rows = [ids[s:s + T + 1] for s in starts[i:i + batch_size]]
+        width = max(len(r) for r in rows)
+        x = torch.zeros(len(rows), width - 1, dtype=torch.long)
+        y = torch.full((len(rows), width - 1), -1, dtype=torch.long)  # -1: padding, ignored
+        for j, r in enumerate(rows):
+            x[j, :len(r) - 1], y[j, :len(r) - 1] = r[:-1], r[1:]
+        with autocast(device, precision):
+            logits, _ = model(x.to(device))
+        losses = F.cross_entropy(logits.float().flatten(0, 1), y.to(device).flatten(), ignore_index=-1,
+                                 reduction="sum")
+        nats += losses.item()
+        count += int((y >= 0).sum())
+    return nats, count
+
+
+def score(model: torch.nn.Module, name: str, tokens: np.ndarray | list[int], text_chars: int, text_bytes: int,
+          batch_size: int = 16, precision: str = "fp32") -> Score:
+    nats, count = total_nats(model, tokens, batch_size, precision)
+    return Score(name, count, text_chars, text_bytes, nats)

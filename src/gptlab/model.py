@@ -1,0 +1,278 @@
+"""The models: a bigram baseline and the GPT-2 decoder, with the KV cache they use at inference.
+
+Module names follow GPT-2's checkpoints (transformer.wte, transformer.h.N.attn.c_attn, lm_head, ...), so real
+GPT-2 weights map one to one. Letters follow the math: B batch, T time (sequence), C channels (n_embd),
+H heads, D head_dim = C / H, V vocabulary.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from gptlab.config import ModelConfig
+
+
+class KVCache:
+    """Keys and values of the positions seen so far, preallocated for every layer.
+
+    k and v are (n_layer, B, H, max_len, D). `pos` (B,) is how many positions of each row are filled: the next
+    tokens of row b go to positions pos[b], pos[b] + 1, ... The model advances `pos` by T after each forward;
+    a caller that fed rows of different lengths (right-padded) sets `pos` to the true lengths afterwards.
+    """
+
+    def __init__(self, n_layer: int, batch_size: int, n_head: int, max_len: int, head_dim: int,
+                 device: torch.device | str | None = None, dtype: torch.dtype = torch.float32):
+        shape = (n_layer, batch_size, n_head, max_len, head_dim)
+        self.k = torch.zeros(shape, device=device, dtype=dtype)
+        self.v = torch.zeros(shape, device=device, dtype=dtype)
+        self.pos = torch.zeros(batch_size, dtype=torch.long, device=device)
+        self.max_len = max_len
+
+    def reset(self) -> None:
+        self.pos.zero_()
+
+    def repeat_rows(self, n: int) -> KVCache:
+        """A cache of n * B rows, each row copied n times in a row: N samples share one prefill."""
+        out = KVCache.__new__(KVCache)
+        out.k = self.k.repeat_interleave(n, dim=1)
+        out.v = self.v.repeat_interleave(n, dim=1)
+        out.pos = self.pos.repeat_interleave(n)
+        out.max_len = self.max_len
+        return out
+
+
+def _attention_mask(kv_pos: torch.Tensor, T: int, n_keys: int) -> torch.Tensor:
+    """(B, 1, T, n_keys) boolean mask: query t of row b may see key j iff j <= pos[b] + t."""
+    query_pos = kv_pos[:, None] + torch.arange(T, device=kv_pos.device)  # (B, T)
+    keys = torch.arange(n_keys, device=kv_pos.device)
+    return (keys[None, None, :] <= query_pos[:, :, None])[:, None]  # (B, 1, T, n_keys)
+
+
+class CausalSelfAttention(nn.Module):
+    """Multi-head causal self-attention: softmax(QK^T / sqrt(D) + mask) V per head, heads concatenated, then W_O."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.n_head, self.head_dim = config.n_head, config.head_dim
+        self.path = config.attention
+        self.dropout = config.dropout
+        self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)  # W_Q, W_K, W_V in one
+        self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)  # W_O
+        self.attn_dropout = nn.Dropout(config.dropout)
+        self.resid_dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x: torch.Tensor, cache: KVCache | None = None, layer: int = 0) -> torch.Tensor:
+        B, T, C = x.shape
+        q, k, v = self.c_attn(x).split(C, dim=2)
+        q = q.view(B, T, self.n_head, self.head_dim).transpose(1, 2)  # (B, H, T, D)
+        k = k.view(B, T, self.n_head, self.head_dim).transpose(1, 2)  # (B, H, T, D)
+        v = v.view(B, T, self.n_head, self.head_dim).transpose(1, 2)  # (B, H, T, D)
+        mask, causal = None, True  # no cache: plain causal attention over these T positions
+        if cache is not None:
+            k, v, mask, causal = self._use_cache(cache, layer, k, v)
+        attend = self._naive if self._naive_is_faster(q) else self._sdpa
+        y = attend(q, k, v, mask, causal)  # (B, H, T, D)
+        y = y.transpose(1, 2).contiguous().view(B, T, C)  # (B, T, C): heads side by side again
+        return self.resid_dropout(self.c_proj(y))
+
+    def _use_cache(self, cache: KVCache, layer: int, k: torch.Tensor,
+                   v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, bool]:
+        """Store this step's keys/values; return every key/value visible now, the mask, and whether the plain
+        causal mask applies instead."""
+        B, _, T, _ = k.shape
+        start, end = int(cache.pos.min()), int(cache.pos.max()) + T
+        assert end <= cache.max_len, f"KV cache overflow: {end} positions > {cache.max_len}"
+        uniform = start == end - T
+        if uniform:  # every row at the same position: plain slices
+            cache.k[layer, :, :, start:end] = k
+            cache.v[layer, :, :, start:end] = v
+        else:
+            index = (cache.pos[:, None] + torch.arange(T, device=k.device))[:, None, :, None]  # (B, 1, T, 1)
+            index = index.expand(B, self.n_head, T, self.head_dim)
+            cache.k[layer].scatter_(2, index, k)
+            cache.v[layer].scatter_(2, index, v)
+        k_all, v_all = cache.k[layer, :, :, :end], cache.v[layer, :, :, :end]  # (B, H, end, D)
+        if uniform and start == 0:
+            return k_all, v_all, None, True  # a fresh prefill: the square causal mask
+        if uniform and T == 1:
+            return k_all, v_all, None, False  # one new token sees every stored position
+        return k_all, v_all, _attention_mask(cache.pos, T, end), False
+
+    def _naive_is_faster(self, q: torch.Tensor) -> bool:
+        """attention="auto" picks the fused kernel, except when training under bf16 autocast on a CPU, where
+        torch's fused backward is measured ~1.5-2x slower than the written-out path (docs/benchmarks.md)."""
+        if self.path != "auto":
+            return self.path == "naive"
+        return (q.device.type == "cpu" and torch.is_grad_enabled() and torch.is_autocast_enabled("cpu")
+                and torch.get_autocast_dtype("cpu") == torch.bfloat16)
+
+    def _naive(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+               causal: bool) -> torch.Tensor:
+        """The equation written out, the reference every fast path is tested against."""
+        T, S = q.size(-2), k.size(-2)
+        att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(self.head_dim))  # (B, H, T, S)
+        if causal:
+            mask = torch.ones(T, S, dtype=torch.bool, device=q.device).tril()  # key j visible iff j <= i
+        if mask is not None:
+            att = att.masked_fill(~mask, float("-inf"))
+        att = self.attn_dropout(F.softmax(att, dim=-1))
+        return att @ v  # (B, H, T, D)
+
+    def _sdpa(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+              causal: bool) -> torch.Tensor:
+        """torch's fused scaled_dot_product_attention: the same math, dispatched to a fast kernel."""
+        p = self.dropout if self.training else 0.0
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p, is_causal=causal)
+
+
+class MLP(nn.Module):
+    """Position-wise feed-forward network: C -> 4C -> GELU -> C."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd, bias=config.bias)
+        self.gelu = nn.GELU(approximate="tanh" if config.activation == "gelu_tanh" else "none")
+        self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd, bias=config.bias)
+        self.dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.dropout(self.c_proj(self.gelu(self.c_fc(x))))
+
+
+class Block(nn.Module):
+    """Pre-LayerNorm transformer block: x + attn(ln_1(x)), then + mlp(ln_2(x))."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(config.n_embd, eps=config.layer_norm_eps, bias=config.bias)
+        self.attn = CausalSelfAttention(config)
+        self.ln_2 = nn.LayerNorm(config.n_embd, eps=config.layer_norm_eps, bias=config.bias)
+        self.mlp = MLP(config)
+
+    def forward(self, x: torch.Tensor, cache: KVCache | None = None, layer: int = 0) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x), cache, layer)
+        return x + self.mlp(self.ln_2(x))
+
+
+def _loss(logits: torch.Tensor, targets: torch.Tensor | None) -> torch.Tensor | None:
+    if targets is None:
+        return None
+    return F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1)
+
+
+class GPT(nn.Module):
+    """GPT-2: token + position embeddings, n_layer blocks, final LayerNorm, LM head tied to the token embedding."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        assert config.vocab_size > 0, "resolve vocab_size from the tokenizer before building a model"
+        self.config = config
+        self.transformer = nn.ModuleDict(dict(
+            wte=nn.Embedding(config.vocab_size, config.n_embd),
+            wpe=nn.Embedding(config.block_size, config.n_embd),
+            drop=nn.Dropout(config.dropout),
+            h=nn.ModuleList(Block(config) for _ in range(config.n_layer)),
+            ln_f=nn.LayerNorm(config.n_embd, eps=config.layer_norm_eps, bias=config.bias),
+        ))
+        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        self.lm_head.weight = self.transformer.wte.weight
+        self.apply(self._init_weights)
+        for name, p in self.named_parameters():
+            if name.endswith("c_proj.weight"):  # residual projections: keep the residual stream's variance flat
+                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
+
+    @staticmethod
+    def _init_weights(module: nn.Module) -> None:
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+        if isinstance(module, nn.Linear) and module.bias is not None:
+            nn.init.zeros_(module.bias)
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, kv_cache: KVCache | None = None,
+                last_only: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """idx (B, T) token ids -> logits (B, T, V) (or (B, 1, V) with last_only) and the mean cross-entropy
+        against targets (B, T) when given (-1 targets are ignored). With a cache, idx continues each row at
+        kv_cache.pos, and pos advances by T."""
+        B, T = idx.shape
+        if kv_cache is None:
+            assert T <= self.config.block_size, f"sequence of {T} tokens > block_size {self.config.block_size}"
+            pos = torch.arange(T, device=idx.device)  # (T,)
+        else:
+            pos = kv_cache.pos[:, None] + torch.arange(T, device=idx.device)  # (B, T)
+            assert int(pos.max()) < self.config.block_size, "position beyond block_size: slide the window"
+        x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))  # (B, T, C)
+        for layer, block in enumerate(self.transformer.h):
+            x = block(x, kv_cache, layer)
+        x = self.transformer.ln_f(x)
+        if kv_cache is not None:
+            kv_cache.pos += T
+        if last_only:
+            x = x[:, -1:]
+        logits = self.lm_head(x)  # (B, T, V)
+        return logits, _loss(logits, targets)
+
+    def new_kv_cache(self, batch_size: int, dtype: torch.dtype | None = None,
+                     max_len: int | None = None) -> KVCache:
+        """An empty cache for `batch_size` rows, on the model's device, in the model's dtype by default."""
+        c, weight = self.config, self.transformer.wte.weight
+        return KVCache(c.n_layer, batch_size, c.n_head, max_len or c.block_size, c.head_dim,
+                       weight.device, dtype or weight.dtype)
+
+    def crop_block_size(self, block_size: int) -> None:
+        """Shorten the context (keeps the first block_size position embeddings), e.g. to fine-tune faster."""
+        assert 0 < block_size <= self.config.block_size
+        self.config.block_size = block_size
+        self.transformer.wpe.weight = nn.Parameter(self.transformer.wpe.weight[:block_size].detach().clone())
+
+    def num_params(self, non_embedding: bool = False) -> int:
+        """Parameters, the tied LM head counted once; non_embedding leaves out wte and wpe."""
+        n = sum(p.numel() for p in self.parameters())
+        if non_embedding:
+            n -= self.transformer.wte.weight.numel() + self.transformer.wpe.weight.numel()
+        return n
+
+    def flops_per_token(self, seq_len: int | None = None, training: bool = True) -> float:
+        """Model FLOPs per token: 2 per multiply-add of every matrix (blocks and LM head) plus attention's
+        QK^T and AV over a context of seq_len (default block_size); x3 for forward + backward when training."""
+        c = self.config
+        T = seq_len or c.block_size
+        matmul_params = self.num_params(non_embedding=True) + c.vocab_size * c.n_embd
+        forward = 2 * matmul_params + 4 * c.n_layer * c.n_embd * T
+        return 3 * forward if training else forward
+
+
+class Bigram(nn.Module):
+    """The baseline: the next token's logits depend on the current token only, read from a V x V table."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        assert config.vocab_size > 0, "resolve vocab_size from the tokenizer before building a model"
+        self.config = config
+        self.logits_table = nn.Embedding(config.vocab_size, config.vocab_size)
+        nn.init.zeros_(self.logits_table.weight)  # start from the uniform distribution
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, kv_cache: KVCache | None = None,
+                last_only: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if kv_cache is not None:  # nothing to remember: the last token is all the context there is
+            kv_cache.pos += idx.size(1)
+        logits = self.logits_table(idx[:, -1:] if last_only else idx)  # (B, T, V)
+        return logits, _loss(logits, targets)
+
+    def new_kv_cache(self, batch_size: int, dtype: torch.dtype | None = None, max_len: int | None = None) -> KVCache:
+        device = self.logits_table.weight.device
+        return KVCache(0, batch_size, 1, max_len or self.config.block_size, 1, device, torch.float32)
+
+    def num_params(self, non_embedding: bool = False) -> int:
+        return self.logits_table.weight.numel()
+
+    def flops_per_token(self, seq_len: int | None = None, training: bool = True) -> float:
+        return 0.0  # a table look-up: no matrix products
+
+
+def build_model(config: ModelConfig) -> GPT | Bigram:
+    """The model described by `config` (arch "gpt" or "bigram"), freshly initialised."""
+    return Bigram(config) if config.arch == "bigram" else GPT(config)

@@ -1,0 +1,59 @@
+"""Choosing the next token: pure functions over logits, randomness only from an explicit torch.Generator."""
+
+from __future__ import annotations
+
+import torch
+
+from gptlab.config import SampleConfig
+
+
+def apply_penalties(logits: torch.Tensor, counts: torch.Tensor, repetition: float = 1.0, frequency: float = 0.0,
+                    presence: float = 0.0) -> torch.Tensor:
+    """Discourage tokens already generated. logits and counts are (B, V); counts[b, v] is how often token v
+    occurs in row b's context so far.
+
+    repetition (CTRL-style, as in transformers): a seen token's logit is divided by it when positive and
+    multiplied by it when negative. frequency and presence (OpenAI-style): subtract frequency * count and
+    presence * [count > 0]. With the defaults (1, 0, 0) the logits come back unchanged."""
+    seen = counts > 0
+    if repetition != 1.0:
+        penalised = torch.where(logits > 0, logits / repetition, logits * repetition)
+        logits = torch.where(seen, penalised, logits)
+    if frequency or presence:
+        logits = logits - frequency * counts.to(logits.dtype) - presence * seen.to(logits.dtype)
+    return logits
+
+
+def top_k_filter(logits: torch.Tensor, k: int) -> torch.Tensor:
+    """Keep exactly the k largest logits of each row (ties broken toward the lower token id); the rest -inf."""
+    if k <= 0 or k >= logits.size(-1):
+        return logits
+    order = torch.sort(logits, dim=-1, descending=True, stable=True).indices[..., :k]
+    keep = torch.zeros_like(logits, dtype=torch.bool).scatter_(-1, order, True)
+    return logits.masked_fill(~keep, float("-inf"))
+
+
+def top_p_filter(logits: torch.Tensor, p: float) -> torch.Tensor:
+    """Nucleus filter: keep the smallest set of most likely tokens whose probability mass is >= p."""
+    if p >= 1.0:
+        return logits
+    sorted_logits, order = torch.sort(logits, dim=-1, descending=True, stable=True)
+    probs = torch.softmax(sorted_logits.float(), dim=-1)
+    mass_before = probs.cumsum(dim=-1) - probs  # mass of the strictly more likely tokens
+    drop_sorted = mass_before >= p  # the first token always stays: its mass_before is 0 < p
+    drop = torch.zeros_like(drop_sorted).scatter_(-1, order, drop_sorted)
+    return logits.masked_fill(drop, float("-inf"))
+
+
+def next_token(logits: torch.Tensor, cfg: SampleConfig, generator: torch.Generator | None = None,
+               counts: torch.Tensor | None = None) -> torch.Tensor:
+    """Pick one token per row from logits (B, V): penalties, then temperature (0 = argmax), top-k, top-p, then a
+    draw from the softmax with `generator`. Returns ids (B,)."""
+    logits = logits.float()
+    if counts is not None:
+        logits = apply_penalties(logits, counts, cfg.repetition_penalty, cfg.frequency_penalty, cfg.presence_penalty)
+    if cfg.temperature == 0:
+        return logits.argmax(dim=-1)
+    logits = top_p_filter(top_k_filter(logits / cfg.temperature, cfg.top_k), cfg.top_p)
+    probs = torch.softmax(logits, dim=-1)
+    return torch.multinomial(probs, num_samples=1, generator=generator).squeeze(-1)

@@ -1,0 +1,214 @@
+"""The training loop, top to bottom: batch -> forward -> backward -> clip -> step -> log -> eval -> checkpoint."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from gptlab import checkpoint as ck
+from gptlab.config import ModelConfig, TrainConfig, from_dict, to_dict
+from gptlab.data import Dataset, batch_generator, get_batch, load_dataset
+from gptlab.errors import GptlabError
+from gptlab.model import build_model
+from gptlab.optim import lr_at, make_optimizer
+from gptlab.plots import plot_loss, read_metrics
+from gptlab.runtime import autocast, resolve_device, resolve_precision, set_threads
+
+log = logging.getLogger("gptlab")
+
+
+@dataclass
+class TrainResult:
+    run_dir: Path
+    step: int
+    val_loss: float
+    best_val_loss: float
+    seconds: float
+    tokens_per_second: float
+    history: list[dict[str, Any]] = field(default_factory=list)
+
+
+@dataclass
+class Progress:
+    """Everything about where training stands that a checkpoint must carry to resume exactly."""
+
+    step: int = 0
+    tokens_seen: int = 0
+    best_val_loss: float = math.inf
+
+
+class NonFiniteLoss(GptlabError):
+    pass
+
+
+def check_data(dataset: Dataset, model_cfg: ModelConfig) -> None:
+    """Refuse data the model cannot learn from, with the numbers that make it so."""
+    need = model_cfg.block_size + 1
+    for split, tokens in (("training", dataset.train), ("validation", dataset.val)):
+        if len(tokens) < need:
+            raise GptlabError(f"the {split} split of {dataset.path} has {len(tokens)} tokens, fewer than "
+                              f"block_size + 1 = {need}; use a longer corpus or a smaller --block-size")
+    if model_cfg.vocab_size < dataset.tokenizer.vocab_size:
+        raise GptlabError(f"vocab_size {model_cfg.vocab_size} is smaller than the tokenizer's "
+                          f"{dataset.tokenizer.vocab_size}; drop the --vocab-size override")
+
+
+@torch.no_grad()
+def estimate_loss(model: torch.nn.Module, dataset: Dataset, cfg: TrainConfig, block_size: int,
+                  device: torch.device, precision: str) -> dict[str, float]:
+    """Mean loss over cfg.eval_batches fixed batches of each split, in eval mode (no dropout)."""
+    was_training = model.training
+    model.eval()
+    out = {}
+    for split, tokens in (("train", dataset.train), ("val", dataset.val)):
+        total = 0.0
+        for i in range(cfg.eval_batches):
+            x, y = get_batch(tokens, cfg.batch_size, block_size, batch_generator(cfg.seed, i, micro=-1))
+            with autocast(device, precision):
+                total += model(x.to(device), y.to(device))[1].item()
+        out[split] = total / cfg.eval_batches
+    model.train(was_training)
+    return out
+
+
+def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, dataset: Dataset, cfg: TrainConfig,
+               block_size: int, step: int, device: torch.device, precision: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """One optimizer step over cfg.grad_accum micro-batches; returns (mean loss, gradient norm before clipping)
+    as tensors, so nothing waits for the device here."""
+    for group in optimizer.param_groups:
+        group["lr"] = lr_at(step, cfg)
+    loss_sum = torch.zeros((), device=device)
+    for micro in range(cfg.grad_accum):
+        x, y = get_batch(dataset.train, cfg.batch_size, block_size, batch_generator(cfg.seed, step, micro))
+        with autocast(device, precision):
+            _, loss = model(x.to(device, non_blocking=True), y.to(device, non_blocking=True))
+        (loss / cfg.grad_accum).backward()
+        loss_sum += loss.detach()
+    max_norm = cfg.grad_clip if cfg.grad_clip > 0 else math.inf
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+    loss = loss_sum / cfg.grad_accum
+    if not (torch.isfinite(loss) and torch.isfinite(norm)):
+        optimizer.zero_grad(set_to_none=True)
+        raise NonFiniteLoss(f"step {step + 1}: the loss or gradient norm is not finite; the step was not applied. "
+                            "Try a lower --lr or --precision fp32")
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return loss, norm
+
+
+def resume_state(run_dir: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                 dataset: Dataset, model_cfg: ModelConfig) -> Progress:
+    """Load the newest valid checkpoint of `run_dir` into model and optimizer; returns where training stands."""
+    ckpt = ck.find_checkpoint(run_dir, "step")
+    if ckpt is None:
+        raise GptlabError(f"run {run_dir} has no checkpoint to resume from; drop --resume to start it")
+    state = ck.read_state(ckpt)
+    saved = from_dict(ModelConfig, state["model"]).shape()
+    if saved != model_cfg.shape():
+        diff = ", ".join(f"{k}={saved[k]} (now {v})" for k, v in model_cfg.shape().items() if saved[k] != v)
+        raise GptlabError(f"cannot resume {run_dir}: it was trained with {diff}; drop those overrides or use a new --run")
+    if state.get("data_fingerprint") != dataset.fingerprint():
+        raise GptlabError(f"cannot resume {run_dir}: it was trained on different data than {dataset.path}; "
+                          "use the same --data or start a new --run")
+    ck.load_model_tensors(model, ck.load_tensors(ckpt.path / "model.safetensors"), str(ckpt.path))
+    ck.restore_optimizer(optimizer, ck.load_tensors(ckpt.path / "optimizer.safetensors"), state["optimizer"])
+    ck.restore_rng(ck.load_tensors(ckpt.path / "rng.safetensors"))
+    return Progress(state["step"], state["tokens_seen"], state["best_val_loss"])
+
+
+def _keep_metrics_until(path: Path, step: int) -> None:
+    """After a resume, drop what a crashed run logged past its checkpoint, so the log reads as one run."""
+    rows = [r for r in read_metrics(path) if r.get("step", 0) <= step]
+    ck.write_atomic(path, "".join(json.dumps(r) + "\n" for r in rows).encode())
+
+
+def train(data_dir: str | Path, run_dir: str | Path, model_cfg: ModelConfig, cfg: TrainConfig,
+          resume: bool = False, quiet: bool = False, extra: dict[str, Any] | None = None) -> TrainResult:
+    """Train `model_cfg` on the prepared data in `data_dir` into `run_dir`, per `cfg`; with resume, continue from
+    the run's newest valid checkpoint. Returns the final numbers; raises GptlabError on bad input."""
+    set_threads()
+    device = resolve_device(cfg.device)
+    precision = resolve_precision(cfg.precision, device)
+    dataset = load_dataset(data_dir)
+    if model_cfg.vocab_size == 0:
+        model_cfg.vocab_size = dataset.tokenizer.vocab_size
+    check_data(dataset, model_cfg)
+    run = Path(run_dir)
+    torch.manual_seed(cfg.seed)
+    model = build_model(model_cfg).to(device)
+    optimizer = make_optimizer(model, cfg)
+    progress = resume_state(run, model, optimizer, dataset, model_cfg) if resume else Progress()
+    ck.init_run(run, model_cfg, cfg, dataset.tokenizer,
+                {"data": str(Path(data_dir)), "precision": precision, "device": str(device), **(extra or {})})
+    metrics = run / ck.METRICS
+    if resume:
+        _keep_metrics_until(metrics, progress.step)
+    elif metrics.exists():
+        metrics.unlink()
+    return _loop(model, optimizer, dataset, model_cfg, cfg, run, progress, device, precision, quiet)
+
+
+def _loop(model: torch.nn.Module, optimizer: torch.optim.Optimizer, dataset: Dataset, model_cfg: ModelConfig,
+          cfg: TrainConfig, run: Path, progress: Progress, device: torch.device, precision: str,
+          quiet: bool) -> TrainResult:
+    from tqdm import tqdm
+
+    tokens_per_step = cfg.batch_size * model_cfg.block_size * cfg.grad_accum
+    fingerprint = dataset.fingerprint()
+    bar = tqdm(total=cfg.max_steps, initial=progress.step, desc="train", unit="step", dynamic_ncols=True,
+               disable=True if quiet else None)
+    model.train()
+    start, start_step, val_loss, history = time.perf_counter(), progress.step, math.nan, []
+    with open(run / ck.METRICS, "a") as metrics:
+        def record(row: dict[str, Any]) -> None:
+            history.append(row)
+            metrics.write(json.dumps(row) + "\n")
+            metrics.flush()
+
+        while progress.step < cfg.max_steps:
+            loss, norm = train_step(model, optimizer, dataset, cfg, model_cfg.block_size, progress.step, device,
+                                    precision)
+            progress.step += 1
+            progress.tokens_seen += tokens_per_step
+            done = progress.step == cfg.max_steps
+            if progress.step % cfg.log_interval == 0 or done:
+                elapsed = time.perf_counter() - start
+                rate = (progress.step - start_step) * tokens_per_step / max(elapsed, 1e-9)
+                record({"kind": "train", "step": progress.step, "loss": loss.item(),
+                        "grad_norm": norm.item(), "lr": lr_at(progress.step - 1, cfg),
+                        "tokens": progress.tokens_seen, "tokens_per_s": round(rate, 1), "elapsed_s": round(elapsed, 3)})
+                bar.set_postfix(loss=f"{loss.item():.4f}", tok_s=f"{rate:,.0f}", refresh=False)
+            bar.update(1)
+            if progress.step % cfg.eval_interval == 0 or done:
+                losses = estimate_loss(model, dataset, cfg, model_cfg.block_size, device, precision)
+                val_loss = losses["val"]
+                record({"kind": "eval", "step": progress.step, "train_loss": losses["train"],
+                        "val_loss": val_loss, "elapsed_s": round(time.perf_counter() - start, 3)})
+                bar.write(f"step {progress.step}: train loss {losses['train']:.4f}, val loss {val_loss:.4f}")
+                _save(run, model, optimizer, model_cfg, cfg, progress, fingerprint, val_loss)
+    bar.close()
+    seconds = time.perf_counter() - start
+    plot_loss(run / ck.METRICS, run / "loss.png", title=f"{run.name}")
+    rate = (progress.step - start_step) * tokens_per_step / max(seconds, 1e-9)
+    return TrainResult(run, progress.step, val_loss, progress.best_val_loss, seconds, rate, history)
+
+
+def _save(run: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, model_cfg: ModelConfig,
+          cfg: TrainConfig, progress: Progress, fingerprint: str, val_loss: float) -> None:
+    """A resumable checkpoint now, and a "best" one when the validation loss is the lowest so far."""
+    improved = val_loss < progress.best_val_loss
+    if improved:
+        progress.best_val_loss = val_loss
+    state = {"tokens_seen": progress.tokens_seen, "best_val_loss": progress.best_val_loss, "val_loss": val_loss,
+             "data_fingerprint": fingerprint, "model": to_dict(model_cfg), "train": to_dict(cfg),
+             "gptlab_version": ck.__version__, "git_commit": ck.git_commit()}
+    ck.save_checkpoint(run, "step", progress.step, model, state, optimizer, keep=cfg.keep_last)
+    if improved:
+        ck.save_checkpoint(run, "best", progress.step, model, state, keep=1)

@@ -1,0 +1,109 @@
+"""End-to-end: the `gptlab` verbs as a user runs them, and one clear line for each bad input."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from gptlab.cli import main
+
+TINY = ["--n-layer", "1", "--n-head", "2", "--n-embd", "16", "--block-size", "16", "--batch-size", "4",
+        "--eval-interval", "5", "--eval-batches", "2", "--log-interval", "5", "--precision", "fp32", "--quiet"]
+
+
+@pytest.fixture
+def workdir(tmp_path, monkeypatch, corpus_file):
+    monkeypatch.chdir(tmp_path)
+    return tmp_path
+
+
+def run_ok(capsys, *argv):
+    code = main(list(argv))
+    out = capsys.readouterr()
+    assert code == 0, out.err
+    return out.out
+
+
+def run_bad(capsys, *argv):
+    code = main(list(argv))
+    err = capsys.readouterr().err.strip()
+    assert code == 2
+    lines = [line for line in err.splitlines() if not line.startswith("gptlab: warning")]
+    assert len(lines) == 1 and lines[0].startswith("gptlab: error: "), err
+    return lines[0]
+
+
+def test_prepare_train_sample_eval_end_to_end(workdir, capsys, corpus_file):
+    assert "prepared data" in run_ok(capsys, "prepare", str(corpus_file), "--out", "data", "--quiet")
+    out = run_ok(capsys, "train", "--data", "data", "--run", "runs/tiny", "--max-steps", "10", *TINY)
+    assert "10 steps" in out and "val loss" in out
+    assert (workdir / "runs" / "tiny" / "loss.png").exists()
+    sample = run_ok(capsys, "sample", "--run", "runs/tiny", "--prompt", "All:", "--max-new-tokens", "30",
+                    "--seed", "5")
+    assert sample.startswith("All:") and len(sample) > 30
+    assert sample == run_ok(capsys, "sample", "--run", "runs/tiny", "--prompt", "All:", "--max-new-tokens",
+                            "30", "--seed", "5")
+    assert run_ok(capsys, "sample", "--max-new-tokens", "5")  # the latest run by default
+    table = run_ok(capsys, "eval", "--run", "runs/tiny")
+    assert "bits/char" in table and "(val)" in table
+    assert "corpus.txt" in run_ok(capsys, "eval", "--run", "runs/tiny", str(corpus_file))
+    out = run_ok(capsys, "train", "--data", "data", "--run", "runs/tiny", "--max-steps", "15", "--resume", *TINY)
+    assert "15 steps" in out
+
+
+def test_default_run_dir_never_overwrites_an_earlier_run(workdir, capsys, corpus_file):
+    run_ok(capsys, "prepare", str(corpus_file), "--out", "data", "--quiet")
+    run_ok(capsys, "train", "--data", "data", "--max-steps", "5", *TINY)
+    out = run_ok(capsys, "train", "--data", "data", "--max-steps", "5", *TINY)
+    assert "runs/char-quick-2" in out
+
+
+@pytest.fixture
+def prepared(workdir, capsys, corpus_file):
+    run_ok(capsys, "prepare", str(corpus_file), "--out", "data", "--quiet")
+    run_ok(capsys, "train", "--data", "data", "--run", "runs/r", "--max-steps", "5", *TINY)
+    return workdir
+
+
+def test_bad_corpus_inputs(workdir, capsys):
+    (workdir / "empty.txt").write_text("")
+    assert "is empty" in run_bad(capsys, "prepare", "empty.txt", "--out", "d")
+    (workdir / "latin.txt").write_bytes(b"caf\xe9\n")
+    line = run_bad(capsys, "prepare", "latin.txt", "--out", "d")
+    assert "latin.txt" in line and "offset 3" in line and "--encoding" in line
+    assert "does not exist" in run_bad(capsys, "prepare", "missing.txt")
+    (workdir / "short.txt").write_text("too short\n" * 3)
+    run_ok(capsys, "prepare", "short.txt", "--out", "short", "--quiet")
+    assert "fewer than block_size + 1" in run_bad(capsys, "train", "--data", "short", "--run", "x", *TINY)
+
+
+def test_bad_settings(prepared, capsys):
+    assert "unknown preset 'huge'" in run_bad(capsys, "train", "--data", "data", "--preset", "huge")
+    assert "unrecognized arguments: --n-layers" in run_bad(capsys, "train", "--data", "data", "--n-layers", "3")
+    for flag, value, words in [("--batch-size", "0", "batch_size must be a positive"),
+                               ("--lr", "-0.1", "learning rate"), ("--max-steps", "0", "max_steps must be"),
+                               ("--n-layer", "x", "n_layer must be an integer")]:
+        assert words in run_bad(capsys, "train", "--data", "data", "--run", "new", flag, value)
+    line = run_bad(capsys, "train", "--data", "data", "--run", "runs/r", "--resume", "--n-embd", "32")
+    assert "cannot resume" in line and "n_embd=16 (now 32)" in line
+
+
+def test_bad_runs_and_prompts(prepared, capsys):
+    assert "does not exist" in run_bad(capsys, "sample", "--run", "nowhere")
+    (prepared / "notarun").mkdir()
+    assert "is not a gptlab run" in run_bad(capsys, "sample", "--run", "notarun")
+    assert "is not a gptlab run" in run_bad(capsys, "eval", "--run", "notarun")
+    line = run_bad(capsys, "sample", "--run", "runs/r", "--prompt", "Zebra ☃")
+    assert "never seen" in line and "'Z'" in line and "'☃'" in line
+    assert "prompt is empty" in run_bad(capsys, "sample", "--run", "runs/r", "--prompt", "")
+    assert "temperature" in run_bad(capsys, "sample", "--run", "runs/r", "--temperature", "-1")
+    assert "max_new_tokens" in run_bad(capsys, "sample", "--run", "runs/r", "--max-new-tokens", "0")
+
+
+def test_python_m_gptlab_exits_2_with_one_line_and_no_traceback(tmp_path):
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    proc = subprocess.run([sys.executable, "-m", "gptlab", "sample", "--run", str(tmp_path / "none")],
+                          capture_output=True, text=True, env=env)
+    assert proc.returncode == 2
+    assert proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr

@@ -1,0 +1,58 @@
+import pytest
+
+from gptlab.config import PRESETS, ModelConfig, SampleConfig, TrainConfig, build, get_preset, parse_value
+from gptlab.errors import GptlabError
+
+
+def test_every_preset_builds_valid_settings():
+    for name, preset in PRESETS.items():
+        model = build(ModelConfig, preset.model, {})
+        train = build(TrainConfig, preset.train, {})
+        assert model.n_embd % model.n_head == 0, name
+        assert train.max_steps > 0
+
+
+def test_char_small_and_gpt2_presets_have_the_documented_shapes():
+    small = build(ModelConfig, get_preset("char-small").model, {})
+    assert (small.n_layer, small.n_head, small.n_embd, small.block_size, small.dropout) == (6, 6, 384, 256, 0.2)
+    gpt2 = build(ModelConfig, get_preset("gpt2").model, {})
+    assert (gpt2.n_layer, gpt2.n_head, gpt2.n_embd, gpt2.block_size, gpt2.vocab_size) == (12, 12, 768, 1024, 50257)
+
+
+def test_overrides_are_parsed_to_the_field_type():
+    assert parse_value(ModelConfig, "n_layer", "6") == 6
+    assert parse_value(TrainConfig, "lr", "3e-4") == 3e-4
+    assert parse_value(ModelConfig, "bias", "false") is False
+    cfg = build(ModelConfig, get_preset("char-quick").model, {"n_layer": 2})
+    assert cfg.n_layer == 2
+
+
+@pytest.mark.parametrize("cls, field, text, words", [
+    (ModelConfig, "n_layer", "two", "integer"),
+    (TrainConfig, "lr", "fast", "number"),
+    (ModelConfig, "bias", "maybe", "true or false"),
+])
+def test_unparseable_values_are_clear_errors(cls, field, text, words):
+    with pytest.raises(GptlabError, match=words):
+        parse_value(cls, field, text)
+
+
+@pytest.mark.parametrize("cls, bad, words", [
+    (TrainConfig, {"batch_size": 0}, "batch_size must be a positive"),
+    (TrainConfig, {"lr": -1.0}, "learning rate"),
+    (TrainConfig, {"max_steps": -5}, "max_steps must be a positive"),
+    (ModelConfig, {"n_embd": 100, "n_head": 3}, "divisible"),
+    (ModelConfig, {"attention": "flash9"}, "attention must be one of"),
+    (SampleConfig, {"temperature": -0.1}, "temperature"),
+    (SampleConfig, {"top_p": 1.5}, "top_p"),
+])
+def test_invalid_settings_are_refused(cls, bad, words):
+    with pytest.raises(GptlabError, match=words):
+        cls(**bad)
+
+
+def test_unknown_preset_and_setting_name_the_choices():
+    with pytest.raises(GptlabError, match="unknown preset 'gpt5'.*char-small"):
+        get_preset("gpt5")
+    with pytest.raises(GptlabError, match="unknown setting 'n_layers'"):
+        build(ModelConfig, {}, {"n_layers": 3})

@@ -1,0 +1,109 @@
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from gptlab import data
+from gptlab.data import (HEADER, TokenWriter, batch_generator, get_batch, load_dataset, prepare, read_tokens)
+from gptlab.errors import GptlabError
+
+
+def test_prepare_writes_headered_files_split_90_10(char_data, corpus_file):
+    meta = json.loads((char_data / "meta.json").read_text())
+    text = corpus_file.read_text()
+    assert meta["train_chars"] == int(len(text) * 0.9) and meta["train_tokens"] == meta["train_chars"]
+    assert meta["val_tokens"] == len(text) - meta["train_chars"]
+    assert meta["dtype"] == "uint16" and meta["sources"][0]["chars"] == len(text)
+    raw = (char_data / "train.bin").read_bytes()
+    magic, version, width, count = HEADER.unpack(raw[:HEADER.size])
+    assert (magic, version, width, count) == (b"GPTLABTK", 1, 2, meta["train_tokens"])
+    ds = load_dataset(char_data)
+    assert ds.tokenizer.decode(ds.train.tolist()) + ds.tokenizer.decode(ds.val.tolist()) == text
+
+
+def test_bundled_corpus_has_the_reference_split(tmp_path):
+    meta = prepare([], tmp_path / "ts", "char", quiet=True)
+    assert (meta["train_tokens"], meta["val_tokens"], meta["vocab_size"]) == (1_003_854, 111_540, 65)
+    assert meta["sources"][0]["sha256"] == "86c4e6aa9db7c042ec79f339dcb96d42b0075e16b8fc2e86bf0ca57e2dc565ed"
+
+
+def test_uint32_when_the_vocabulary_does_not_fit_uint16(tmp_path):
+    writer = TokenWriter(tmp_path / "big.bin", vocab_size=70_000)
+    writer.write([0, 65_535, 65_536, 69_999])
+    writer.close()
+    tokens = read_tokens(tmp_path / "big.bin")
+    assert tokens.dtype == np.uint32 and tokens.tolist() == [0, 65_535, 65_536, 69_999]
+
+
+def test_token_ids_outside_the_vocabulary_never_wrap(tmp_path):
+    writer = TokenWriter(tmp_path / "x.bin", vocab_size=100)
+    with pytest.raises(AssertionError):
+        writer.write([100])
+
+
+def test_truncated_token_file_is_refused(char_data):
+    path = char_data / "val.bin"
+    path.write_bytes(path.read_bytes()[:-3])
+    with pytest.raises(GptlabError, match="truncated"):
+        read_tokens(path)
+
+
+def test_batches_are_windows_with_targets_shifted_by_one(char_data):
+    ds = load_dataset(char_data)
+    x, y = get_batch(ds.train, 8, 16, batch_generator(1, 0))
+    assert x.shape == y.shape == (8, 16) and x.dtype == torch.int64
+    assert torch.equal(x[:, 1:], y[:, :-1])
+    train = torch.from_numpy(ds.train.astype(np.int64))
+    for row_x, row_y in zip(x, y):  # each row is a real window of the corpus
+        starts = [s for s in range(len(train) - 16) if torch.equal(train[s:s + 16], row_x)]
+        assert any(torch.equal(train[s + 1:s + 17], row_y) for s in starts)
+
+
+def test_batches_are_a_pure_function_of_seed_step_micro_and_rank(char_data):
+    ds = load_dataset(char_data)
+    a = get_batch(ds.train, 4, 8, batch_generator(7, 3, 1, 0))[0]
+    assert torch.equal(a, get_batch(ds.train, 4, 8, batch_generator(7, 3, 1, 0))[0])
+    for other in [(7, 4, 1, 0), (7, 3, 0, 0), (7, 3, 1, 1), (8, 3, 1, 0)]:
+        assert not torch.equal(a, get_batch(ds.train, 4, 8, batch_generator(*other))[0])
+
+
+def test_folders_and_chunked_streaming_give_the_same_tokens(tmp_path, monkeypatch, corpus_file):
+    folder = tmp_path / "docs"
+    (folder / "sub").mkdir(parents=True)
+    (folder / "a.txt").write_text("ünïcode héllo\n" * 30)
+    (folder / "sub" / "b.txt").write_text(corpus_file.read_text())
+    (folder / ".hidden").write_text("skipped")
+    whole = prepare([str(folder)], tmp_path / "d1", "char", quiet=True)
+    monkeypatch.setattr(data, "CHUNK_BYTES", 7)  # forces splits inside multi-byte characters and lines
+    small = prepare([str(folder)], tmp_path / "d2", "char", quiet=True)
+    assert len(whole["sources"]) == 2
+    assert (tmp_path / "d1" / "train.bin").read_bytes() == (tmp_path / "d2" / "train.bin").read_bytes()
+    assert whole["train_sha256"] == small["train_sha256"]
+
+
+def test_bpe_and_gpt2_prepare(tmp_path, corpus_file):
+    meta = prepare([str(corpus_file)], tmp_path / "bpe", "bpe", vocab_size=300, quiet=True)
+    assert 257 < meta["vocab_size"] <= 300 and meta["train_tokens"] < meta["train_chars"]
+    meta = prepare([str(corpus_file)], tmp_path / "gpt2", "gpt2", quiet=True)
+    assert meta["vocab_size"] == 50257 and meta["dtype"] == "uint16"
+
+
+def test_empty_corpus_is_refused(tmp_path):
+    (tmp_path / "empty.txt").write_text("")
+    with pytest.raises(GptlabError, match="is empty"):
+        prepare([str(tmp_path / "empty.txt")], tmp_path / "out", quiet=True)
+
+
+def test_non_utf8_names_the_file_and_byte_offset(tmp_path):
+    bad = tmp_path / "latin.txt"
+    bad.write_bytes(b"hello caf\xe9 world\n")
+    with pytest.raises(GptlabError, match=r"latin.txt is not valid utf-8: bad byte at offset 9.*--encoding"):
+        prepare([str(bad)], tmp_path / "out", quiet=True)
+    meta = prepare([str(bad)], tmp_path / "out", encoding="latin-1", quiet=True)
+    assert meta["train_chars"] + meta["val_chars"] == len("hello café world\n")
+
+
+def test_missing_input_is_refused(tmp_path):
+    with pytest.raises(GptlabError, match="does not exist"):
+        prepare([str(tmp_path / "nope.txt")], tmp_path / "out", quiet=True)

@@ -1,0 +1,129 @@
+import numpy as np
+import pytest
+import torch
+
+from conftest import tiny_config
+from gptlab.config import ModelConfig, build, get_preset
+from gptlab.data import load_dataset
+from gptlab.model import GPT, Bigram, build_model
+
+SHAPES = [  # (n_layer, n_head, n_embd, block_size, batch, T)
+    (1, 1, 8, 8, 1, 8),
+    (2, 2, 32, 16, 3, 11),
+    (2, 3, 48, 32, 2, 32),
+    (1, 5, 40, 20, 4, 1),
+]
+
+
+def paths_pair(**overrides):
+    naive = GPT(tiny_config(attention="naive", **overrides)).eval()
+    sdpa = GPT(tiny_config(attention="sdpa", **overrides)).eval()
+    sdpa.load_state_dict(naive.state_dict())
+    return naive, sdpa
+
+
+@pytest.mark.parametrize("n_layer, n_head, n_embd, block_size, B, T", SHAPES)
+def test_naive_and_sdpa_attention_agree(n_layer, n_head, n_embd, block_size, B, T):
+    naive, sdpa = paths_pair(n_layer=n_layer, n_head=n_head, n_embd=n_embd, block_size=block_size)
+    idx = torch.randint(0, 50, (B, T))
+    a, b = naive(idx)[0], sdpa(idx)[0]
+    assert (a - b).abs().max().item() <= 1e-5
+
+
+@pytest.mark.parametrize("attention", ["naive", "sdpa"])
+def test_causality_changing_token_t_leaves_earlier_logits_unchanged(attention):
+    model = GPT(tiny_config(attention=attention)).eval()
+    idx = torch.randint(0, 50, (2, 16))
+    for t in (0, 5, 15):
+        changed = idx.clone()
+        changed[:, t] = (changed[:, t] + 1) % 50
+        before, after = model(idx)[0], model(changed)[0]
+        assert torch.equal(before[:, :t], after[:, :t])
+        assert not torch.allclose(before[:, t:], after[:, t:])
+
+
+def test_auto_attention_uses_the_written_out_path_only_for_cpu_bf16_training():
+    model = GPT(tiny_config(attention="auto"))
+    attn = model.transformer.h[0].attn
+    q = torch.zeros(1, 1, 1, 1)
+    assert not attn._naive_is_faster(q)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert attn._naive_is_faster(q)
+        with torch.no_grad():
+            assert not attn._naive_is_faster(q)
+
+
+def test_gpt_overfits_one_batch():
+    model = GPT(tiny_config(n_layer=1, n_embd=64, n_head=4))
+    x = torch.randint(0, 50, (4, 16))
+    y = torch.roll(x, -1, dims=1)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.0)
+    for _ in range(150):
+        _, loss = model(x, y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    assert loss.item() < 0.05
+
+
+def test_dropout_is_active_in_training_and_off_in_eval():
+    model = GPT(tiny_config(dropout=0.5))
+    idx = torch.randint(0, 50, (2, 16))
+    model.train()
+    assert not torch.equal(model(idx)[0], model(idx)[0])
+    model.eval()
+    assert torch.equal(model(idx)[0], model(idx)[0])
+
+
+def test_lm_head_is_tied_and_residual_projections_are_scaled():
+    model = GPT(tiny_config(n_layer=8, n_embd=256, n_head=4))
+    assert model.lm_head.weight is model.transformer.wte.weight
+    std = model.transformer.h[0].attn.c_proj.weight.std().item()
+    assert abs(std - 0.02 / (2 * 8) ** 0.5) < 0.001
+    assert abs(model.transformer.h[0].mlp.c_fc.weight.std().item() - 0.02) < 0.001
+
+
+def test_gpt2_preset_has_124m_parameters_and_reports_flops():
+    model = GPT(build(ModelConfig, get_preset("gpt2").model, {}))
+    assert model.num_params() == 124_439_808
+    non_embedding = model.num_params(non_embedding=True)
+    assert non_embedding == 124_439_808 - 50257 * 768 - 1024 * 768
+    expected = 6 * (non_embedding + 50257 * 768) + 12 * 12 * 768 * 1024
+    assert model.flops_per_token() == expected
+
+
+def test_biases_are_optional():
+    model = GPT(tiny_config(bias=False))
+    assert not any(name.endswith(".bias") for name, _ in model.named_parameters())
+
+
+def test_loss_ignores_minus_one_targets_and_starts_near_uniform():
+    model = GPT(tiny_config())
+    x = torch.randint(0, 50, (2, 16))
+    _, loss = model(x, torch.full_like(x, -1).index_fill_(1, torch.tensor([3]), 7))
+    assert loss.isfinite()
+    _, loss = model(x, torch.randint(0, 50, (2, 16)))
+    assert abs(loss.item() - np.log(50)) < 0.2  # small init: close to the uniform distribution
+
+
+def test_trained_bigram_matches_the_corpus_bigram_frequencies(char_data):
+    tokens = torch.from_numpy(load_dataset(char_data).train.astype(np.int64))
+    V = int(tokens.max()) + 1
+    model = Bigram(tiny_config(arch="bigram", vocab_size=V))
+    opt = torch.optim.Adam(model.parameters(), lr=0.3)
+    x, y = tokens[:-1][None], tokens[1:][None]
+    for _ in range(300):
+        _, loss = model(x, y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    counts = torch.zeros(V, V).index_put_((x[0], y[0]), torch.ones(x.size(1)), accumulate=True)
+    frequent = counts.sum(1) >= 100
+    empirical = counts[frequent] / counts[frequent].sum(1, keepdim=True)
+    learned = torch.softmax(model.logits_table.weight[frequent], dim=-1)
+    assert (learned - empirical).abs().max().item() < 0.01
+
+
+def test_build_model_picks_the_architecture():
+    assert isinstance(build_model(tiny_config(arch="bigram")), Bigram)
+    assert isinstance(build_model(tiny_config()), GPT)

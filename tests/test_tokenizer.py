@@ -1,0 +1,79 @@
+import pytest
+
+from gptlab.errors import GptlabError
+from gptlab.tokenizer import EOT, BPETokenizer, CharTokenizer, GPT2Tokenizer, StreamDecoder, load
+
+VARIED = "Héllo wörld — naïve café 😀🚀 日本語テキスト\n\n\t  spaces   and 12345 don't we'll\n"
+
+
+def test_char_round_trip_and_sorted_vocabulary():
+    tok = CharTokenizer.train(["hello world"])
+    assert tok.chars == sorted(set("hello world"))
+    assert tok.decode(tok.encode("hello")) == "hello"
+
+
+def test_char_round_trip_non_ascii():
+    tok = CharTokenizer.train([VARIED])
+    assert tok.decode(tok.encode(VARIED)) == VARIED
+
+
+def test_char_unseen_characters_are_named():
+    tok = CharTokenizer.train(["abc"])
+    with pytest.raises(GptlabError, match=r"2 character\(s\).*'x', 'z'"):
+        tok.encode("abzx")
+
+
+def test_bpe_round_trip_on_non_ascii_text_it_was_not_trained_on():
+    tok = BPETokenizer.train(["the quick brown fox jumps over the lazy dog\n" * 50], vocab_size=300)
+    assert 257 < tok.vocab_size <= 300  # training stops early when no pair is left to merge
+    assert tok.decode(tok.encode(VARIED)) == VARIED
+    assert len(tok.encode("the quick brown fox")) < len("the quick brown fox")  # merges were learned
+
+
+def test_bpe_special_token_only_when_allowed():
+    tok = BPETokenizer.train(["some text\n" * 20], vocab_size=280)
+    with pytest.raises(GptlabError, match="special token"):
+        tok.encode(f"a{EOT}b")
+    ids = tok.encode(f"a{EOT}b", allow_special=True)
+    assert tok.eot_id in ids
+    assert tok.decode(ids) == f"a{EOT}b"
+
+
+def test_gpt2_known_ids_and_round_trip():
+    tok = GPT2Tokenizer()
+    assert tok.vocab_size == 50257 and tok.eot_id == 50256
+    assert tok.encode("Hello world") == [15496, 995]
+    assert tok.decode(tok.encode(VARIED)) == VARIED
+    with pytest.raises(GptlabError, match="special token"):
+        tok.encode(f"x{EOT}")
+    assert tok.encode(EOT, allow_special=True) == [50256]
+
+
+@pytest.mark.parametrize("make", [
+    lambda: CharTokenizer.train([VARIED]),
+    lambda: BPETokenizer.train([VARIED * 5], vocab_size=270),
+    GPT2Tokenizer,
+])
+def test_save_and_load_give_the_same_ids(tmp_path, make):
+    tok = make()
+    tok.save(tmp_path / "tok.json")
+    again = load(tmp_path / "tok.json")
+    assert again.encode(VARIED) == tok.encode(VARIED)
+    assert again.vocab_size == tok.vocab_size
+
+
+def test_stream_decoder_never_emits_half_a_character():
+    tok = GPT2Tokenizer()
+    ids = tok.encode("😀日本")
+    decoder = StreamDecoder(tok)
+    pieces = [decoder.push([i]) for i in ids] + [decoder.flush()]
+    assert "".join(pieces) == "😀日本"
+    assert all("\ufffd" not in p for p in pieces)
+
+
+def test_damaged_tokenizer_file_is_a_clear_error(tmp_path):
+    (tmp_path / "t.json").write_text("{not json")
+    with pytest.raises(GptlabError, match="not valid JSON"):
+        load(tmp_path / "t.json")
+    with pytest.raises(GptlabError, match="missing"):
+        load(tmp_path / "absent.json")

@@ -1,0 +1,105 @@
+import json
+
+import pytest
+import torch
+
+from conftest import tiny_config
+from gptlab import checkpoint as ck
+from gptlab.config import TrainConfig
+from gptlab.errors import GptlabError
+from gptlab.optim import lr_at, param_groups
+from gptlab.train import train
+
+
+def quick(**overrides) -> TrainConfig:
+    base = dict(batch_size=4, max_steps=12, lr=3e-3, min_lr=3e-4, warmup_steps=2, eval_interval=6,
+                eval_batches=2, log_interval=2, precision="fp32", device="cpu")
+    return TrainConfig(**{**base, **overrides})
+
+
+def model_cfg(**overrides):
+    return tiny_config(vocab_size=0, **overrides)
+
+
+def test_lr_schedule_warms_up_then_decays_to_min():
+    cfg = TrainConfig(lr=1.0, min_lr=0.1, warmup_steps=10, max_steps=110)
+    assert lr_at(0, cfg) == pytest.approx(0.1) and lr_at(9, cfg) == pytest.approx(1.0)
+    assert lr_at(60, cfg) == pytest.approx(0.55)
+    assert lr_at(110, cfg) == pytest.approx(0.1) and lr_at(500, cfg) == pytest.approx(0.1)
+    values = [lr_at(s, cfg) for s in range(10, 111)]
+    assert all(a >= b for a, b in zip(values, values[1:]))
+
+
+def test_weight_decay_only_on_matrices():
+    from gptlab.model import GPT
+
+    decay, no_decay = param_groups(GPT(tiny_config()), 0.1)
+    assert all(p.dim() == 2 for p in decay["params"]) and all(p.dim() == 1 for p in no_decay["params"])
+    assert no_decay["weight_decay"] == 0.0
+
+
+def test_training_lowers_the_loss_and_writes_a_complete_run(tmp_path, char_data):
+    result = train(char_data, tmp_path / "run", model_cfg(), quick(max_steps=40, eval_interval=20), quiet=True)
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    evals = [r for r in rows if r["kind"] == "eval"]
+    assert [r["step"] for r in evals] == [20, 40]
+    assert evals[-1]["val_loss"] < 3.0 < rows[0]["loss"]  # from ~ln(V) = 3.3 down
+    assert all({"loss", "grad_norm", "lr", "tokens_per_s"} <= set(r) for r in rows if r["kind"] == "train")
+    assert (tmp_path / "run" / "loss.png").stat().st_size > 1000
+    assert ck.find_checkpoint(tmp_path / "run", "step").step == 40
+    assert ck.find_checkpoint(tmp_path / "run", "best") is not None
+    assert result.step == 40 and result.val_loss == evals[-1]["val_loss"]
+
+
+def test_checkpoint_round_trip_gives_identical_logits(tmp_path, char_data):
+    train(char_data, tmp_path / "run", model_cfg(), quick(), quiet=True)
+    loaded = ck.load_run(tmp_path / "run", which="last")
+    again = ck.load_run(tmp_path / "run", which="last")
+    idx = torch.randint(0, loaded.model_cfg.vocab_size, (2, 16))
+    assert torch.equal(loaded.model(idx)[0], again.model(idx)[0])
+    state = json.loads((loaded.checkpoint.path / "state.json").read_text())
+    assert state["step"] == 12 and state["data_fingerprint"]
+
+
+def losses(history):
+    return [(r["step"], r.get("loss"), r.get("val_loss")) for r in history]
+
+
+def test_resume_continues_exactly(tmp_path, char_data):
+    straight = train(char_data, tmp_path / "a", model_cfg(dropout=0.1), quick(lr_decay_steps=12), quiet=True)
+    first = train(char_data, tmp_path / "b", model_cfg(dropout=0.1), quick(max_steps=6, lr_decay_steps=12),
+                  quiet=True)
+    resumed = train(char_data, tmp_path / "b", model_cfg(dropout=0.1), quick(lr_decay_steps=12), resume=True,
+                    quiet=True)
+    a = ck.load_run(tmp_path / "a", which="last").model.state_dict()
+    b = ck.load_run(tmp_path / "b", which="last").model.state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert losses(straight.history) == losses(first.history + resumed.history)
+
+
+def test_resume_refuses_a_different_model_shape_or_data(tmp_path, char_data, corpus_file):
+    train(char_data, tmp_path / "run", model_cfg(), quick(max_steps=6), quiet=True)
+    with pytest.raises(GptlabError, match="n_layer=2 \\(now 3\\)"):
+        train(char_data, tmp_path / "run", model_cfg(n_layer=3), quick(), resume=True, quiet=True)
+    from gptlab.data import prepare
+
+    other = tmp_path / "other"
+    corpus_file.write_text(corpus_file.read_text()[::-1])  # same characters, different data
+    prepare([str(corpus_file)], other, "char", quiet=True)
+    with pytest.raises(GptlabError, match="different data"):
+        train(other, tmp_path / "run", model_cfg(), quick(), resume=True, quiet=True)
+
+
+def test_corpus_shorter_than_a_block_is_refused(tmp_path):
+    from gptlab.data import prepare
+
+    (tmp_path / "short.txt").write_text("tiny text, far too short\n" * 2)
+    prepare([str(tmp_path / "short.txt")], tmp_path / "d", "char", quiet=True)
+    with pytest.raises(GptlabError, match="fewer than block_size \\+ 1 = 17"):
+        train(tmp_path / "d", tmp_path / "run", model_cfg(), quick(), quiet=True)
+
+
+def test_bf16_autocast_trains_close_to_fp32(tmp_path, char_data):
+    fp32 = train(char_data, tmp_path / "a", model_cfg(), quick(max_steps=20), quiet=True)
+    bf16 = train(char_data, tmp_path / "b", model_cfg(), quick(max_steps=20, precision="bf16"), quiet=True)
+    assert abs(fp32.val_loss - bf16.val_loss) < 0.05
