@@ -272,9 +272,45 @@ def add_eval(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cpu")
 
 
+# ---- bench -------------------------------------------------------------------------------------------------------
+
+BENCHES: dict[str, tuple[Any, Any, str]] = {}  # name -> (add flags, run, help)
+
+
+def bench(name: str, help: str, add: Any):
+    def register(fn):
+        BENCHES[name] = (add, fn, help)
+        return fn
+    return register
+
+
+def add_bench_peak(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--device", default="auto")
+
+
+@bench("peak", "measure the device's matmul peak (fp32, bf16, tf32) and memory bandwidth; cached per device",
+       add_bench_peak)
+def bench_peak(args: argparse.Namespace) -> int:
+    from gptlab.bench import run_peak
+
+    run_peak(args.device, refresh=True)
+    return 0
+
+
+@command("bench", "benchmarks that measure variants side by side in one run and print ratios")
+def cmd_bench(args: argparse.Namespace) -> int:
+    return BENCHES[args.bench][1](args)
+
+
+def add_bench(p: argparse.ArgumentParser) -> None:
+    sub = p.add_subparsers(dest="bench", metavar="BENCH", required=True, parser_class=Parser)
+    for name, (add, _, help) in BENCHES.items():
+        add(sub.add_parser(name, help=help, description=help))
+
+
 # ---- main --------------------------------------------------------------------------------------------------------
 
-ADDERS = {"prepare": add_prepare, "train": add_train, "sample": add_sample, "eval": add_eval}
+ADDERS = {"prepare": add_prepare, "train": add_train, "sample": add_sample, "eval": add_eval, "bench": add_bench}
 
 
 def make_parser() -> Parser:
