@@ -17,6 +17,12 @@ def _seed():
     torch.manual_seed(0)
 
 
+@pytest.fixture(autouse=True)
+def _no_cached_peak(tmp_path_factory, monkeypatch):
+    """Tests never read or write the user's measured-peak cache (~/.cache/gptlab)."""
+    monkeypatch.setenv("GPTLAB_CACHE", str(tmp_path_factory.mktemp("cache")))
+
+
 @pytest.fixture
 def corpus_file(tmp_path):
     path = tmp_path / "corpus.txt"

@@ -6,19 +6,20 @@ caches it per device so that training can report MFU against a measured, not a d
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import json
-import os
-import platform
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from gptlab.runtime import bf16_supported, resolve_device, set_threads
-
-CACHE = Path(os.environ.get("GPTLAB_CACHE", Path.home() / ".cache" / "gptlab"))
+from gptlab.config import ModelConfig, TrainConfig
+from gptlab.runtime import (bf16_supported, compile_model, configure_matmul, device_name, peak_cache_file, peak_key,
+                            read_peak, resolve_device, set_threads)
 
 
 def sync(device: torch.device) -> None:
@@ -29,8 +30,9 @@ def sync(device: torch.device) -> None:
 
 
 def time_it(fn: Callable[[], Any], device: torch.device, min_seconds: float = 0.5, warmup: int = 2,
-            max_iters: int = 1000) -> float:
-    """Median seconds per call of fn over repeated calls lasting at least min_seconds, after warmup calls."""
+            max_iters: int = 1000, best: bool = False) -> float:
+    """Seconds per call of fn over repeated calls lasting at least min_seconds, after warmup calls: the median,
+    or with best the fastest call (what the device can do when nothing else runs)."""
     for _ in range(warmup):
         fn()
     sync(device)
@@ -41,30 +43,19 @@ def time_it(fn: Callable[[], Any], device: torch.device, min_seconds: float = 0.
         fn()
         sync(device)
         times.append(time.perf_counter() - t)
-    return sorted(times)[len(times) // 2]
+    return min(times) if best else sorted(times)[len(times) // 2]
 
 
-def device_name(device: torch.device) -> str:
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return f"{cpu} ({torch.get_num_threads()} threads)"
-
-
-def matmul_flops(device: torch.device, dtype: torch.dtype, n: int = 2048, seconds: float = 1.0) -> float:
-    """Dense matmul FLOP/s for n x n @ n x n in `dtype` (the best of the sizes tried: a peak, not an average)."""
+def matmul_flops(device: torch.device, dtype: torch.dtype, seconds: float = 1.0,
+                 sizes: tuple[int, ...] | None = None) -> float:
+    """Dense matmul FLOP/s in `dtype`: the best over square sizes large enough to keep every core (or SM) busy,
+    each timed by its fastest call, so MFU is held against a peak the device really reaches."""
+    sizes = sizes or ((2048, 4096, 8192) if device.type == "cuda" else (1024, 2048, 4096))
     best = 0.0
-    for size in (n // 2, n):
+    for size in sizes:
         a = torch.randn(size, size, device=device, dtype=dtype)
         b = torch.randn(size, size, device=device, dtype=dtype)
-        t = time_it(lambda: a @ b, device, min_seconds=seconds / 2)
+        t = time_it(lambda: a @ b, device, min_seconds=seconds / len(sizes), best=True)
         best = max(best, 2 * size**3 / t)
     return best
 
@@ -72,44 +63,40 @@ def matmul_flops(device: torch.device, dtype: torch.dtype, n: int = 2048, second
 def read_bandwidth(device: torch.device, megabytes: int = 512, seconds: float = 1.0) -> float:
     """Memory read bandwidth in bytes/s: summing a buffer much larger than the caches."""
     x = torch.ones(megabytes * (1 << 20) // 4, device=device, dtype=torch.float32)
-    t = time_it(lambda: x.sum(), device, min_seconds=seconds)
+    t = time_it(lambda: x.sum(), device, min_seconds=seconds, best=True)
     return x.numel() * 4 / t
 
 
 def measure_peak(device: torch.device, quick: bool = False) -> dict[str, Any]:
-    """Matmul peak per precision and read bandwidth of `device`, measured now."""
-    seconds = 0.4 if quick else 1.5
-    peak: dict[str, Any] = {"device": device_name(device), "fp32": matmul_flops(device, torch.float32, seconds=seconds)}
+    """Matmul peak per precision (fp32; tf32 on CUDA; bf16 where native) and read bandwidth of `device`, now.
+    quick: small sizes, a fraction of a second (for tests; too small to reach the peak)."""
+    seconds, sizes, megabytes = (0.2, (256, 512), 64) if quick else (3.0, None, 512)
+    peak: dict[str, Any] = {"device": device_name(device)}
+    configure_matmul(device, "fp32")  # exact fp32 products: TF32 is measured on its own below
+    peak["fp32"] = matmul_flops(device, torch.float32, seconds, sizes)
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
-        peak["tf32"] = matmul_flops(device, torch.float32, seconds=seconds)
+        peak["tf32"] = matmul_flops(device, torch.float32, seconds, sizes)
         torch.backends.cuda.matmul.allow_tf32 = False
     if bf16_supported(device):
-        peak["bf16"] = matmul_flops(device, torch.bfloat16, seconds=seconds)
-    peak["read_bytes_per_s"] = read_bandwidth(device, seconds=seconds)
+        peak["bf16"] = matmul_flops(device, torch.bfloat16, seconds, sizes)
+    peak["read_bytes_per_s"] = read_bandwidth(device, megabytes, seconds / 2)
+    peak["torch"] = torch.__version__
     peak["measured_at"] = time.strftime("%Y-%m-%d %H:%M:%S")
     return peak
 
 
-def _cache_file(device: torch.device) -> Path:
-    key = "".join(c if c.isalnum() else "_" for c in device_name(device))
-    return CACHE / f"peak-{device.type}-{key}.json"
-
-
 def cached_peak(device: torch.device, refresh: bool = False) -> dict[str, Any]:
     """The device's measured peak, from the per-device cache when present (measured and cached otherwise)."""
-    path = _cache_file(device)
-    if path.is_file() and not refresh:
+    peak = None if refresh else read_peak(device)
+    if peak is None:
+        peak = measure_peak(device)
+        path = peak_cache_file(device)
         try:
-            return json.loads(path.read_text())
-        except json.JSONDecodeError:
-            pass
-    peak = measure_peak(device)
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(peak, indent=2))
-    except OSError:
-        pass  # a read-only home: measure again next time
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps(peak, indent=2))
+        except OSError:
+            pass  # a read-only home: measure again next time
     return peak
 
 
@@ -126,3 +113,129 @@ def run_peak(device_name_arg: str = "auto", refresh: bool = True) -> dict[str, A
     if "bf16" in peak:
         print(f"{'bf16 / fp32':<24} {peak['bf16'] / peak['fp32']:>13.2f}x")
     return peak
+
+
+# ---- bench train -----------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Variant:
+    """One way to run the same training step."""
+
+    name: str
+    precision: str
+    compile: bool = False
+    flash: bool = False  # CUDA: force SDPA's flash-attention kernel
+
+
+def train_variants(device: torch.device) -> list[Variant]:
+    """The plain fp32 eager path (the reference) first, then the fast paths this device has."""
+    fast = "bf16" if bf16_supported(device) else "fp32"
+    variants = [Variant("fp32 eager (reference)", "fp32"), Variant(f"{fast} eager", fast),
+                Variant(f"{fast} + compile", fast, compile=True)]
+    if device.type == "cuda":
+        variants.append(Variant(f"{fast} + compile + flash attention", fast, compile=True, flash=True))
+    return [v for i, v in enumerate(variants) if v not in variants[:i]]  # fp32-only devices: no duplicates
+
+
+@dataclass
+class Contender:
+    """A variant's own model and optimizer, built from the same seed as every other, and its step times."""
+
+    variant: Variant
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    eager: torch.nn.Module
+    compile_s: float = 0.0
+    times: list[float] = dataclasses.field(default_factory=list)
+
+    def attention(self) -> contextlib.AbstractContextManager:
+        if not self.variant.flash:
+            return contextlib.nullcontext()
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        return sdpa_kernel(SDPBackend.FLASH_ATTENTION)
+
+
+def _contender(variant: Variant, model_cfg: ModelConfig, cfg: TrainConfig, dataset: Any,
+               device: torch.device) -> Contender:
+    from gptlab.model import build_model
+    from gptlab.optim import make_optimizer
+    from gptlab.train import warm_up
+
+    torch.manual_seed(cfg.seed)
+    model_cfg = dataclasses.replace(model_cfg, attention="sdpa" if variant.flash else model_cfg.attention)
+    eager = build_model(model_cfg).to(device)
+    optimizer = make_optimizer(eager, cfg)
+    contender = Contender(variant, eager, optimizer, eager)
+    if variant.compile:
+        start = time.perf_counter()
+        with contender.attention():
+            contender.model = compile_model(eager, warm_up(dataset, cfg, model_cfg.block_size, device,
+                                                           variant.precision))
+        contender.compile_s = time.perf_counter() - start
+    return contender
+
+
+def run_train_bench(data_dir: str | Path, model_cfg: ModelConfig, cfg: TrainConfig, steps: int = 10, warmup: int = 2,
+                    variants: list[Variant] | None = None) -> list[dict[str, Any]]:
+    """Train the same model on the same batches with every variant, steps interleaved so that a busy machine
+    slows them alike: `warmup` untimed steps, then `steps` timed ones. Prints the table (tokens/s, ms/step, MFU
+    against the measured peak, ratio to the fp32 reference, validation loss after all steps next to fp32's) and
+    returns its rows. `variants` defaults to train_variants(device); the first is the reference."""
+    from gptlab.data import load_dataset
+    from gptlab.train import estimate_loss, train_step
+
+    set_threads()
+    device = resolve_device(cfg.device)
+    if read_peak(device) is None:
+        print("measuring this device's matmul peak first (cached for later runs) ...", flush=True)
+    peak = cached_peak(device)
+    dataset = load_dataset(data_dir)
+    model_cfg = dataclasses.replace(model_cfg, vocab_size=model_cfg.vocab_size or dataset.tokenizer.vocab_size)
+    total = warmup + steps
+    cfg = dataclasses.replace(cfg, grad_accum=1, max_steps=total, warmup_steps=min(cfg.warmup_steps, total // 4),
+                              eval_batches=4)
+    contenders = [_contender(v, model_cfg, cfg, dataset, device) for v in variants or train_variants(device)]
+    for step in range(total):
+        for c in contenders:
+            configure_matmul(device, c.variant.precision)
+            with c.attention():
+                start = time.perf_counter()
+                train_step(c.model, c.optimizer, dataset, cfg, model_cfg.block_size, step, device, c.variant.precision)
+                sync(device)
+            if step >= warmup:
+                c.times.append(time.perf_counter() - start)
+    configure_matmul(device, "fp32")
+    rows = [_row(c, estimate_loss(c.eager, dataset, cfg, model_cfg.block_size, device, "fp32")["val"], peak,
+                 cfg.batch_size * model_cfg.block_size) for c in contenders]
+    _print_train_table(rows, peak, model_cfg, cfg, total, contenders[0].eager)
+    return rows
+
+
+def _row(c: Contender, val_loss: float, peak: dict[str, Any], tokens_per_step: int) -> dict[str, Any]:
+    seconds = sorted(c.times)[len(c.times) // 2]
+    key = peak_key(c.variant.precision)
+    flops = c.eager.flops_per_token() * tokens_per_step / seconds
+    return {"variant": c.variant.name, "ms_per_step": seconds * 1e3, "tokens_per_s": tokens_per_step / seconds,
+            "mfu": flops / peak[key] if key in peak else float("nan"), "peak": key, "val_loss": val_loss,
+            "compile_s": c.compile_s, "compiled": c.model is not c.eager}
+
+
+def _print_train_table(rows: list[dict[str, Any]], peak: dict[str, Any], model_cfg: ModelConfig, cfg: TrainConfig,
+                       total: int, model: torch.nn.Module) -> None:
+    print(f"device: {peak['device']}; peaks measured {peak.get('measured_at', '?')}: "
+          + ", ".join(f"{k} {peak[k] / 1e9:,.0f} GFLOP/s" for k in ("fp32", "tf32", "bf16") if k in peak))
+    print(f"model: {model_cfg.n_layer} layers x {model_cfg.n_embd} wide, context {model_cfg.block_size}, "
+          f"{model.num_params() / 1e6:.2f}M parameters, {model.flops_per_token() / 1e6:.1f} MFLOP per token "
+          f"(training); batch {cfg.batch_size}; dropout {model_cfg.dropout}; {total} steps from seed {cfg.seed}")
+    ref = rows[0]
+    print(f"{'variant':<34} {'ms/step':>9} {'tokens/s':>9} {'MFU':>6} {'vs ref':>7} {'val loss':>9} {'Δ loss':>8}")
+    for r in rows:
+        note = "" if r["compiled"] or "compile" not in r["variant"] else "  (compile unavailable: ran eager)"
+        note += f"  (compiled in {r['compile_s']:.0f} s)" if r["compiled"] else ""
+        print(f"{r['variant']:<34} {r['ms_per_step']:>9.1f} {r['tokens_per_s']:>9,.0f} {r['mfu']:>6.1%} "
+              f"{r['tokens_per_s'] / ref['tokens_per_s']:>6.2f}x {r['val_loss']:>9.4f} "
+              f"{r['val_loss'] - ref['val_loss']:>+8.4f}{note}")
+    best = max(rows, key=lambda r: r["tokens_per_s"])
+    print(f"{best['variant']}: {best['tokens_per_s'] / ref['tokens_per_s']:.2f}x the fp32 reference's tokens/s, "
+          f"MFU {best['mfu']:.1%} of the measured {best['peak']} peak")

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -126,20 +127,51 @@ def resolve_train_settings(args: argparse.Namespace) -> tuple[str, ModelConfig, 
     return str(run), model_cfg, train_cfg, resume, extra
 
 
+def data_dir_for(data: str | None, preset: str, quiet: bool) -> Path:
+    """--data, or the bundled corpus prepared for the preset's tokenizer (prepared now if it is missing)."""
+    if data:
+        return Path(data)
+    tokenizer = get_preset(preset).tokenizer
+    path = default_data_dir(tokenizer)
+    if not (path / "meta.json").exists():
+        from gptlab.data import prepare
+
+        print(f"preparing the bundled Tiny Shakespeare into {path} ...", file=sys.stderr)
+        prepare([], path, tokenizer, quiet=quiet)
+    return path
+
+
+def launch_train(args: argparse.Namespace) -> int:
+    """`gptlab train --nproc N ...`: the same command in N processes through torchrun, all pointed at one run
+    folder (chosen here, so that every process and every elastic restart finds the same one)."""
+    from gptlab.distributed import launch
+
+    argv = list(args.argv)
+    if not args.run:
+        argv += ["--run", str(pick_run_dir(args, args.preset or DEFAULT_PRESET))]
+    data_dir_for(args.data, args.preset or DEFAULT_PRESET, args.quiet)  # once, before N processes race to it
+    return launch(args.nproc, argv, args.max_restarts)
+
+
 @command("train", "train a model (no arguments: the default preset on the bundled corpus, into runs/)")
 def cmd_train(args: argparse.Namespace) -> int:
+    from gptlab import distributed
     from gptlab.train import train
 
     if args.resume not in (None, "true", "auto"):
         raise GptlabError(f"--resume takes no value or 'auto', not {args.resume!r}")
+    if args.nproc is not None and "WORLD_SIZE" not in os.environ:  # under torchrun, --nproc has done its job
+        return launch_train(args)
+    if distributed.may_restart() and not args.run:
+        raise GptlabError("torchrun may restart these processes (--max-restarts), so pass --run: every restart "
+                          "must find the same run folder")
+    if distributed.elastic_restart() and args.resume is None:
+        args.resume = "auto"  # torchrun restarted the workers after a failure: continue from the last checkpoint
     run, model_cfg, train_cfg, resume, extra = resolve_train_settings(args)
-    data = Path(args.data) if args.data else default_data_dir(get_preset(extra["preset"]).tokenizer)
-    if not args.data and not (data / "meta.json").exists():
-        from gptlab.data import prepare
-
-        print(f"preparing the bundled Tiny Shakespeare into {data} ...", file=sys.stderr)
-        prepare([], data, get_preset(extra["preset"]).tokenizer, quiet=args.quiet)
+    data = data_dir_for(args.data, extra["preset"], args.quiet)
     result = train(data, run, model_cfg, train_cfg, resume=resume, quiet=args.quiet, extra=extra)
+    if result.rank:
+        return 0  # rank 0 speaks for all
     print(f"run {result.run_dir}: {result.step} steps in {result.seconds:.1f} s "
           f"({result.tokens_per_second:,.0f} tokens/s), val loss {result.val_loss:.4f} "
           f"(best {result.best_val_loss:.4f}); loss curve in {result.run_dir / 'loss.png'}")
@@ -154,6 +186,10 @@ def add_train(p: argparse.ArgumentParser) -> None:
     p.add_argument("--resume", nargs="?", const="true", default=None, metavar="auto",
                    help="continue the run from its newest valid checkpoint ('auto': only if it has one)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--nproc", type=int, metavar="N",
+                   help="train data-parallel in N processes on this machine (launches torchrun; see README)")
+    p.add_argument("--max-restarts", type=int, default=0, metavar="K",
+                   help="with --nproc: restart all processes up to K times after a failure, resuming each time")
     add_config_flags(p, ModelConfig)
     add_config_flags(p, TrainConfig)
 
@@ -297,6 +333,30 @@ def bench_peak(args: argparse.Namespace) -> int:
     return 0
 
 
+def add_bench_train(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--preset", default="char-small", help=f"one of: {', '.join(PRESETS)} (default char-small)")
+    p.add_argument("--data", help="prepared data folder (default: the bundled corpus for the preset's tokenizer)")
+    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--steps", type=int, default=10, help="timed steps per variant (default 10)")
+    p.add_argument("--warmup", type=int, default=2, help="untimed steps per variant first (default 2)")
+    p.add_argument("--attention", choices=("auto", "sdpa", "naive"), help="attention path (default: the preset's)")
+    p.add_argument("--device", default="auto")
+
+
+@bench("train", "train one model side by side: fp32 eager (the reference), bf16, bf16 + compile (+ flash attention "
+       "on CUDA): tokens/s, ms/step, MFU, and the loss after the same steps", add_bench_train)
+def bench_train(args: argparse.Namespace) -> int:
+    from gptlab.bench import run_train_bench
+
+    if args.steps < 1 or args.warmup < 0 or args.batch_size < 1:
+        raise GptlabError("--steps and --batch-size must be at least 1 and --warmup at least 0")
+    preset = get_preset(args.preset)
+    model_cfg = build(ModelConfig, preset.model, {"attention": args.attention} if args.attention else {})
+    train_cfg = build(TrainConfig, preset.train, {"batch_size": args.batch_size, "device": args.device})
+    run_train_bench(data_dir_for(args.data, args.preset, quiet=True), model_cfg, train_cfg, args.steps, args.warmup)
+    return 0
+
+
 @command("bench", "benchmarks that measure variants side by side in one run and print ratios")
 def cmd_bench(args: argparse.Namespace) -> int:
     return BENCHES[args.bench][1](args)
@@ -326,7 +386,11 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(format="gptlab: warning: %(message)s", level=logging.WARNING)
     parser = make_parser()
     try:
+        argv = list(sys.argv[1:] if argv is None else argv)
+        if argv[:1] == ["--"]:  # `torchrun -m gptlab -- train ...` on Pythons whose argparse keeps the "--"
+            argv = argv[1:]
         args = parser.parse_args(argv)
+        args.argv = argv
         if not args.command:
             parser.print_help()
             return 2

@@ -90,6 +90,7 @@ class TrainConfig:
     precision: str = "auto"
     device: str = "auto"
     compile: bool = False
+    fsdp: bool = False
     keep_last: int = 2
     init_from: str = ""
 

@@ -33,3 +33,20 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
         return cfg.min_lr
     progress = (step - cfg.warmup_steps) / max(1, cfg.decay_steps - cfg.warmup_steps)
     return cfg.min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (cfg.lr - cfg.min_lr)
+
+
+def step_if_finite(optimizer: torch.optim.Optimizer, loss: torch.Tensor, norm: torch.Tensor) -> torch.Tensor:
+    """optimizer.step() unless the loss or the gradient norm is inf or NaN, decided on the device so the host
+    never waits for it: fused AdamW skips its whole update (weights, moments and step count) when handed a
+    non-zero `found_inf`, the flag torch's GradScaler uses. Optimizers without that flag are checked on the
+    host. Returns a 0-dim bool tensor: whether the step was applied."""
+    finite = torch.isfinite(loss) & torch.isfinite(norm)
+    if getattr(optimizer, "_step_supports_amp_scaling", False):
+        optimizer.found_inf = (~finite).float()
+        try:
+            optimizer.step()
+        finally:
+            del optimizer.found_inf
+    elif finite:
+        optimizer.step()
+    return finite

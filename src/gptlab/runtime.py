@@ -1,13 +1,22 @@
-"""Where and how tensors run: device choice, precision, threads."""
+"""Where and how tensors run: device, precision, threads, host-to-device copies, torch.compile, and the
+measured peak that MFU is reported against."""
 
 from __future__ import annotations
 
 import contextlib
+import json
+import logging
 import os
+import platform
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
 from gptlab.errors import GptlabError
+
+log = logging.getLogger("gptlab")
 
 
 def resolve_device(name: str = "auto") -> torch.device:
@@ -47,6 +56,14 @@ def autocast(device: torch.device, precision: str) -> contextlib.AbstractContext
     return contextlib.nullcontext()
 
 
+def configure_matmul(device: torch.device, precision: str) -> None:
+    """On CUDA, let the few fp32 matrix products left under bf16 autocast use TF32 tensor cores; "fp32" keeps
+    exact fp32 products, so that the fp32 path stays the reference."""
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = precision == "bf16"
+        torch.backends.cudnn.allow_tf32 = precision == "bf16"
+
+
 def set_threads() -> None:
     """Use one intra-op thread per core this process may run on (torch's default counts hyper-threads)."""
     if "OMP_NUM_THREADS" not in os.environ:
@@ -58,3 +75,92 @@ def set_threads() -> None:
 
 def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
+
+
+def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Copy a host tensor to `device`; on CUDA through pinned memory without waiting, so the host can prepare
+    the next batch while the device computes."""
+    if device.type == "cuda":
+        return tensor.pin_memory().to(device, non_blocking=True)
+    return tensor.to(device)
+
+
+def compile_model(model: torch.nn.Module, warm_up: Callable[[torch.nn.Module], None]) -> torch.nn.Module:
+    """torch.compile(model), compiled now by running warm_up on it once (compilation is lazy, and a failure must
+    surface here, not mid-run). The random state is restored and gradients cleared afterwards, so a compiled
+    run draws the same numbers as an eager one. Where compiling is unavailable or fails: one warning, and the
+    model as it was."""
+    devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
+    try:
+        compiled = torch.compile(model)
+        with torch.random.fork_rng(devices=devices):
+            warm_up(compiled)
+    except Exception as exc:  # noqa: BLE001 - whatever the compiler raises (no C++ compiler, unsupported op, ...)
+        reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
+        log.warning("torch.compile is unavailable here (%s: %s); training without it", type(exc).__name__, reason)
+        compiled = model
+    model.zero_grad(set_to_none=True)
+    return compiled
+
+
+# ---- the measured peak ---------------------------------------------------------------------------------------
+
+def device_name(device: torch.device) -> str:
+    """What the device is, as the peak cache keys it: the GPU's name, or the CPU model and thread count."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"{cpu} ({torch.get_num_threads()} threads)"
+
+
+def peak_cache_file(device: torch.device) -> Path:
+    """Where `gptlab bench peak` keeps this device's measured peak ($GPTLAB_CACHE, default ~/.cache/gptlab)."""
+    cache = Path(os.environ.get("GPTLAB_CACHE", Path.home() / ".cache" / "gptlab"))
+    key = "".join(c if c.isalnum() else "_" for c in device_name(device))
+    return cache / f"peak-{device.type}-{key}.json"
+
+
+def read_peak(device: torch.device) -> dict | None:
+    """The cached peak of `device`, or None when it was never measured (or the cache is unreadable)."""
+    try:
+        return json.loads(peak_cache_file(device).read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+
+
+def peak_key(precision: str) -> str:
+    """Which measured peak a run in `precision` is held against: bf16, or fp32 (its products are never TF32)."""
+    return "bf16" if precision == "bf16" else "fp32"
+
+
+@dataclass
+class Speed:
+    """Turns a step rate into tokens/s and MFU: the model's FLOPs per second over the measured peak of the
+    active precision on every process together (None until `gptlab bench peak` has measured the device)."""
+
+    tokens_per_step: int
+    flops_per_token: float
+    peak_flops: float | None = None
+
+    def report(self, steps: int, seconds: float) -> dict[str, float]:
+        tokens_per_s = steps * self.tokens_per_step / max(seconds, 1e-9)
+        out = {"tokens_per_s": round(tokens_per_s, 1)}
+        if self.peak_flops:
+            out["mfu"] = round(tokens_per_s * self.flops_per_token / self.peak_flops, 4)
+        return out
+
+
+def cached_speed(device: torch.device, precision: str, tokens_per_step: int, flops_per_token: float,
+                 world_size: int = 1) -> Speed:
+    """A Speed held against the cached peak of `device` times world_size; never measures (that would steal time
+    from the run being timed): without a cached peak, MFU is simply not reported."""
+    peak = read_peak(device) or {}
+    per_device = peak.get(peak_key(precision))
+    return Speed(tokens_per_step, flops_per_token, per_device * world_size if per_device else None)

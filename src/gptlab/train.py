@@ -5,7 +5,9 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -13,13 +15,16 @@ from typing import Any
 import torch
 
 from gptlab import checkpoint as ck
+from gptlab import distributed
 from gptlab.config import ModelConfig, TrainConfig, from_dict, to_dict
 from gptlab.data import Dataset, batch_generator, get_batch, load_dataset
+from gptlab.distributed import Parallel
 from gptlab.errors import GptlabError
 from gptlab.model import build_model
-from gptlab.optim import lr_at, make_optimizer
+from gptlab.optim import lr_at, make_optimizer, step_if_finite
 from gptlab.plots import plot_loss, read_metrics
-from gptlab.runtime import autocast, resolve_device, resolve_precision, set_threads
+from gptlab.runtime import (Speed, autocast, cached_speed, compile_model, configure_matmul, resolve_precision,
+                            set_threads, to_device)
 
 log = logging.getLogger("gptlab")
 
@@ -33,6 +38,7 @@ class TrainResult:
     seconds: float
     tokens_per_second: float
     history: list[dict[str, Any]] = field(default_factory=list)
+    rank: int = 0
 
 
 @dataclass
@@ -62,43 +68,45 @@ def check_data(dataset: Dataset, model_cfg: ModelConfig) -> None:
 
 @torch.no_grad()
 def estimate_loss(model: torch.nn.Module, dataset: Dataset, cfg: TrainConfig, block_size: int,
-                  device: torch.device, precision: str) -> dict[str, float]:
-    """Mean loss over cfg.eval_batches fixed batches of each split, in eval mode (no dropout)."""
+                  device: torch.device, precision: str, dist: Parallel | None = None) -> dict[str, float]:
+    """Mean loss over cfg.eval_batches fixed batches of each split, in eval mode (no dropout); with several
+    processes, each scores its rows of every batch."""
+    dist = dist or Parallel(device)
     was_training = model.training
     model.eval()
     out = {}
     for split, tokens in (("train", dataset.train), ("val", dataset.val)):
-        total = 0.0
+        total = torch.zeros((), device=device)
         for i in range(cfg.eval_batches):
-            x, y = get_batch(tokens, cfg.batch_size, block_size, batch_generator(cfg.seed, i, micro=-1))
+            x, y = dist.local_rows(*get_batch(tokens, cfg.batch_size, block_size, batch_generator(cfg.seed, i, -1)))
             with autocast(device, precision):
-                total += model(x.to(device), y.to(device))[1].item()
-        out[split] = total / cfg.eval_batches
+                total += dist.mean(model(to_device(x, device), to_device(y, device))[1])
+        out[split] = total.item() / cfg.eval_batches
     model.train(was_training)
     return out
 
 
 def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, dataset: Dataset, cfg: TrainConfig,
-               block_size: int, step: int, device: torch.device, precision: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """One optimizer step over cfg.grad_accum micro-batches; returns (mean loss, gradient norm before clipping)
-    as tensors, so nothing waits for the device here."""
+               block_size: int, step: int, device: torch.device, precision: str,
+               dist: Parallel | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """One optimizer step over cfg.grad_accum micro-batches (each process taking its rows of each); returns
+    (mean loss over all processes, gradient norm before clipping) as tensors, so nothing waits for the device
+    here. A step whose loss or norm is not finite is not applied (decided on the device; see step_if_finite)."""
+    dist = dist or Parallel(device)
     for group in optimizer.param_groups:
         group["lr"] = lr_at(step, cfg)
     loss_sum = torch.zeros((), device=device)
     for micro in range(cfg.grad_accum):
         x, y = get_batch(dataset.train, cfg.batch_size, block_size, batch_generator(cfg.seed, step, micro))
-        with autocast(device, precision):
-            _, loss = model(x.to(device, non_blocking=True), y.to(device, non_blocking=True))
-        (loss / cfg.grad_accum).backward()
+        x, y = dist.local_rows(x, y)
+        with dist.no_sync(last=micro == cfg.grad_accum - 1):
+            with autocast(device, precision):
+                _, loss = model(to_device(x, device), to_device(y, device))
+            (loss / cfg.grad_accum).backward()
         loss_sum += loss.detach()
-    max_norm = cfg.grad_clip if cfg.grad_clip > 0 else math.inf
-    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
-    loss = loss_sum / cfg.grad_accum
-    if not (torch.isfinite(loss) and torch.isfinite(norm)):
-        optimizer.zero_grad(set_to_none=True)
-        raise NonFiniteLoss(f"step {step + 1}: the loss or gradient norm is not finite; the step was not applied. "
-                            "Try a lower --lr or --precision fp32")
-    optimizer.step()
+    norm = dist.clip_grad_norm(model, cfg.grad_clip if cfg.grad_clip > 0 else math.inf)
+    loss = dist.mean(loss_sum / cfg.grad_accum)
+    step_if_finite(optimizer, loss, norm)
     optimizer.zero_grad(set_to_none=True)
     return loss, norm
 
@@ -132,41 +140,73 @@ def _keep_metrics_until(path: Path, step: int) -> None:
 def train(data_dir: str | Path, run_dir: str | Path, model_cfg: ModelConfig, cfg: TrainConfig,
           resume: bool = False, quiet: bool = False, extra: dict[str, Any] | None = None) -> TrainResult:
     """Train `model_cfg` on the prepared data in `data_dir` into `run_dir`, per `cfg`; with resume, continue from
-    the run's newest valid checkpoint. Returns the final numbers; raises GptlabError on bad input."""
+    the run's newest valid checkpoint. Under torchrun, every process runs this and trains its share of each
+    batch (see distributed.py). Returns the final numbers; raises GptlabError on bad input."""
     set_threads()
-    device = resolve_device(cfg.device)
-    precision = resolve_precision(cfg.precision, device)
-    dataset = load_dataset(data_dir)
-    if model_cfg.vocab_size == 0:
-        model_cfg.vocab_size = dataset.tokenizer.vocab_size
-    check_data(dataset, model_cfg)
-    run = Path(run_dir)
-    torch.manual_seed(cfg.seed)
-    model = build_model(model_cfg).to(device)
-    optimizer = make_optimizer(model, cfg)
-    progress = resume_state(run, model, optimizer, dataset, model_cfg) if resume else Progress()
-    ck.init_run(run, model_cfg, cfg, dataset.tokenizer,
-                {"data": str(Path(data_dir)), "precision": precision, "device": str(device), **(extra or {})})
-    metrics = run / ck.METRICS
-    if resume:
-        _keep_metrics_until(metrics, progress.step)
-    elif metrics.exists():
-        metrics.unlink()
-    return _loop(model, optimizer, dataset, model_cfg, cfg, run, progress, device, precision, quiet)
+    dist = distributed.setup(cfg.device)
+    try:
+        device = dist.device
+        precision = resolve_precision(cfg.precision, device)
+        configure_matmul(device, precision)
+        dist.check_batch(cfg.batch_size)
+        dataset = load_dataset(data_dir)
+        if model_cfg.vocab_size == 0:
+            model_cfg.vocab_size = dataset.tokenizer.vocab_size
+        check_data(dataset, model_cfg)
+        run = Path(run_dir)
+        torch.manual_seed(cfg.seed)
+        model = build_model(model_cfg).to(device)
+        speed = cached_speed(device, precision, cfg.batch_size * model_cfg.block_size * cfg.grad_accum,
+                             model.flops_per_token(), dist.world_size)
+        optimizer = make_optimizer(model, cfg)
+        progress = resume_state(run, model, optimizer, dataset, model_cfg) if resume else Progress()
+        model, optimizer = dist.wrap(model, optimizer, cfg.fsdp)
+        dist.reseed(cfg.seed, progress.step)
+        if cfg.compile:
+            model = compile_model(model, warm_up(dataset, cfg, model_cfg.block_size, device, precision, dist))
+        if dist.is_main:
+            ck.init_run(run, model_cfg, cfg, dataset.tokenizer, {"data": str(Path(data_dir)), "precision": precision,
+                        "device": str(device), "processes": dist.world_size, **(extra or {})})
+            metrics = run / ck.METRICS
+            if resume:
+                _keep_metrics_until(metrics, progress.step)
+            elif metrics.exists():
+                metrics.unlink()
+        result = _loop(model, optimizer, dataset, model_cfg, cfg, run, progress, device, precision, quiet, speed,
+                       dist)
+        dist.barrier()  # no process leaves while rank 0 may still be writing
+        return result
+    finally:
+        dist.close()
+
+
+def warm_up(dataset: Dataset, cfg: TrainConfig, block_size: int, device: torch.device, precision: str,
+            dist: Parallel | None = None) -> Callable[[torch.nn.Module], None]:
+    """One forward and backward pass on the first batch, to compile the training graph before the clock runs."""
+    dist = dist or Parallel(device)
+
+    def run(model: torch.nn.Module) -> None:
+        x, y = dist.local_rows(*get_batch(dataset.train, cfg.batch_size, block_size, batch_generator(cfg.seed, 0)))
+        with autocast(device, precision):
+            _, loss = model(to_device(x, device), to_device(y, device))
+        loss.backward()
+    return run
 
 
 def _loop(model: torch.nn.Module, optimizer: torch.optim.Optimizer, dataset: Dataset, model_cfg: ModelConfig,
           cfg: TrainConfig, run: Path, progress: Progress, device: torch.device, precision: str,
-          quiet: bool) -> TrainResult:
+          quiet: bool, speed: Speed, dist: Parallel) -> TrainResult:
     from tqdm import tqdm
 
-    tokens_per_step = cfg.batch_size * model_cfg.block_size * cfg.grad_accum
     fingerprint = dataset.fingerprint()
     bar = tqdm(total=cfg.max_steps, initial=progress.step, desc="train", unit="step", dynamic_ncols=True,
-               disable=True if quiet else None)
+               disable=True if quiet or not dist.is_main else None)
     model.train()
+    eager = getattr(model, "_orig_mod", model)  # evaluate uncompiled: a second compiled graph costs more than it saves
     start, start_step, val_loss, history = time.perf_counter(), progress.step, math.nan, []
-    with open(run / ck.METRICS, "a") as metrics:
+    tick, tick_step = start, progress.step  # the current speed interval, which leaves out evaluations and saves
+    nonfinite = torch.zeros((), dtype=torch.int64, device=device)  # steps not applied since the last log row
+    with open(run / ck.METRICS if dist.is_main else os.devnull, "a") as metrics:
         def record(row: dict[str, Any]) -> None:
             history.append(row)
             metrics.write(json.dumps(row) + "\n")
@@ -174,41 +214,62 @@ def _loop(model: torch.nn.Module, optimizer: torch.optim.Optimizer, dataset: Dat
 
         while progress.step < cfg.max_steps:
             loss, norm = train_step(model, optimizer, dataset, cfg, model_cfg.block_size, progress.step, device,
-                                    precision)
+                                    precision, dist)
+            nonfinite += ~(loss.isfinite() & norm.isfinite())
             progress.step += 1
-            progress.tokens_seen += tokens_per_step
+            progress.tokens_seen += speed.tokens_per_step
             done = progress.step == cfg.max_steps
             if progress.step % cfg.log_interval == 0 or done:
-                elapsed = time.perf_counter() - start
-                rate = (progress.step - start_step) * tokens_per_step / max(elapsed, 1e-9)
-                record({"kind": "train", "step": progress.step, "loss": loss.item(),
-                        "grad_norm": norm.item(), "lr": lr_at(progress.step - 1, cfg),
-                        "tokens": progress.tokens_seen, "tokens_per_s": round(rate, 1), "elapsed_s": round(elapsed, 3)})
-                bar.set_postfix(loss=f"{loss.item():.4f}", tok_s=f"{rate:,.0f}", refresh=False)
+                _check_finite(int(nonfinite.item()), progress.step)
+                now = time.perf_counter()
+                rates = speed.report(progress.step - tick_step, now - tick)
+                tick, tick_step = now, progress.step
+                shown = loss.item()
+                record({"kind": "train", "step": progress.step, "loss": shown, "grad_norm": norm.item(),
+                        "lr": lr_at(progress.step - 1, cfg), "tokens": progress.tokens_seen, **rates,
+                        "elapsed_s": round(now - start, 3)})
+                bar.set_postfix(loss=f"{shown:.4f}", tok_s=f"{rates['tokens_per_s']:,.0f}",
+                                **({"mfu": f"{rates['mfu']:.0%}"} if "mfu" in rates else {}), refresh=False)
             bar.update(1)
             if progress.step % cfg.eval_interval == 0 or done:
-                losses = estimate_loss(model, dataset, cfg, model_cfg.block_size, device, precision)
+                losses = estimate_loss(eager, dataset, cfg, model_cfg.block_size, device, precision, dist)
                 val_loss = losses["val"]
                 record({"kind": "eval", "step": progress.step, "train_loss": losses["train"],
                         "val_loss": val_loss, "elapsed_s": round(time.perf_counter() - start, 3)})
-                bar.write(f"step {progress.step}: train loss {losses['train']:.4f}, val loss {val_loss:.4f}")
-                _save(run, model, optimizer, model_cfg, cfg, progress, fingerprint, val_loss)
+                if dist.is_main:
+                    bar.write(f"step {progress.step}: train loss {losses['train']:.4f}, val loss {val_loss:.4f}")
+                _save(run, model, optimizer, model_cfg, cfg, progress, fingerprint, val_loss, dist)
+                tick, tick_step = time.perf_counter(), progress.step
     bar.close()
     seconds = time.perf_counter() - start
-    plot_loss(run / ck.METRICS, run / "loss.png", title=f"{run.name}")
-    rate = (progress.step - start_step) * tokens_per_step / max(seconds, 1e-9)
-    return TrainResult(run, progress.step, val_loss, progress.best_val_loss, seconds, rate, history)
+    if dist.is_main:
+        plot_loss(run / ck.METRICS, run / "loss.png", title=f"{run.name}")
+    rate = (progress.step - start_step) * speed.tokens_per_step / max(seconds, 1e-9)
+    return TrainResult(run, progress.step, val_loss, progress.best_val_loss, seconds, rate, history, dist.rank)
+
+
+def _check_finite(skipped: int, step: int) -> None:
+    """Raise NonFiniteLoss when steps were skipped for a non-finite loss or gradient norm (counted on the device,
+    read back only at log rows, where the host waits for the device anyway)."""
+    if skipped:
+        raise NonFiniteLoss(f"{skipped} step(s) up to step {step} had a non-finite loss or gradient norm and were "
+                            "not applied; try a lower --lr or --precision fp32")
 
 
 def _save(run: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, model_cfg: ModelConfig,
-          cfg: TrainConfig, progress: Progress, fingerprint: str, val_loss: float) -> None:
-    """A resumable checkpoint now, and a "best" one when the validation loss is the lowest so far."""
+          cfg: TrainConfig, progress: Progress, fingerprint: str, val_loss: float, dist: Parallel) -> None:
+    """A resumable checkpoint now, and a "best" one when the validation loss is the lowest so far; written by
+    rank 0 once every process has reached this point, with full (unsharded) tensors."""
     improved = val_loss < progress.best_val_loss
     if improved:
         progress.best_val_loss = val_loss
     state = {"tokens_seen": progress.tokens_seen, "best_val_loss": progress.best_val_loss, "val_loss": val_loss,
              "data_fingerprint": fingerprint, "model": to_dict(model_cfg), "train": to_dict(cfg),
              "gptlab_version": ck.__version__, "git_commit": ck.git_commit()}
+    dist.barrier()
+    model, optimizer = dist.full_state(model, optimizer)
+    if not dist.is_main:
+        return
     ck.save_checkpoint(run, "step", progress.step, model, state, optimizer, keep=cfg.keep_last)
     if improved:
         ck.save_checkpoint(run, "best", progress.step, model, state, keep=1)
