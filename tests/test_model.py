@@ -75,6 +75,24 @@ def test_dropout_is_active_in_training_and_off_in_eval():
     assert torch.equal(model(idx)[0], model(idx)[0])
 
 
+@pytest.mark.parametrize("p", [0.1, 0.2, 0.5])
+def test_cpu_dropout_keeps_1_minus_p_of_the_elements_and_scales_them_like_torch(p):
+    from gptlab.model import Dropout
+
+    x = torch.ones(64, 1000, 33, dtype=torch.bfloat16, requires_grad=True)  # odd size: words cut mid-way
+    torch.manual_seed(3)
+    y = Dropout(p)(x)
+    kept = y != 0
+    lanes = kept.flatten()[:kept.numel() // 4 * 4].view(-1, 4).float().mean(0)  # the 4 slices of each word
+    assert (lanes - (1 - p)).abs().max() < 5e-3  # 528k elements each: sd < 7e-4
+    assert (y[kept] == torch.tensor(1 / (1 - p), dtype=torch.bfloat16)).all()
+    y.float().sum().backward()
+    assert torch.equal(x.grad, y.detach())  # d(x * mask * scale)/dx = mask * scale
+    torch.manual_seed(3)
+    assert torch.equal(Dropout(p)(x), y)  # torch.manual_seed decides the mask
+    assert torch.equal(Dropout(p).eval()(x), x)
+
+
 def test_lm_head_is_tied_and_residual_projections_are_scaled():
     model = GPT(tiny_config(n_layer=8, n_embd=256, n_head=4))
     assert model.lm_head.weight is model.transformer.wte.weight
