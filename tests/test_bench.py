@@ -33,7 +33,8 @@ def test_bench_train_compares_variants_from_the_same_start(char_data, monkeypatc
     if bf16_supported(torch.device("cpu")):
         variants.append(bench.Variant("bf16 eager", "bf16"))
     cfg = TrainConfig(batch_size=4, lr=3e-3, warmup_steps=1, device="cpu")
-    rows = bench.run_train_bench(char_data, tiny_config(vocab_size=0), cfg, steps=2, warmup=1, variants=variants)
+    model = tiny_config(vocab_size=0, dropout=0.1)  # interleaved variants, yet each draws the masks it would alone
+    rows = bench.run_train_bench(char_data, model, cfg, steps=2, warmup=1, variants=variants)
     lines = capsys.readouterr().out.strip().splitlines()
     assert [r["variant"] for r in rows] == [v.name for v in variants]
     assert rows[0]["val_loss"] == rows[1]["val_loss"]  # same seed, same batches, same path: the same numbers
@@ -57,3 +58,11 @@ def model_flops(char_data) -> float:
 def test_bench_train_cli_rejects_bad_numbers(capsys):
     assert main(["bench", "train", "--steps", "0"]) == 2
     assert "--steps" in capsys.readouterr().err
+
+
+def test_variants_put_the_fp32_reference_first():
+    cpu = torch.device("cpu")
+    assert bench.train_variants(cpu)[0] == bench.Variant("fp32 eager (reference)", "fp32")
+    assert [v.compile for v in bench.train_variants(cpu)] == [False] * (1 + bf16_supported(cpu)) + [True]
+    pairs = [(v.precision, v.attention) for v in bench.attention_variants(cpu)]
+    assert pairs == [("fp32", "sdpa"), ("fp32", "naive")] + [("bf16", "sdpa"), ("bf16", "naive")] * bf16_supported(cpu)

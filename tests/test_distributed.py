@@ -3,6 +3,7 @@ and their checkpoints resume anywhere."""
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -87,18 +88,23 @@ def test_two_processes_train_like_one_and_their_checkpoint_resumes_in_one(straig
     assert_same_weights(root / "ddp", root / "one-8", 8)
 
 
-def test_fsdp_under_torchrun_trains_like_one_process_and_saves_full_weights(straight):
+def test_fsdp_under_torchrun_trains_like_one_process_and_its_checkpoints_resume_sharded_or_not(straight):
     root, at5, at8 = straight
+    torchrun = ("-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2")
     gptlab("--", "train", "--data", str(root / "data"), "--run", str(root / "fsdp"), "--max-steps=5", "--quiet",
-           "--fsdp", *flags(), launcher=("-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"))
+           "--fsdp", *flags(), launcher=torchrun)
     rows = [json.loads(line) for line in (root / "fsdp" / "metrics.jsonl").read_text().splitlines()]
     assert_same_steps(steps(rows), steps(at5.history))
     assert_same_weights(root / "fsdp", root / "one-5", 5)  # unsharded: loads in one process, no FSDP
     optimizer = ck.load_tensors(ck.find_checkpoint(root / "fsdp", "step").path / "optimizer.safetensors")
     assert optimizer["0.exp_avg"].shape == ck.load_run(root / "fsdp").model.transformer.wte.weight.shape
+    shutil.copytree(root / "fsdp", root / "fsdp-again")
 
     resumed = one_process(root / "data", root / "fsdp", 8, resume=True)
     assert_same_steps(steps(resumed.history), steps(at8.history)[5:])
+    gptlab("--", "train", "--data", str(root / "data"), "--run", str(root / "fsdp-again"), "--max-steps=8",
+           "--resume", "--quiet", "--fsdp", *flags(), launcher=torchrun)  # Adam's state cut into shards again
+    assert_same_weights(root / "fsdp-again", root / "one-8", 8)
 
 
 def test_rows_of_a_global_batch_are_shared_out_in_order():

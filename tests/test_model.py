@@ -42,7 +42,7 @@ def test_causality_changing_token_t_leaves_earlier_logits_unchanged(attention):
         assert not torch.allclose(before[:, t:], after[:, t:])
 
 
-def test_auto_attention_uses_the_written_out_path_only_for_cpu_bf16_training():
+def test_auto_attention_uses_the_written_out_path_only_for_cpu_training_in_bf16_or_with_dropout():
     model = GPT(tiny_config(attention="auto"))
     attn = model.transformer.h[0].attn
     q = torch.zeros(1, 1, 1, 1)
@@ -51,6 +51,9 @@ def test_auto_attention_uses_the_written_out_path_only_for_cpu_bf16_training():
         assert attn._naive_is_faster(q)
         with torch.no_grad():
             assert not attn._naive_is_faster(q)
+    attn = GPT(tiny_config(attention="auto", dropout=0.1)).transformer.h[0].attn
+    assert attn._naive_is_faster(q)
+    assert not attn.eval()._naive_is_faster(q)
 
 
 def test_gpt_overfits_one_batch():

@@ -10,7 +10,7 @@ import contextlib
 import dataclasses
 import json
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -125,16 +125,27 @@ class Variant:
     precision: str
     compile: bool = False
     flash: bool = False  # CUDA: force SDPA's flash-attention kernel
+    attention: str = ""  # naive / sdpa / auto; "" keeps the model's setting
 
 
 def train_variants(device: torch.device) -> list[Variant]:
     """The plain fp32 eager path (the reference) first, then the fast paths this device has."""
     fast = "bf16" if bf16_supported(device) else "fp32"
-    variants = [Variant("fp32 eager (reference)", "fp32"), Variant(f"{fast} eager", fast),
-                Variant(f"{fast} + compile", fast, compile=True)]
+    variants = [Variant("fp32 eager (reference)", "fp32")]
+    if fast == "bf16":
+        variants.append(Variant("bf16 eager", "bf16"))
+    variants.append(Variant(f"{fast} + compile", fast, compile=True))
     if device.type == "cuda":
-        variants.append(Variant(f"{fast} + compile + flash attention", fast, compile=True, flash=True))
-    return [v for i, v in enumerate(variants) if v not in variants[:i]]  # fp32-only devices: no duplicates
+        variants.append(Variant(f"{fast} + compile + flash attention", fast, compile=True, flash=True,
+                                attention="sdpa"))
+    return variants
+
+
+def attention_variants(device: torch.device) -> list[Variant]:
+    """Both attention paths in each precision, eager: the evidence behind attention="auto"."""
+    precisions = ["fp32"] + (["bf16"] if bf16_supported(device) else [])
+    return [Variant(f"{p} eager, {a} attention" + (" (reference)" if (p, a) == ("fp32", "sdpa") else ""), p,
+                    attention=a) for p in precisions for a in ("sdpa", "naive")]
 
 
 @dataclass
@@ -145,15 +156,35 @@ class Contender:
     model: torch.nn.Module
     optimizer: torch.optim.Optimizer
     eager: torch.nn.Module
+    rng: list[torch.Tensor]
     compile_s: float = 0.0
     times: list[float] = dataclasses.field(default_factory=list)
 
-    def attention(self) -> contextlib.AbstractContextManager:
-        if not self.variant.flash:
-            return contextlib.nullcontext()
-        from torch.nn.attention import SDPBackend, sdpa_kernel
+    @contextlib.contextmanager
+    def running(self, device: torch.device) -> Iterator[None]:
+        """This variant's attention kernel and matmul precision, and its own random stream, so that every
+        variant draws the same dropout masks as it would alone (steps are interleaved)."""
+        configure_matmul(device, self.variant.precision)
+        saved = _rng_state(device)
+        _set_rng_state(device, self.rng)
+        with contextlib.ExitStack() as stack:
+            if self.variant.flash:
+                from torch.nn.attention import SDPBackend, sdpa_kernel
 
-        return sdpa_kernel(SDPBackend.FLASH_ATTENTION)
+                stack.enter_context(sdpa_kernel(SDPBackend.FLASH_ATTENTION))
+            yield
+        self.rng = _rng_state(device)
+        _set_rng_state(device, saved)
+
+
+def _rng_state(device: torch.device) -> list[torch.Tensor]:
+    return [torch.get_rng_state()] + ([torch.cuda.get_rng_state(device)] if device.type == "cuda" else [])
+
+
+def _set_rng_state(device: torch.device, state: list[torch.Tensor]) -> None:
+    torch.set_rng_state(state[0])
+    if device.type == "cuda":
+        torch.cuda.set_rng_state(state[1], device)
 
 
 def _contender(variant: Variant, model_cfg: ModelConfig, cfg: TrainConfig, dataset: Any,
@@ -163,13 +194,12 @@ def _contender(variant: Variant, model_cfg: ModelConfig, cfg: TrainConfig, datas
     from gptlab.train import warm_up
 
     torch.manual_seed(cfg.seed)
-    model_cfg = dataclasses.replace(model_cfg, attention="sdpa" if variant.flash else model_cfg.attention)
+    model_cfg = dataclasses.replace(model_cfg, attention=variant.attention or model_cfg.attention)
     eager = build_model(model_cfg).to(device)
-    optimizer = make_optimizer(eager, cfg)
-    contender = Contender(variant, eager, optimizer, eager)
+    contender = Contender(variant, eager, make_optimizer(eager, cfg), eager, _rng_state(device))
     if variant.compile:
         start = time.perf_counter()
-        with contender.attention():
+        with contender.running(device):
             contender.model = compile_model(eager, warm_up(dataset, cfg, model_cfg.block_size, device,
                                                            variant.precision))
         contender.compile_s = time.perf_counter() - start
@@ -198,8 +228,7 @@ def run_train_bench(data_dir: str | Path, model_cfg: ModelConfig, cfg: TrainConf
     contenders = [_contender(v, model_cfg, cfg, dataset, device) for v in variants or train_variants(device)]
     for step in range(total):
         for c in contenders:
-            configure_matmul(device, c.variant.precision)
-            with c.attention():
+            with c.running(device):
                 start = time.perf_counter()
                 train_step(c.model, c.optimizer, dataset, cfg, model_cfg.block_size, step, device, c.variant.precision)
                 sync(device)
@@ -216,7 +245,8 @@ def _row(c: Contender, val_loss: float, peak: dict[str, Any], tokens_per_step: i
     seconds = sorted(c.times)[len(c.times) // 2]
     key = peak_key(c.variant.precision)
     flops = c.eager.flops_per_token() * tokens_per_step / seconds
-    return {"variant": c.variant.name, "ms_per_step": seconds * 1e3, "tokens_per_s": tokens_per_step / seconds,
+    return {"variant": c.variant.name, "ms_per_step": seconds * 1e3, "best_ms": min(c.times) * 1e3,
+            "tokens_per_s": tokens_per_step / seconds,
             "mfu": flops / peak[key] if key in peak else float("nan"), "peak": key, "val_loss": val_loss,
             "compile_s": c.compile_s, "compiled": c.model is not c.eager}
 
@@ -229,11 +259,13 @@ def _print_train_table(rows: list[dict[str, Any]], peak: dict[str, Any], model_c
           f"{model.num_params() / 1e6:.2f}M parameters, {model.flops_per_token() / 1e6:.1f} MFLOP per token "
           f"(training); batch {cfg.batch_size}; dropout {model_cfg.dropout}; {total} steps from seed {cfg.seed}")
     ref = rows[0]
-    print(f"{'variant':<34} {'ms/step':>9} {'tokens/s':>9} {'MFU':>6} {'vs ref':>7} {'val loss':>9} {'Δ loss':>8}")
+    print("ms/step: the median of the timed steps (best: the fastest); tokens/s and MFU from the median")
+    print(f"{'variant':<34} {'ms/step':>9} {'best':>8} {'tokens/s':>9} {'MFU':>6} {'vs ref':>7} {'val loss':>9} "
+          f"{'Δ loss':>8}")
     for r in rows:
         note = "" if r["compiled"] or "compile" not in r["variant"] else "  (compile unavailable: ran eager)"
         note += f"  (compiled in {r['compile_s']:.0f} s)" if r["compiled"] else ""
-        print(f"{r['variant']:<34} {r['ms_per_step']:>9.1f} {r['tokens_per_s']:>9,.0f} {r['mfu']:>6.1%} "
+        print(f"{r['variant']:<34} {r['ms_per_step']:>9.1f} {r['best_ms']:>8.1f} {r['tokens_per_s']:>9,.0f} {r['mfu']:>6.1%} "
               f"{r['tokens_per_s'] / ref['tokens_per_s']:>6.2f}x {r['val_loss']:>9.4f} "
               f"{r['val_loss'] - ref['val_loss']:>+8.4f}{note}")
     best = max(rows, key=lambda r: r["tokens_per_s"])

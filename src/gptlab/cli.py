@@ -9,7 +9,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
-import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -160,13 +159,9 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     if args.resume not in (None, "true", "auto"):
         raise GptlabError(f"--resume takes no value or 'auto', not {args.resume!r}")
-    if args.nproc is not None and "WORLD_SIZE" not in os.environ:  # under torchrun, --nproc has done its job
+    if args.nproc is not None and not distributed.launched():  # under torchrun, --nproc has done its job
         return launch_train(args)
-    if distributed.may_restart() and not args.run:
-        raise GptlabError("torchrun may restart these processes (--max-restarts), so pass --run: every restart "
-                          "must find the same run folder")
-    if distributed.elastic_restart() and args.resume is None:
-        args.resume = "auto"  # torchrun restarted the workers after a failure: continue from the last checkpoint
+    args.resume = distributed.elastic_resume(args.resume, args.run)
     run, model_cfg, train_cfg, resume, extra = resolve_train_settings(args)
     data = data_dir_for(args.data, extra["preset"], args.quiet)
     result = train(data, run, model_cfg, train_cfg, resume=resume, quiet=args.quiet, extra=extra)
@@ -333,14 +328,18 @@ def bench_peak(args: argparse.Namespace) -> int:
     return 0
 
 
-def add_bench_train(p: argparse.ArgumentParser) -> None:
+def add_bench_attention(p: argparse.ArgumentParser) -> None:
     p.add_argument("--preset", default="char-small", help=f"one of: {', '.join(PRESETS)} (default char-small)")
     p.add_argument("--data", help="prepared data folder (default: the bundled corpus for the preset's tokenizer)")
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--steps", type=int, default=10, help="timed steps per variant (default 10)")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps per variant first (default 2)")
-    p.add_argument("--attention", choices=("auto", "sdpa", "naive"), help="attention path (default: the preset's)")
     p.add_argument("--device", default="auto")
+
+
+def add_bench_train(p: argparse.ArgumentParser) -> None:
+    add_bench_attention(p)
+    p.add_argument("--attention", choices=("auto", "sdpa", "naive"), help="attention path (default: the preset's)")
 
 
 @bench("train", "train one model side by side: fp32 eager (the reference), bf16, bf16 + compile (+ flash attention "
@@ -348,12 +347,27 @@ def add_bench_train(p: argparse.ArgumentParser) -> None:
 def bench_train(args: argparse.Namespace) -> int:
     from gptlab.bench import run_train_bench
 
+    run_train_bench(*_bench_train_settings(args))
+    return 0
+
+
+def _bench_train_settings(args: argparse.Namespace) -> tuple[Path, ModelConfig, TrainConfig, int, int]:
     if args.steps < 1 or args.warmup < 0 or args.batch_size < 1:
         raise GptlabError("--steps and --batch-size must be at least 1 and --warmup at least 0")
     preset = get_preset(args.preset)
-    model_cfg = build(ModelConfig, preset.model, {"attention": args.attention} if args.attention else {})
+    attention = getattr(args, "attention", None)
+    model_cfg = build(ModelConfig, preset.model, {"attention": attention} if attention else {})
     train_cfg = build(TrainConfig, preset.train, {"batch_size": args.batch_size, "device": args.device})
-    run_train_bench(data_dir_for(args.data, args.preset, quiet=True), model_cfg, train_cfg, args.steps, args.warmup)
+    return data_dir_for(args.data, args.preset, quiet=True), model_cfg, train_cfg, args.steps, args.warmup
+
+
+@bench("attention", "time a training step with each attention path (sdpa, naive) in each precision, side by side",
+       add_bench_attention)
+def bench_attention(args: argparse.Namespace) -> int:
+    from gptlab.bench import attention_variants, run_train_bench
+    from gptlab.runtime import resolve_device
+
+    run_train_bench(*_bench_train_settings(args), attention_variants(resolve_device(args.device)))
     return 0
 
 

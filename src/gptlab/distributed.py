@@ -18,6 +18,7 @@ processes, or in `gptlab sample`.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import logging
 import os
@@ -157,11 +158,6 @@ class Parallel:
         moments = {pid: {k: full(v) for k, v in entry.items()} for pid, entry in sd["state"].items()}
         return _Saved(weights), _Saved({**sd, "state": moments})
 
-    def close(self) -> None:
-        """Leave the process group (after a last barrier, so no process exits while rank 0 still writes)."""
-        if self.active and dist.is_initialized():
-            dist.barrier()
-            dist.destroy_process_group()
 
 
 class _Saved:
@@ -176,8 +172,8 @@ class _Saved:
 
 def setup(device_name: str = "auto") -> Parallel:
     """Join the process group when started by torchrun (WORLD_SIZE > 1): gloo on CPU, NCCL on CUDA, one GPU per
-    local rank. Otherwise a single process on `device_name`. Raises GptlabError for a device that cannot run
-    distributed."""
+    local rank; the process leaves it when it exits. Otherwise a single process on `device_name`. Raises
+    GptlabError for a device that cannot run distributed."""
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     device = resolve_device(device_name)
     if world_size == 1:
@@ -192,17 +188,25 @@ def setup(device_name: str = "auto") -> Parallel:
     if not dist.is_initialized():
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
                                 device_id=device if device.type == "cuda" else None)
+        atexit.register(dist.destroy_process_group)
     return Parallel(device, rank, world_size, local_rank)
 
 
-def elastic_restart() -> bool:
-    """Whether torchrun restarted this worker group after a failure (then training resumes where it stopped)."""
-    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
+def launched() -> bool:
+    """Whether torchrun started this process."""
+    return "TORCHELASTIC_RUN_ID" in os.environ or "WORLD_SIZE" in os.environ
 
 
-def may_restart() -> bool:
-    """Whether torchrun was told it may restart the workers (--max-restarts > 0)."""
-    return int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")) > 0
+def elastic_resume(resume: str | None, run: str | None) -> str | None:
+    """The --resume setting for this process: "auto" when torchrun restarted the workers after a failure (they
+    continue from the newest checkpoint), else `resume` as given. Raises GptlabError when torchrun may restart
+    the workers (--max-restarts > 0) but no --run names the folder every restart must find again."""
+    if int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")) > 0 and not run:
+        raise GptlabError("torchrun may restart these processes (--max-restarts), so pass --run: every restart "
+                          "must find the same run folder")
+    if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0 and resume is None:
+        return "auto"
+    return resume
 
 
 def launch(nproc: int, argv: list[str], max_restarts: int = 0) -> int:

@@ -117,12 +117,15 @@ class CausalSelfAttention(nn.Module):
         return k_all, v_all, _attention_mask(cache.pos, T, end), False
 
     def _naive_is_faster(self, q: torch.Tensor) -> bool:
-        """attention="auto" picks the fused kernel, except when training under bf16 autocast on a CPU, where
-        torch's fused backward is measured ~1.5-2x slower than the written-out path (docs/benchmarks.md)."""
+        """attention="auto" picks the fused kernel, except when training on a CPU under bf16 autocast (its fused
+        backward is slower than the written-out path) or with dropout (its fused kernel has none there and falls
+        back to a slower path): measured with `gptlab bench attention` (docs/benchmarks.md)."""
         if self.path != "auto":
             return self.path == "naive"
-        return (q.device.type == "cpu" and torch.is_grad_enabled() and torch.is_autocast_enabled("cpu")
-                and torch.get_autocast_dtype("cpu") == torch.bfloat16)
+        if q.device.type != "cpu" or not torch.is_grad_enabled():
+            return False
+        bf16 = torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == torch.bfloat16
+        return bf16 or (self.training and self.dropout > 0)
 
     def _naive(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
                causal: bool) -> torch.Tensor:

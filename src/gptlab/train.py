@@ -144,40 +144,36 @@ def train(data_dir: str | Path, run_dir: str | Path, model_cfg: ModelConfig, cfg
     batch (see distributed.py). Returns the final numbers; raises GptlabError on bad input."""
     set_threads()
     dist = distributed.setup(cfg.device)
-    try:
-        device = dist.device
-        precision = resolve_precision(cfg.precision, device)
-        configure_matmul(device, precision)
-        dist.check_batch(cfg.batch_size)
-        dataset = load_dataset(data_dir)
-        if model_cfg.vocab_size == 0:
-            model_cfg.vocab_size = dataset.tokenizer.vocab_size
-        check_data(dataset, model_cfg)
-        run = Path(run_dir)
-        torch.manual_seed(cfg.seed)
-        model = build_model(model_cfg).to(device)
-        speed = cached_speed(device, precision, cfg.batch_size * model_cfg.block_size * cfg.grad_accum,
-                             model.flops_per_token(), dist.world_size)
-        optimizer = make_optimizer(model, cfg)
-        progress = resume_state(run, model, optimizer, dataset, model_cfg) if resume else Progress()
-        model, optimizer = dist.wrap(model, optimizer, cfg.fsdp)
-        dist.reseed(cfg.seed, progress.step)
-        if cfg.compile:
-            model = compile_model(model, warm_up(dataset, cfg, model_cfg.block_size, device, precision, dist))
-        if dist.is_main:
-            ck.init_run(run, model_cfg, cfg, dataset.tokenizer, {"data": str(Path(data_dir)), "precision": precision,
-                        "device": str(device), "processes": dist.world_size, **(extra or {})})
-            metrics = run / ck.METRICS
-            if resume:
-                _keep_metrics_until(metrics, progress.step)
-            elif metrics.exists():
-                metrics.unlink()
-        result = _loop(model, optimizer, dataset, model_cfg, cfg, run, progress, device, precision, quiet, speed,
-                       dist)
-        dist.barrier()  # no process leaves while rank 0 may still be writing
-        return result
-    finally:
-        dist.close()
+    device = dist.device
+    precision = resolve_precision(cfg.precision, device)
+    configure_matmul(device, precision)
+    dist.check_batch(cfg.batch_size)
+    dataset = load_dataset(data_dir)
+    if model_cfg.vocab_size == 0:
+        model_cfg.vocab_size = dataset.tokenizer.vocab_size
+    check_data(dataset, model_cfg)
+    run = Path(run_dir)
+    torch.manual_seed(cfg.seed)
+    model = build_model(model_cfg).to(device)
+    speed = cached_speed(device, precision, cfg.batch_size * model_cfg.block_size * cfg.grad_accum,
+                         model.flops_per_token(), dist.world_size)
+    optimizer = make_optimizer(model, cfg)
+    progress = resume_state(run, model, optimizer, dataset, model_cfg) if resume else Progress()
+    model, optimizer = dist.wrap(model, optimizer, cfg.fsdp)
+    dist.reseed(cfg.seed, progress.step)
+    if cfg.compile:
+        model = compile_model(model, warm_up(dataset, cfg, model_cfg.block_size, device, precision, dist))
+    if dist.is_main:
+        ck.init_run(run, model_cfg, cfg, dataset.tokenizer, {"data": str(Path(data_dir)), "precision": precision,
+                    "device": str(device), "processes": dist.world_size, **(extra or {})})
+        metrics = run / ck.METRICS
+        if resume:
+            _keep_metrics_until(metrics, progress.step)
+        elif metrics.exists():
+            metrics.unlink()
+    result = _loop(model, optimizer, dataset, model_cfg, cfg, run, progress, device, precision, quiet, speed, dist)
+    dist.barrier()  # no process leaves while rank 0 may still be writing
+    return result
 
 
 def warm_up(dataset: Dataset, cfg: TrainConfig, block_size: int, device: torch.device, precision: str,
@@ -205,7 +201,7 @@ def _loop(model: torch.nn.Module, optimizer: torch.optim.Optimizer, dataset: Dat
     eager = getattr(model, "_orig_mod", model)  # evaluate uncompiled: a second compiled graph costs more than it saves
     start, start_step, val_loss, history = time.perf_counter(), progress.step, math.nan, []
     tick, tick_step = start, progress.step  # the current speed interval, which leaves out evaluations and saves
-    nonfinite = torch.zeros((), dtype=torch.int64, device=device)  # steps not applied since the last log row
+    nonfinite = torch.zeros((), dtype=torch.int64, device=device)  # steps not applied; read (and fatal) at log rows
     with open(run / ck.METRICS if dist.is_main else os.devnull, "a") as metrics:
         def record(row: dict[str, Any]) -> None:
             history.append(row)
