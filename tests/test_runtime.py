@@ -28,17 +28,18 @@ def losses(result) -> list[float]:
 
 @pytest.mark.skipif(not bf16_supported(torch.device("cpu")), reason="this CPU has no native bf16")
 def test_bf16_autocast_follows_the_fp32_loss_curve_over_50_steps(tmp_path, char_data):
-    """Tolerances: each step's loss within 0.1 of fp32's, every 10-step mean within 0.03, the final validation
-    loss within 0.05, while the loss itself falls by more than 0.8 (measured: 0.049, 0.012 and 0.012)."""
+    """Tolerances: each step's loss within 0.01 of fp32's, every 10-step mean within 0.005, the final validation
+    loss within 0.005, while the loss itself falls by more than 1.5 (measured here: 0.0007, 0.0003 and 0.0002,
+    with a fall of 2.04; bf16 rounding differs between CPU kernels, hence the 10x margin)."""
     model = tiny_config(vocab_size=0, n_head=4, n_embd=64, block_size=32)
     fp32 = train(char_data, tmp_path / "fp32", model, settings(max_steps=50), quiet=True)
     model = tiny_config(vocab_size=0, n_head=4, n_embd=64, block_size=32)
     bf16 = train(char_data, tmp_path / "bf16", model, settings(max_steps=50, precision="bf16"), quiet=True)
     a, b = torch.tensor(losses(fp32)), torch.tensor(losses(bf16))
-    assert len(a) == 50 and a[0] - a[-10:].mean() > 0.8
-    assert (a - b).abs().max() < 0.1
-    assert (a.view(5, 10).mean(1) - b.view(5, 10).mean(1)).abs().max() < 0.03
-    assert abs(fp32.val_loss - bf16.val_loss) < 0.05
+    assert len(a) == 50 and a[0] - a[-10:].mean() > 1.5
+    assert (a - b).abs().max() < 0.01
+    assert (a.view(5, 10).mean(1) - b.view(5, 10).mean(1)).abs().max() < 0.005
+    assert abs(fp32.val_loss - bf16.val_loss) < 0.005
 
 
 def test_compiled_training_matches_eager(tmp_path, char_data, caplog):

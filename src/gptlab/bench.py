@@ -46,17 +46,22 @@ def time_it(fn: Callable[[], Any], device: torch.device, min_seconds: float = 0.
     return min(times) if best else sorted(times)[len(times) // 2]
 
 
+CPU_SHAPES = ((1024, 1024, 1024), (2048, 2048, 2048), (4096, 4096, 4096), (4096, 512, 2048), (2048, 4096, 2048))
+CUDA_SHAPES = ((4096, 4096, 4096), (8192, 8192, 8192), (16384, 4096, 4096))
+
+
 def matmul_flops(device: torch.device, dtype: torch.dtype, seconds: float = 1.0,
-                 sizes: tuple[int, ...] | None = None) -> float:
-    """Dense matmul FLOP/s in `dtype`: the best over square sizes large enough to keep every core (or SM) busy,
-    each timed by its fastest call, so MFU is held against a peak the device really reaches."""
-    sizes = sizes or ((2048, 4096, 8192) if device.type == "cuda" else (1024, 2048, 4096))
+                 shapes: tuple[tuple[int, int, int], ...] | None = None) -> float:
+    """Dense matmul FLOP/s in `dtype`: the best over (m, k, n) shapes large enough to keep every core (or SM)
+    busy, square and transformer-like (the fp32 BLAS on some CPUs is faster on the latter), each timed by its
+    fastest call, so MFU is held against the highest rate the device really reaches."""
+    shapes = shapes or (CUDA_SHAPES if device.type == "cuda" else CPU_SHAPES)
     best = 0.0
-    for size in sizes:
-        a = torch.randn(size, size, device=device, dtype=dtype)
-        b = torch.randn(size, size, device=device, dtype=dtype)
-        t = time_it(lambda: a @ b, device, min_seconds=seconds / len(sizes), best=True)
-        best = max(best, 2 * size**3 / t)
+    for m, k, n in shapes:
+        a = torch.randn(m, k, device=device, dtype=dtype)
+        b = torch.randn(k, n, device=device, dtype=dtype)
+        t = time_it(lambda: a @ b, device, min_seconds=seconds / len(shapes), best=True)
+        best = max(best, 2 * m * k * n / t)
     return best
 
 
@@ -70,16 +75,16 @@ def read_bandwidth(device: torch.device, megabytes: int = 512, seconds: float = 
 def measure_peak(device: torch.device, quick: bool = False) -> dict[str, Any]:
     """Matmul peak per precision (fp32; tf32 on CUDA; bf16 where native) and read bandwidth of `device`, now.
     quick: small sizes, a fraction of a second (for tests; too small to reach the peak)."""
-    seconds, sizes, megabytes = (0.2, (256, 512), 64) if quick else (3.0, None, 512)
+    seconds, shapes, megabytes = (0.2, ((256, 256, 256), (512, 512, 512)), 64) if quick else (3.0, None, 512)
     peak: dict[str, Any] = {"device": device_name(device)}
     configure_matmul(device, "fp32")  # exact fp32 products: TF32 is measured on its own below
-    peak["fp32"] = matmul_flops(device, torch.float32, seconds, sizes)
+    peak["fp32"] = matmul_flops(device, torch.float32, seconds, shapes)
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
-        peak["tf32"] = matmul_flops(device, torch.float32, seconds, sizes)
+        peak["tf32"] = matmul_flops(device, torch.float32, seconds, shapes)
         torch.backends.cuda.matmul.allow_tf32 = False
     if bf16_supported(device):
-        peak["bf16"] = matmul_flops(device, torch.bfloat16, seconds, sizes)
+        peak["bf16"] = matmul_flops(device, torch.bfloat16, seconds, shapes)
     peak["read_bytes_per_s"] = read_bandwidth(device, megabytes, seconds / 2)
     peak["torch"] = torch.__version__
     peak["measured_at"] = time.strftime("%Y-%m-%d %H:%M:%S")
@@ -260,12 +265,12 @@ def _print_train_table(rows: list[dict[str, Any]], peak: dict[str, Any], model_c
           f"(training); batch {cfg.batch_size}; dropout {model_cfg.dropout}; {total} steps from seed {cfg.seed}")
     ref = rows[0]
     print("ms/step: the median of the timed steps (best: the fastest); tokens/s and MFU from the median")
-    print(f"{'variant':<34} {'ms/step':>9} {'best':>8} {'tokens/s':>9} {'MFU':>6} {'vs ref':>7} {'val loss':>9} "
+    print(f"{'variant':<40} {'ms/step':>9} {'best':>8} {'tokens/s':>9} {'MFU':>6} {'vs ref':>7} {'val loss':>9} "
           f"{'Δ loss':>8}")
     for r in rows:
         note = "" if r["compiled"] or "compile" not in r["variant"] else "  (compile unavailable: ran eager)"
         note += f"  (compiled in {r['compile_s']:.0f} s)" if r["compiled"] else ""
-        print(f"{r['variant']:<34} {r['ms_per_step']:>9.1f} {r['best_ms']:>8.1f} {r['tokens_per_s']:>9,.0f} {r['mfu']:>6.1%} "
+        print(f"{r['variant']:<40} {r['ms_per_step']:>9.1f} {r['best_ms']:>8.1f} {r['tokens_per_s']:>9,.0f} {r['mfu']:>6.1%} "
               f"{r['tokens_per_s'] / ref['tokens_per_s']:>6.2f}x {r['val_loss']:>9.4f} "
               f"{r['val_loss'] - ref['val_loss']:>+8.4f}{note}")
     best = max(rows, key=lambda r: r["tokens_per_s"])

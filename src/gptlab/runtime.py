@@ -87,9 +87,9 @@ def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 def compile_model(model: torch.nn.Module, warm_up: Callable[[torch.nn.Module], None]) -> torch.nn.Module:
     """torch.compile(model), compiled now by running warm_up on it once (compilation is lazy, and a failure must
-    surface here, not mid-run). The random state is restored and gradients cleared afterwards, so a compiled
-    run draws the same numbers as an eager one. Where compiling is unavailable or fails: one warning, and the
-    model as it was."""
+    surface here, not mid-run). The random state is restored and gradients cleared afterwards, so training
+    starts from the state it would have without compiling. Where compiling is unavailable or fails: one
+    warning, and the model as it was."""
     devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
     try:
         compiled = torch.compile(model)
