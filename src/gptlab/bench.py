@@ -1,7 +1,10 @@
 """Benchmarks that measure side by side in one run and print ratios (these machines are shared and noisy).
 
 `peak` measures what the device can do: dense matmul throughput per precision and memory read bandwidth, and
-caches it per device so that training can report MFU against a measured, not a datasheet, peak.
+caches it per device so that training can report MFU against a measured, not a datasheet, peak. `train` trains
+one model with several variants (fp32 eager, the reference; bf16; bf16 + compile; flash attention on CUDA),
+steps interleaved, and compares tokens/s, MFU and the loss reached; `attention` does the same for the two
+attention paths in each precision.
 """
 
 from __future__ import annotations
@@ -18,8 +21,8 @@ from typing import Any
 import torch
 
 from gptlab.config import ModelConfig, TrainConfig
-from gptlab.runtime import (bf16_supported, compile_model, configure_matmul, device_name, peak_cache_file, peak_key,
-                            read_peak, resolve_device, set_threads)
+from gptlab.runtime import (Speed, bf16_supported, compile_model, configure_matmul, device_name, peak_cache_file,
+                            peak_key, read_peak, resolve_device, set_threads)
 
 
 def sync(device: torch.device) -> None:
@@ -249,11 +252,10 @@ def run_train_bench(data_dir: str | Path, model_cfg: ModelConfig, cfg: TrainConf
 def _row(c: Contender, val_loss: float, peak: dict[str, Any], tokens_per_step: int) -> dict[str, Any]:
     seconds = sorted(c.times)[len(c.times) // 2]
     key = peak_key(c.variant.precision)
-    flops = c.eager.flops_per_token() * tokens_per_step / seconds
+    tokens_per_s, mfu = Speed(tokens_per_step, c.eager.flops_per_token(), peak.get(key)).rates(1, seconds)
     return {"variant": c.variant.name, "ms_per_step": seconds * 1e3, "best_ms": min(c.times) * 1e3,
-            "tokens_per_s": tokens_per_step / seconds,
-            "mfu": flops / peak[key] if key in peak else float("nan"), "peak": key, "val_loss": val_loss,
-            "compile_s": c.compile_s, "compiled": c.model is not c.eager}
+            "tokens_per_s": tokens_per_s, "mfu": float("nan") if mfu is None else mfu, "peak": key,
+            "val_loss": val_loss, "compile_s": c.compile_s, "compiled": c.model is not c.eager}
 
 
 def _print_train_table(rows: list[dict[str, Any]], peak: dict[str, Any], model_cfg: ModelConfig, cfg: TrainConfig,

@@ -149,12 +149,15 @@ class Speed:
     flops_per_token: float
     peak_flops: float | None = None
 
-    def report(self, steps: int, seconds: float) -> dict[str, float]:
+    def rates(self, steps: int, seconds: float) -> tuple[float, float | None]:
+        """(tokens per second, MFU or None) for `steps` steps in `seconds`."""
         tokens_per_s = steps * self.tokens_per_step / max(seconds, 1e-9)
-        out = {"tokens_per_s": round(tokens_per_s, 1)}
-        if self.peak_flops:
-            out["mfu"] = round(tokens_per_s * self.flops_per_token / self.peak_flops, 4)
-        return out
+        return tokens_per_s, tokens_per_s * self.flops_per_token / self.peak_flops if self.peak_flops else None
+
+    def report(self, steps: int, seconds: float) -> dict[str, float]:
+        """The rates as a log row has them: tokens_per_s, and mfu when the peak is known."""
+        tokens_per_s, mfu = self.rates(steps, seconds)
+        return {"tokens_per_s": round(tokens_per_s, 1), **({"mfu": round(mfu, 4)} if mfu is not None else {})}
 
 
 def cached_speed(device: torch.device, precision: str, tokens_per_step: int, flops_per_token: float,
