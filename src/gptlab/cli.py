@@ -7,7 +7,6 @@ config files and Python callers share one definition. Errors a user can cause pr
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import logging
 import sys
 from pathlib import Path
@@ -191,28 +190,24 @@ def read_prompt(args: argparse.Namespace, tokenizer) -> list[int]:
 @command("sample", "generate text from a trained run, streamed as it is produced")
 def cmd_sample(args: argparse.Namespace) -> int:
     from gptlab.checkpoint import load_run
-    from gptlab.engine import generate
-    from gptlab.runtime import resolve_device, set_threads
-    from gptlab.tokenizer import StreamDecoder
+    from gptlab.engine import TextStream, prepare_for_inference
+    from gptlab.runtime import resolve_device, resolve_precision, set_threads
 
     set_threads()
     cfg = build(SampleConfig, {}, overrides(args, SampleConfig))
-    if args.num_samples < 1:
-        raise GptlabError(f"--num-samples must be >= 1, not {args.num_samples}")
-    loaded = load_run(args.run or latest_run(), device=resolve_device(args.device))
+    device = resolve_device(args.device)
+    loaded = load_run(args.run or latest_run(), device=device)
     prompt = read_prompt(args, loaded.tokenizer)
-    for n in range(args.num_samples):
-        one = dataclasses.replace(cfg, seed=cfg.seed + n)
-        decoder = StreamDecoder(loaded.tokenizer)
-        sys.stdout.write(loaded.tokenizer.decode(prompt) if args.echo_prompt else "")
-        for ids in generate(loaded.model, prompt, one):
-            if ids[0] == loaded.tokenizer.eot_id:
-                break
-            sys.stdout.write(decoder.push(ids))
-            sys.stdout.flush()
-        sys.stdout.write(decoder.flush() + "\n")
-        if n + 1 < args.num_samples:
-            sys.stdout.write("-" * 40 + "\n")
+    model = prepare_for_inference(loaded.model, resolve_precision(args.precision, device))
+    stream = TextStream(model, loaded.tokenizer, [prompt], cfg, args.num_samples)
+    echo = loaded.tokenizer.decode(prompt) if args.echo_prompt else ""
+    sys.stdout.write(echo)
+    for pieces in stream:  # the first sample streams; the others are printed once they are done
+        sys.stdout.write(pieces[0])
+        sys.stdout.flush()
+    sys.stdout.write("\n")
+    for completion in stream.completions[1:]:
+        sys.stdout.write("-" * 40 + "\n" + echo + completion.text + "\n")
     return 0
 
 
@@ -221,9 +216,12 @@ def add_sample(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt", help="text to continue (default: a newline, or end-of-text for BPE models)")
     p.add_argument("--prompt-file", help="read the prompt from this UTF-8 file")
     p.add_argument("--allow-special", action="store_true", help="encode <|endoftext|> in the prompt as special")
-    p.add_argument("--num-samples", type=int, default=1)
+    p.add_argument("--num-samples", type=int, default=1, help="continuations of the prompt, from one prefill")
     p.add_argument("--no-echo", dest="echo_prompt", action="store_false", help="do not print the prompt")
     p.add_argument("--device", default="cpu")
+    p.add_argument("--precision", choices=("fp32", "bf16", "auto"), default="fp32",
+                   help="inference weights: fp32 (the reference), bf16 (about twice as fast on a CPU with native "
+                        "bf16), or auto (bf16 where native)")
     add_config_flags(p, SampleConfig)
 
 
@@ -294,6 +292,33 @@ def bench_peak(args: argparse.Namespace) -> int:
     from gptlab.bench import run_peak
 
     run_peak(args.device, refresh=True)
+    return 0
+
+
+def add_bench_generate(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--device", default="auto")
+    p.add_argument("--new-tokens", type=int, default=256, help="tokens generated per row")
+    p.add_argument("--prompt-tokens", type=int, default=16, help="prompt length per row")
+    p.add_argument("--char-tokens", type=int, default=1000, help="tokens for the char model (0: skip it)")
+    p.add_argument("--repeats", type=int, default=1, help="runs per variant; the fastest is kept")
+    p.add_argument("--no-uncached", dest="uncached", action="store_false", help="skip the slow no-cache runs")
+    p.add_argument("--no-transformers", dest="transformers", action="store_false",
+                   help="skip transformers' generate even when it is installed")
+
+
+@bench("generate", "KV-cache generation on a GPT-2-124M-shaped model and a char model: prefill, decode, time to "
+       "first token, fp32 and bf16, beside no cache, transformers' generate and the memory-bandwidth floor",
+       add_bench_generate)
+def bench_generate(args: argparse.Namespace) -> int:
+    from gptlab.bench import run_generate
+
+    for name in ("new_tokens", "prompt_tokens", "repeats"):
+        if getattr(args, name) < 1:
+            raise GptlabError(f"--{name.replace('_', '-')} must be >= 1, not {getattr(args, name)}")
+    if not 0 <= args.char_tokens:
+        raise GptlabError(f"--char-tokens must be >= 0, not {args.char_tokens}")
+    run_generate(args.device, args.new_tokens, args.prompt_tokens, args.char_tokens, args.repeats, args.uncached,
+                 args.transformers)
     return 0
 
 

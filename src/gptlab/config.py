@@ -7,8 +7,9 @@ Python callers construct them directly. Nothing here imports torch.
 from __future__ import annotations
 
 import dataclasses
+import types
 from dataclasses import dataclass, field, fields
-from typing import Any, get_type_hints
+from typing import Any, Union, get_args, get_origin, get_type_hints
 
 from gptlab.errors import GptlabError
 
@@ -115,11 +116,12 @@ class TrainConfig:
 
 @dataclass
 class SampleConfig:
-    """How to sample. temperature 0 is greedy; top_k 0 and top_p 1 turn those filters off."""
+    """How to sample. temperature 0 is greedy; top_k None (unset) and top_p 1 turn those filters off; generation
+    stops at the first of the `stop` strings to appear in the generated text."""
 
     max_new_tokens: int = 500
     temperature: float = 0.8
-    top_k: int = 0
+    top_k: int | None = None
     top_p: float = 1.0
     repetition_penalty: float = 1.0
     frequency_penalty: float = 0.0
@@ -130,9 +132,11 @@ class SampleConfig:
     def __post_init__(self) -> None:
         _check(self.max_new_tokens > 0, f"max_new_tokens must be a positive integer, not {self.max_new_tokens}")
         _check(self.temperature >= 0, f"temperature must be >= 0 (0 is greedy), not {self.temperature}")
-        _check(self.top_k >= 0, f"top_k must be >= 1 (or 0 to turn it off), not {self.top_k}")
+        _check(self.top_k is None or self.top_k >= 1,
+               f"top_k must be >= 1 (leave it out to keep every token), not {self.top_k}")
         _check(0 < self.top_p <= 1, f"top_p must be in (0, 1], not {self.top_p}")
         _check(self.repetition_penalty > 0, f"repetition_penalty must be > 0, not {self.repetition_penalty}")
+        _check(all(self.stop), "a stop string must not be empty (it would stop before the first token)")
 
 
 @dataclass(frozen=True)
@@ -188,9 +192,18 @@ def get_preset(name: str) -> Preset:
 
 
 def field_types(cls: type) -> dict[str, type]:
-    """Field name -> its Python type, for building CLI flags and parsing overrides."""
+    """Field name -> its Python type (X for an optional `X | None`), for building CLI flags and parsing overrides."""
     hints = get_type_hints(cls)
-    return {f.name: hints[f.name] for f in fields(cls)}
+    return {f.name: _required(hints[f.name]) for f in fields(cls)}
+
+
+def _required(kind: Any) -> Any:
+    """X for `X | None`, else `kind` unchanged."""
+    if get_origin(kind) in (Union, types.UnionType):
+        rest = [a for a in get_args(kind) if a is not type(None)]
+        if len(rest) == 1:
+            return rest[0]
+    return kind
 
 
 def parse_value(cls: type, name: str, text: str) -> Any:
