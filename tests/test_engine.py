@@ -42,7 +42,6 @@ def test_each_row_of_a_ragged_batch_gives_what_its_prompt_gives_alone(shape):
     _, fast = pair(**shape)
     prompts = [torch.randint(0, 50, (n,)).tolist() for n in (3, 1, 16, 9, 30)]
     batch = rows_of(generate_batch(fast, prompts, GREEDY_200))
-    assert batch == rows_of(generate_uncached(fast, prompts, GREEDY_200))
     for prompt, row in zip(prompts, batch):
         assert rows_of(generate(fast, prompt, GREEDY_200)) == [row]
 

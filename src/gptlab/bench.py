@@ -317,6 +317,62 @@ def generation_ratios(results: list[GenResult], floor_tok_s: dict[str, float]) -
     return lines
 
 
+def linear_kernel_times(model: torch.nn.Module, precision: str, device: torch.device) -> dict[str, float]:
+    """Seconds to pass one row through every Linear of `model` (the matrices a batch-1 decode step reads): with
+    F.linear, with oneDNN-packed weights, and packed with the row padded to 4 rows (what the engine does)."""
+    import torch.nn.functional as F
+
+    from gptlab.engine import PRECISIONS, InferenceLinear
+
+    dtype = PRECISIONS[precision]
+    linears = [copy.deepcopy(m).to(dtype) for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    packed = [InferenceLinear(m) for m in linears]
+    xs = [torch.randn(1, m.in_features, dtype=dtype, device=device) for m in linears]
+
+    def plain() -> None:
+        for x, m in zip(xs, linears):
+            F.linear(x, m.weight, m.bias)
+
+    def one_row() -> None:
+        for x, m in zip(xs, packed):
+            torch.ops.mkldnn._linear_pointwise(x, m.packed, m.bias, "none", [], "")
+
+    def padded() -> None:
+        for x, m in zip(xs, packed):
+            m(x)
+
+    with torch.inference_mode():
+        return {name: time_it(fn, device, min_seconds=0.5) for name, fn in
+                (("F.linear", plain), ("oneDNN-packed", one_row), ("packed, padded to 4 rows", padded))}
+
+
+def attention_times(device: torch.device, rows: int = 8, keys: int = 272, n_head: int = 12,
+                    head_dim: int = 64) -> dict[str, float]:
+    """Seconds for one decode step's attention of one layer (one query per row over `keys` cached positions) in
+    fp32 and in bf16."""
+    import torch.nn.functional as F
+
+    out = {}
+    for precision, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+        q = torch.randn(rows, n_head, 1, head_dim, dtype=dtype, device=device)
+        k, v = (torch.randn(rows, n_head, keys, head_dim, dtype=dtype, device=device) for _ in range(2))
+        with torch.inference_mode():
+            out[precision] = time_it(lambda: F.scaled_dot_product_attention(q, k, v), device, min_seconds=0.3)
+    return out
+
+
+def print_kernel_lines(model: torch.nn.Module, precisions: list[str], device: torch.device) -> None:
+    """The measurements behind the engine's choices of weight layout and attention precision."""
+    for p in precisions:
+        times = linear_kernel_times(model, p, device)
+        print(f"{p} matrices of one batch-1 decode step: " + ", ".join(f"{name} {t * 1e3:.1f} ms"
+                                                                        for name, t in times.items()))
+    if "bf16" in precisions:
+        att = attention_times(device)
+        print(f"attention of one layer, 8 rows, 1 query over 272 keys: fp32 {att['fp32'] * 1e3:.2f} ms, bf16 "
+              f"{att['bf16'] * 1e3:.2f} ms")
+
+
 def char_model_speedup(device: torch.device, new_tokens: int, prompt_tokens: int) -> tuple[float, float]:
     """Seconds to generate `new_tokens` with the char-small-shaped model (context 256, so the window slides), with
     the KV cache and without."""
@@ -343,11 +399,15 @@ def run_generate(device_arg: str = "auto", new_tokens: int = 256, prompt_tokens:
     print(f"gptlab bench generate: {name} shape (random weights), prompt {prompt_tokens} tokens, {new_tokens} new "
           f"tokens, greedy; best of {repeats}")
     print(f"device: {device_name(device)}; memory read {bandwidth / 1e9:.1f} GB/s (measured now)")
+    model = GPT(config).to(device)
+    floor = {p: bandwidth / weight_bytes_per_token(model, p) for p in precisions}
+    from gptlab.engine import can_pack
+
+    if can_pack(device, torch.float32):
+        print_kernel_lines(model, precisions, device)
+    del model
     results = bench_model(config, device, precisions, [1, 8], prompt_tokens, new_tokens, repeats, uncached,
                           with_transformers)
-    model = GPT(config)
-    floor = {p: bandwidth / weight_bytes_per_token(model, p) for p in precisions}
-    del model
     print_generation_table(name, results, floor)
     lines = generation_ratios(results, floor)
     if char_tokens:

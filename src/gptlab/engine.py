@@ -11,8 +11,8 @@ Three layers, each usable alone:
 
 The sliding window. Learned positions cannot be shifted, so when a row's window is full (block_size tokens) and
 one more token arrives, the row's window becomes its last `keep` tokens (`window_keep`: 3/4 of block_size) and
-its cache rows are rebuilt from them: one prefill every block_size - keep new tokens, every token seeing at least
-`keep` tokens of context. The reference `generate_uncached` recomputes the same window from scratch each step,
+its cache rows are rebuilt from them: one rebuild every block_size - keep + 1 new tokens, every token seeing at
+least `keep` tokens of context (if the prompt had that many). The reference `generate_uncached` recomputes the same window from scratch each step,
 so under greedy decoding the two give the same ids.
 """
 
@@ -45,10 +45,11 @@ def window_keep(block_size: int) -> int:
 class InferenceLinear(nn.Module):
     """y = x W^T + b, like the nn.Linear it replaces, with W pre-packed in oneDNN's blocked layout for this CPU.
 
-    Decoding reads every weight once per token, so this is where generation spends its time. Measured on a 2-core
-    AMD EPYC (docs/benchmarks.md), packing makes bf16 products about 1.7x faster than F.linear and fp32 products
-    of several rows about 2x faster; and oneDNN's kernel for 4 rows reads the weights 15-25% faster than its
-    kernel for 1 row, so fewer rows are padded to MIN_ROWS. Inference only: the weights are not parameters."""
+    Decoding reads every weight once per token, so this is where generation spends its time. On a 2-core AMD EPYC
+    (`gptlab bench generate`, docs/benchmarks.md) packed products of one row take about 0.6x the time of F.linear
+    in fp32 and in bf16, and several rows (batches, prompts) gain more. W is packed for MIN_ROWS rows, the layout
+    that suits batches; a single row is padded to MIN_ROWS, which measured faster than giving that layout one row.
+    Inference only: the packed weight is not a parameter."""
 
     MIN_ROWS = 4
 
@@ -78,19 +79,19 @@ def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
 
 
 @torch.no_grad()
-def prepare_for_inference(model: nn.Module, precision: str = "fp32", pack: bool = True) -> nn.Module:
+def prepare_for_inference(model: nn.Module, precision: str = "fp32") -> nn.Module:
     """Make `model` fast to generate with, in place, and return it: eval mode, weights in `precision` ("fp32",
-    the reference, or "bf16"), and each nn.Linear replaced by a InferenceLinear where oneDNN supports it (`pack`).
+    the reference, or "bf16"), and each nn.Linear replaced by an InferenceLinear where oneDNN supports it.
     The result still has the model's forward contract but is for inference only: no training, no checkpoint.
     Raises GptlabError for an unknown precision or bf16 on a device without it."""
     if precision not in PRECISIONS:
         raise GptlabError(f"precision must be one of {', '.join(PRECISIONS)}, not {precision!r}")
     dtype = PRECISIONS[precision]
     device = next(model.parameters()).device
-    if dtype == torch.bfloat16 and device.type == "cpu" and not can_pack(device, dtype):
+    if dtype == torch.bfloat16 and device.type == "cpu" and not bf16_supported(device):
         raise GptlabError("this CPU has no native bf16 support; use --precision fp32")
     model.eval().to(dtype)
-    if pack and can_pack(device, dtype):
+    if can_pack(device, dtype):
         for module in list(model.modules()):
             for name, child in list(module.named_children()):
                 if isinstance(child, nn.Linear):
@@ -109,7 +110,8 @@ def cache_dtype(model: nn.Module) -> torch.dtype:
 
 class Generation:
     """State shared by the cached and the reference decoder: each row's window (the tokens the model sees), the
-    penalty counts and the generator. Rows are prompt-major: row r continues prompt r // num_samples."""
+    penalty counts (each row's prompt, up to its last block_size tokens, and every token generated since) and the
+    generator. Rows are prompt-major: row r continues prompt r // num_samples."""
 
     def __init__(self, model: nn.Module, prompts: Sequence[Sequence[int]], cfg: SampleConfig, num_samples: int):
         if num_samples < 1:
@@ -165,8 +167,8 @@ def _prefill(model: nn.Module, cache: KVCache, windows: list[list[int]], device:
 
 
 def _slide(model: nn.Module, cache: KVCache, state: Generation, filled: list[int]) -> None:
-    """Rebuild the cache rows whose window slid (filled > window length - 1) from all but the window's newest
-    token, which the next decode step then adds like any other row's."""
+    """Rebuild the cache rows whose window slid (their cache holds as many positions as the window has tokens)
+    from all but the window's newest token, which the next decode step then adds like any other row's."""
     rows = [r for r, (n, w) in enumerate(zip(filled, state.windows)) if n >= len(w)]
     if not rows:
         return
@@ -195,7 +197,8 @@ def _decode_cached(state: Generation) -> Iterator[list[int]]:
     model, n = state.model, state.num_samples
     firsts = state.windows[::n]
     longest = min(state.block_size, max(len(w) for w in firsts) + state.cfg.max_new_tokens)
-    cache = model.new_kv_cache(len(firsts), dtype=cache_dtype(model), max_len=longest)  # zeroing it costs time
+    # only as long as this generation can get: zeroing a cache of block_size positions costs time
+    cache = model.new_kv_cache(len(firsts), dtype=cache_dtype(model), max_len=longest)
     logits = _prefill(model, cache, firsts, state.device)
     if n > 1:
         cache = cache.repeat_rows(n)
