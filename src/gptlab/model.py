@@ -55,8 +55,8 @@ class KVCache:
         self.pos[rows] = other.pos
 
     def begin(self, T: int) -> CacheStep:
-        """Plan a forward of T new positions per row (the model calls this once per forward, not per layer): where
-        they are written and which keys each query sees. One host sync, for the whole forward."""
+        """Plan a forward of T new positions per row: where they are written and which keys each query sees. The
+        model calls this once per forward, so positions are read on the host once, not once per layer."""
         lo, hi = self.pos.aminmax()
         start, end = int(lo), int(hi) + T
         assert end <= self.max_len, f"KV cache overflow: {end} positions > {self.max_len}"
