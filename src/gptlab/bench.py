@@ -20,8 +20,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 from gptlab.config import ModelConfig, SampleConfig, build, get_preset
+from gptlab.engine import (PRECISIONS, InferenceLinear, can_pack, generate_batch, generate_uncached,
+                           prepare_for_inference)
 from gptlab.model import GPT
 from gptlab.runtime import bf16_supported, resolve_device, set_threads
 
@@ -162,6 +165,11 @@ class Clock:
     def end(self) -> None:
         pass
 
+    @property
+    def seconds(self) -> float:
+        """From the start to the last new position."""
+        return self.stamps[-1] - self.start
+
 
 @dataclass
 class GenResult:
@@ -173,7 +181,6 @@ class GenResult:
     ttft_s: float  # from the call to the first new token of every row
     prefill_tok_s: float  # prompt tokens of all rows / time to first token
     decode_tok_s: float  # new tokens after the first, all rows together, per second
-    total_s: float
     ids: list[list[int]]  # (batch, new tokens)
 
     @classmethod
@@ -181,14 +188,12 @@ class GenResult:
         s = clock.stamps
         ttft = s[0] - clock.start
         decode = batch * (len(s) - 1) / (s[-1] - s[0]) if len(s) > 1 else float("nan")
-        return cls(engine, precision, batch, ttft, batch * prompt_tokens / ttft, decode, s[-1] - clock.start,
+        return cls(engine, precision, batch, ttft, batch * prompt_tokens / ttft, decode,
                    [list(row) for row in zip(*clock.ids)])
 
 
 def run_gptlab(model: torch.nn.Module, prompts: list[list[int]], new_tokens: int, cached: bool = True) -> Clock:
     """Greedy generation with the engine (or its no-cache reference), timed position by position."""
-    from gptlab.engine import generate_batch, generate_uncached
-
     cfg = SampleConfig(max_new_tokens=new_tokens, temperature=0)
     clock = Clock()
     for ids in (generate_batch if cached else generate_uncached)(model, prompts, cfg):
@@ -247,8 +252,6 @@ def bench_model(config: ModelConfig, device: torch.device, precisions: list[str]
     """Time greedy generation of one randomly initialised model with the engine, with transformers' generate on
     the same weights, and (batch 1) without the cache, for each precision and batch size. Each variant is warmed
     up, then run `repeats` times (interleaved with the others) and its fastest run kept; no cache runs once."""
-    from gptlab.engine import PRECISIONS, prepare_for_inference
-
     torch.manual_seed(0)
     base = GPT(config).to(device).eval()
     hf = transformers_twin(base) if with_transformers else None
@@ -320,10 +323,6 @@ def generation_ratios(results: list[GenResult], floor_tok_s: dict[str, float]) -
 def linear_kernel_times(model: torch.nn.Module, precision: str, device: torch.device) -> dict[str, float]:
     """Seconds to pass one row through every Linear of `model` (the matrices a batch-1 decode step reads): with
     F.linear, with oneDNN-packed weights, and packed with the row padded to 4 rows (what the engine does)."""
-    import torch.nn.functional as F
-
-    from gptlab.engine import PRECISIONS, InferenceLinear
-
     dtype = PRECISIONS[precision]
     linears = [copy.deepcopy(m).to(dtype) for m in model.modules() if isinstance(m, torch.nn.Linear)]
     packed = [InferenceLinear(m) for m in linears]
@@ -350,8 +349,6 @@ def attention_times(device: torch.device, rows: int = 8, keys: int = 272, n_head
                     head_dim: int = 64) -> dict[str, float]:
     """Seconds for one decode step's attention of one layer (one query per row over `keys` cached positions) in
     fp32 and in bf16."""
-    import torch.nn.functional as F
-
     out = {}
     for precision, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
         q = torch.randn(rows, n_head, 1, head_dim, dtype=dtype, device=device)
@@ -376,16 +373,12 @@ def print_kernel_lines(model: torch.nn.Module, precisions: list[str], device: to
 def char_model_speedup(device: torch.device, new_tokens: int, prompt_tokens: int) -> tuple[float, float]:
     """Seconds to generate `new_tokens` with the char-small-shaped model (context 256, so the window slides), with
     the KV cache and without."""
-    from gptlab.engine import prepare_for_inference
-
     torch.manual_seed(0)
     config = build(ModelConfig, GEN_MODELS["char-small"], {})
     model = prepare_for_inference(GPT(config).to(device), "fp32")
     prompt = [torch.randint(0, config.vocab_size, (prompt_tokens,)).tolist()]
     run_gptlab(model, prompt, 2)
-    cached = run_gptlab(model, prompt, new_tokens)
-    uncached = run_gptlab(model, prompt, new_tokens, cached=False)
-    return cached.stamps[-1] - cached.start, uncached.stamps[-1] - uncached.start
+    return run_gptlab(model, prompt, new_tokens).seconds, run_gptlab(model, prompt, new_tokens, cached=False).seconds
 
 
 def run_generate(device_arg: str = "auto", new_tokens: int = 256, prompt_tokens: int = 16, char_tokens: int = 1000,
@@ -401,8 +394,6 @@ def run_generate(device_arg: str = "auto", new_tokens: int = 256, prompt_tokens:
     print(f"device: {device_name(device)}; memory read {bandwidth / 1e9:.1f} GB/s (measured now)")
     model = GPT(config).to(device)
     floor = {p: bandwidth / weight_bytes_per_token(model, p) for p in precisions}
-    from gptlab.engine import can_pack
-
     if can_pack(device, torch.float32):
         print_kernel_lines(model, precisions, device)
     del model
