@@ -120,7 +120,7 @@ def resolve_train_settings(args: argparse.Namespace) -> tuple[str, ModelConfig, 
     if resume:
         saved = read_run_config(run)
         model_base, train_base = saved["model"], saved["train"]
-        extra = {"preset": saved.get("preset", preset_name), "resumed_with": overrides(args, TrainConfig)}
+        extra = {"preset": saved.get("preset", preset_name)}
     model_cfg = build(ModelConfig, model_base, overrides(args, ModelConfig))
     train_cfg = build(TrainConfig, train_base, overrides(args, TrainConfig))
     return str(run), model_cfg, train_cfg, resume, extra
@@ -237,6 +237,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from gptlab.runtime import resolve_device, set_threads
 
     set_threads()
+    if args.batch_size < 1:
+        raise GptlabError(f"--batch-size must be >= 1, not {args.batch_size}")
     run = args.run or latest_run()
     loaded = load_run(run, device=resolve_device(args.device))
     scores = []
@@ -250,6 +252,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
                 raise GptlabError(f"{name} is not valid {args.encoding} (bad byte at offset {exc.start}); "
                                   "pass --encoding") from None
             tokens = loaded.tokenizer.encode(text, allow_special=True)
+            if len(tokens) < 2:
+                raise GptlabError(f"{name} is too short to score: it needs at least 2 tokens, it has {len(tokens)}")
             scores.append(score(loaded.model, name, tokens, len(text), len(text.encode()), args.batch_size))
     else:
         data = load_dataset(args.data or read_run_config(run)["data"])
@@ -333,7 +337,7 @@ def main(argv: list[str] | None = None) -> int:
         return COMMANDS[args.command][0](args)
     except GptlabError as exc:
         print(f"gptlab: error: {exc}", file=sys.stderr)
-        return 2
+        return getattr(exc, "exit_code", 2)
     except KeyboardInterrupt:
         print("gptlab: interrupted", file=sys.stderr)
         return 130

@@ -70,7 +70,8 @@ class ModelConfig:
 
 @dataclass
 class TrainConfig:
-    """How to train. `lr_decay_steps` 0 means "decay over max_steps"."""
+    """How to train. `lr_decay_steps` 0 means "decay over max_steps". `spike_factor` > 1 stops the run when the
+    loss exceeds that multiple of its recent mean for `spike_patience` steps in a row (0: off)."""
 
     batch_size: int = 12
     grad_accum: int = 1
@@ -91,6 +92,8 @@ class TrainConfig:
     device: str = "auto"
     compile: bool = False
     keep_last: int = 2
+    spike_factor: float = 0.0
+    spike_patience: int = 3
     init_from: str = ""
 
     def __post_init__(self) -> None:
@@ -105,6 +108,9 @@ class TrainConfig:
         _check(0 <= self.beta1 < 1 and 0 <= self.beta2 < 1, "beta1 and beta2 must be in [0, 1)")
         _check(self.grad_clip >= 0, f"grad_clip must be >= 0 (0 turns clipping off), not {self.grad_clip}")
         _check(self.keep_last >= 2, f"keep_last must be at least 2, not {self.keep_last}")
+        _check(self.spike_factor == 0 or self.spike_factor > 1,
+               f"spike_factor must be 0 (off) or > 1, not {self.spike_factor}")
+        _check(self.spike_patience >= 1, f"spike_patience must be >= 1, not {self.spike_patience}")
         _check_choice("precision", self.precision, PRECISIONS)
         _check_choice("device", self.device, DEVICES)
 
