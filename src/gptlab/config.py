@@ -182,8 +182,15 @@ PRESETS: dict[str, Preset] = {
     "gpt2-xl": Preset("GPT-2 XL, 1558M parameters",
                       dict(block_size=1024, n_layer=48, n_head=25, n_embd=1600, vocab_size=50257),
                       _GPT2_TRAIN, "gpt2"),
+    "finetune": Preset(
+        "continue training a model given with --init-from (a gptlab run or a Hugging Face GPT-2 folder) on your "
+        "text: its shape comes from there; a small, nearly constant learning rate, a short run, dropout 0.1",
+        dict(dropout=0.1),
+        dict(batch_size=8, grad_accum=4, max_steps=200, lr=3e-5, min_lr=3e-5, warmup_steps=10, beta2=0.95,
+             weight_decay=0.1, eval_interval=50, eval_batches=20), "gpt2"),
 }
 DEFAULT_PRESET = "char-quick"
+FINETUNE_PRESET = "finetune"
 
 
 def get_preset(name: str) -> Preset:

@@ -18,6 +18,7 @@ from gptlab.config import ModelConfig, TrainConfig, from_dict, to_dict
 from gptlab.data import Dataset, batch_generator, get_batch, load_dataset
 from gptlab.errors import GptlabError
 from gptlab.faults import GracefulStop, Interrupted, LossSpike, NonFiniteLoss, SpikeGuard
+from gptlab.hf import init_tensors
 from gptlab.model import build_model
 from gptlab.optim import lr_at, make_optimizer
 from gptlab.plots import plot_loss, read_metrics
@@ -144,10 +145,14 @@ def train(data_dir: str | Path, run_dir: str | Path, model_cfg: ModelConfig, cfg
     dataset = load_dataset(data_dir)
     if model_cfg.vocab_size == 0:
         model_cfg.vocab_size = dataset.tokenizer.vocab_size
+    # fine-tuning: start from a gptlab run's or a HF GPT-2's weights, checked against this model and data first
+    init = init_tensors(cfg.init_from, model_cfg, dataset.tokenizer) if cfg.init_from and not resume else None
     check_data(dataset, model_cfg)
     run = Path(run_dir)
     torch.manual_seed(cfg.seed)
     model = build_model(model_cfg).to(device)
+    if init is not None:
+        ck.load_model_tensors(model, init, cfg.init_from)
     optimizer = make_optimizer(model, cfg)
     if not resume and ck.find_checkpoint(run, "step") is not None:
         raise GptlabError(f"run {run} already has checkpoints; pass --resume to continue it or choose a new --run")
