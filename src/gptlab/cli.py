@@ -12,8 +12,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from gptlab.config import (DEFAULT_PRESET, PRESETS, TOKENIZERS, ModelConfig, SampleConfig, TrainConfig, build,
-                           field_types, get_preset, parse_value)
+from gptlab.config import (DEFAULT_PRESET, FINETUNE_PRESET, PRESETS, TOKENIZERS, ModelConfig, SampleConfig,
+                           TrainConfig, build, field_types, get_preset, parse_value, to_dict)
 from gptlab.errors import GptlabError
 
 RUNS = Path("runs")
@@ -108,21 +108,35 @@ def resolve_train_settings(args: argparse.Namespace) -> tuple[str, ModelConfig, 
     """Preset (or the run being resumed) + command-line overrides -> validated settings."""
     from gptlab.checkpoint import find_checkpoint, read_run_config
 
-    preset_name = args.preset or DEFAULT_PRESET
+    preset_name = args.preset or (FINETUNE_PRESET if args.init_from else DEFAULT_PRESET)
     preset = get_preset(preset_name)
     model_base, train_base = dict(preset.model), dict(preset.train)
     run = pick_run_dir(args, preset_name)
     resume = bool(args.resume)
     if args.resume == "auto":
         resume = (run / "config.json").exists() and find_checkpoint(run, "step") is not None
+    if not resume and (args.init_from or preset_name == FINETUNE_PRESET):
+        model_base = init_from_model_base(args.init_from, model_base)
     extra: dict[str, Any] = {"preset": preset_name}
     if resume:
         saved = read_run_config(run)
         model_base, train_base = saved["model"], saved["train"]
-        extra = {"preset": saved.get("preset", preset_name), "resumed_with": overrides(args, TrainConfig)}
+        extra = {"preset": saved.get("preset", preset_name)}
     model_cfg = build(ModelConfig, model_base, overrides(args, ModelConfig))
     train_cfg = build(TrainConfig, train_base, overrides(args, TrainConfig))
     return str(run), model_cfg, train_cfg, resume, extra
+
+
+def init_from_model_base(source: str | None, model_base: dict[str, Any]) -> dict[str, Any]:
+    """With --init-from the model's shape comes from the source; the preset and flags still set dropout, the
+    attention path and a shorter block_size."""
+    from gptlab.hf import source_model_config
+
+    if not source:
+        raise GptlabError(f"the {FINETUNE_PRESET} preset continues training a model; name it with --init-from "
+                          "RUN_OR_HF_FOLDER")
+    shape = {k: v for k, v in to_dict(source_model_config(source)).items() if k not in ("dropout", "attention")}
+    return {**model_base, **shape}
 
 
 @command("train", "train a model (no arguments: the default preset on the bundled corpus, into runs/)")
@@ -235,6 +249,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from gptlab.runtime import resolve_device, set_threads
 
     set_threads()
+    if args.batch_size < 1:
+        raise GptlabError(f"--batch-size must be >= 1, not {args.batch_size}")
     run = args.run or latest_run()
     loaded = load_run(run, device=resolve_device(args.device))
     scores = []
@@ -248,9 +264,15 @@ def cmd_eval(args: argparse.Namespace) -> int:
                 raise GptlabError(f"{name} is not valid {args.encoding} (bad byte at offset {exc.start}); "
                                   "pass --encoding") from None
             tokens = loaded.tokenizer.encode(text, allow_special=True)
+            if len(tokens) < 2:
+                raise GptlabError(f"{name} is too short to score: it needs at least 2 tokens, it has {len(tokens)}")
             scores.append(score(loaded.model, name, tokens, len(text), len(text.encode()), args.batch_size))
     else:
-        data = load_dataset(args.data or read_run_config(run)["data"])
+        data_dir = args.data or read_run_config(run).get("data")
+        if not data_dir:
+            raise GptlabError(f"run {run} has no data of its own (it was imported); give text files to score or "
+                              "--data")
+        data = load_dataset(data_dir)
         text = loaded.tokenizer.decode(data.val.tolist())
         scores.append(score(loaded.model, f"{data.path} (val)", data.val, len(text), len(text.encode()),
                             args.batch_size))
@@ -268,6 +290,42 @@ def add_eval(p: argparse.ArgumentParser) -> None:
     p.add_argument("--encoding", default="utf-8")
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--device", default="cpu")
+
+
+# ---- import / export --------------------------------------------------------------------------------------------
+
+@command("import", "turn a local Hugging Face GPT-2 folder into a gptlab run (nothing is downloaded)")
+def cmd_import(args: argparse.Namespace) -> int:
+    from gptlab.hf import import_hf
+
+    run = Path(args.run) if args.run else RUNS / Path(args.path).resolve().name
+    model = import_hf(args.path, run)
+    c = model.config
+    print(f"imported {args.path} into {run}: {model.num_params():,} parameters, {c.n_layer} layers x {c.n_head} "
+          f"heads x {c.n_embd} wide, context {c.block_size}, vocabulary {c.vocab_size:,}")
+    print(f"sample it: gptlab sample --run {run}; fine-tune it: gptlab train --init-from {run} --data DATA")
+    return 0
+
+
+def add_import(p: argparse.ArgumentParser) -> None:
+    p.add_argument("path", help="a Hugging Face GPT-2 folder: config.json + model.safetensors or pytorch_model.bin")
+    p.add_argument("--run", help="run folder to create (default: runs/ + the folder's name)")
+
+
+@command("export", "write a run's model as a Hugging Face GPT-2 folder that transformers loads")
+def cmd_export(args: argparse.Namespace) -> int:
+    from gptlab.hf import export_hf
+
+    names = export_hf(args.run_dir, args.out)
+    print(f"exported {args.run_dir} to {args.out}: {', '.join(names)}")
+    print(f"load it: transformers.GPT2LMHeadModel.from_pretrained({str(args.out)!r})")
+    return 0
+
+
+def add_export(p: argparse.ArgumentParser) -> None:
+    p.add_argument("run_dir", help="the run to export (its best checkpoint, else its latest)")
+    p.add_argument("--format", choices=("hf",), default="hf", help="hf: Hugging Face GPT-2 (the only format)")
+    p.add_argument("--out", required=True, help="folder to write (created if needed; files in it are replaced)")
 
 
 # ---- bench -------------------------------------------------------------------------------------------------------
@@ -335,7 +393,8 @@ def add_bench(p: argparse.ArgumentParser) -> None:
 
 # ---- main --------------------------------------------------------------------------------------------------------
 
-ADDERS = {"prepare": add_prepare, "train": add_train, "sample": add_sample, "eval": add_eval, "bench": add_bench}
+ADDERS = {"prepare": add_prepare, "train": add_train, "sample": add_sample, "eval": add_eval, "import": add_import,
+          "export": add_export, "bench": add_bench}
 
 
 def make_parser() -> Parser:
@@ -358,7 +417,7 @@ def main(argv: list[str] | None = None) -> int:
         return COMMANDS[args.command][0](args)
     except GptlabError as exc:
         print(f"gptlab: error: {exc}", file=sys.stderr)
-        return 2
+        return getattr(exc, "exit_code", 2)
     except KeyboardInterrupt:
         print("gptlab: interrupted", file=sys.stderr)
         return 130

@@ -71,7 +71,8 @@ class ModelConfig:
 
 @dataclass
 class TrainConfig:
-    """How to train. `lr_decay_steps` 0 means "decay over max_steps"."""
+    """How to train. `lr_decay_steps` 0 means "decay over max_steps". `spike_factor` > 1 stops the run when the
+    loss exceeds that multiple of its recent mean for `spike_patience` steps in a row (0: off)."""
 
     batch_size: int = 12
     grad_accum: int = 1
@@ -92,6 +93,8 @@ class TrainConfig:
     device: str = "auto"
     compile: bool = False
     keep_last: int = 2
+    spike_factor: float = 0.0
+    spike_patience: int = 3
     init_from: str = ""
 
     def __post_init__(self) -> None:
@@ -106,6 +109,9 @@ class TrainConfig:
         _check(0 <= self.beta1 < 1 and 0 <= self.beta2 < 1, "beta1 and beta2 must be in [0, 1)")
         _check(self.grad_clip >= 0, f"grad_clip must be >= 0 (0 turns clipping off), not {self.grad_clip}")
         _check(self.keep_last >= 2, f"keep_last must be at least 2, not {self.keep_last}")
+        _check(self.spike_factor == 0 or self.spike_factor > 1,
+               f"spike_factor must be 0 (off) or > 1, not {self.spike_factor}")
+        _check(self.spike_patience >= 1, f"spike_patience must be >= 1, not {self.spike_patience}")
         _check_choice("precision", self.precision, PRECISIONS)
         _check_choice("device", self.device, DEVICES)
 
@@ -180,8 +186,15 @@ PRESETS: dict[str, Preset] = {
     "gpt2-xl": Preset("GPT-2 XL, 1558M parameters",
                       dict(block_size=1024, n_layer=48, n_head=25, n_embd=1600, vocab_size=50257),
                       _GPT2_TRAIN, "gpt2"),
+    "finetune": Preset(
+        "continue training a model given with --init-from (a gptlab run or a Hugging Face GPT-2 folder) on your "
+        "text: its shape comes from there; a small, nearly constant learning rate, a short run, dropout 0.1",
+        dict(dropout=0.1),
+        dict(batch_size=8, grad_accum=4, max_steps=200, lr=3e-5, min_lr=3e-5, warmup_steps=10, beta2=0.95,
+             weight_decay=0.1, eval_interval=50, eval_batches=20), "gpt2"),
 }
 DEFAULT_PRESET = "char-quick"
+FINETUNE_PRESET = "finetune"
 
 
 def get_preset(name: str) -> Preset:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import signal
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -16,6 +17,8 @@ from gptlab import checkpoint as ck
 from gptlab.config import ModelConfig, TrainConfig, from_dict, to_dict
 from gptlab.data import Dataset, batch_generator, get_batch, load_dataset
 from gptlab.errors import GptlabError
+from gptlab.faults import GracefulStop, Interrupted, LossSpike, NonFiniteLoss, SpikeGuard
+from gptlab.hf import init_tensors
 from gptlab.model import build_model
 from gptlab.optim import lr_at, make_optimizer
 from gptlab.plots import plot_loss, read_metrics
@@ -42,10 +45,6 @@ class Progress:
     step: int = 0
     tokens_seen: int = 0
     best_val_loss: float = math.inf
-
-
-class NonFiniteLoss(GptlabError):
-    pass
 
 
 def check_data(dataset: Dataset, model_cfg: ModelConfig) -> None:
@@ -96,16 +95,17 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, dataset
     loss = loss_sum / cfg.grad_accum
     if not (torch.isfinite(loss) and torch.isfinite(norm)):
         optimizer.zero_grad(set_to_none=True)
-        raise NonFiniteLoss(f"step {step + 1}: the loss or gradient norm is not finite; the step was not applied. "
-                            "Try a lower --lr or --precision fp32")
+        raise NonFiniteLoss(f"step {step + 1}: the loss ({loss.item()}) or gradient norm ({norm.item()}) is not "
+                            "finite, so the step was not applied")
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return loss, norm
 
 
 def resume_state(run_dir: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                 dataset: Dataset, model_cfg: ModelConfig) -> Progress:
-    """Load the newest valid checkpoint of `run_dir` into model and optimizer; returns where training stands."""
+                 dataset: Dataset, model_cfg: ModelConfig, cfg: TrainConfig) -> Progress:
+    """Load the newest valid checkpoint of `run_dir` into model and optimizer; returns where training stands.
+    Refuses another model shape or other data; records deliberate changes of training settings."""
     ckpt = ck.find_checkpoint(run_dir, "step")
     if ckpt is None:
         raise GptlabError(f"run {run_dir} has no checkpoint to resume from; drop --resume to start it")
@@ -120,6 +120,11 @@ def resume_state(run_dir: Path, model: torch.nn.Module, optimizer: torch.optim.O
     ck.load_model_tensors(model, ck.load_tensors(ckpt.path / "model.safetensors"), str(ckpt.path))
     ck.restore_optimizer(optimizer, ck.load_tensors(ckpt.path / "optimizer.safetensors"), state["optimizer"])
     ck.restore_rng(ck.load_tensors(ckpt.path / "rng.safetensors"))
+    changes = {k: [v, getattr(cfg, k)] for k, v in state["train"].items() if getattr(cfg, k, v) != v}
+    if changes:
+        log.warning("resuming %s at step %d with changed settings: %s", run_dir, state["step"],
+                    ", ".join(f"{k} {a} -> {b}" for k, (a, b) in changes.items()))
+    ck.record_resume(run_dir, state["step"], changes)
     return Progress(state["step"], state["tokens_seen"], state["best_val_loss"])
 
 
@@ -132,83 +137,156 @@ def _keep_metrics_until(path: Path, step: int) -> None:
 def train(data_dir: str | Path, run_dir: str | Path, model_cfg: ModelConfig, cfg: TrainConfig,
           resume: bool = False, quiet: bool = False, extra: dict[str, Any] | None = None) -> TrainResult:
     """Train `model_cfg` on the prepared data in `data_dir` into `run_dir`, per `cfg`; with resume, continue from
-    the run's newest valid checkpoint. Returns the final numbers; raises GptlabError on bad input."""
+    the run's newest valid checkpoint. Returns the final numbers. Raises GptlabError on bad input, and its
+    subclasses Interrupted (a signal: a checkpoint was written), NonFiniteLoss and LossSpike (nothing applied)."""
     set_threads()
     device = resolve_device(cfg.device)
     precision = resolve_precision(cfg.precision, device)
     dataset = load_dataset(data_dir)
     if model_cfg.vocab_size == 0:
         model_cfg.vocab_size = dataset.tokenizer.vocab_size
+    # fine-tuning: start from a gptlab run's or a HF GPT-2's weights, checked against this model and data first
+    init = init_tensors(cfg.init_from, model_cfg, dataset.tokenizer) if cfg.init_from and not resume else None
     check_data(dataset, model_cfg)
     run = Path(run_dir)
     torch.manual_seed(cfg.seed)
     model = build_model(model_cfg).to(device)
+    if init is not None:
+        ck.load_model_tensors(model, init, cfg.init_from)
     optimizer = make_optimizer(model, cfg)
-    progress = resume_state(run, model, optimizer, dataset, model_cfg) if resume else Progress()
+    if not resume and ck.find_checkpoint(run, "step") is not None:
+        raise GptlabError(f"run {run} already has checkpoints; pass --resume to continue it or choose a new --run")
     ck.init_run(run, model_cfg, cfg, dataset.tokenizer,
                 {"data": str(Path(data_dir)), "precision": precision, "device": str(device), **(extra or {})})
+    progress = resume_state(run, model, optimizer, dataset, model_cfg, cfg) if resume else Progress()
+    ck.clean_stale(run)
     metrics = run / ck.METRICS
     if resume:
         _keep_metrics_until(metrics, progress.step)
     elif metrics.exists():
         metrics.unlink()
-    return _loop(model, optimizer, dataset, model_cfg, cfg, run, progress, device, precision, quiet)
+    trainer = Trainer(model, optimizer, dataset, model_cfg, cfg, run, progress, device, precision)
+    return trainer.loop(quiet)
 
 
-def _loop(model: torch.nn.Module, optimizer: torch.optim.Optimizer, dataset: Dataset, model_cfg: ModelConfig,
-          cfg: TrainConfig, run: Path, progress: Progress, device: torch.device, precision: str,
-          quiet: bool) -> TrainResult:
-    from tqdm import tqdm
+@dataclass
+class Trainer:
+    """One training run in progress: what the loop needs, and the small steps it is made of."""
 
-    tokens_per_step = cfg.batch_size * model_cfg.block_size * cfg.grad_accum
-    fingerprint = dataset.fingerprint()
-    bar = tqdm(total=cfg.max_steps, initial=progress.step, desc="train", unit="step", dynamic_ncols=True,
-               disable=True if quiet else None)
-    model.train()
-    start, start_step, val_loss, history = time.perf_counter(), progress.step, math.nan, []
-    with open(run / ck.METRICS, "a") as metrics:
-        def record(row: dict[str, Any]) -> None:
-            history.append(row)
-            metrics.write(json.dumps(row) + "\n")
-            metrics.flush()
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    dataset: Dataset
+    model_cfg: ModelConfig
+    cfg: TrainConfig
+    run: Path
+    progress: Progress
+    device: torch.device
+    precision: str
+    history: list[dict[str, Any]] = field(default_factory=list)
+    last_checkpoint: Path | None = None
+    val_loss: float = math.nan
 
-        while progress.step < cfg.max_steps:
-            loss, norm = train_step(model, optimizer, dataset, cfg, model_cfg.block_size, progress.step, device,
-                                    precision)
-            progress.step += 1
-            progress.tokens_seen += tokens_per_step
-            done = progress.step == cfg.max_steps
-            if progress.step % cfg.log_interval == 0 or done:
-                elapsed = time.perf_counter() - start
-                rate = (progress.step - start_step) * tokens_per_step / max(elapsed, 1e-9)
-                record({"kind": "train", "step": progress.step, "loss": loss.item(),
-                        "grad_norm": norm.item(), "lr": lr_at(progress.step - 1, cfg),
-                        "tokens": progress.tokens_seen, "tokens_per_s": round(rate, 1), "elapsed_s": round(elapsed, 3)})
-                bar.set_postfix(loss=f"{loss.item():.4f}", tok_s=f"{rate:,.0f}", refresh=False)
-            bar.update(1)
-            if progress.step % cfg.eval_interval == 0 or done:
-                losses = estimate_loss(model, dataset, cfg, model_cfg.block_size, device, precision)
-                val_loss = losses["val"]
-                record({"kind": "eval", "step": progress.step, "train_loss": losses["train"],
-                        "val_loss": val_loss, "elapsed_s": round(time.perf_counter() - start, 3)})
-                bar.write(f"step {progress.step}: train loss {losses['train']:.4f}, val loss {val_loss:.4f}")
-                _save(run, model, optimizer, model_cfg, cfg, progress, fingerprint, val_loss)
-    bar.close()
-    seconds = time.perf_counter() - start
-    plot_loss(run / ck.METRICS, run / "loss.png", title=f"{run.name}")
-    rate = (progress.step - start_step) * tokens_per_step / max(seconds, 1e-9)
-    return TrainResult(run, progress.step, val_loss, progress.best_val_loss, seconds, rate, history)
+    def loop(self, quiet: bool) -> TrainResult:
+        """Steps until max_steps: train step, log, evaluate and checkpoint at intervals, stop cleanly on a signal."""
+        from tqdm import tqdm
 
+        cfg, progress = self.cfg, self.progress
+        found = ck.find_checkpoint(self.run, "step")
+        self.last_checkpoint = found.path if found else None
+        bar = tqdm(total=cfg.max_steps, initial=progress.step, desc="train", unit="step", dynamic_ncols=True,
+                   disable=True if quiet else None)
+        spikes = SpikeGuard(cfg.spike_factor, cfg.spike_patience)
+        self.start, self.start_step = time.perf_counter(), progress.step
+        self.model.train()
+        with GracefulStop() as stop, open(self.run / ck.METRICS, "a") as self.metrics:
+            while progress.step < cfg.max_steps:
+                loss, norm = self.step()
+                if cfg.spike_factor > 0:
+                    self.guard(spikes.check, progress.step, loss.item())
+                done = progress.step == cfg.max_steps
+                if progress.step % cfg.log_interval == 0 or done:
+                    self.log(loss, norm, bar)
+                bar.update(1)
+                if progress.step % cfg.eval_interval == 0 or done:
+                    self.evaluate(bar)
+                if stop.signum is not None and not done:
+                    self.interrupted(stop.signum, bar)
+        bar.close()
+        seconds = time.perf_counter() - self.start
+        plot_loss(self.run / ck.METRICS, self.run / "loss.png", title=self.run.name)
+        rate = (progress.step - self.start_step) * self.tokens_per_step / max(seconds, 1e-9)
+        return TrainResult(self.run, progress.step, self.val_loss, progress.best_val_loss, seconds, rate,
+                           self.history)
 
-def _save(run: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, model_cfg: ModelConfig,
-          cfg: TrainConfig, progress: Progress, fingerprint: str, val_loss: float) -> None:
-    """A resumable checkpoint now, and a "best" one when the validation loss is the lowest so far."""
-    improved = val_loss < progress.best_val_loss
-    if improved:
-        progress.best_val_loss = val_loss
-    state = {"tokens_seen": progress.tokens_seen, "best_val_loss": progress.best_val_loss, "val_loss": val_loss,
-             "data_fingerprint": fingerprint, "model": to_dict(model_cfg), "train": to_dict(cfg),
-             "gptlab_version": ck.__version__, "git_commit": ck.git_commit()}
-    ck.save_checkpoint(run, "step", progress.step, model, state, optimizer, keep=cfg.keep_last)
-    if improved:
-        ck.save_checkpoint(run, "best", progress.step, model, state, keep=1)
+    @property
+    def tokens_per_step(self) -> int:
+        return self.cfg.batch_size * self.model_cfg.block_size * self.cfg.grad_accum
+
+    def step(self) -> tuple[torch.Tensor, torch.Tensor]:
+        loss, norm = self.guard(train_step, self.model, self.optimizer, self.dataset, self.cfg,
+                                self.model_cfg.block_size, self.progress.step, self.device, self.precision)
+        self.progress.step += 1
+        self.progress.tokens_seen += self.tokens_per_step
+        return loss, norm
+
+    def guard(self, fn: Any, *args: Any) -> Any:
+        """Run fn; turn a non-finite loss, a spike or running out of memory into one message that says where the
+        last good checkpoint is and what to try."""
+        last = f"the last good checkpoint is {self.last_checkpoint}" if self.last_checkpoint else \
+            "no checkpoint was written yet"
+        try:
+            return fn(*args)
+        except (NonFiniteLoss, LossSpike) as exc:
+            raise type(exc)(f"{exc}; {last}. Try a lower --lr, more --warmup-steps or --precision fp32") from None
+        except torch.OutOfMemoryError:
+            B, accum = self.cfg.batch_size, self.cfg.grad_accum
+            raise GptlabError(f"out of memory on {self.device} at batch_size {B} x block_size "
+                              f"{self.model_cfg.block_size}; try --batch-size {max(1, B // 2)} --grad-accum "
+                              f"{accum * 2} (the same tokens per step); {last}") from None
+
+    def record(self, row: dict[str, Any]) -> None:
+        self.history.append(row)
+        self.metrics.write(json.dumps(row) + "\n")
+        self.metrics.flush()
+
+    def log(self, loss: torch.Tensor, norm: torch.Tensor, bar: Any) -> None:
+        elapsed = time.perf_counter() - self.start
+        rate = (self.progress.step - self.start_step) * self.tokens_per_step / max(elapsed, 1e-9)
+        self.record({"kind": "train", "step": self.progress.step, "loss": loss.item(), "grad_norm": norm.item(),
+                     "lr": lr_at(self.progress.step - 1, self.cfg), "tokens": self.progress.tokens_seen,
+                     "tokens_per_s": round(rate, 1), "elapsed_s": round(elapsed, 3)})
+        bar.set_postfix(loss=f"{loss.item():.4f}", tok_s=f"{rate:,.0f}", refresh=False)
+
+    def evaluate(self, bar: Any) -> None:
+        losses = estimate_loss(self.model, self.dataset, self.cfg, self.model_cfg.block_size, self.device,
+                               self.precision)
+        self.val_loss = losses["val"]
+        self.record({"kind": "eval", "step": self.progress.step, "train_loss": losses["train"],
+                     "val_loss": self.val_loss, "elapsed_s": round(time.perf_counter() - self.start, 3)})
+        bar.write(f"step {self.progress.step}: train loss {losses['train']:.4f}, val loss {self.val_loss:.4f}")
+        self.save(best=self.val_loss < self.progress.best_val_loss)
+
+    def interrupted(self, signum: int, bar: Any) -> None:
+        """Write a checkpoint of the step just finished (unless evaluation just did) and stop."""
+        if self.last_checkpoint is None or not self.last_checkpoint.name.endswith(f"{self.progress.step:08d}"):
+            self.save(best=False)
+        bar.close()
+        name = signal.Signals(signum).name
+        raise Interrupted(f"stopped by {name} at step {self.progress.step}; checkpoint {self.last_checkpoint}; "
+                          f"resume with: gptlab train --run {self.run} --resume", signum)
+
+    def save(self, best: bool) -> None:
+        """A resumable checkpoint now, and a "best" one when the validation loss is the lowest so far."""
+        progress = self.progress
+        if best:
+            progress.best_val_loss = self.val_loss
+        state = {"tokens_seen": progress.tokens_seen, "best_val_loss": progress.best_val_loss,
+                 "val_loss": self.val_loss, "data_fingerprint": self.dataset.fingerprint(),
+                 "sampler": {"seed": self.cfg.seed, "next_step": progress.step},
+                 "model": to_dict(self.model_cfg), "train": to_dict(self.cfg),
+                 "gptlab_version": ck.__version__, "git_commit": ck.git_commit()}
+        extra = {ck.TOKENIZER: (self.run / ck.TOKENIZER).read_bytes()}
+        self.last_checkpoint = ck.save_checkpoint(self.run, "step", progress.step, self.model, state,
+                                                  self.optimizer, keep=self.cfg.keep_last, extra_files=extra)
+        if best:
+            ck.save_checkpoint(self.run, "best", progress.step, self.model, state, keep=1, extra_files=extra)
