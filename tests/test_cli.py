@@ -131,7 +131,7 @@ def test_bad_sampling_settings_get_one_line(prepared, capsys):
                          (["--temperature", "-0.5"], "temperature must be >= 0"),
                          (["--top-p", "0"], "top_p must be in (0, 1]"), (["--top-p", "1.5"], "top_p must be in"),
                          (["--top-k", "0"], "top_k must be >= 1"), (["--top-k", "x"], "top_k must be an integer"),
-                         (["--num-samples", "0"], "num_samples must be >= 1"),
+                         (["--num-samples", "0"], "--num-samples must be >= 1"),
                          (["--stop", ""], "stop string must not be empty"),
                          (["--precision", "fp16"], "invalid choice: 'fp16'")]:
         assert words in run_bad(capsys, "sample", "--run", "runs/r", "--prompt", "All:", *flags)

@@ -211,13 +211,15 @@ def run_transformers(hf: Any, prompts: list[list[int]], new_tokens: int) -> Cloc
     return clock
 
 
-def transformers_twin(model: torch.nn.Module) -> Any:
-    """transformers' GPT2LMHeadModel holding `model`'s weights (Conv1D stores W transposed, as (in, out)), or None
-    when transformers is not installed."""
+def transformers_twin(model: GPT) -> Any:
+    """transformers' GPT2LMHeadModel holding `model`'s weights (converted by gptlab.hf), or None when transformers
+    is not installed."""
     try:
         import transformers
     except ImportError:
         return None
+    from gptlab.hf import to_hf_tensors
+
     transformers.logging.set_verbosity_error()
     c = model.config
     hf = transformers.GPT2LMHeadModel(transformers.GPT2Config(
@@ -225,9 +227,7 @@ def transformers_twin(model: torch.nn.Module) -> Any:
         activation_function="gelu_new" if c.activation == "gelu_tanh" else "gelu",
         layer_norm_epsilon=c.layer_norm_eps, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
         tie_word_embeddings=True))
-    conv1d = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
-    state = {k: v.t() if k.endswith(conv1d) else v for k, v in model.state_dict().items()}
-    missing, unexpected = hf.load_state_dict(state, strict=False)
+    missing, unexpected = hf.load_state_dict(to_hf_tensors(model, c.vocab_size), strict=False)
     assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
     hf.generation_config.eos_token_id = None  # random weights: never stop before new_tokens
     hf.generation_config.pad_token_id = 0

@@ -209,6 +209,8 @@ def cmd_sample(args: argparse.Namespace) -> int:
 
     set_threads()
     cfg = build(SampleConfig, {}, overrides(args, SampleConfig))
+    if args.num_samples < 1:  # before loading the model (the engine checks it too, for Python callers)
+        raise GptlabError(f"--num-samples must be >= 1, not {args.num_samples}")
     device = resolve_device(args.device)
     loaded = load_run(args.run or latest_run(), device=device)
     prompt = read_prompt(args, loaded.tokenizer)
