@@ -12,8 +12,8 @@ Three layers, each usable alone:
 The sliding window. Learned positions cannot be shifted, so when a row's window is full (block_size tokens) and
 one more token arrives, the row's window becomes its last `keep` tokens (`window_keep`: 3/4 of block_size) and
 its cache rows are rebuilt from them: one rebuild every block_size - keep + 1 new tokens, every token seeing at
-least `keep` tokens of context (if the prompt had that many). The reference `generate_uncached` recomputes the same window from scratch each step,
-so under greedy decoding the two give the same ids.
+least `keep` tokens of context (if the prompt had that many). The reference `generate_uncached` recomputes the
+same window from scratch each step, so under greedy decoding the two give the same ids.
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ class InferenceLinear(nn.Module):
     """y = x W^T + b, like the nn.Linear it replaces, with W pre-packed in oneDNN's blocked layout for this CPU.
 
     Decoding reads every weight once per token, so this is where generation spends its time. On a 2-core AMD EPYC
-    (`gptlab bench generate`, docs/benchmarks.md) packed products of one row take about 0.6x the time of F.linear
+    (`gptlab bench generate`, docs/benchmarks.md) packed products of one row take 0.55-0.8x the time of F.linear
     in fp32 and in bf16, and several rows (batches, prompts) gain more. W is packed for MIN_ROWS rows, the layout
     that suits batches; a single row is padded to MIN_ROWS, which measured faster than giving that layout one row.
     Inference only: the packed weight is not a parameter."""
@@ -74,6 +74,8 @@ class InferenceLinear(nn.Module):
 def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether oneDNN can run packed Linears of `dtype` on `device` (a CPU with torch's oneDNN build)."""
     if device.type != "cpu" or not torch.backends.mkldnn.is_available():
+        return False
+    if not hasattr(torch.ops.mkldnn, "_linear_pointwise"):  # oneDNN's packed Linear, as torch.compile uses it
         return False
     return dtype == torch.float32 or (dtype == torch.bfloat16 and bf16_supported(device))
 
@@ -304,14 +306,14 @@ class TextStream:
 
     def __init__(self, model: nn.Module, tokenizer: Tokenizer, prompts: Sequence[Sequence[int]],
                  cfg: SampleConfig, num_samples: int = 1):
-        self.ids = generate_batch(model, prompts, cfg, num_samples)
+        self._ids = generate_batch(model, prompts, cfg, num_samples)
         self.completions = [Completion(tokenizer, cfg.stop) for _ in range(len(prompts) * num_samples)]
 
     def __iter__(self) -> Iterator[list[str]]:
-        for ids in self.ids:
+        for ids in self._ids:
             yield [row.push(i) for row, i in zip(self.completions, ids)]
             if all(row.finish_reason is not None for row in self.completions):
-                self.ids.close()
+                self._ids.close()
                 return
         yield [row.close("length") for row in self.completions]
 
