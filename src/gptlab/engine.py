@@ -83,7 +83,8 @@ def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
 @torch.no_grad()
 def prepare_for_inference(model: nn.Module, precision: str = "fp32") -> nn.Module:
     """Make `model` fast to generate with, in place, and return it: eval mode, weights in `precision` ("fp32",
-    the reference, or "bf16"), and each nn.Linear replaced by an InferenceLinear where oneDNN supports it.
+    the reference, or "bf16"), each nn.Linear replaced by an InferenceLinear where oneDNN supports it, and
+    dropout removed.
     The result still has the model's forward contract but is for inference only: no training, no checkpoint.
     Raises GptlabError for an unknown precision or bf16 on a device without it."""
     if precision not in PRECISIONS:
@@ -93,11 +94,13 @@ def prepare_for_inference(model: nn.Module, precision: str = "fp32") -> nn.Modul
     if dtype == torch.bfloat16 and device.type == "cpu" and not bf16_supported(device):
         raise GptlabError("this CPU has no native bf16 support; use --precision fp32")
     model.eval().to(dtype)
-    if can_pack(device, dtype):
-        for module in list(model.modules()):
-            for name, child in list(module.named_children()):
-                if isinstance(child, nn.Linear):
-                    setattr(module, name, InferenceLinear(child))  # the tied LM head gets its own packed copy
+    pack = can_pack(device, dtype)
+    for module in list(model.modules()):
+        for name, child in list(module.named_children()):
+            if isinstance(child, nn.Dropout):
+                setattr(module, name, nn.Identity())  # a no-op in eval mode, but a call per use all the same
+            elif pack and isinstance(child, nn.Linear):
+                setattr(module, name, InferenceLinear(child))  # the tied LM head gets its own packed copy
     return model
 
 
