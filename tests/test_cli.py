@@ -5,8 +5,10 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from gptlab.cli import main
+from gptlab.runtime import bf16_supported
 
 TINY = ["--n-layer", "1", "--n-head", "2", "--n-embd", "16", "--block-size", "16", "--batch-size", "4",
         "--eval-interval", "5", "--eval-batches", "2", "--log-interval", "5", "--precision", "fp32", "--quiet"]
@@ -107,3 +109,34 @@ def test_python_m_gptlab_exits_2_with_one_line_and_no_traceback(tmp_path):
                           capture_output=True, text=True, env=env)
     assert proc.returncode == 2
     assert proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr
+
+
+# ---- sample on the engine (issue 4) ----------------------------------------------------------------------------
+
+def test_sample_streams_several_samples_with_stop_strings_and_precisions(prepared, capsys):
+    out = run_ok(capsys, "sample", "--run", "runs/r", "--prompt", "All:", "--max-new-tokens", "40",
+                 "--num-samples", "3", "--temperature", "1.0", "--top-k", "5", "--top-p", "0.9", "--seed", "2")
+    samples = out.split("-" * 40 + "\n")
+    assert len(samples) == 3 and all(s.startswith("All:") for s in samples)
+    assert len(set(samples)) == 3
+    stopped = run_ok(capsys, "sample", "--run", "runs/r", "--prompt", "All:", "--max-new-tokens", "200",
+                     "--temperature", "1.0", "--stop", "e", "--stop", "a", "--no-echo", "--seed", "3")
+    assert "e" not in stopped and "a" not in stopped and len(stopped) < 200
+    if bf16_supported(torch.device("cpu")):
+        assert run_ok(capsys, "sample", "--run", "runs/r", "--precision", "bf16", "--max-new-tokens", "20")
+
+
+def test_bad_sampling_settings_get_one_line(prepared, capsys):
+    for flags, words in [(["--max-new-tokens", "-3"], "max_new_tokens must be a positive"),
+                         (["--temperature", "-0.5"], "temperature must be >= 0"),
+                         (["--top-p", "0"], "top_p must be in (0, 1]"), (["--top-p", "1.5"], "top_p must be in"),
+                         (["--top-k", "0"], "top_k must be >= 1"), (["--top-k", "x"], "top_k must be an integer"),
+                         (["--num-samples", "0"], "--num-samples must be >= 1"),
+                         (["--stop", ""], "stop string must not be empty"),
+                         (["--precision", "fp16"], "invalid choice: 'fp16'")]:
+        assert words in run_bad(capsys, "sample", "--run", "runs/r", "--prompt", "All:", *flags)
+
+
+def test_bench_generate_refuses_bad_sizes(capsys):
+    assert "--new-tokens must be >= 1" in run_bad(capsys, "bench", "generate", "--new-tokens", "0")
+    assert "--char-tokens must be >= 0" in run_bad(capsys, "bench", "generate", "--char-tokens", "-1")

@@ -148,3 +148,23 @@ def test_trained_bigram_matches_the_corpus_bigram_frequencies(char_data):
 def test_build_model_picks_the_architecture():
     assert isinstance(build_model(tiny_config(arch="bigram")), Bigram)
     assert isinstance(build_model(tiny_config()), GPT)
+
+
+# ---- the KV cache at the model's interface (issue 4) -------------------------------------------------------------
+
+@pytest.mark.parametrize("attention", ["naive", "sdpa"])
+def test_cached_forward_equals_the_full_forward_for_ragged_rows(attention):
+    model = GPT(tiny_config(attention=attention)).eval()
+    lengths = [3, 7, 1]
+    idx = torch.randint(0, 50, (3, 12))
+    full = model(idx)[0]
+    cache = model.new_kv_cache(3)
+    with torch.no_grad():
+        model(idx[:, :max(lengths)], kv_cache=cache)  # right-padded prefill: rows past their length are ignored
+        cache.pos.copy_(torch.tensor(lengths))
+        for step in range(4):  # then each row continues from its own position, one token at a time
+            x = torch.stack([idx[b, n + step] for b, n in enumerate(lengths)])[:, None]
+            logits = model(x, kv_cache=cache)[0][:, 0]
+            for b, n in enumerate(lengths):
+                assert (logits[b] - full[b, n + step]).abs().max().item() <= 1e-5
+    assert cache.pos.tolist() == [n + 4 for n in lengths]

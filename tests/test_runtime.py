@@ -91,3 +91,19 @@ def test_mfu_is_model_flops_per_second_over_the_cached_peak(tmp_path, char_data)
 
 def result_vocab(run) -> int:
     return json.loads((run / "config.json").read_text())["model"]["vocab_size"]
+
+
+def test_where_the_check_is_deferred_a_nan_step_is_skipped_on_the_device_and_reported_at_the_next_log_row(
+        tmp_path, char_data, monkeypatch):
+    """The CUDA path, run on the CPU: the host learns of the skipped step only at the next log row."""
+    from test_faults import inject_nan_at
+
+    from gptlab import train as train_module
+    from gptlab.faults import NonFiniteLoss
+
+    monkeypatch.setattr(train_module, "defers_finite_check", lambda device: True)
+    seen = inject_nan_at(monkeypatch, step=3)
+    with pytest.raises(NonFiniteLoss, match=r"1 step\(s\) up to step 5 had a non-finite .* no checkpoint was written"):
+        train(char_data, tmp_path / "run", tiny_config(vocab_size=0), settings(max_steps=12, log_interval=5,
+                                                                              eval_interval=10), quiet=True)
+    assert all(p.isfinite().all() for p in seen["model"].parameters())  # steps 1-5 ran, step 3 changed nothing

@@ -5,11 +5,15 @@ caches it per device so that training can report MFU against a measured, not a d
 one model with several variants (fp32 eager, the reference; bf16; bf16 + compile; flash attention on CUDA),
 steps interleaved, and compares tokens/s, MFU and the loss reached; `attention` does the same for the two
 attention paths in each precision.
+
+`generate` times the KV-cache engine beside the same model without the cache, transformers' generate() on the
+same weights, and the memory-bandwidth floor (decoding one token reads every weight once).
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import json
 import time
@@ -19,8 +23,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
-from gptlab.config import ModelConfig, TrainConfig
+from gptlab.config import ModelConfig, SampleConfig, TrainConfig, build, get_preset
+from gptlab.engine import (PRECISIONS, InferenceLinear, can_pack, generate_batch, generate_uncached,
+                           prepare_for_inference)
+from gptlab.model import GPT
 from gptlab.runtime import (Speed, bf16_supported, compile_model, configure_matmul, device_name, peak_cache_file,
                             peak_key, read_peak, resolve_device, set_threads)
 
@@ -121,6 +129,286 @@ def run_peak(device_name_arg: str = "auto", refresh: bool = True) -> dict[str, A
     if "bf16" in peak:
         print(f"{'bf16 / fp32':<24} {peak['bf16'] / peak['fp32']:>13.2f}x")
     return peak
+
+
+# ---- generate: the KV-cache engine beside no cache, transformers' generate, and the bandwidth floor ------------
+
+GEN_MODELS = {  # random weights in the shapes of GPT-2 small and of the char-small preset (Tiny Shakespeare's 65)
+    "gpt2-124M": {**get_preset("gpt2").model, "dropout": 0.0},
+    "char-small": {**get_preset("char-small").model, "vocab_size": 65, "dropout": 0.0},
+}
+
+
+class Clock:
+    """Time stamps of each new position of a generation; also a transformers streamer (whose first put() is the
+    prompt, skipped)."""
+
+    def __init__(self, skip: int = 0) -> None:
+        self.skip, self.stamps, self.ids = skip, [], []
+        self.start = time.perf_counter()
+
+    def put(self, value: Any) -> None:
+        if self.skip:
+            self.skip -= 1
+            return
+        self.stamps.append(time.perf_counter())
+        self.ids.append(value.reshape(-1).tolist() if isinstance(value, torch.Tensor) else list(value))
+
+    def end(self) -> None:
+        pass
+
+    @property
+    def seconds(self) -> float:
+        """From the start to the last new position."""
+        return self.stamps[-1] - self.start
+
+
+@dataclass
+class GenResult:
+    """One timed generation of `batch` rows."""
+
+    engine: str
+    precision: str
+    batch: int
+    ttft_s: float  # from the call to the first new token of every row
+    prefill_tok_s: float  # prompt tokens of all rows / time to first token
+    decode_tok_s: float  # new tokens after the first, all rows together, per second
+    ids: list[list[int]]  # (batch, new tokens)
+
+    @classmethod
+    def of(cls, clock: Clock, engine: str, precision: str, batch: int, prompt_tokens: int) -> GenResult:
+        s = clock.stamps
+        ttft = s[0] - clock.start
+        decode = batch * (len(s) - 1) / (s[-1] - s[0]) if len(s) > 1 else float("nan")
+        return cls(engine, precision, batch, ttft, batch * prompt_tokens / ttft, decode,
+                   [list(row) for row in zip(*clock.ids)])
+
+
+def run_gptlab(model: torch.nn.Module, prompts: list[list[int]], new_tokens: int, cached: bool = True) -> Clock:
+    """Greedy generation with the engine (or its no-cache reference), timed position by position."""
+    cfg = SampleConfig(max_new_tokens=new_tokens, temperature=0)
+    clock = Clock()
+    for ids in (generate_batch if cached else generate_uncached)(model, prompts, cfg):
+        clock.put(ids)
+    return clock
+
+
+def run_transformers(hf: Any, prompts: list[list[int]], new_tokens: int) -> Clock:
+    """Greedy generation with transformers' generate() and its KV cache, timed position by position."""
+    x = torch.tensor(prompts, device=hf.device)
+    clock = Clock(skip=1)
+    with torch.inference_mode():
+        hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                    do_sample=False, streamer=clock)
+    return clock
+
+
+def transformers_twin(model: GPT) -> Any:
+    """transformers' GPT2LMHeadModel holding `model`'s weights (converted by gptlab.hf), or None when transformers
+    is not installed."""
+    try:
+        import transformers
+    except ImportError:
+        return None
+    from gptlab.hf import to_hf_tensors
+
+    transformers.logging.set_verbosity_error()
+    c = model.config
+    hf = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        vocab_size=c.vocab_size, n_positions=c.block_size, n_embd=c.n_embd, n_layer=c.n_layer, n_head=c.n_head,
+        activation_function="gelu_new" if c.activation == "gelu_tanh" else "gelu",
+        layer_norm_epsilon=c.layer_norm_eps, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+        tie_word_embeddings=True))
+    missing, unexpected = hf.load_state_dict(to_hf_tensors(model, c.vocab_size), strict=False)
+    assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
+    hf.generation_config.eos_token_id = None  # random weights: never stop before new_tokens
+    hf.generation_config.pad_token_id = 0
+    return hf.eval()
+
+
+def weight_bytes_per_token(model: torch.nn.Module, precision: str) -> int:
+    """Bytes of weights one decode step reads: every parameter once (the tied embedding once, as the LM head),
+    except the position table, of which it reads one row."""
+    wpe = model.transformer.wpe.weight.numel()
+    return (model.num_params() - wpe) * (2 if precision == "bf16" else 4)
+
+
+def agreeing_prefix(a: list[int], b: list[int]) -> int:
+    """How many leading ids two generations share."""
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def bench_model(config: ModelConfig, device: torch.device, precisions: list[str], batch_sizes: list[int],
+                prompt_tokens: int, new_tokens: int, repeats: int = 1, uncached: bool = True,
+                with_transformers: bool = True) -> list[GenResult]:
+    """Time greedy generation of one randomly initialised model with the engine, with transformers' generate on
+    the same weights, and (batch 1) without the cache, for each precision and batch size. Each variant is warmed
+    up, then run `repeats` times (interleaved with the others) and its fastest run kept; no cache runs once."""
+    torch.manual_seed(0)
+    base = GPT(config).to(device).eval()
+    hf = transformers_twin(base) if with_transformers else None
+    results = []
+    for precision in precisions:
+        model = prepare_for_inference(copy.deepcopy(base), precision)
+        if hf is not None:
+            hf.to(PRECISIONS[precision])
+        for batch in batch_sizes:
+            prompts = torch.randint(0, config.vocab_size, (batch, prompt_tokens)).tolist()
+            variants: dict[str, Callable[[int], Clock]] = {
+                "gptlab (KV cache)": lambda n: run_gptlab(model, prompts, n)}
+            if hf is not None:
+                variants["transformers generate"] = lambda n: run_transformers(hf, prompts, n)
+            runs: dict[str, list[GenResult]] = {name: [] for name in variants}
+            for name, run in variants.items():
+                run(2)  # warm-up: first-call allocations and kernel selection
+            for _ in range(repeats):
+                for name, run in variants.items():
+                    runs[name].append(GenResult.of(run(new_tokens), name, precision, batch, prompt_tokens))
+            results += [max(r, key=lambda g: g.decode_tok_s) for r in runs.values()]
+            if uncached and batch == 1:
+                clock = run_gptlab(model, prompts, new_tokens, cached=False)
+                results.append(GenResult.of(clock, "gptlab, no cache", precision, batch, prompt_tokens))
+    return results
+
+
+def find(results: list[GenResult], engine: str, precision: str, batch: int) -> GenResult | None:
+    return next((r for r in results if (r.engine, r.precision, r.batch) == (engine, precision, batch)), None)
+
+
+def print_generation_table(name: str, results: list[GenResult], floor_tok_s: dict[str, float]) -> None:
+    """One row per engine, precision and batch size, with the bandwidth floor beside each batch-1 group."""
+    print(f"{'model':<11} {'prec':<5} {'batch':>5}  {'engine':<22} {'prefill tok/s':>13} {'decode tok/s':>12} "
+          f"{'TTFT ms':>8}")
+    for r in results:
+        print(f"{name:<11} {r.precision:<5} {r.batch:>5}  {r.engine:<22} {r.prefill_tok_s:>13,.0f} "
+              f"{r.decode_tok_s:>12,.1f} {r.ttft_s * 1e3:>8,.0f}")
+        if r.engine == "gptlab (KV cache)":
+            floor = floor_tok_s[r.precision] * r.batch  # one read of the weights serves every row of a step
+            print(f"{name:<11} {r.precision:<5} {r.batch:>5}  {'bandwidth floor':<22} {'-':>13} {floor:>12,.1f} "
+                  f"{'-':>8}")
+
+
+def generation_ratios(results: list[GenResult], floor_tok_s: dict[str, float]) -> list[str]:
+    """The lines comparing the engine with transformers, no cache, the floor, and batch 8 with batch 1."""
+    lines = []
+    for precision in floor_tok_s:
+        ours, theirs = find(results, "gptlab (KV cache)", precision, 1), find(results, "transformers generate",
+                                                                              precision, 1)
+        uncached, batch8 = find(results, "gptlab, no cache", precision, 1), find(results, "gptlab (KV cache)",
+                                                                               precision, 8)
+        if ours is None:
+            continue
+        parts = [f"{ours.decode_tok_s / floor_tok_s[precision]:.0%} of the bandwidth floor"]
+        if theirs is not None:
+            same = agreeing_prefix(ours.ids[0], theirs.ids[0])
+            parts.insert(0, f"{ours.decode_tok_s / theirs.decode_tok_s:.2f}x transformers' generate (greedy ids "
+                            f"agree for the first {same}/{len(ours.ids[0])})")
+        if uncached is not None:
+            parts.append(f"{ours.decode_tok_s / uncached.decode_tok_s:.1f}x no cache")
+        lines.append(f"{precision} batch 1 decode: " + ", ".join(parts))
+        if batch8 is not None:
+            lines.append(f"{precision} batch 8 aggregate decode: {batch8.decode_tok_s / ours.decode_tok_s:.2f}x "
+                         "batch 1")
+    return lines
+
+
+def linear_kernel_times(model: torch.nn.Module, precision: str, device: torch.device) -> dict[str, float]:
+    """Seconds to pass one row through every Linear of `model` (the matrices a batch-1 decode step reads): with
+    F.linear, with oneDNN-packed weights, and packed with the row padded to 4 rows (what the engine does)."""
+    dtype = PRECISIONS[precision]
+    linears = [copy.deepcopy(m).to(dtype) for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    packed = [InferenceLinear(m) for m in linears]
+    xs = [torch.randn(1, m.in_features, dtype=dtype, device=device) for m in linears]
+
+    def plain() -> None:
+        for x, m in zip(xs, linears):
+            F.linear(x, m.weight, m.bias)
+
+    def one_row() -> None:
+        for x, m in zip(xs, packed):
+            torch.ops.mkldnn._linear_pointwise(x, m.packed, m.bias, "none", [], "")
+
+    def padded() -> None:
+        for x, m in zip(xs, packed):
+            m(x)
+
+    with torch.inference_mode():
+        return {name: time_it(fn, device, min_seconds=0.5) for name, fn in
+                (("F.linear", plain), ("oneDNN-packed", one_row), ("packed, padded to 4 rows", padded))}
+
+
+def attention_times(device: torch.device, rows: int = 8, keys: int = 272, n_head: int = 12,
+                    head_dim: int = 64) -> dict[str, float]:
+    """Seconds for one decode step's attention of one layer (one query per row over `keys` cached positions) in
+    fp32 and in bf16."""
+    out = {}
+    for precision, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+        q = torch.randn(rows, n_head, 1, head_dim, dtype=dtype, device=device)
+        k, v = (torch.randn(rows, n_head, keys, head_dim, dtype=dtype, device=device) for _ in range(2))
+        with torch.inference_mode():
+            out[precision] = time_it(lambda: F.scaled_dot_product_attention(q, k, v), device, min_seconds=0.3)
+    return out
+
+
+def print_kernel_lines(model: torch.nn.Module, precisions: list[str], device: torch.device) -> None:
+    """The measurements behind the engine's choices of weight layout and attention precision."""
+    for p in precisions:
+        times = linear_kernel_times(model, p, device)
+        print(f"{p} matrices of one batch-1 decode step: " + ", ".join(f"{name} {t * 1e3:.1f} ms"
+                                                                        for name, t in times.items()))
+    if "bf16" in precisions:
+        att = attention_times(device)
+        print(f"attention of one layer, 8 rows, 1 query over 272 keys: fp32 {att['fp32'] * 1e3:.2f} ms, bf16 "
+              f"{att['bf16'] * 1e3:.2f} ms")
+
+
+def char_model_speedup(device: torch.device, new_tokens: int, prompt_tokens: int) -> tuple[float, float]:
+    """Seconds to generate `new_tokens` with the char-small-shaped model (context 256, so the window slides), with
+    the KV cache and without."""
+    torch.manual_seed(0)
+    config = build(ModelConfig, GEN_MODELS["char-small"], {})
+    model = prepare_for_inference(GPT(config).to(device), "fp32")
+    prompt = [torch.randint(0, config.vocab_size, (prompt_tokens,)).tolist()]
+    run_gptlab(model, prompt, 2)
+    return run_gptlab(model, prompt, new_tokens).seconds, run_gptlab(model, prompt, new_tokens, cached=False).seconds
+
+
+def run_generate(device_arg: str = "auto", new_tokens: int = 256, prompt_tokens: int = 16, char_tokens: int = 1000,
+                 repeats: int = 1, uncached: bool = True, with_transformers: bool = True) -> list[str]:
+    """`gptlab bench generate`: prints the table and the ratios; returns the ratio lines (the last: the headline)."""
+    set_threads()
+    device = resolve_device(device_arg)
+    precisions = ["fp32", "bf16"] if device.type != "cpu" or bf16_supported(device) else ["fp32"]
+    name, config = "gpt2-124M", build(ModelConfig, GEN_MODELS["gpt2-124M"], {})
+    bandwidth = read_bandwidth(device)
+    print(f"gptlab bench generate: {name} shape (random weights), prompt {prompt_tokens} tokens, {new_tokens} new "
+          f"tokens, greedy; best of {repeats}")
+    print(f"device: {device_name(device)}; memory read {bandwidth / 1e9:.1f} GB/s (measured now)")
+    model = GPT(config).to(device)
+    floor = {p: bandwidth / weight_bytes_per_token(model, p) for p in precisions}
+    if can_pack(device, torch.float32):
+        print_kernel_lines(model, precisions, device)
+    del model
+    results = bench_model(config, device, precisions, [1, 8], prompt_tokens, new_tokens, repeats, uncached,
+                          with_transformers)
+    print_generation_table(name, results, floor)
+    lines = generation_ratios(results, floor)
+    if char_tokens:
+        cached_s, uncached_s = char_model_speedup(device, char_tokens, prompt_tokens)
+        print(f"char-small  fp32      1  {char_tokens} tokens at context 256: KV cache {cached_s:.1f} s, no cache "
+              f"{uncached_s:.1f} s")
+        lines.append(f"char-small: {char_tokens} tokens at context 256 {uncached_s / cached_s:.1f}x faster with the "
+                     "KV cache")
+    ours = {p: find(results, "gptlab (KV cache)", p, 1) for p in precisions}
+    theirs = {p: find(results, "transformers generate", p, 1) for p in precisions}
+    if all(theirs.values()):
+        lines.append("headline: batch-1 decode vs transformers' generate: " + ", ".join(
+            f"{p} {ours[p].decode_tok_s / theirs[p].decode_tok_s:.2f}x" for p in precisions))
+    else:
+        lines.append("headline: batch-1 decode at " + ", ".join(
+            f"{p} {ours[p].decode_tok_s / floor[p]:.0%}" for p in precisions) + " of the bandwidth floor")
+    print("\n".join(lines))
+    return lines
 
 
 # ---- bench train -----------------------------------------------------------------------------------------------

@@ -114,9 +114,12 @@ def read_run_config(run_dir: str | Path) -> dict[str, Any]:
         raise GptlabError(f"{run} is not a gptlab run (no {CONFIG} and {TOKENIZER}); point --run at a folder "
                           "made by `gptlab train` or `gptlab import`")
     try:
-        return json.loads((run / CONFIG).read_text())
+        config = json.loads((run / CONFIG).read_text())
     except (json.JSONDecodeError, UnicodeDecodeError):
         raise GptlabError(f"{run / CONFIG} is damaged (not valid JSON)") from None
+    if not isinstance(config, dict) or not {"model", "train"} <= set(config):
+        raise GptlabError(f"{run / CONFIG} is not a gptlab run config (no model and train settings)")
+    return config
 
 
 # ---- state <-> tensors -----------------------------------------------------------------------------------------
@@ -234,8 +237,10 @@ def find_checkpoint(run_dir: str | Path, kind: str = "step") -> Checkpoint | Non
 
 
 def save_checkpoint(run_dir: str | Path, kind: str, step: int, model: torch.nn.Module, state: dict[str, Any],
-                    optimizer: torch.optim.Optimizer | None = None, keep: int = 2) -> Path:
-    """Write a checkpoint atomically and then prune all but the newest `keep` of its kind. Returns its path."""
+                    optimizer: torch.optim.Optimizer | None = None, keep: int = 2,
+                    extra_files: dict[str, bytes] | None = None) -> Path:
+    """Write a checkpoint atomically (with `extra_files`, e.g. the tokenizer, inside it) and then prune all but
+    the newest `keep` of its kind. Returns its path; raises GptlabError when the disk refuses the write."""
     ckpts = Path(run_dir) / CKPTS
     final = ckpts / f"{kind}-{step:08d}"
     tmp = ckpts / f".tmp-{kind}-{step:08d}-{os.getpid()}"
@@ -249,6 +254,8 @@ def save_checkpoint(run_dir: str | Path, kind: str, step: int, model: torch.nn.M
         for name, tensors in files.items():
             save_file(tensors, tmp / name)
         (tmp / "state.json").write_text(json.dumps({**state, "step": step, "time": time.time()}, indent=2))
+        for name, blob in (extra_files or {}).items():
+            (tmp / name).write_bytes(blob)
         manifest = {"step": step, "kind": kind, "files": {}}
         for file in sorted(tmp.iterdir()):
             with open(file, "rb+") as f:
@@ -267,6 +274,20 @@ def save_checkpoint(run_dir: str | Path, kind: str, step: int, model: torch.nn.M
     for old in _list(Path(run_dir), kind)[keep:]:
         _discard(old.path)
     return final
+
+
+def clean_stale(run_dir: str | Path) -> None:
+    """Remove temp and half-deleted checkpoint folders left by a process that was killed (never a real one)."""
+    for leftover in list((Path(run_dir) / CKPTS).glob(".tmp-*")) + list((Path(run_dir) / CKPTS).glob(".trash-*")):
+        shutil.rmtree(leftover, ignore_errors=True)
+
+
+def record_resume(run_dir: str | Path, step: int, changes: dict[str, Any]) -> None:
+    """Note in config.json that the run was resumed at `step`, with the training settings that changed."""
+    path = Path(run_dir) / CONFIG
+    config = json.loads(path.read_text())
+    config.setdefault("resumes", []).append({"step": step, "changes": changes, "time": time.time()})
+    write_json(path, config)
 
 
 def _discard(path: Path) -> None:
@@ -304,10 +325,18 @@ def load_run(run_dir: str | Path, which: str = "best", device: torch.device | st
     read_run_config(run_dir)
     ckpt = (find_checkpoint(run_dir, "best") if which == "best" else None) or find_checkpoint(run_dir, "step")
     if ckpt is None:
-        raise GptlabError(f"run {run_dir} has no usable checkpoint yet; train it with `gptlab train --run {run_dir}`")
+        found = _list(Path(run_dir), "step") + _list(Path(run_dir), "best")
+        if found:
+            raise GptlabError(f"run {run_dir} has no usable checkpoint: the newest, {found[0].path.name}, is "
+                              f"damaged ({verify(found[0].path)})")
+        raise GptlabError(f"run {run_dir} has no checkpoint yet; train it with `gptlab train --run {run_dir}`")
     state = read_state(ckpt)
     model_cfg = from_dict(ModelConfig, state["model"])
-    tokenizer = load_tokenizer(Path(run_dir) / TOKENIZER)
+    run_tokenizer = Path(run_dir) / TOKENIZER
+    if (ckpt.path / TOKENIZER).is_file() and (ckpt.path / TOKENIZER).read_bytes() != run_tokenizer.read_bytes():
+        raise GptlabError(f"{run_tokenizer} is not the tokenizer the weights in {ckpt.path} were trained with; "
+                          f"restore it from {ckpt.path / TOKENIZER}")
+    tokenizer = load_tokenizer(run_tokenizer)
     if tokenizer.vocab_size > model_cfg.vocab_size:
         raise GptlabError(f"the tokenizer of {run_dir} has {tokenizer.vocab_size} tokens but the weights only "
                           f"{model_cfg.vocab_size}: they do not belong together")

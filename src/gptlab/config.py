@@ -7,8 +7,9 @@ Python callers construct them directly. Nothing here imports torch.
 from __future__ import annotations
 
 import dataclasses
+import types
 from dataclasses import dataclass, field, fields
-from typing import Any, get_type_hints
+from typing import Any, Union, get_args, get_origin, get_type_hints
 
 from gptlab.errors import GptlabError
 
@@ -70,7 +71,8 @@ class ModelConfig:
 
 @dataclass
 class TrainConfig:
-    """How to train. `lr_decay_steps` 0 means "decay over max_steps"."""
+    """How to train. `lr_decay_steps` 0 means "decay over max_steps". `spike_factor` > 1 stops the run when the
+    loss exceeds that multiple of its recent mean for `spike_patience` steps in a row (0: off)."""
 
     batch_size: int = 12
     grad_accum: int = 1
@@ -92,6 +94,8 @@ class TrainConfig:
     compile: bool = False
     fsdp: bool = False
     keep_last: int = 2
+    spike_factor: float = 0.0
+    spike_patience: int = 3
     init_from: str = ""
 
     def __post_init__(self) -> None:
@@ -106,6 +110,9 @@ class TrainConfig:
         _check(0 <= self.beta1 < 1 and 0 <= self.beta2 < 1, "beta1 and beta2 must be in [0, 1)")
         _check(self.grad_clip >= 0, f"grad_clip must be >= 0 (0 turns clipping off), not {self.grad_clip}")
         _check(self.keep_last >= 2, f"keep_last must be at least 2, not {self.keep_last}")
+        _check(self.spike_factor == 0 or self.spike_factor > 1,
+               f"spike_factor must be 0 (off) or > 1, not {self.spike_factor}")
+        _check(self.spike_patience >= 1, f"spike_patience must be >= 1, not {self.spike_patience}")
         _check_choice("precision", self.precision, PRECISIONS)
         _check_choice("device", self.device, DEVICES)
 
@@ -116,11 +123,12 @@ class TrainConfig:
 
 @dataclass
 class SampleConfig:
-    """How to sample. temperature 0 is greedy; top_k 0 and top_p 1 turn those filters off."""
+    """How to sample. temperature 0 is greedy; top_k None (unset) and top_p 1 turn those filters off; generation
+    stops at the first of the `stop` strings to appear in the generated text."""
 
     max_new_tokens: int = 500
     temperature: float = 0.8
-    top_k: int = 0
+    top_k: int | None = None
     top_p: float = 1.0
     repetition_penalty: float = 1.0
     frequency_penalty: float = 0.0
@@ -131,9 +139,11 @@ class SampleConfig:
     def __post_init__(self) -> None:
         _check(self.max_new_tokens > 0, f"max_new_tokens must be a positive integer, not {self.max_new_tokens}")
         _check(self.temperature >= 0, f"temperature must be >= 0 (0 is greedy), not {self.temperature}")
-        _check(self.top_k >= 0, f"top_k must be >= 1 (or 0 to turn it off), not {self.top_k}")
+        _check(self.top_k is None or self.top_k >= 1,
+               f"top_k must be >= 1 (leave it out to keep every token), not {self.top_k}")
         _check(0 < self.top_p <= 1, f"top_p must be in (0, 1], not {self.top_p}")
         _check(self.repetition_penalty > 0, f"repetition_penalty must be > 0, not {self.repetition_penalty}")
+        _check(all(self.stop), "a stop string must not be empty (it would stop before the first token)")
 
 
 @dataclass(frozen=True)
@@ -177,8 +187,15 @@ PRESETS: dict[str, Preset] = {
     "gpt2-xl": Preset("GPT-2 XL, 1558M parameters",
                       dict(block_size=1024, n_layer=48, n_head=25, n_embd=1600, vocab_size=50257),
                       _GPT2_TRAIN, "gpt2"),
+    "finetune": Preset(
+        "continue training a model given with --init-from (a gptlab run or a Hugging Face GPT-2 folder) on your "
+        "text: its shape comes from there; a small, nearly constant learning rate, a short run, dropout 0.1",
+        dict(dropout=0.1),
+        dict(batch_size=8, grad_accum=4, max_steps=200, lr=3e-5, min_lr=3e-5, warmup_steps=10, beta2=0.95,
+             weight_decay=0.1, eval_interval=50, eval_batches=20), "gpt2"),
 }
 DEFAULT_PRESET = "char-quick"
+FINETUNE_PRESET = "finetune"
 
 
 def get_preset(name: str) -> Preset:
@@ -189,9 +206,18 @@ def get_preset(name: str) -> Preset:
 
 
 def field_types(cls: type) -> dict[str, type]:
-    """Field name -> its Python type, for building CLI flags and parsing overrides."""
+    """Field name -> its Python type (X for an optional `X | None`), for building CLI flags and parsing overrides."""
     hints = get_type_hints(cls)
-    return {f.name: hints[f.name] for f in fields(cls)}
+    return {f.name: _required(hints[f.name]) for f in fields(cls)}
+
+
+def _required(kind: Any) -> Any:
+    """X for `X | None`, else `kind` unchanged."""
+    if get_origin(kind) in (Union, types.UnionType):
+        rest = [a for a in get_args(kind) if a is not type(None)]
+        if len(rest) == 1:
+            return rest[0]
+    return kind
 
 
 def parse_value(cls: type, name: str, text: str) -> Any:

@@ -88,6 +88,9 @@ def read_chunks(source: Source, encoding: str = "utf-8",
             except UnicodeDecodeError as exc:
                 raise GptlabError(f"{source.name} is not valid {encoding}: bad byte at offset {offset + exc.start}; "
                                   "pass --encoding with the file's real encoding (e.g. latin-1)") from None
+            if "\x00" in text:
+                raise GptlabError(f"{source.name} looks like a binary file (a NUL byte near offset "
+                                  f"{offset + block.find(0) if 0 in block else offset}); give a text file")
             offset += len(block)
             if not block:
                 if text:

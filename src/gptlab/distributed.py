@@ -127,6 +127,14 @@ class Parallel:
         dist.all_reduce(total)  # gloo has no AVG: sum, then divide
         return total / self.world_size
 
+    def any(self, flag: bool) -> bool:
+        """Whether `flag` is true in any process (all processes must ask together); `flag` itself in one."""
+        if not self.active:
+            return flag
+        value = torch.tensor(float(flag), device=self.device)
+        dist.all_reduce(value, op=dist.ReduceOp.MAX)
+        return bool(value.item())
+
     def clip_grad_norm(self, model: torch.nn.Module, max_norm: float) -> torch.Tensor:
         """Clip the global gradient norm to max_norm; returns the norm before clipping as a plain tensor (with
         FSDP, the norm over every shard)."""

@@ -8,6 +8,7 @@ H heads, D head_dim = C / H, V vocabulary.
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 import torch.nn as nn
@@ -22,6 +23,7 @@ class KVCache:
     k and v are (n_layer, B, H, max_len, D). `pos` (B,) is how many positions of each row are filled: the next
     tokens of row b go to positions pos[b], pos[b] + 1, ... The model advances `pos` by T after each forward;
     a caller that fed rows of different lengths (right-padded) sets `pos` to the true lengths afterwards.
+    The cache's dtype is the precision attention runs in: a bf16 model may keep an fp32 cache.
     """
 
     def __init__(self, n_layer: int, batch_size: int, n_head: int, max_len: int, head_dim: int,
@@ -31,6 +33,7 @@ class KVCache:
         self.v = torch.zeros(shape, device=device, dtype=dtype)
         self.pos = torch.zeros(batch_size, dtype=torch.long, device=device)
         self.max_len = max_len
+        self.step: CacheStep | None = None
 
     def reset(self) -> None:
         self.pos.zero_()
@@ -41,8 +44,41 @@ class KVCache:
         out.k = self.k.repeat_interleave(n, dim=1)
         out.v = self.v.repeat_interleave(n, dim=1)
         out.pos = self.pos.repeat_interleave(n)
-        out.max_len = self.max_len
+        out.max_len, out.step = self.max_len, None
         return out
+
+    def replace_rows(self, rows: torch.Tensor, other: KVCache) -> None:
+        """Rows `rows` of this cache take the keys, values and positions of `other`'s rows 0, 1, ..."""
+        n = int(other.pos.max()) if len(other.pos) else 0
+        self.k[:, rows, :, :n] = other.k[:, :, :, :n]
+        self.v[:, rows, :, :n] = other.v[:, :, :, :n]
+        self.pos[rows] = other.pos
+
+    def begin(self, T: int) -> CacheStep:
+        """Plan a forward of T new positions per row: where they are written and which keys each query sees. The
+        model calls this once per forward, so positions are read on the host once, not once per layer."""
+        lo, hi = self.pos.aminmax()
+        start, end = int(lo), int(hi) + T
+        assert end <= self.max_len, f"KV cache overflow: {end} positions > {self.max_len}"
+        uniform = start == end - T
+        if uniform and start == 0:
+            self.step = CacheStep(start, end, uniform, None, True)  # a fresh prefill: the square causal mask
+        elif uniform and T == 1:
+            self.step = CacheStep(start, end, uniform, None, False)  # one new token sees every stored position
+        else:
+            self.step = CacheStep(start, end, uniform, _attention_mask(self.pos, T, end), False)
+        return self.step
+
+
+class CacheStep(NamedTuple):
+    """What one forward does with the cache: write positions [start, end) (row-wise from each row's pos unless
+    uniform) and attend with `mask` (B, 1, T, end), or with the plain causal mask when `causal`, or to all keys."""
+
+    start: int
+    end: int
+    uniform: bool
+    mask: torch.Tensor | None
+    causal: bool
 
 
 def _attention_mask(kv_pos: torch.Tensor, T: int, n_keys: int) -> torch.Tensor:
@@ -87,9 +123,10 @@ class CausalSelfAttention(nn.Module):
         v = v.view(B, T, self.n_head, self.head_dim).transpose(1, 2)  # (B, H, T, D)
         mask, causal = None, True  # no cache: plain causal attention over these T positions
         if cache is not None:
+            q = q.to(cache.k.dtype)  # attention runs in the cache's precision
             k, v, mask, causal = self._use_cache(cache, layer, k, v)
         attend = self._naive if self._naive_is_faster(q) else self._sdpa
-        y = attend(q, k, v, mask, causal)  # (B, H, T, D)
+        y = attend(q, k, v, mask, causal).to(x.dtype)  # (B, H, T, D)
         y = y.transpose(1, 2).contiguous().view(B, T, C)  # (B, T, C): heads side by side again
         return self.resid_dropout(self.c_proj(y))
 
@@ -97,24 +134,20 @@ class CausalSelfAttention(nn.Module):
                    v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, bool]:
         """Store this step's keys/values; return every key/value visible now, the mask, and whether the plain
         causal mask applies instead."""
+        step = cache.step
+        assert step is not None, "call cache.begin(T) before a forward with the cache"
         B, _, T, _ = k.shape
-        start, end = int(cache.pos.min()), int(cache.pos.max()) + T
-        assert end <= cache.max_len, f"KV cache overflow: {end} positions > {cache.max_len}"
-        uniform = start == end - T
-        if uniform:  # every row at the same position: plain slices
-            cache.k[layer, :, :, start:end] = k
-            cache.v[layer, :, :, start:end] = v
+        k, v = k.to(cache.k.dtype), v.to(cache.v.dtype)
+        if step.uniform:  # every row at the same position: plain slices
+            cache.k[layer, :, :, step.start:step.end] = k
+            cache.v[layer, :, :, step.start:step.end] = v
         else:
             index = (cache.pos[:, None] + torch.arange(T, device=k.device))[:, None, :, None]  # (B, 1, T, 1)
             index = index.expand(B, self.n_head, T, self.head_dim)
             cache.k[layer].scatter_(2, index, k)
             cache.v[layer].scatter_(2, index, v)
-        k_all, v_all = cache.k[layer, :, :, :end], cache.v[layer, :, :, :end]  # (B, H, end, D)
-        if uniform and start == 0:
-            return k_all, v_all, None, True  # a fresh prefill: the square causal mask
-        if uniform and T == 1:
-            return k_all, v_all, None, False  # one new token sees every stored position
-        return k_all, v_all, _attention_mask(cache.pos, T, end), False
+        k_all, v_all = cache.k[layer, :, :, :step.end], cache.v[layer, :, :, :step.end]  # (B, H, end, D)
+        return k_all, v_all, step.mask, step.causal
 
     def _naive_is_faster(self, q: torch.Tensor) -> bool:
         """attention="auto" picks the fused kernel, except when training on a CPU under bf16 autocast (its fused
@@ -219,8 +252,9 @@ class GPT(nn.Module):
             assert T <= self.config.block_size, f"sequence of {T} tokens > block_size {self.config.block_size}"
             pos = torch.arange(T, device=idx.device)  # (T,)
         else:
+            step = kv_cache.begin(T)
+            assert step.end <= self.config.block_size, "position beyond block_size: slide the window"
             pos = kv_cache.pos[:, None] + torch.arange(T, device=idx.device)  # (B, T)
-            assert int(pos.max()) < self.config.block_size, "position beyond block_size: slide the window"
         x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))  # (B, T, C)
         for layer, block in enumerate(self.transformer.h):
             x = block(x, kv_cache, layer)

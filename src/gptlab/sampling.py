@@ -54,6 +54,9 @@ def next_token(logits: torch.Tensor, cfg: SampleConfig, generator: torch.Generat
         logits = apply_penalties(logits, counts, cfg.repetition_penalty, cfg.frequency_penalty, cfg.presence_penalty)
     if cfg.temperature == 0:
         return logits.argmax(dim=-1)
-    logits = top_p_filter(top_k_filter(logits / cfg.temperature, cfg.top_k), cfg.top_p)
+    logits = logits / cfg.temperature
+    if cfg.top_k is not None:
+        logits = top_k_filter(logits, cfg.top_k)
+    logits = top_p_filter(logits, cfg.top_p)
     probs = torch.softmax(logits, dim=-1)
     return torch.multinomial(probs, num_samples=1, generator=generator).squeeze(-1)

@@ -6,6 +6,7 @@ import json
 import logging
 import math
 import os
+import signal
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -20,6 +21,8 @@ from gptlab.config import ModelConfig, TrainConfig, from_dict, to_dict
 from gptlab.data import Dataset, batch_generator, get_batch, load_dataset
 from gptlab.distributed import Parallel
 from gptlab.errors import GptlabError
+from gptlab.faults import GracefulStop, Interrupted, LossSpike, NonFiniteLoss, SpikeGuard
+from gptlab.hf import init_tensors
 from gptlab.model import build_model
 from gptlab.optim import lr_at, make_optimizer, step_if_finite
 from gptlab.plots import plot_loss, read_metrics
@@ -48,10 +51,6 @@ class Progress:
     step: int = 0
     tokens_seen: int = 0
     best_val_loss: float = math.inf
-
-
-class NonFiniteLoss(GptlabError):
-    pass
 
 
 def check_data(dataset: Dataset, model_cfg: ModelConfig) -> None:
@@ -90,8 +89,10 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, dataset
                block_size: int, step: int, device: torch.device, precision: str,
                dist: Parallel | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """One optimizer step over cfg.grad_accum micro-batches (each process taking its rows of each); returns
-    (mean loss over all processes, gradient norm before clipping) as tensors, so nothing waits for the device
-    here. A step whose loss or norm is not finite is not applied (decided on the device; see step_if_finite)."""
+    (mean loss over all processes, gradient norm before clipping) as tensors. A step whose loss or norm is not
+    finite is never applied (decided on the device, see step_if_finite); where the host would wait for the
+    device to learn it (CUDA, see defers_finite_check) the loop reads it back later, elsewhere this raises
+    NonFiniteLoss at once."""
     dist = dist or Parallel(device)
     for group in optimizer.param_groups:
         group["lr"] = lr_at(step, cfg)
@@ -106,14 +107,25 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, dataset
         loss_sum += loss.detach()
     norm = dist.clip_grad_norm(model, cfg.grad_clip if cfg.grad_clip > 0 else math.inf)
     loss = dist.mean(loss_sum / cfg.grad_accum)
-    step_if_finite(optimizer, loss, norm)
+    applied = step_if_finite(optimizer, loss, norm)
     optimizer.zero_grad(set_to_none=True)
+    if not defers_finite_check(device) and not applied:
+        raise NonFiniteLoss(f"step {step + 1}: the loss ({loss.item()}) or gradient norm ({norm.item()}) is not "
+                            "finite, so the step was not applied")
     return loss, norm
 
 
+def defers_finite_check(device: torch.device) -> bool:
+    """Whether the host learns of non-finite steps only at log rows and evaluations (on CUDA: asking after
+    every step would make the host wait for the GPU every step; elsewhere the answer is free)."""
+    return device.type == "cuda"
+
+
 def resume_state(run_dir: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                 dataset: Dataset, model_cfg: ModelConfig) -> Progress:
-    """Load the newest valid checkpoint of `run_dir` into model and optimizer; returns where training stands."""
+                 dataset: Dataset, model_cfg: ModelConfig, cfg: TrainConfig, record: bool = True) -> Progress:
+    """Load the newest valid checkpoint of `run_dir` into model and optimizer; returns where training stands.
+    Refuses another model shape or other data; records deliberate changes of training settings (with record:
+    under torchrun, rank 0 alone writes)."""
     ckpt = ck.find_checkpoint(run_dir, "step")
     if ckpt is None:
         raise GptlabError(f"run {run_dir} has no checkpoint to resume from; drop --resume to start it")
@@ -128,6 +140,12 @@ def resume_state(run_dir: Path, model: torch.nn.Module, optimizer: torch.optim.O
     ck.load_model_tensors(model, ck.load_tensors(ckpt.path / "model.safetensors"), str(ckpt.path))
     ck.restore_optimizer(optimizer, ck.load_tensors(ckpt.path / "optimizer.safetensors"), state["optimizer"])
     ck.restore_rng(ck.load_tensors(ckpt.path / "rng.safetensors"))
+    changes = {k: [v, getattr(cfg, k)] for k, v in state["train"].items() if getattr(cfg, k, v) != v}
+    if changes and record:
+        log.warning("resuming %s at step %d with changed settings: %s", run_dir, state["step"],
+                    ", ".join(f"{k} {a} -> {b}" for k, (a, b) in changes.items()))
+    if record:
+        ck.record_resume(run_dir, state["step"], changes)
     return Progress(state["step"], state["tokens_seen"], state["best_val_loss"])
 
 
@@ -140,8 +158,9 @@ def _keep_metrics_until(path: Path, step: int) -> None:
 def train(data_dir: str | Path, run_dir: str | Path, model_cfg: ModelConfig, cfg: TrainConfig,
           resume: bool = False, quiet: bool = False, extra: dict[str, Any] | None = None) -> TrainResult:
     """Train `model_cfg` on the prepared data in `data_dir` into `run_dir`, per `cfg`; with resume, continue from
-    the run's newest valid checkpoint. Under torchrun, every process runs this and trains its share of each
-    batch (see distributed.py). Returns the final numbers; raises GptlabError on bad input."""
+    the run's newest valid checkpoint. Returns the final numbers. Raises GptlabError on bad input, and its
+    subclasses Interrupted (a signal: a checkpoint was written), NonFiniteLoss and LossSpike (nothing applied).
+    Under torchrun, every process runs this and trains its share of each batch (see distributed.py)."""
     set_threads()
     dist = distributed.setup(cfg.device)
     device = dist.device
@@ -151,27 +170,36 @@ def train(data_dir: str | Path, run_dir: str | Path, model_cfg: ModelConfig, cfg
     dataset = load_dataset(data_dir)
     if model_cfg.vocab_size == 0:
         model_cfg.vocab_size = dataset.tokenizer.vocab_size
+    # fine-tuning: start from a gptlab run's or a HF GPT-2's weights, checked against this model and data first
+    init = init_tensors(cfg.init_from, model_cfg, dataset.tokenizer) if cfg.init_from and not resume else None
     check_data(dataset, model_cfg)
     run = Path(run_dir)
     torch.manual_seed(cfg.seed)
     model = build_model(model_cfg).to(device)
+    if init is not None:
+        ck.load_model_tensors(model, init, cfg.init_from)
     speed = cached_speed(device, precision, cfg.batch_size * model_cfg.block_size * cfg.grad_accum,
                          model.flops_per_token(), dist.world_size)
     optimizer = make_optimizer(model, cfg)
-    progress = resume_state(run, model, optimizer, dataset, model_cfg) if resume else Progress()
+    if not resume and ck.find_checkpoint(run, "step") is not None:
+        raise GptlabError(f"run {run} already has checkpoints; pass --resume to continue it or choose a new --run")
+    if dist.is_main:
+        ck.init_run(run, model_cfg, cfg, dataset.tokenizer, {"data": str(Path(data_dir)), "precision": precision,
+                    "device": str(device), "processes": dist.world_size, **(extra or {})})
+    progress = resume_state(run, model, optimizer, dataset, model_cfg, cfg, dist.is_main) if resume else Progress()
     model, optimizer = dist.wrap(model, optimizer, cfg.fsdp)
     dist.reseed(cfg.seed, progress.step)
     if cfg.compile:
         model = compile_model(model, warm_up(dataset, cfg, model_cfg.block_size, device, precision, dist))
     if dist.is_main:
-        ck.init_run(run, model_cfg, cfg, dataset.tokenizer, {"data": str(Path(data_dir)), "precision": precision,
-                    "device": str(device), "processes": dist.world_size, **(extra or {})})
+        ck.clean_stale(run)
         metrics = run / ck.METRICS
         if resume:
             _keep_metrics_until(metrics, progress.step)
         elif metrics.exists():
             metrics.unlink()
-    result = _loop(model, optimizer, dataset, model_cfg, cfg, run, progress, device, precision, quiet, speed, dist)
+    trainer = Trainer(model, optimizer, dataset, model_cfg, cfg, run, progress, device, precision, speed, dist)
+    result = trainer.loop(quiet)
     dist.barrier()  # no process leaves while rank 0 may still be writing
     return result
 
@@ -189,83 +217,169 @@ def warm_up(dataset: Dataset, cfg: TrainConfig, block_size: int, device: torch.d
     return run
 
 
-def _loop(model: torch.nn.Module, optimizer: torch.optim.Optimizer, dataset: Dataset, model_cfg: ModelConfig,
-          cfg: TrainConfig, run: Path, progress: Progress, device: torch.device, precision: str,
-          quiet: bool, speed: Speed, dist: Parallel) -> TrainResult:
-    from tqdm import tqdm
+@dataclass
+class Trainer:
+    """One training run in progress: what the loop needs, and the small steps it is made of."""
 
-    fingerprint = dataset.fingerprint()
-    bar = tqdm(total=cfg.max_steps, initial=progress.step, desc="train", unit="step", dynamic_ncols=True,
-               disable=True if quiet or not dist.is_main else None)
-    model.train()
-    eager = getattr(model, "_orig_mod", model)  # evaluate uncompiled: a second compiled graph costs more than it saves
-    start, start_step, val_loss, history = time.perf_counter(), progress.step, math.nan, []
-    tick, tick_step = start, progress.step  # the current speed interval, which leaves out evaluations and saves
-    nonfinite = torch.zeros((), dtype=torch.int64, device=device)  # steps not applied; read (and fatal) at log rows
-    with open(run / ck.METRICS if dist.is_main else os.devnull, "a") as metrics:
-        def record(row: dict[str, Any]) -> None:
-            history.append(row)
-            metrics.write(json.dumps(row) + "\n")
-            metrics.flush()
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    dataset: Dataset
+    model_cfg: ModelConfig
+    cfg: TrainConfig
+    run: Path
+    progress: Progress
+    device: torch.device
+    precision: str
+    speed: Speed
+    dist: Parallel
+    history: list[dict[str, Any]] = field(default_factory=list)
+    last_checkpoint: Path | None = None
+    val_loss: float = math.nan
 
-        while progress.step < cfg.max_steps:
-            loss, norm = train_step(model, optimizer, dataset, cfg, model_cfg.block_size, progress.step, device,
-                                    precision, dist)
-            nonfinite += ~(loss.isfinite() & norm.isfinite())
-            progress.step += 1
-            progress.tokens_seen += speed.tokens_per_step
-            done = progress.step == cfg.max_steps
-            if progress.step % cfg.log_interval == 0 or done:
-                _check_finite(int(nonfinite.item()), progress.step)
-                now = time.perf_counter()
-                rates = speed.report(progress.step - tick_step, now - tick)
-                tick, tick_step = now, progress.step
-                shown = loss.item()
-                record({"kind": "train", "step": progress.step, "loss": shown, "grad_norm": norm.item(),
-                        "lr": lr_at(progress.step - 1, cfg), "tokens": progress.tokens_seen, **rates,
-                        "elapsed_s": round(now - start, 3)})
-                bar.set_postfix(loss=f"{shown:.4f}", tok_s=f"{rates['tokens_per_s']:,.0f}",
-                                **({"mfu": f"{rates['mfu']:.0%}"} if "mfu" in rates else {}), refresh=False)
-            bar.update(1)
-            if progress.step % cfg.eval_interval == 0 or done:
-                losses = estimate_loss(eager, dataset, cfg, model_cfg.block_size, device, precision, dist)
-                val_loss = losses["val"]
-                record({"kind": "eval", "step": progress.step, "train_loss": losses["train"],
-                        "val_loss": val_loss, "elapsed_s": round(time.perf_counter() - start, 3)})
-                if dist.is_main:
-                    bar.write(f"step {progress.step}: train loss {losses['train']:.4f}, val loss {val_loss:.4f}")
-                _save(run, model, optimizer, model_cfg, cfg, progress, fingerprint, val_loss, dist)
-                tick, tick_step = time.perf_counter(), progress.step
-    bar.close()
-    seconds = time.perf_counter() - start
-    if dist.is_main:
-        plot_loss(run / ck.METRICS, run / "loss.png", title=f"{run.name}")
-    rate = (progress.step - start_step) * speed.tokens_per_step / max(seconds, 1e-9)
-    return TrainResult(run, progress.step, val_loss, progress.best_val_loss, seconds, rate, history, dist.rank)
+    def loop(self, quiet: bool) -> TrainResult:
+        """Steps until max_steps: train step, log, evaluate and checkpoint at intervals, stop cleanly on a signal."""
+        from tqdm import tqdm
+
+        cfg, progress = self.cfg, self.progress
+        found = ck.find_checkpoint(self.run, "step")
+        self.last_checkpoint = found.path if found else None
+        bar = tqdm(total=cfg.max_steps, initial=progress.step, desc="train", unit="step", dynamic_ncols=True,
+                   disable=True if quiet or not self.dist.is_main else None)
+        spikes = SpikeGuard(cfg.spike_factor, cfg.spike_patience)
+        self.start, self.start_step = time.perf_counter(), progress.step
+        self.tick, self.tick_step = self.start, progress.step  # the speed interval: evaluations and saves left out
+        self.nonfinite = torch.zeros((), dtype=torch.int64, device=self.device)  # steps skipped, when deferred
+        self.eager = getattr(self.model, "_orig_mod", self.model)  # evaluating compiled costs a second compilation
+        self.model.train()
+        metrics = self.run / ck.METRICS if self.dist.is_main else os.devnull
+        with GracefulStop() as stop, open(metrics, "a") as self.metrics:
+            while progress.step < cfg.max_steps:
+                loss, norm = self.step()
+                if cfg.spike_factor > 0:
+                    self.check_finite()  # the guard reads the loss every step anyway
+                    self.guard(spikes.check, progress.step, loss.item())
+                done = progress.step == cfg.max_steps
+                log_row = progress.step % cfg.log_interval == 0 or done
+                if log_row:
+                    self.check_finite()
+                    self.log(loss, norm, bar)
+                bar.update(1)
+                if progress.step % cfg.eval_interval == 0 or done:
+                    self.check_finite()
+                    self.evaluate(bar)
+                if self.stopping(stop, log_row) and not done:
+                    self.interrupted(stop.signum or signal.SIGTERM, bar)
+        bar.close()
+        seconds = time.perf_counter() - self.start
+        if self.dist.is_main:
+            plot_loss(self.run / ck.METRICS, self.run / "loss.png", title=self.run.name)
+        rate = (progress.step - self.start_step) * self.tokens_per_step / max(seconds, 1e-9)
+        return TrainResult(self.run, progress.step, self.val_loss, progress.best_val_loss, seconds, rate,
+                           self.history, self.dist.rank)
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.cfg.batch_size * self.model_cfg.block_size * self.cfg.grad_accum
+
+    def step(self) -> tuple[torch.Tensor, torch.Tensor]:
+        loss, norm = self.guard(train_step, self.model, self.optimizer, self.dataset, self.cfg,
+                                self.model_cfg.block_size, self.progress.step, self.device, self.precision,
+                                self.dist)
+        if defers_finite_check(self.device):
+            self.nonfinite += ~(loss.isfinite() & norm.isfinite())
+        self.progress.step += 1
+        self.progress.tokens_seen += self.tokens_per_step
+        return loss, norm
+
+    def check_finite(self) -> None:
+        """Where the check is deferred: stop if any step so far was skipped for a non-finite loss or norm."""
+        skipped = int(self.nonfinite.item()) if defers_finite_check(self.device) else 0
+        if skipped:
+            message = (f"{skipped} step(s) up to step {self.progress.step} had a non-finite loss or gradient norm, "
+                       "so they were not applied")
+            self.guard(_raise, NonFiniteLoss(message))
+
+    def stopping(self, stop: GracefulStop, log_row: bool) -> bool:
+        """Whether to stop for a signal now: after this step in one process; at a log row, agreed by all, in
+        several (each must stop at the same step)."""
+        if not self.dist.active:
+            return stop.signum is not None
+        return log_row and self.dist.any(stop.signum is not None)
+
+    def guard(self, fn: Any, *args: Any) -> Any:
+        """Run fn; turn a non-finite loss, a spike or running out of memory into one message that says where the
+        last good checkpoint is and what to try."""
+        last = f"the last good checkpoint is {self.last_checkpoint}" if self.last_checkpoint else \
+            "no checkpoint was written yet"
+        try:
+            return fn(*args)
+        except (NonFiniteLoss, LossSpike) as exc:
+            raise type(exc)(f"{exc}; {last}. Try a lower --lr, more --warmup-steps or --precision fp32") from None
+        except torch.OutOfMemoryError:
+            B, accum = self.cfg.batch_size, self.cfg.grad_accum
+            raise GptlabError(f"out of memory on {self.device} at batch_size {B} x block_size "
+                              f"{self.model_cfg.block_size}; try --batch-size {max(1, B // 2)} --grad-accum "
+                              f"{accum * 2} (the same tokens per step); {last}") from None
+
+    def record(self, row: dict[str, Any]) -> None:
+        self.history.append(row)
+        self.metrics.write(json.dumps(row) + "\n")
+        self.metrics.flush()
+
+    def log(self, loss: torch.Tensor, norm: torch.Tensor, bar: Any) -> None:
+        """A train row: loss, norm, lr, and the speed since the last row (tokens/s; MFU once the peak is cached)."""
+        now = time.perf_counter()
+        rates = self.speed.report(self.progress.step - self.tick_step, now - self.tick)
+        self.tick, self.tick_step = now, self.progress.step
+        shown = loss.item()
+        self.record({"kind": "train", "step": self.progress.step, "loss": shown, "grad_norm": norm.item(),
+                     "lr": lr_at(self.progress.step - 1, self.cfg), "tokens": self.progress.tokens_seen, **rates,
+                     "elapsed_s": round(now - self.start, 3)})
+        mfu = {"mfu": f"{rates['mfu']:.0%}"} if "mfu" in rates else {}
+        bar.set_postfix(loss=f"{shown:.4f}", tok_s=f"{rates['tokens_per_s']:,.0f}", **mfu, refresh=False)
+
+    def evaluate(self, bar: Any) -> None:
+        losses = estimate_loss(self.eager, self.dataset, self.cfg, self.model_cfg.block_size, self.device,
+                               self.precision, self.dist)
+        self.val_loss = losses["val"]
+        self.record({"kind": "eval", "step": self.progress.step, "train_loss": losses["train"],
+                     "val_loss": self.val_loss, "elapsed_s": round(time.perf_counter() - self.start, 3)})
+        if self.dist.is_main:
+            bar.write(f"step {self.progress.step}: train loss {losses['train']:.4f}, val loss {self.val_loss:.4f}")
+        self.save(best=self.val_loss < self.progress.best_val_loss)
+        self.tick, self.tick_step = time.perf_counter(), self.progress.step
+
+    def interrupted(self, signum: int, bar: Any) -> None:
+        """Write a checkpoint of the step just finished (unless evaluation just did) and stop."""
+        if self.last_checkpoint is None or not self.last_checkpoint.name.endswith(f"{self.progress.step:08d}"):
+            self.save(best=False)
+        bar.close()
+        name = signal.Signals(signum).name
+        raise Interrupted(f"stopped by {name} at step {self.progress.step}; checkpoint {self.last_checkpoint}; "
+                          f"resume with: gptlab train --run {self.run} --resume", signum)
+
+    def save(self, best: bool) -> None:
+        """A resumable checkpoint now, and a "best" one when the validation loss is the lowest so far; written by
+        rank 0 once every process has come this far, with full (unsharded) tensors."""
+        progress = self.progress
+        if best:
+            progress.best_val_loss = self.val_loss
+        state = {"tokens_seen": progress.tokens_seen, "best_val_loss": progress.best_val_loss,
+                 "val_loss": self.val_loss, "data_fingerprint": self.dataset.fingerprint(),
+                 "sampler": {"seed": self.cfg.seed, "next_step": progress.step},
+                 "model": to_dict(self.model_cfg), "train": to_dict(self.cfg),
+                 "gptlab_version": ck.__version__, "git_commit": ck.git_commit()}
+        self.dist.barrier()
+        model, optimizer = self.dist.full_state(self.model, self.optimizer)
+        if not self.dist.is_main:
+            self.last_checkpoint = self.run / ck.CKPTS / f"step-{progress.step:08d}"  # where rank 0 writes it
+            return
+        extra = {ck.TOKENIZER: (self.run / ck.TOKENIZER).read_bytes()}
+        self.last_checkpoint = ck.save_checkpoint(self.run, "step", progress.step, model, state, optimizer,
+                                                  keep=self.cfg.keep_last, extra_files=extra)
+        if best:
+            ck.save_checkpoint(self.run, "best", progress.step, model, state, keep=1, extra_files=extra)
 
 
-def _check_finite(skipped: int, step: int) -> None:
-    """Raise NonFiniteLoss when steps were skipped for a non-finite loss or gradient norm (counted on the device,
-    read back only at log rows, where the host waits for the device anyway)."""
-    if skipped:
-        raise NonFiniteLoss(f"{skipped} step(s) up to step {step} had a non-finite loss or gradient norm and were "
-                            "not applied; try a lower --lr or --precision fp32")
-
-
-def _save(run: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, model_cfg: ModelConfig,
-          cfg: TrainConfig, progress: Progress, fingerprint: str, val_loss: float, dist: Parallel) -> None:
-    """A resumable checkpoint now, and a "best" one when the validation loss is the lowest so far; written by
-    rank 0 once every process has reached this point, with full (unsharded) tensors."""
-    improved = val_loss < progress.best_val_loss
-    if improved:
-        progress.best_val_loss = val_loss
-    state = {"tokens_seen": progress.tokens_seen, "best_val_loss": progress.best_val_loss, "val_loss": val_loss,
-             "data_fingerprint": fingerprint, "model": to_dict(model_cfg), "train": to_dict(cfg),
-             "gptlab_version": ck.__version__, "git_commit": ck.git_commit()}
-    dist.barrier()
-    model, optimizer = dist.full_state(model, optimizer)
-    if not dist.is_main:
-        return
-    ck.save_checkpoint(run, "step", progress.step, model, state, optimizer, keep=cfg.keep_last)
-    if improved:
-        ck.save_checkpoint(run, "best", progress.step, model, state, keep=1)
+def _raise(exc: Exception) -> None:
+    raise exc

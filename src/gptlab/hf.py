@@ -1,0 +1,399 @@
+"""Hugging Face GPT-2 folders <-> gptlab runs: import, export, and the weights fine-tuning starts from.
+
+A Hugging Face GPT-2 folder is config.json plus model.safetensors or pytorch_model.bin (or shards listed in a
+*.index.json), and optionally tokenizer files. Its four projection matrices are Conv1D modules stored (in, out),
+where gptlab uses nn.Linear, (out, in): they are transposed both ways. The LM head is tied to wte, so only wte is
+stored. Old checkpoints also carry the causal-mask buffers attn.bias and attn.masked_bias, which are not weights
+and are dropped. Reading needs only safetensors, torch (`torch.load(weights_only=True)`, which never unpickles
+arbitrary objects) and tokenizers: transformers is not needed here at all, only by the tests that check parity.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import pickle
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from gptlab import checkpoint as ck
+from gptlab.config import ModelConfig, TrainConfig, from_dict, to_dict
+from gptlab.errors import GptlabError
+from gptlab.model import GPT
+from gptlab.tokenizer import EOT, CharTokenizer, GPT2Tokenizer, Tokenizer, _byte_decoder, gpt2_ranks
+from gptlab.tokenizer import load as load_tokenizer
+
+HF_CONFIG = "config.json"
+GPTLAB_TOKENIZER = "gptlab_tokenizer.json"  # written by export, so that importing the folder back is exact
+WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")  # in order of preference
+CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
+ACTIVATIONS = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu"}  # HF name -> ours
+# transformers' GPT2Config defaults, which apply to any key a config.json leaves out
+GPT2_DEFAULTS: dict[str, Any] = dict(vocab_size=50257, n_positions=1024, n_embd=768, n_layer=12, n_head=12,
+                                     n_inner=None, activation_function="gelu_new", layer_norm_epsilon=1e-5)
+# GPT-2 variants that transformers can express and gptlab's model does not compute: the value gptlab implements
+VARIANTS = {"scale_attn_weights": True, "scale_attn_by_inverse_layer_idx": False, "add_cross_attention": False,
+            "tie_word_embeddings": True}
+
+
+# ---- reading a Hugging Face folder -----------------------------------------------------------------------------
+
+def read_hf_config(folder: str | Path) -> ModelConfig:
+    """The ModelConfig of the GPT-2 described by `folder`/config.json (dropout 0, biases on).
+    Raises GptlabError when the folder is missing, not a model folder, not GPT-2, or a variant gptlab lacks."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise GptlabError(f"{folder} does not exist or is not a folder; give a Hugging Face GPT-2 model folder "
+                          "(config.json + model.safetensors)")
+    path = folder / HF_CONFIG
+    if not path.is_file():
+        raise GptlabError(f"{folder} is not a Hugging Face model folder (no {HF_CONFIG}); get one with e.g. "
+                          "`hf download openai-community/gpt2 --local-dir gpt2`")
+    try:
+        raw = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise GptlabError(f"{path} is not valid JSON; the folder is damaged, download it again") from None
+    if not isinstance(raw, dict) or raw.get("model_type") != "gpt2":
+        kind = raw.get("model_type") if isinstance(raw, dict) else None
+        raise GptlabError(f"{folder} holds a {kind!r} model, not GPT-2 (model_type 'gpt2' in {HF_CONFIG}); "
+                          "gptlab imports only GPT-2 checkpoints")
+    hf = {**GPT2_DEFAULTS, **raw}
+    for key, implemented in VARIANTS.items():
+        if hf.get(key, implemented) != implemented:
+            raise GptlabError(f"{path} sets {key}={hf[key]}, a GPT-2 variant gptlab does not implement")
+    if hf["activation_function"] not in ACTIVATIONS:
+        raise GptlabError(f"{path} uses activation {hf['activation_function']!r}; gptlab implements GPT-2's "
+                          f"{', '.join(ACTIVATIONS)} only")
+    try:
+        if hf["n_inner"] not in (None, 4 * int(hf["n_embd"])):
+            raise GptlabError(f"{path} sets n_inner={hf['n_inner']}; gptlab's MLP is always 4 x n_embd wide")
+        return ModelConfig(vocab_size=int(hf["vocab_size"]), block_size=int(hf["n_positions"]),
+                           n_layer=int(hf["n_layer"]), n_head=int(hf["n_head"]), n_embd=int(hf["n_embd"]),
+                           dropout=0.0, bias=True, activation=ACTIVATIONS[hf["activation_function"]],
+                           layer_norm_eps=float(hf["layer_norm_epsilon"]))
+    except (TypeError, ValueError):
+        raise GptlabError(f"{path} has a non-numeric model size; the file is damaged") from None
+
+
+def weight_files(folder: Path) -> list[Path]:
+    """The weight files of a HF folder: one file, or the shards its *.index.json lists; safetensors preferred."""
+    for name in WEIGHT_FILES:
+        if (folder / name).is_file():
+            return [folder / name]
+        index = folder / f"{name}.index.json"
+        if index.is_file():
+            try:
+                shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+            except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, AttributeError):
+                raise GptlabError(f"{index} is damaged (no weight_map); download the folder again") from None
+            missing = [s for s in shards if not (folder / s).is_file()]
+            if missing:
+                raise GptlabError(f"shard {missing[0]} listed in {index} is missing; download the folder again")
+            return [folder / s for s in shards]
+    raise GptlabError(f"{folder} has a {HF_CONFIG} but no weights ({' or '.join(WEIGHT_FILES)}, or shards with "
+                      "an .index.json)")
+
+
+def read_weight_file(path: Path) -> dict[str, torch.Tensor]:
+    """The tensors in one safetensors or PyTorch weight file; raises GptlabError when it cannot be read."""
+    try:
+        if path.suffix == ".safetensors":
+            tensors = load_file(path)
+        else:
+            tensors = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError:
+        raise GptlabError(f"{path} holds Python objects besides tensors, which gptlab never unpickles; convert "
+                          "the checkpoint to safetensors") from None
+    except Exception as exc:  # safetensors and torch.load fail in many ways on a truncated or damaged file
+        reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise GptlabError(f"{path} cannot be read ({reason}); it is truncated or damaged, download it again") \
+            from None
+    if not isinstance(tensors, dict) or not all(torch.is_tensor(t) for t in tensors.values()):
+        raise GptlabError(f"{path} is not a state dict of tensors; it is not a GPT-2 checkpoint")
+    return tensors
+
+
+def from_hf_names(tensors: dict[str, torch.Tensor], source: str) -> dict[str, torch.Tensor]:
+    """HF GPT-2 tensors (with or without the `transformer.` prefix) -> gptlab names, Linear layout, fp32.
+    Drops the causal-mask buffers and a tied lm_head; refuses an lm_head that is not tied to wte."""
+    out, lm_head = {}, None
+    for name, tensor in tensors.items():
+        parts = name.split(".")
+        if parts[-2:] in (["attn", "bias"], ["attn", "masked_bias"]):  # mask buffers, not c_attn.bias
+            continue
+        if name == "lm_head.weight":
+            lm_head = tensor
+            continue
+        name = "transformer." + name.removeprefix("transformer.")
+        if name.endswith(CONV1D):
+            tensor = tensor.t()  # Conv1D (in, out) -> Linear (out, in)
+        out[name] = tensor.float().contiguous()
+    wte = out.get("transformer.wte.weight")
+    if lm_head is not None and wte is not None and not torch.equal(lm_head.float(), wte):
+        raise GptlabError(f"the checkpoint in {source} has an lm_head that is not tied to wte; gptlab's GPT-2 "
+                          "always ties them")
+    return out
+
+
+def read_hf_model(folder: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """The model settings and gptlab-named weights of the GPT-2 in `folder`; raises GptlabError on bad input."""
+    folder = Path(folder)
+    model_cfg = read_hf_config(folder)
+    tensors: dict[str, torch.Tensor] = {}
+    for path in weight_files(folder):
+        tensors.update(read_weight_file(path))
+    return model_cfg, from_hf_names(tensors, str(folder))
+
+
+def load_hf_model(folder: str | Path) -> GPT:
+    """The GPT-2 in `folder` as a gptlab GPT in eval mode (fp32, CPU); raises GptlabError on bad input, including
+    weights whose names or shapes do not fit the config."""
+    model_cfg, tensors = read_hf_model(folder)
+    model = GPT(model_cfg)
+    ck.load_model_tensors(model, tensors, str(folder))
+    return model.eval()
+
+
+# ---- GPT-2's vocabulary in Hugging Face's format, derived from the bundled tiktoken ranks -----------------------
+
+@functools.lru_cache(maxsize=1)
+def _byte_encoder() -> dict[int, str]:
+    return {b: ch for ch, b in _byte_decoder().items()}
+
+
+def _byte_piece(token: bytes) -> str:
+    """A byte string in GPT-2's printable byte alphabet, as vocab.json and merges.txt spell it."""
+    encoder = _byte_encoder()
+    return "".join(encoder[b] for b in token)
+
+
+@functools.lru_cache(maxsize=1)
+def gpt2_vocab() -> dict[str, int]:
+    """GPT-2's vocab.json: 50,257 byte-level pieces -> ids, `<|endoftext|>` last."""
+    vocab = {_byte_piece(token): rank for token, rank in gpt2_ranks().items()}
+    vocab[EOT] = len(vocab)
+    return vocab
+
+
+def _split(token: bytes, ranks: dict[bytes, int], max_rank: int) -> list[bytes]:
+    """BPE of `token` using only merges ranked below max_rank: for a token of rank r this yields the two parts
+    whose merge made it, which is how the merge list is recovered from tiktoken's ranks."""
+    parts = [bytes([b]) for b in token]
+    while True:
+        best: tuple[int, int] | None = None  # (position, rank) of the lowest-ranked adjacent pair
+        for i in range(len(parts) - 1):
+            rank = ranks.get(parts[i] + parts[i + 1])
+            if rank is not None and rank < max_rank and (best is None or rank < best[1]):
+                best = (i, rank)
+        if best is None:
+            return parts
+        i = best[0]
+        parts[i:i + 2] = [parts[i] + parts[i + 1]]
+
+
+@functools.lru_cache(maxsize=1)
+def gpt2_merges() -> list[tuple[str, str]]:
+    """GPT-2's 50,000 merges in rank order, as merges.txt lists them."""
+    ranks = gpt2_ranks()
+    merges = []
+    for token, rank in sorted(ranks.items(), key=lambda item: item[1]):
+        if len(token) > 1:
+            left, right = _split(token, ranks, rank)
+            merges.append((_byte_piece(left), _byte_piece(right)))
+    return merges
+
+
+def has_gpt2_vocabulary(folder: Path) -> bool:
+    """Whether the tokenizer files in `folder` (vocab.json, else tokenizer.json) hold GPT-2's vocabulary."""
+    try:
+        if (folder / "vocab.json").is_file():
+            vocab = json.loads((folder / "vocab.json").read_text(encoding="utf-8"))
+        else:
+            vocab = json.loads((folder / "tokenizer.json").read_text(encoding="utf-8"))["model"]["vocab"]
+    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError):
+        raise GptlabError(f"the tokenizer files in {folder} are damaged; download them again") from None
+    return vocab == gpt2_vocab()
+
+
+def read_hf_tokenizer(folder: str | Path, vocab_size: int) -> Tokenizer:
+    """The tokenizer of a HF folder: the one gptlab exported there, else GPT-2's (which the folder's tokenizer
+    files, if any, must hold). Raises GptlabError for another tokenizer or one larger than the model's vocab."""
+    folder = Path(folder)
+    if (folder / GPTLAB_TOKENIZER).is_file():
+        tokenizer = load_tokenizer(folder / GPTLAB_TOKENIZER)
+    elif any((folder / name).is_file() for name in ("vocab.json", "tokenizer.json")) \
+            and not has_gpt2_vocabulary(folder):
+        raise GptlabError(f"{folder} has its own tokenizer, not GPT-2's; gptlab imports models with GPT-2's "
+                          "vocabulary or folders written by `gptlab export`")
+    else:
+        tokenizer = GPT2Tokenizer()  # GPT-2 files, or none: a GPT-2 checkpoint implies GPT-2's vocabulary
+    if tokenizer.vocab_size > vocab_size:
+        raise GptlabError(f"the model in {folder} has vocab_size {vocab_size}, fewer than the {tokenizer.vocab_size} "
+                          f"ids of its {tokenizer.kind} tokenizer; it was not trained with that tokenizer")
+    return tokenizer
+
+
+# ---- import -----------------------------------------------------------------------------------------------------
+
+def import_hf(folder: str | Path, run_dir: str | Path) -> GPT:
+    """Turn the HF GPT-2 folder into a gptlab run at `run_dir` (config, tokenizer, one "best" checkpoint at step
+    0) and return the model. Raises GptlabError on bad input or when `run_dir` already holds a run."""
+    folder, run = Path(folder), Path(run_dir)
+    if ck.is_run(run):
+        raise GptlabError(f"{run} already holds a run; choose another --run or delete it first")
+    model_cfg, tensors = read_hf_model(folder)
+    tokenizer = read_hf_tokenizer(folder, model_cfg.vocab_size)
+    model = GPT(model_cfg)
+    ck.load_model_tensors(model, tensors, str(folder))
+    source = str(folder.resolve())
+    ck.init_run(run, model_cfg, TrainConfig(), tokenizer, {"imported_from": source})
+    ck.save_checkpoint(run, "best", 0, model, {"model": to_dict(model_cfg), "imported_from": source}, keep=1)
+    return model.eval()
+
+
+# ---- export -----------------------------------------------------------------------------------------------------
+
+def to_hf_tensors(model: GPT, vocab_size: int) -> dict[str, torch.Tensor]:
+    """The model's weights under HF GPT2LMHeadModel's names and Conv1D layout, wte cut to `vocab_size` rows,
+    zero biases where the model has none (HF GPT-2 always has them), no lm_head (HF ties it to wte)."""
+    out = {}
+    for name, tensor in ck.model_tensors(model).items():
+        if name.endswith(CONV1D):
+            tensor = tensor.t()  # Linear (out, in) -> Conv1D (in, out)
+        out[name] = tensor.float().contiguous()
+    out["transformer.wte.weight"] = out["transformer.wte.weight"][:vocab_size].clone()
+    for name in list(out):
+        bias = name.removesuffix(".weight") + ".bias"
+        if name.endswith(".weight") and ".wte." not in name and ".wpe." not in name and bias not in out:
+            out[bias] = torch.zeros(out[name].shape[-1])  # Conv1D (in, out) and LayerNorm (C,): last dim
+    return out
+
+
+def hf_config(model_cfg: ModelConfig, tokenizer: Tokenizer) -> dict[str, Any]:
+    """config.json for transformers' GPT2LMHeadModel describing `model_cfg` with the tokenizer's vocabulary."""
+    c = model_cfg
+    return {
+        "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2",
+        "vocab_size": tokenizer.vocab_size, "n_positions": c.block_size,
+        "n_ctx": c.block_size,  # the legacy name, still read by some converters (llama.cpp's GGUF)
+        "n_embd": c.n_embd, "n_layer": c.n_layer, "n_head": c.n_head, "n_inner": None,
+        "activation_function": "gelu_new" if c.activation == "gelu_tanh" else "gelu",
+        "layer_norm_epsilon": c.layer_norm_eps,
+        "resid_pdrop": c.dropout, "embd_pdrop": c.dropout, "attn_pdrop": c.dropout,
+        "initializer_range": 0.02, "scale_attn_weights": True, "scale_attn_by_inverse_layer_idx": False,
+        "reorder_and_upcast_attn": False, "tie_word_embeddings": True, "use_cache": True,
+        "bos_token_id": tokenizer.eot_id, "eos_token_id": tokenizer.eot_id, "dtype": "float32",
+    }
+
+
+def _hf_tokenizer(tokenizer: Tokenizer) -> Any:
+    """The tokenizer as a Hugging Face `tokenizers.Tokenizer`, which transformers loads from tokenizer.json."""
+    from tokenizers import AddedToken, Regex, Tokenizer as HFTokenizer, decoders, models, pre_tokenizers
+
+    if isinstance(tokenizer, GPT2Tokenizer):
+        hf = HFTokenizer(models.BPE(vocab=gpt2_vocab(), merges=gpt2_merges()))
+        hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        hf.decoder = decoders.ByteLevel()
+        hf.add_special_tokens([AddedToken(EOT, special=True)])
+        return hf
+    if isinstance(tokenizer, CharTokenizer):
+        hf = HFTokenizer(models.WordLevel(vocab=tokenizer.stoi, unk_token=None))
+        hf.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")  # one piece per character
+        hf.decoder = decoders.Fuse()  # join the characters back with nothing between them
+        return hf
+    return tokenizer.hf  # a trained byte-level BPE is a Hugging Face tokenizer already
+
+
+def write_tokenizer_files(out: Path, tokenizer: Tokenizer, max_length: int) -> list[str]:
+    """Write tokenizer.json + tokenizer_config.json (and GPT-2's vocab.json + merges.txt for a GPT-2 run) that
+    transformers' AutoTokenizer loads, plus gptlab's own tokenizer file. Returns the names written."""
+    special = {"bos_token": EOT, "eos_token": EOT, "unk_token": EOT} if tokenizer.eot_id is not None else {}
+    gpt2 = isinstance(tokenizer, GPT2Tokenizer)
+    config = {"tokenizer_class": "GPT2Tokenizer" if gpt2 else "PreTrainedTokenizerFast",
+              "model_max_length": max_length, "clean_up_tokenization_spaces": False, **special}
+    files = {"tokenizer.json": _hf_tokenizer(tokenizer).to_str(),
+             GPTLAB_TOKENIZER: json.dumps(tokenizer.to_dict(), ensure_ascii=False)}
+    if gpt2:
+        config.update(add_prefix_space=False, errors="replace")
+        files["vocab.json"] = json.dumps(gpt2_vocab(), ensure_ascii=False)
+        files["merges.txt"] = "#version: 0.2\n" + "".join(f"{left} {right}\n" for left, right in gpt2_merges())
+    files["tokenizer_config.json"] = json.dumps(config, indent=2) + "\n"
+    for name, text in files.items():
+        ck.write_atomic(out / name, text.encode())
+    return list(files)
+
+
+def export_hf(run_dir: str | Path, out_dir: str | Path, which: str = "best") -> list[str]:
+    """Write the run's model (its best checkpoint, else its latest) as a HF GPT-2 folder: config.json,
+    model.safetensors and tokenizer files. Returns the names written; raises GptlabError on bad input."""
+    loaded = ck.load_run(run_dir, which)
+    if not isinstance(loaded.model, GPT):
+        raise GptlabError(f"{run_dir} holds a {loaded.model_cfg.arch} model; only GPT models have a Hugging Face "
+                          "GPT-2 form")
+    out = Path(out_dir)
+    if out.exists() and not out.is_dir():
+        raise GptlabError(f"{out} exists and is not a folder; give --out a new or existing folder")
+    out.mkdir(parents=True, exist_ok=True)
+    tensors = to_hf_tensors(loaded.model, loaded.tokenizer.vocab_size)
+    tmp = out / f".model.safetensors.tmp-{os.getpid()}"
+    try:
+        save_file(tensors, tmp, metadata={"format": "pt"})  # transformers checks the "format" entry
+        os.replace(tmp, out / "model.safetensors")
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        raise GptlabError(f"cannot write {out / 'model.safetensors'}: {exc.strerror}; check free space") from None
+    ck.write_json(out / HF_CONFIG, hf_config(loaded.model_cfg, loaded.tokenizer))
+    return [HF_CONFIG, "model.safetensors"] + write_tokenizer_files(out, loaded.tokenizer,
+                                                                      loaded.model_cfg.block_size)
+
+
+# ---- the weights fine-tuning starts from (`gptlab train --init-from`) --------------------------------------------
+
+def source_model_config(source: str | Path) -> ModelConfig:
+    """The model settings of a gptlab run or a HF GPT-2 folder; raises GptlabError when it is neither."""
+    path = Path(source)
+    if ck.is_run(path):
+        return from_dict(ModelConfig, ck.read_run_config(path)["model"])
+    if (path / HF_CONFIG).is_file():
+        return read_hf_config(path)
+    raise GptlabError(f"--init-from {source}: not a gptlab run nor a Hugging Face GPT-2 folder; give a folder made "
+                      "by `gptlab train` / `gptlab import`, or one with config.json + model.safetensors")
+
+
+def _read_source(source: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor], Tokenizer]:
+    path = Path(source)
+    if ck.is_run(path):
+        loaded = ck.load_run(path)
+        return loaded.model_cfg, ck.model_tensors(loaded.model), loaded.tokenizer
+    source_model_config(path)  # refuses what is neither
+    model_cfg, tensors = read_hf_model(path)
+    return model_cfg, tensors, read_hf_tokenizer(path, model_cfg.vocab_size)
+
+
+def init_tensors(source: str | Path, model_cfg: ModelConfig, tokenizer: Tokenizer) -> dict[str, torch.Tensor]:
+    """The weights of `source` (a gptlab run's best checkpoint, else its latest, or a HF GPT-2 folder) for a model
+    of `model_cfg` that trains on data tokenized by `tokenizer`: only dropout, the attention path and a shorter
+    block_size (position embeddings cropped) may differ from the source. Raises GptlabError when the shape or
+    the tokenizer does not match."""
+    src_cfg, tensors, src_tokenizer = _read_source(source)
+    same = ("arch", "vocab_size", "n_layer", "n_head", "n_embd", "bias", "activation", "layer_norm_eps")
+    diff = [f"{k}={getattr(model_cfg, k)} (source {getattr(src_cfg, k)})" for k in same
+            if getattr(model_cfg, k) != getattr(src_cfg, k)]
+    if diff:
+        raise GptlabError(f"--init-from {source}: the model shape comes from the source, but {', '.join(diff)}; "
+                          "drop those settings")
+    if model_cfg.block_size > src_cfg.block_size:
+        raise GptlabError(f"--init-from {source}: block_size {model_cfg.block_size} is longer than the source's "
+                          f"{src_cfg.block_size}; it can only be cut shorter")
+    if tokenizer.to_dict() != src_tokenizer.to_dict():
+        fix = "--tokenizer gpt2" if src_tokenizer.kind == "gpt2" else "the source's own tokenizer"
+        raise GptlabError(f"--init-from {source}: the data was prepared with a {tokenizer.kind} tokenizer of "
+                          f"{tokenizer.vocab_size} ids, but the source uses a different {src_tokenizer.kind} "
+                          f"tokenizer of {src_tokenizer.vocab_size}; prepare the data with {fix}")
+    if "transformer.wpe.weight" in tensors:  # a bigram has no positions to crop
+        tensors["transformer.wpe.weight"] = tensors["transformer.wpe.weight"][:model_cfg.block_size].clone()
+    return tensors

@@ -1,0 +1,53 @@
+"""`gptlab bench generate` on tiny models: the transformers twin holds the same weights, the engines agree, the
+table and ratios come out (timings themselves are never asserted)."""
+
+import pytest
+import torch
+
+from conftest import tiny_config
+from gptlab.bench import (GEN_MODELS, bench_model, generation_ratios, print_generation_table, transformers_twin,
+                          weight_bytes_per_token)
+from gptlab.config import ModelConfig, build
+from gptlab.model import GPT
+from gptlab.runtime import bf16_supported
+
+
+@pytest.mark.parametrize("activation", ["gelu", "gelu_tanh"])
+def test_the_transformers_twin_computes_the_same_logits(activation):
+    pytest.importorskip("transformers")
+    model = GPT(tiny_config(activation=activation, block_size=32)).eval()
+    hf = transformers_twin(model)
+    x = torch.randint(0, 50, (2, 20))
+    with torch.no_grad():
+        assert (hf(x).logits - model(x)[0]).abs().max().item() <= 1e-5
+
+
+def test_bench_model_times_every_variant_and_prints_the_ratios(capsys):
+    pytest.importorskip("transformers")
+    precisions = ["fp32", "bf16"] if bf16_supported(torch.device("cpu")) else ["fp32"]
+    config = tiny_config(block_size=32)
+    results = bench_model(config, torch.device("cpu"), precisions, [1, 8], prompt_tokens=5, new_tokens=6)
+    engines = {(r.engine, r.precision, r.batch) for r in results}
+    for p in precisions:
+        assert {("gptlab (KV cache)", p, 1), ("gptlab (KV cache)", p, 8), ("transformers generate", p, 1),
+                ("gptlab, no cache", p, 1)} <= engines
+    assert all(len(r.ids) == r.batch and all(len(row) == 6 for row in r.ids) for r in results)
+    ours = {(r.engine, r.precision, r.batch): r for r in results}
+    for batch in (1, 8):  # greedy on the same fp32 weights: the same ids
+        assert ours[("gptlab (KV cache)", "fp32", batch)].ids == ours[("transformers generate", "fp32", batch)].ids
+    assert ours[("gptlab (KV cache)", "fp32", 1)].ids == ours[("gptlab, no cache", "fp32", 1)].ids
+    floor = {p: 1e9 / weight_bytes_per_token(GPT(config), p) for p in precisions}
+    print_generation_table("tiny", results, floor)
+    lines = generation_ratios(results, floor)
+    table = capsys.readouterr().out
+    assert table.count("bandwidth floor") == 2 * len(precisions)
+    assert "fp32 batch 1 decode: " in lines[0] and "x transformers' generate (greedy ids agree for the first 6/6)" \
+        in lines[0] and "of the bandwidth floor" in lines[0] and "x no cache" in lines[0]
+    assert lines[1].startswith("fp32 batch 8 aggregate decode: ")
+
+
+def test_bytes_read_per_token_count_the_tied_embedding_once():
+    with torch.device("meta"):  # shapes only, no memory
+        model = GPT(build(ModelConfig, GEN_MODELS["gpt2-124M"], {}))
+    assert weight_bytes_per_token(model, "fp32") == (124_439_808 - 1024 * 768) * 4
+    assert weight_bytes_per_token(model, "bf16") == (124_439_808 - 1024 * 768) * 2
