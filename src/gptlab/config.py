@@ -169,8 +169,8 @@ PRESETS: dict[str, Preset] = {
         "the default: a small char-level GPT tuned to reach val loss < 1.88 on Tiny Shakespeare in under a minute "
         "on 2 CPU cores",
         dict(block_size=64, n_layer=4, n_head=4, n_embd=128, dropout=0.0),
-        dict(batch_size=32, max_steps=650, lr=6e-3, min_lr=6e-4, warmup_steps=50, beta2=0.99,
-             weight_decay=0.1, eval_interval=325, eval_batches=20)),
+        dict(batch_size=32, max_steps=600, lr=6e-3, min_lr=6e-4, warmup_steps=50, beta2=0.99,
+             weight_decay=0.1, eval_interval=300, eval_batches=20)),
     "char-small": Preset(
         "nanoGPT's Shakespeare char model: 6 layers, 6 heads, 384 wide, context 256, dropout 0.2",
         dict(block_size=256, n_layer=6, n_head=6, n_embd=384, dropout=0.2),
