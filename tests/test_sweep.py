@@ -101,7 +101,17 @@ CASES = [
     (["eval", "--run", "{r}/run", "{r}/unseen.txt"], "never seen"),
     (["eval", "--run", "{r}/run", "{r}/empty.txt"], "too short to score"),
     (["eval", "--run", "{r}/run", "--batch-size", "0"], "--batch-size must be >= 1"),
+    # import / export
+    (["import", "{r}/nowhere", "--run", "{r}/i"], "does not exist"),
+    (["import", "{r}/notarun", "--run", "{r}/i"], "no config.json"),
+    (["import", "{r}/corpus.txt", "--run", "{r}/i"], "not a folder"),
+    (["export", "{r}/notarun", "--out", "{r}/x"], "is not a gptlab run"),
+    (["export", "{r}/run", "--format", "onnx", "--out", "{r}/x"], "invalid choice: 'onnx'"),
+    (["export", "{r}/run"], "the following arguments are required: --out"),
+    (["export", "{r}/run", "--out", "{r}/afile/sub"], "cannot"),
     # bench and the command itself
+    (["bench", "generate", "--new-tokens", "0"], "new"),
+    (["bench", "train", "--preset", "gpt5"], "unknown preset 'gpt5'"),
     (["bench", "nope"], "invalid choice: 'nope'"),
     (["launch"], "invalid choice: 'launch'"),
 ]

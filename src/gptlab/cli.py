@@ -498,11 +498,16 @@ def main(argv: list[str] | None = None) -> int:
     except GptlabError as exc:
         print(f"gptlab: error: {exc}", file=sys.stderr)
         return getattr(exc, "exit_code", 2)
+    except BrokenPipeError:
+        return 0
+    except OSError as exc:  # a file-system refusal no check above anticipated: still one line, never a traceback
+        where = f" ({exc.filename})" if exc.filename else ""
+        print(f"gptlab: error: {exc.strerror or exc}{where}; check the path, free space and permissions",
+              file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         print("gptlab: interrupted", file=sys.stderr)
         return 130
-    except BrokenPipeError:
-        return 0
 
 
 if __name__ == "__main__":

@@ -337,7 +337,10 @@ def export_hf(run_dir: str | Path, out_dir: str | Path, which: str = "best") -> 
     out = Path(out_dir)
     if out.exists() and not out.is_dir():
         raise GptlabError(f"{out} exists and is not a folder; give --out a new or existing folder")
-    out.mkdir(parents=True, exist_ok=True)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise GptlabError(f"cannot create output folder {out}: {exc.strerror}") from None
     tensors = to_hf_tensors(loaded.model, loaded.tokenizer.vocab_size)
     tmp = out / f".model.safetensors.tmp-{os.getpid()}"
     try:
