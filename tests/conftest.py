@@ -1,3 +1,5 @@
+import os
+
 import pytest
 import torch
 
@@ -15,6 +17,13 @@ CORPUS = (
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _kernel_build_dir(tmp_path_factory):
+    """The fused decode kernel (gptlab.fastdecode) is compiled once per test session, here, for every test and
+    every CLI subprocess, never into the user's cache."""
+    os.environ["GPTLAB_KERNELS"] = str(tmp_path_factory.mktemp("kernels"))
 
 
 @pytest.fixture(autouse=True)

@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from gptlab.config import ModelConfig, SampleConfig, TrainConfig, build, get_preset
 from gptlab.engine import (PRECISIONS, InferenceLinear, can_pack, generate_batch, generate_uncached,
                            prepare_for_inference)
+from gptlab.fastdecode import load_library
 from gptlab.model import GPT
 from gptlab.runtime import (Speed, bf16_supported, compile_model, configure_matmul, device_name, peak_cache_file,
                             peak_key, read_peak, resolve_device, set_threads)
@@ -250,12 +251,16 @@ def bench_model(config: ModelConfig, device: torch.device, precisions: list[str]
     results = []
     for precision in precisions:
         model = prepare_for_inference(copy.deepcopy(base), precision)
+        # the same engine with the decode step as torch ops (oneDNN-packed weights), beside the fused native step
+        ops = prepare_for_inference(copy.deepcopy(base), precision, fused=False) if model.fused_decoder else None
         if hf is not None:
             hf.to(PRECISIONS[precision])
         for batch in batch_sizes:
             prompts = torch.randint(0, config.vocab_size, (batch, prompt_tokens)).tolist()
             variants: dict[str, Callable[[int], Clock]] = {
                 "gptlab (KV cache)": lambda n: run_gptlab(model, prompts, n)}
+            if ops is not None:
+                variants["gptlab, torch-op step"] = lambda n: run_gptlab(ops, prompts, n)
             if hf is not None:
                 variants["transformers generate"] = lambda n: run_transformers(hf, prompts, n)
             runs: dict[str, list[GenResult]] = {name: [] for name in variants}
@@ -384,6 +389,8 @@ def run_generate(device_arg: str = "auto", new_tokens: int = 256, prompt_tokens:
     print(f"gptlab bench generate: {name} shape (random weights), prompt {prompt_tokens} tokens, {new_tokens} new "
           f"tokens, greedy; best of {repeats}")
     print(f"device: {device_name(device)}; memory read {bandwidth / 1e9:.1f} GB/s (measured now)")
+    step = "fused native step (gptlab.fastdecode)" if device.type == "cpu" and load_library() else "torch ops"
+    print(f"gptlab (KV cache) decodes with: {step}")
     model = GPT(config).to(device)
     floor = {p: bandwidth / weight_bytes_per_token(model, p) for p in precisions}
     if can_pack(device, torch.float32):

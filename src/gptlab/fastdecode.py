@@ -1,0 +1,181 @@
+"""The fused decode step: one new token per row through the whole GPT in one native call (csrc/decode.cpp).
+
+Decoding reads every weight once per token, so memory bandwidth sets its pace; launched op by op from Python, a
+12-layer model pays hundreds of dispatches per token, and the library kernels for a single row stop well short of
+the memory bus (docs/benchmarks.md). `FusedDecoder.step` runs embeddings, every block (LayerNorm, QKV, attention
+over the KV cache, W_O, residual adds, the GELU feed-forward) and the LM head for R rows at once, streaming each
+weight row a single time for all rows, in fp32 activations over fp32 or bf16 weights.
+
+The kernel is C++ with AVX-512 intrinsics, compiled on first use with the machine's g++ (about 3 s) into
+$GPTLAB_KERNELS (default ~/.cache/gptlab/kernels) and loaded with ctypes; it shares torch's OpenMP runtime and thread count.
+Where it cannot run (no AVX-512, no g++, not a CPU, a cache that is not fp32) `fused_decoder` returns None and the
+engine keeps the torch path, which stays the reference: tests/test_fastdecode.py holds the two together.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+from gptlab.model import GPT, KVCache
+
+SOURCE = Path(__file__).with_name("csrc") / "decode.cpp"
+FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
+_P = ctypes.c_void_p
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [(name, _P) for name in (
+        "c_attn_w", "attn_proj_w", "c_fc_w", "mlp_proj_w",
+        "ln_1_w", "ln_1_b", "c_attn_b", "attn_proj_b", "ln_2_w", "ln_2_b", "c_fc_b", "mlp_proj_b")]
+
+
+class _Model(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_int) for name in (
+        "n_layer", "n_head", "head_dim", "n_embd", "vocab_size", "block_size", "bf16_weights", "gelu_tanh")] + [
+        ("eps", ctypes.c_float), ("wte", _P), ("wpe", _P), ("lm_head", _P), ("ln_f_w", _P), ("ln_f_b", _P),
+        ("layers", ctypes.POINTER(_Layer))]
+
+
+class _Step(ctypes.Structure):
+    _fields_ = [("R", ctypes.c_int), ("max_len", ctypes.c_int), ("n_threads", ctypes.c_int)] + [
+        (name, _P) for name in ("ids", "pos", "k", "v", "x", "h", "qkv", "att", "fc", "logits", "scores")]
+
+
+def cpu_has_avx512() -> bool:
+    """Whether this CPU runs the kernel's instructions (AVX-512 F, BW and VL)."""
+    if platform.machine() not in ("x86_64", "AMD64"):
+        return False
+    try:
+        flags = Path("/proc/cpuinfo").read_text(errors="replace")
+    except OSError:
+        return False
+    return all(f" {flag}" in flags for flag in ("avx512f", "avx512bw", "avx512vl"))
+
+
+def _build_dir() -> Path:
+    """$GPTLAB_KERNELS, else kernels/ in $GPTLAB_CACHE (default ~/.cache/gptlab)."""
+    if os.environ.get("GPTLAB_KERNELS"):
+        return Path(os.environ["GPTLAB_KERNELS"])
+    root = os.environ.get("GPTLAB_CACHE") or os.path.join(os.environ.get("XDG_CACHE_HOME")
+                                                            or os.path.expanduser("~/.cache"), "gptlab")
+    return Path(root) / "kernels"
+
+
+@functools.cache
+def load_library() -> ctypes.CDLL | None:
+    """The compiled kernel, built once per source, compiler and machine; None where it cannot be built or run."""
+    compiler = shutil.which(os.environ.get("CXX", "g++"))
+    if not cpu_has_avx512() or compiler is None or not SOURCE.is_file():
+        return None
+    source = SOURCE.read_bytes()
+    key = hashlib.sha256(source + " ".join([compiler, *FLAGS, platform.node()]).encode()).hexdigest()[:16]
+    target = _build_dir() / f"decode-{key}.so"
+    try:
+        if not target.is_file():
+            target.parent.mkdir(parents=True, exist_ok=True)
+            with tempfile.TemporaryDirectory(dir=target.parent) as tmp:  # compile aside, then publish atomically
+                built = Path(tmp) / target.name
+                subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", str(built)], check=True,
+                               capture_output=True, timeout=300)
+                os.replace(built, target)
+        lib = ctypes.CDLL(str(target))  # after torch: its libgomp is the one OpenMP runtime in the process
+    except (OSError, subprocess.SubprocessError):
+        return None
+    lib.gptlab_decode_step.argtypes = [ctypes.POINTER(_Model), ctypes.POINTER(_Step)]
+    lib.gptlab_decode_step.restype = ctypes.c_int
+    return lib
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+class FusedDecoder:
+    """Runs `GPT.forward(ids[:, None], kv_cache=cache, last_only=True)` for one new token per row, natively.
+
+    Holds the model's weights as they are (fp32 or bf16 matrices, shared, not copied) and fp32 copies of the small
+    vectors (LayerNorm, biases). The model must not change afterwards: this is for inference only."""
+
+    def __init__(self, model: GPT, lib: ctypes.CDLL):
+        self.lib, self.config = lib, model.config
+        c = model.config
+        dtype = model.transformer.wte.weight.dtype
+        self._keep: list[torch.Tensor] = []
+
+        def matrix(linear: torch.nn.Module) -> int:
+            w = linear.weight.detach().contiguous()
+            self._keep.append(w)
+            return w.data_ptr()
+
+        def vector(t: torch.Tensor | None) -> int | None:
+            if t is None:
+                return None
+            t = t.detach().float().contiguous()
+            self._keep.append(t)
+            return t.data_ptr()
+
+        layers = (_Layer * c.n_layer)()
+        for i, block in enumerate(model.transformer.h):
+            attn, mlp = block.attn, block.mlp
+            layers[i] = _Layer(matrix(attn.c_attn), matrix(attn.c_proj), matrix(mlp.c_fc), matrix(mlp.c_proj),
+                               vector(block.ln_1.weight), vector(block.ln_1.bias), vector(attn.c_attn.bias),
+                               vector(attn.c_proj.bias), vector(block.ln_2.weight), vector(block.ln_2.bias),
+                               vector(mlp.c_fc.bias), vector(mlp.c_proj.bias))
+        t = model.transformer
+        self._layers = layers
+        self._model = _Model(c.n_layer, c.n_head, c.head_dim, c.n_embd, c.vocab_size, c.block_size,
+                             int(dtype == torch.bfloat16), int(c.activation == "gelu_tanh"), c.layer_norm_eps,
+                             matrix(t.wte), matrix(t.wpe), matrix(model.lm_head), vector(t.ln_f.weight),
+                             vector(t.ln_f.bias), layers)
+        self._scratch: dict[tuple[int, int, int], list[torch.Tensor]] = {}
+
+    def accepts(self, cache: KVCache) -> bool:
+        """Whether `cache` has the layout the kernel reads: fp32, contiguous, on the CPU."""
+        return (cache.k.dtype == torch.float32 and cache.k.device.type == "cpu" and cache.k.is_contiguous()
+                and cache.v.is_contiguous() and cache.pos.is_contiguous())
+
+    def step(self, ids: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        """ids (R,) the new token of each row -> next-token logits (R, V) in fp32; writes the rows' keys and
+        values at cache.pos and advances cache.pos by one, like the model's forward."""
+        c, R = self.config, ids.numel()
+        ids = ids.to(torch.int64).contiguous()
+        assert cache.k.shape[1] == R and self.accepts(cache)
+        assert int(cache.pos.max()) < min(cache.max_len, c.block_size), "position beyond the cache: slide first"
+        threads = torch.get_num_threads()
+        x, h, qkv, att, fc, logits, scores = self._buffers(R, cache.max_len, threads)
+        step = _Step(R, cache.max_len, threads, *(_ptr(t) for t in (
+            ids, cache.pos, cache.k, cache.v, x, h, qkv, att, fc, logits, scores)))
+        status = self.lib.gptlab_decode_step(ctypes.byref(self._model), ctypes.byref(step))
+        assert status == 0, f"fused decode refused row {status - 1}: position or token id out of range"
+        return logits.clone()  # the buffer is the next step's
+
+    def _buffers(self, R: int, max_len: int, threads: int) -> list[torch.Tensor]:
+        key = (R, max_len, threads)
+        if key not in self._scratch:
+            C, V = self.config.n_embd, self.config.vocab_size
+            sizes = (R * C, R * C, R * 3 * C, R * C, R * 4 * C, R * V, threads * max_len)
+            self._scratch = {key: [torch.empty(n) for n in sizes]}  # one shape at a time
+        x, h, qkv, att, fc, logits, scores = self._scratch[key]
+        return [x, h, qkv, att, fc, logits.view(R, -1), scores]
+
+
+def fused_decoder(model: torch.nn.Module) -> FusedDecoder | None:
+    """A FusedDecoder for `model`, or None where the native step cannot run it (not a GPT, not on a CPU with
+    AVX-512, weights neither fp32 nor bf16, no compiler)."""
+    if not isinstance(model, GPT):
+        return None
+    weight = model.transformer.wte.weight
+    if weight.device.type != "cpu" or weight.dtype not in (torch.float32, torch.bfloat16):
+        return None
+    lib = load_library()
+    return None if lib is None else FusedDecoder(model, lib)
