@@ -111,10 +111,14 @@ def prepare_for_inference(model: nn.Module, precision: str = "fp32", fused: bool
 
 
 def cache_dtype(model: nn.Module) -> torch.dtype:
-    """The precision attention runs in: fp32 on a CPU (bf16 attention there is several times slower, measured in
-    docs/benchmarks.md), the weights' dtype elsewhere."""
+    """The precision keys and values are stored in: the weights' dtype, except fp32 for a bf16 model on a CPU
+    decoded by torch ops (bf16 attention there is several times slower, measured in docs/benchmarks.md); the
+    fused step reads a bf16 cache at half the bytes (at batch 8 and a few hundred positions, the cache's bytes
+    rival the weights')."""
     weight = next(model.parameters())
-    return torch.float32 if weight.device.type == "cpu" else weight.dtype
+    if weight.device.type == "cpu" and getattr(model, "fused_decoder", None) is None:
+        return torch.float32
+    return weight.dtype
 
 
 # ---- token ids ---------------------------------------------------------------------------------------------------

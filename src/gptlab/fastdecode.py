@@ -47,7 +47,7 @@ class _Model(ctypes.Structure):
 
 
 class _Step(ctypes.Structure):
-    _fields_ = [("R", ctypes.c_int), ("max_len", ctypes.c_int), ("n_threads", ctypes.c_int)] + [
+    _fields_ = [(name, ctypes.c_int) for name in ("R", "max_len", "n_threads", "cache_bf16")] + [
         (name, _P) for name in ("ids", "pos", "k", "v", "x", "h", "qkv", "att", "fc", "logits", "scores")]
 
 
@@ -140,9 +140,9 @@ class FusedDecoder:
         self._scratch: dict[tuple[int, int, int], list[torch.Tensor]] = {}
 
     def accepts(self, cache: KVCache) -> bool:
-        """Whether `cache` has the layout the kernel reads: fp32, contiguous, on the CPU."""
-        return (cache.k.dtype == torch.float32 and cache.k.device.type == "cpu" and cache.k.is_contiguous()
-                and cache.v.is_contiguous() and cache.pos.is_contiguous())
+        """Whether `cache` has the layout the kernel reads: fp32 or bf16, contiguous, on the CPU."""
+        return (cache.k.dtype in (torch.float32, torch.bfloat16) and cache.k.device.type == "cpu"
+                and cache.k.is_contiguous() and cache.v.is_contiguous() and cache.pos.is_contiguous())
 
     def step(self, ids: torch.Tensor, cache: KVCache) -> torch.Tensor:
         """ids (R,) the new token of each row -> next-token logits (R, V) in fp32; writes the rows' keys and
@@ -153,7 +153,7 @@ class FusedDecoder:
         assert int(cache.pos.max()) < min(cache.max_len, c.block_size), "position beyond the cache: slide first"
         threads = torch.get_num_threads()
         x, h, qkv, att, fc, logits, scores = self._buffers(R, cache.max_len, threads)
-        step = _Step(R, cache.max_len, threads, *(_ptr(t) for t in (
+        step = _Step(R, cache.max_len, threads, int(cache.k.dtype == torch.bfloat16), *(_ptr(t) for t in (
             ids, cache.pos, cache.k, cache.v, x, h, qkv, att, fc, logits, scores)))
         status = self.lib.gptlab_decode_step(ctypes.byref(self._model), ctypes.byref(step))
         assert status == 0, f"fused decode refused row {status - 1}: position or token id out of range"
@@ -171,11 +171,13 @@ class FusedDecoder:
 
 def fused_decoder(model: torch.nn.Module) -> FusedDecoder | None:
     """A FusedDecoder for `model`, or None where the native step cannot run it (not a GPT, not on a CPU with
-    AVX-512, weights neither fp32 nor bf16, no compiler)."""
+    AVX-512, weights neither fp32 nor bf16, heads wider than 256, no compiler)."""
     if not isinstance(model, GPT):
         return None
     weight = model.transformer.wte.weight
     if weight.device.type != "cpu" or weight.dtype not in (torch.float32, torch.bfloat16):
+        return None
+    if model.config.head_dim > 256:  # the kernel holds a head's query and output in registers
         return None
     lib = load_library()
     return None if lib is None else FusedDecoder(model, lib)

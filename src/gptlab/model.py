@@ -23,7 +23,7 @@ class KVCache:
     k and v are (n_layer, B, H, max_len, D). `pos` (B,) is how many positions of each row are filled: the next
     tokens of row b go to positions pos[b], pos[b] + 1, ... The model advances `pos` by T after each forward;
     a caller that fed rows of different lengths (right-padded) sets `pos` to the true lengths afterwards.
-    The cache's dtype is the precision attention runs in: a bf16 model may keep an fp32 cache.
+    The cache's dtype is the precision keys and values are stored in: a bf16 model may keep an fp32 cache.
     """
 
     def __init__(self, n_layer: int, batch_size: int, n_head: int, max_len: int, head_dim: int,
@@ -123,8 +123,11 @@ class CausalSelfAttention(nn.Module):
         v = v.view(B, T, self.n_head, self.head_dim).transpose(1, 2)  # (B, H, T, D)
         mask, causal = None, True  # no cache: plain causal attention over these T positions
         if cache is not None:
-            q = q.to(cache.k.dtype)  # attention runs in the cache's precision
             k, v, mask, causal = self._use_cache(cache, layer, k, v)
+            # attention runs in the cache's precision, but in fp32 over a bf16 cache on a CPU, where bf16 attention
+            # kernels are several times slower (docs/benchmarks.md)
+            dtype = torch.float32 if k.device.type == "cpu" else k.dtype
+            q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
         attend = self._naive if self._naive_is_faster(q) else self._sdpa
         y = attend(q, k, v, mask, causal).to(x.dtype)  # (B, H, T, D)
         y = y.transpose(1, 2).contiguous().view(B, T, C)  # (B, T, C): heads side by side again

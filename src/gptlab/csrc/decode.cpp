@@ -8,13 +8,17 @@
 // fused around them. Activations are fp32; weights fp32 or bf16 (widened to fp32 as they are loaded).
 //
 // The math is the model's (gptlab/model.py), step by step; tests/test_fastdecode.py holds it to the torch path.
-// Layout of the KV cache: k, v (n_layer, R, n_head, max_len, head_dim) fp32, like gptlab.model.KVCache.
+// Layout of the KV cache: k, v (n_layer, R, n_head, max_len, head_dim) fp32 or bf16, as gptlab.model.KVCache.
 #include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
 #include <omp.h>
 
 typedef uint16_t bf16;
+
+// Batched products fetch W this many rows ahead into L2: the hardware prefetcher alone lags, and into L1 the
+// fetches evicted x (measured: 1.4x slower).
+constexpr int AHEAD = 4;
 
 struct Layer {  // weights (out, in) as nn.Linear stores them, in the model's dtype; vectors fp32, NULL if absent
     const void *c_attn_w, *attn_proj_w, *c_fc_w, *mlp_proj_w;
@@ -30,10 +34,10 @@ struct Model {
 };
 
 struct Step {  // R rows, each one new token at its own position
-    int R, max_len, n_threads;
+    int R, max_len, n_threads, cache_bf16;
     const int64_t* ids;  // (R,)
     int64_t* pos;        // (R,): positions filled so far; the new token goes to pos[r], then pos[r] += 1
-    float *k, *v;        // caches
+    void *k, *v;         // caches, fp32 or bf16
     float *x, *h, *qkv, *att, *fc, *logits, *scores;  // scratch (R*C, R*C, R*3C, R*C, R*4C), out (R*V), T*max_len
 };
 
@@ -108,8 +112,8 @@ static void gemv_rows(const WT* W, const float* X, const float* b, float* Y, int
 #undef FMA
 #undef FMAS
 
-// Four or more rows of fp32 x against fp32 W: the sums, not the memory, are the limit, and two rows of W at a
-// time (each x vector used twice) do fewer loads per multiply-add than one.
+// Four or more rows of x: two rows of W at a time, each x vector loaded once for both, fewer loads per
+// multiply-add (measured faster than one row at a time here, and slower for two rows of x).
 #define ACC(j) __m512 a##j = _mm512_setzero_ps(), b##j = a##j;
 #define FMA2(j, M, OFF) if constexpr (RB > j) { \
         __m512 xv = _mm512_maskz_loadu_ps(M, X + (int64_t)j * K + k + OFF); \
@@ -125,10 +129,10 @@ static void gemv_pair(const WT* W, const float* X, const float* b, float* Y, int
     const __mmask16 all = 0xFFFF;
     int k = 0;
     for (; k + 32 <= K; k += 32) {
-        {  // the hardware prefetcher falls behind two interleaved streams: ask for the next pair of rows now
+        {
             for (int line = 0; line < 32 * (int)sizeof(WT); line += 64) {
-                _mm_prefetch((const char*)(r0 + 2 * K + k) + line, _MM_HINT_T0);
-                _mm_prefetch((const char*)(r1 + 2 * K + k) + line, _MM_HINT_T0);
+                _mm_prefetch((const char*)(r0 + AHEAD * K + k) + line, _MM_HINT_T1);
+                _mm_prefetch((const char*)(r1 + AHEAD * K + k) + line, _MM_HINT_T1);
             }
         }
         __m512 w0 = load16(r0 + k), w1 = load16(r1 + k);
@@ -192,9 +196,14 @@ static void gemv_dp_rows(const bf16* W, const bf16* X, const float* b, float* Y,
     for (int n = n0; n < n1; n++) {
         __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
         const bf16* r = W + (int64_t)n * K;
-        for (int k = 0; k < K; k += 32) {
-            __mmask32 m = K - k >= 32 ? all : (__mmask32)((1u << (K - k)) - 1);
+        int k = 0;
+        for (; k + 32 <= K; k += 32) {
             _mm_prefetch((const char*)(r + K + k), _MM_HINT_T0);  // the next row
+            __m512bh w = bf16x32(r + k);
+            DPS(all)
+        }
+        if (k < K) {
+            __mmask32 m = (__mmask32)((1u << (K - k)) - 1);
             __m512bh w = bf16x32(r + k, m);
             DPS(m)
         }
@@ -204,6 +213,44 @@ static void gemv_dp_rows(const bf16* W, const bf16* X, const float* b, float* Y,
 }
 #undef DP
 #undef DPS
+
+#define ACC(j) __m512 a##j = _mm512_setzero_ps(), b##j = a##j;
+#define DP2(j, M) if constexpr (RB > j) { __m512bh xv = bf16x32(X + (int64_t)j * K + k, M); \
+                      a##j = _mm512_dpbf16_ps(a##j, w0, xv); b##j = _mm512_dpbf16_ps(b##j, w1, xv); }
+#define DPS2(M) DP2(0, M) DP2(1, M) DP2(2, M) DP2(3, M) DP2(4, M) DP2(5, M) DP2(6, M) DP2(7, M)
+#define OUT2(j) if constexpr (RB > j) { finish<E>(Y + (int64_t)j * N + n, _mm512_reduce_add_ps(a##j) + bias0); \
+                                        if (!one) finish<E>(Y + (int64_t)j * N + n + 1, _mm512_reduce_add_ps(b##j) + bias1); }
+template <int E, int RB>
+static void gemv_dp_pair(const bf16* W, const bf16* X, const float* b, float* Y, int N, int K, int n, bool one) {
+    ACC(0) ACC(1) ACC(2) ACC(3) ACC(4) ACC(5) ACC(6) ACC(7)
+    const bf16 *r0 = W + (int64_t)n * K, *r1 = one ? r0 : r0 + K;
+    const __mmask32 all = 0xFFFFFFFFu;
+    int k = 0;
+    for (; k + 32 <= K; k += 32) {
+        _mm_prefetch((const char*)(r0 + AHEAD * K + k), _MM_HINT_T1);
+        _mm_prefetch((const char*)(r1 + AHEAD * K + k), _MM_HINT_T1);
+        __m512bh w0 = bf16x32(r0 + k), w1 = bf16x32(r1 + k);
+        DPS2(all)
+    }
+    if (k < K) {
+        __mmask32 m = (__mmask32)((1u << (K - k)) - 1);
+        __m512bh w0 = bf16x32(r0 + k, m), w1 = bf16x32(r1 + k, m);
+        DPS2(m)
+    }
+    float bias0 = b ? b[n] : 0.0f, bias1 = b && !one ? b[n + 1] : 0.0f;
+    OUT2(0) OUT2(1) OUT2(2) OUT2(3) OUT2(4) OUT2(5) OUT2(6) OUT2(7)
+}
+#undef ACC
+#undef DP2
+#undef DPS2
+#undef OUT2
+
+template <int E, int RB>
+static void gemv_dp_pairs(const bf16* W, const bf16* X, const float* b, float* Y, int N, int K, int n0, int n1) {
+    int n = n0;
+    for (; n + 2 <= n1; n += 2) gemv_dp_pair<E, RB>(W, X, b, Y, N, K, n, false);
+    if (n < n1) gemv_dp_pair<E, RB>(W, X, b, Y, N, K, n, true);
+}
 
 template <int E>
 static void gemv_dp(const bf16* W, const float* X, const float* b, float* Y, int R, int N, int K, int n0, int n1) {
@@ -226,8 +273,8 @@ static void gemv_dp(const bf16* W, const float* X, const float* b, float* Y, int
         const bf16* x = xb + (int64_t)r * K;
         float* y = Y + (int64_t)r * N;
         int left = R - r;
-        if (left >= 8) { gemv_dp_rows<E, 8>(W, x, b, y, N, K, n0, n1); r += 8; }
-        else if (left >= 4) { gemv_dp_rows<E, 4>(W, x, b, y, N, K, n0, n1); r += 4; }
+        if (left >= 8) { gemv_dp_pairs<E, 8>(W, x, b, y, N, K, n0, n1); r += 8; }
+        else if (left >= 4) { gemv_dp_pairs<E, 4>(W, x, b, y, N, K, n0, n1); r += 4; }
         else if (left >= 2) { gemv_dp_rows<E, 2>(W, x, b, y, N, K, n0, n1); r += 2; }
         else { gemv_dp_rows<E, 1>(W, x, b, y, N, K, n0, n1); r += 1; }
     }
@@ -280,37 +327,88 @@ static void layer_norm_rows(const Model& m, const float* x, const float* w, cons
     for (int r = 0; r < R; r++) layer_norm(x + (int64_t)r * m.n_embd, w, b, y + (int64_t)r * m.n_embd, m.n_embd, m.eps);
 }
 
-static inline float dot(const float* a, const float* b, int D) {
-    __m512 acc = _mm512_setzero_ps();
-    int d = 0;
-    for (; d + 16 <= D; d += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + d), _mm512_loadu_ps(b + d), acc);
-    float s = _mm512_reduce_add_ps(acc);
-    for (; d < D; d++) s += a[d] * b[d];
-    return s;
+// The KV cache holds fp32, or bf16 (a bf16 model's: half the bytes to read, and at batch 8 and a few hundred
+// positions those bytes rival the weights').
+static inline void store(float* p, float x) { *p = x; }
+static inline void store(bf16* p, float x) {  // round to nearest even, as torch's .to(torch.bfloat16)
+    uint32_t u;
+    __builtin_memcpy(&u, &x, 4);
+    *p = (bf16)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
+// e^x for 16 numbers: 2^(x log2 e) = 2^n * 2^f, |f| <= 1/2, 2^f by its Taylor polynomial to degree 6 (relative
+// error ~1e-7), 2^n by vscalefps. Inputs here are <= 0 (scores minus their maximum).
+static inline __m512 exp16(__m512 x) {
+    __m512 t = _mm512_mul_ps(_mm512_max_ps(x, _mm512_set1_ps(-104.0f)), _mm512_set1_ps(1.44269504088896341f));
+    __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 f = _mm512_sub_ps(t, n);
+    __m512 p = _mm512_set1_ps(1.540353039e-4f);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.333355815e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.618129108e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550410866e-2f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.402265070e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931471806e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, n);
 }
 
 // softmax(q K^T / sqrt(D)) V over positions 0..pos of one row and head, after storing this step's k and v.
+// DC = ceil(D / 16) vectors hold q and the output in registers (D = 64 in every GPT-2: DC = 4).
+template <typename CT, int DC>
 static void attend(const Model& m, const Step& s, int l, int r, int hh, float* scores) {
     const int C = m.n_embd, D = m.head_dim, H = m.n_head;
     const float* qkv = s.qkv + (int64_t)r * 3 * C;
     const float *q = qkv + hh * D, *k_new = qkv + C + hh * D, *v_new = qkv + 2 * C + hh * D;
     int64_t base = ((((int64_t)l * s.R + r) * H + hh) * s.max_len) * D;  // [l, r, hh, 0, 0]
-    float *K = s.k + base, *V = s.v + base;
+    CT *K = (CT*)s.k + base, *V = (CT*)s.v + base;
     int64_t p = s.pos[r];
-    for (int d = 0; d < D; d++) { K[p * D + d] = k_new[d]; V[p * D + d] = v_new[d]; }
-    float scale = 1.0f / sqrtf((float)D), top = -INFINITY;
+    for (int d = 0; d < D; d++) { store(K + p * D + d, k_new[d]); store(V + p * D + d, v_new[d]); }
+    __mmask16 mask[DC];
+    __m512 qv[DC], y[DC];
+    const __m512 scale = _mm512_set1_ps(1.0f / sqrtf((float)D));
+    for (int c = 0; c < DC; c++) {
+        int left = D - 16 * c;
+        mask[c] = left >= 16 ? (__mmask16)0xFFFF : left <= 0 ? (__mmask16)0 : (__mmask16)((1u << left) - 1);
+        qv[c] = _mm512_mul_ps(_mm512_maskz_loadu_ps(mask[c], q + 16 * c), scale);
+        y[c] = _mm512_setzero_ps();
+    }
+    float top = -INFINITY;
     for (int64_t j = 0; j <= p; j++) {
-        scores[j] = dot(q, K + j * D, D) * scale;
+        __m512 acc = _mm512_mul_ps(qv[0], load16(K + j * D, mask[0]));
+        for (int c = 1; c < DC; c++) acc = _mm512_fmadd_ps(qv[c], load16(K + j * D + 16 * c, mask[c]), acc);
+        scores[j] = _mm512_reduce_add_ps(acc);
         top = scores[j] > top ? scores[j] : top;
     }
-    float sum = 0.0f;
-    for (int64_t j = 0; j <= p; j++) { scores[j] = expf(scores[j] - top); sum += scores[j]; }
-    float* y = s.att + (int64_t)r * C + hh * D;
-    for (int d = 0; d < D; d++) y[d] = 0.0f;
+    __m512 total = _mm512_setzero_ps();
+    for (int64_t j = 0; j <= p; j += 16) {
+        __mmask16 m16 = p + 1 - j >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (p + 1 - j)) - 1);
+        __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(m16, scores + j), _mm512_set1_ps(top)));
+        e = _mm512_maskz_mov_ps(m16, e);
+        _mm512_mask_storeu_ps(scores + j, m16, e);
+        total = _mm512_add_ps(total, e);
+    }
     for (int64_t j = 0; j <= p; j++) {
-        float w = scores[j] / sum;
-        const float* vj = V + j * D;
-        for (int d = 0; d < D; d++) y[d] += w * vj[d];
+        __m512 w = _mm512_set1_ps(scores[j]);
+        for (int c = 0; c < DC; c++) y[c] = _mm512_fmadd_ps(w, load16(V + j * D + 16 * c, mask[c]), y[c]);
+    }
+    const __m512 norm = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(total));
+    float* out = s.att + (int64_t)r * C + hh * D;
+    for (int c = 0; c < DC; c++) _mm512_mask_storeu_ps(out + 16 * c, mask[c], _mm512_mul_ps(y[c], norm));
+}
+
+template <typename CT>
+static void attend_any(const Model& m, const Step& s, int l, int r, int hh, float* scores) {
+    switch ((m.head_dim + 15) / 16) {  // head_dim <= 256, checked by the caller
+        case 1: attend<CT, 1>(m, s, l, r, hh, scores); break;
+        case 2: attend<CT, 2>(m, s, l, r, hh, scores); break;
+        case 3: attend<CT, 3>(m, s, l, r, hh, scores); break;
+        case 4: attend<CT, 4>(m, s, l, r, hh, scores); break;
+        case 5: attend<CT, 5>(m, s, l, r, hh, scores); break;
+        case 6: attend<CT, 6>(m, s, l, r, hh, scores); break;
+        case 7: attend<CT, 7>(m, s, l, r, hh, scores); break;
+        case 8: attend<CT, 8>(m, s, l, r, hh, scores); break;
+        case 9: case 10: case 11: case 12: attend<CT, 12>(m, s, l, r, hh, scores); break;
+        default: attend<CT, 16>(m, s, l, r, hh, scores); break;
     }
 }
 
@@ -340,7 +438,10 @@ extern "C" int gptlab_decode_step(const Model* mp, const Step* sp) {
             linear<STORE>(m, L.c_attn_w, s.h, L.c_attn_b, s.qkv, R, 3 * C, C);
             float* scores = s.scores + (int64_t)omp_get_thread_num() * s.max_len;
 #pragma omp for schedule(static)
-            for (int task = 0; task < R * m.n_head; task++) attend(m, s, l, task / m.n_head, task % m.n_head, scores);
+            for (int task = 0; task < R * m.n_head; task++) {
+                if (s.cache_bf16) attend_any<bf16>(m, s, l, task / m.n_head, task % m.n_head, scores);
+                else attend_any<float>(m, s, l, task / m.n_head, task % m.n_head, scores);
+            }
             linear<ADD>(m, L.attn_proj_w, s.att, L.attn_proj_b, s.x, R, C, C);
             layer_norm_rows(m, s.x, L.ln_2_w, L.ln_2_b, s.h, R);
             if (m.gelu_tanh) linear<GELU_TANH>(m, L.c_fc_w, s.h, L.c_fc_b, s.fc, R, 4 * C, C);
