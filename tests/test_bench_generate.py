@@ -8,6 +8,7 @@ from conftest import tiny_config
 from gptlab.bench import (GEN_MODELS, bench_model, generation_ratios, print_generation_table, transformers_twin,
                           weight_bytes_per_token)
 from gptlab.config import ModelConfig, build
+from gptlab.fastdecode import load_library
 from gptlab.model import GPT
 from gptlab.runtime import bf16_supported
 
@@ -26,19 +27,23 @@ def test_bench_model_times_every_variant_and_prints_the_ratios(capsys):
     pytest.importorskip("transformers")
     precisions = ["fp32", "bf16"] if bf16_supported(torch.device("cpu")) else ["fp32"]
     config = tiny_config(block_size=32)
-    results = bench_model(config, torch.device("cpu"), precisions, [1, 8], prompt_tokens=5, new_tokens=6)
+    results = bench_model(config, torch.device("cpu"), precisions, [1, 8], prompt_tokens=5, new_tokens=6,
+                          bandwidth_mb=16)
     engines = {(r.engine, r.precision, r.batch) for r in results}
     for p in precisions:
         assert {("gptlab (KV cache)", p, 1), ("gptlab (KV cache)", p, 8), ("transformers generate", p, 1),
                 ("gptlab, no cache", p, 1)} <= engines
+        if load_library() is not None:  # the fused step, and beside it the same engine stepping by torch ops
+            assert {("gptlab, torch-op step", p, 1), ("gptlab, torch-op step", p, 8)} <= engines
+    assert all(r.bandwidth > 0 for r in results if r.engine == "gptlab (KV cache)")  # each run's own floor
     assert all(len(r.ids) == r.batch and all(len(row) == 6 for row in r.ids) for r in results)
     ours = {(r.engine, r.precision, r.batch): r for r in results}
     for batch in (1, 8):  # greedy on the same fp32 weights: the same ids
         assert ours[("gptlab (KV cache)", "fp32", batch)].ids == ours[("transformers generate", "fp32", batch)].ids
     assert ours[("gptlab (KV cache)", "fp32", 1)].ids == ours[("gptlab, no cache", "fp32", 1)].ids
-    floor = {p: 1e9 / weight_bytes_per_token(GPT(config), p) for p in precisions}
-    print_generation_table("tiny", results, floor)
-    lines = generation_ratios(results, floor)
+    bytes_per_token = {p: weight_bytes_per_token(GPT(config), p) for p in precisions}
+    print_generation_table("tiny", results, bytes_per_token)
+    lines = generation_ratios(results, bytes_per_token)
     table = capsys.readouterr().out
     assert table.count("bandwidth floor") == 2 * len(precisions)
     assert "fp32 batch 1 decode: " in lines[0] and "x transformers' generate (greedy ids agree for the first 6/6)" \
