@@ -36,6 +36,7 @@ def test_bench_model_times_every_variant_and_prints_the_ratios(capsys):
         if load_library() is not None:  # the fused step, and beside it the same engine stepping by torch ops
             assert {("gptlab, torch-op step", p, 1), ("gptlab, torch-op step", p, 8)} <= engines
     assert all(r.bandwidth > 0 for r in results if r.engine == "gptlab (KV cache)")  # each run's own floor
+    assert all(0 < r.paired_floor for r in results if (r.engine, r.batch) == ("gptlab (KV cache)", 1))
     assert all(len(r.ids) == r.batch and all(len(row) == 6 for row in r.ids) for r in results)
     ours = {(r.engine, r.precision, r.batch): r for r in results}
     for batch in (1, 8):  # greedy on the same fp32 weights: the same ids
@@ -47,7 +48,7 @@ def test_bench_model_times_every_variant_and_prints_the_ratios(capsys):
     table = capsys.readouterr().out
     assert table.count("bandwidth floor") == 2 * len(precisions)
     assert "fp32 batch 1 decode: " in lines[0] and "x transformers' generate (greedy ids agree for the first 6/6)" \
-        in lines[0] and "of the bandwidth floor" in lines[0] and "x no cache" in lines[0]
+        in lines[0] and "of the bandwidth floor token by token" in lines[0] and "x no cache" in lines[0]
     assert lines[1].startswith("fp32 batch 8 aggregate decode: ")
 
 

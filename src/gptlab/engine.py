@@ -47,7 +47,8 @@ def window_keep(block_size: int) -> int:
 class InferenceLinear(nn.Module):
     """y = x W^T + b, like the nn.Linear it replaces, with W pre-packed in oneDNN's blocked layout for this CPU.
 
-    Decoding reads every weight once per token, so this is where generation spends its time. On a 2-core AMD EPYC
+    Used for prompts and window rebuilds, and for decoding where the fused step (gptlab.fastdecode) is not
+    available: decoding reads every weight once per token, so these reads are its time. On a 2-core AMD EPYC
     (`gptlab bench generate`, docs/benchmarks.md) packed products of one row take 0.55-0.8x the time of F.linear
     in fp32 and in bf16, and several rows (batches, prompts) gain more. W is packed for MIN_ROWS rows, the layout
     that suits batches; a single row is padded to MIN_ROWS, which measured faster than giving that layout one row.
