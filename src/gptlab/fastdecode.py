@@ -7,9 +7,10 @@ over the KV cache, W_O, residual adds, the GELU feed-forward) and the LM head fo
 weight row a single time for all rows, in fp32 activations over fp32 or bf16 weights.
 
 The kernel is C++ with AVX-512 intrinsics, compiled on first use with the machine's g++ (about 3 s) into
-$GPTLAB_KERNELS (default ~/.cache/gptlab/kernels) and loaded with ctypes; it shares torch's OpenMP runtime and thread count.
-Where it cannot run (no AVX-512, no g++, not a CPU, a cache that is not fp32) `fused_decoder` returns None and the
-engine keeps the torch path, which stays the reference: tests/test_fastdecode.py holds the two together.
+$GPTLAB_KERNELS (default ~/.cache/gptlab/kernels) and loaded with ctypes; it shares torch's OpenMP runtime and
+thread count. Where it cannot run (no AVX-512, no g++, not a CPU) `fused_decoder` returns None, and where a cache
+is neither fp32 nor bf16 `accepts` says no: the engine then decodes with the torch model, which stays the
+reference (tests/test_fastdecode.py holds the two together).
 """
 
 from __future__ import annotations
