@@ -48,7 +48,7 @@ def test_bench_model_times_every_variant_and_prints_the_ratios(capsys):
     table = capsys.readouterr().out
     assert table.count("bandwidth floor") == 2 * len(precisions)
     assert "fp32 batch 1 decode: " in lines[0] and "x transformers' generate (greedy ids agree for the first 6/6)" \
-        in lines[0] and "of the bandwidth floor token by token" in lines[0] and "x no cache" in lines[0]
+        in lines[0] and "of the bandwidth floor (token by token)" in lines[0] and "x no cache" in lines[0]
     assert lines[1].startswith("fp32 batch 8 aggregate decode: ")
 
 

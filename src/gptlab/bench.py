@@ -339,10 +339,10 @@ def generation_ratios(results: list[GenResult], bytes_per_token: dict[str, int])
         uncached, batch8 = find(results, "gptlab, no cache", precision, 1), find(results, ENGINE, precision, 8)
         if ours is None:
             continue
-        run_share = ours.decode_tok_s / ours.floor_tok_s(bytes_per_token[precision])
-        parts = [f"{run_share:.0%} of the bandwidth floor"]
-        if ours.paired_floor == ours.paired_floor:  # measured (not NaN)
-            parts = [f"{ours.paired_floor:.0%} of the bandwidth floor token by token, {run_share:.0%} of the run's"]
+        if ours.paired_floor == ours.paired_floor:  # measured (not NaN): the floor of each step's own moment
+            parts = [f"{ours.paired_floor:.0%} of the bandwidth floor (token by token)"]
+        else:
+            parts = [f"{ours.decode_tok_s / ours.floor_tok_s(bytes_per_token[precision]):.0%} of the bandwidth floor"]
         if theirs is not None:
             same = agreeing_prefix(ours.ids[0], theirs.ids[0])
             parts.insert(0, f"{ours.decode_tok_s / theirs.decode_tok_s:.2f}x transformers' generate (greedy ids "
