@@ -8,7 +8,7 @@ import torch
 from conftest import tiny_config
 from gptlab.config import ModelConfig, SampleConfig
 from gptlab.engine import generate_batch, generate_uncached, prepare_for_inference
-from gptlab.fastdecode import FusedDecoder, fused_decoder, load_library
+from gptlab.fastdecode import FusedDecoder, fused_decoder, load_library, move_to_huge_pages
 from gptlab.model import GPT, Bigram
 
 pytestmark = pytest.mark.skipif(load_library() is None,
@@ -93,3 +93,14 @@ def test_the_torch_path_stays_where_the_fused_step_cannot_run():
     assert fused_decoder(GPT(tiny_config(n_head=1, n_embd=272))) is None  # heads wider than 256
     model = GPT(tiny_config()).eval()
     assert not fused_decoder(model).accepts(model.new_kv_cache(2, dtype=torch.float16))  # fp32 or bf16 caches
+
+
+def test_weights_moved_to_huge_pages_compute_the_same_and_stay_tied():
+    model = GPT(tiny_config(n_head=3, n_embd=48)).eval()
+    x = torch.randint(0, 50, (2, 12))
+    with torch.no_grad():
+        expected = model(x)[0]
+        assert move_to_huge_pages(model)
+        assert torch.equal(model(x)[0], expected)
+    assert model.lm_head.weight is model.transformer.wte.weight
+    assert all(p.data_ptr() % 64 == 0 for p in model.parameters())  # each on its own cache lines

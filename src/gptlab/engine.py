@@ -28,7 +28,7 @@ import torch.nn.functional as F
 
 from gptlab.config import SampleConfig
 from gptlab.errors import GptlabError
-from gptlab.fastdecode import fused_decoder
+from gptlab.fastdecode import fused_decoder, move_to_huge_pages
 from gptlab.model import KVCache
 from gptlab.runtime import bf16_supported
 from gptlab.sampling import next_token
@@ -100,6 +100,8 @@ def prepare_for_inference(model: nn.Module, precision: str = "fp32", fused: bool
     model.eval().to(dtype)
     # the fused step decodes from the plain weights (it holds them); prompts and window rebuilds, many rows at a
     # time, go through the packed copies: 2x prefill speed measured, for twice the weights' memory
+    if fused:
+        move_to_huge_pages(model)  # before the decoder takes its pointers
     model.fused_decoder = fused_decoder(model) if fused else None
     pack = can_pack(device, dtype)
     for module in list(model.modules()):

