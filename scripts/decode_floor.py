@@ -1,6 +1,6 @@
 """How close one fused decode step comes to the memory-bandwidth floor, with the floor measured beside each step.
 
-    python scripts/decode_floor.py [--rounds 60]
+    python scripts/decode_floor.py [--rounds 60] [--pages 2M|4K]
 
 A shared machine's read bandwidth drifts by tens of percent within seconds (docs/benchmarks.md), so this
 alternates, `rounds` times: a read of a 512 MB buffer (its rate is the floor of the moment), then one batch-1
@@ -32,13 +32,15 @@ def median(values: list[float]) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=60)
+    parser.add_argument("--pages", choices=["2M", "4K"], default="2M",
+                        help="weights in transparent huge pages (what the engine does) or in ordinary 4 KB pages")
     args = parser.parse_args()
     set_threads()
     torch.manual_seed(0)
     base = GPT(build(ModelConfig, GEN_MODELS["gpt2-124M"], {})).eval()
     buffer = torch.ones(512 * (1 << 20) // 4)
     for precision in ("fp32", "bf16"):
-        model = prepare_for_inference(copy.deepcopy(base), precision)
+        model = prepare_for_inference(copy.deepcopy(base), precision, huge_pages=args.pages == "2M")
         if model.fused_decoder is None:
             print(f"{precision}: no fused decode step on this machine")
             continue

@@ -38,7 +38,7 @@ def run_both(model: GPT, fused: FusedDecoder, rows: int, steps: int, cache_dtype
         for _ in range(steps):
             ids = torch.randint(0, config.vocab_size, (rows,))
             torch_logits.append(model(ids[:, None], kv_cache=caches[0], last_only=True)[0][:, -1].float())
-            fused_logits.append(fused.step(ids, caches[1]))
+            fused_logits.append(fused.step(ids, caches[1]).clone())  # valid until the next step
     return torch.stack(torch_logits), torch.stack(fused_logits), caches
 
 

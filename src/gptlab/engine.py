@@ -84,11 +84,12 @@ def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
 
 
 @torch.no_grad()
-def prepare_for_inference(model: nn.Module, precision: str = "fp32", fused: bool = True) -> nn.Module:
+def prepare_for_inference(model: nn.Module, precision: str = "fp32", fused: bool = True,
+                          huge_pages: bool = True) -> nn.Module:
     """Make `model` fast to generate with, in place, and return it: eval mode, weights in `precision` ("fp32",
     the reference, or "bf16"), dropout removed, each nn.Linear replaced by an InferenceLinear where oneDNN
     supports it, and a `fused_decoder` (gptlab.fastdecode: the whole decode step in one native call) where the CPU
-    and a compiler allow it and `fused` is true.
+    and a compiler allow it and `fused` is true (its weights moved into 2 MB pages unless `huge_pages` is false).
     The result still has the model's forward contract but is for inference only: no training, no checkpoint.
     Raises GptlabError for an unknown precision or bf16 on a device without it."""
     if precision not in PRECISIONS:
@@ -100,7 +101,7 @@ def prepare_for_inference(model: nn.Module, precision: str = "fp32", fused: bool
     model.eval().to(dtype)
     # the fused step decodes from the plain weights (it holds them); prompts and window rebuilds, many rows at a
     # time, go through the packed copies: 2x prefill speed measured, for twice the weights' memory
-    if fused:
+    if fused and huge_pages:
         move_to_huge_pages(model)  # before the decoder takes its pointers
     model.fused_decoder = fused_decoder(model) if fused else None
     pack = can_pack(device, dtype)

@@ -167,7 +167,8 @@ class FusedDecoder:
                              int(dtype == torch.bfloat16), int(c.activation == "gelu_tanh"), c.layer_norm_eps,
                              matrix(t.wte), matrix(t.wpe), matrix(model.lm_head), vector(t.ln_f.weight),
                              vector(t.ln_f.bias), layers)
-        self._scratch: dict[tuple[int, int, int], list[torch.Tensor]] = {}
+        self._call, self._model_ref = lib.gptlab_decode_step, ctypes.byref(self._model)
+        self._plan: tuple | None = None  # the cache, ids buffer, kernel arguments, logits and scores of the last step
 
     def accepts(self, cache: KVCache) -> bool:
         """Whether `cache` has the layout the kernel reads: fp32 or bf16, contiguous, on the CPU."""
@@ -175,28 +176,40 @@ class FusedDecoder:
                 and cache.k.is_contiguous() and cache.v.is_contiguous() and cache.pos.is_contiguous())
 
     def step(self, ids: torch.Tensor, cache: KVCache) -> torch.Tensor:
-        """ids (R,) the new token of each row -> next-token logits (R, V) in fp32; writes the rows' keys and
-        values at cache.pos and advances cache.pos by one, like the model's forward."""
-        c, R = self.config, ids.numel()
-        ids = ids.to(torch.int64).contiguous()
-        assert cache.k.shape[1] == R and self.accepts(cache)
-        assert int(cache.pos.max()) < min(cache.max_len, c.block_size), "position beyond the cache: slide first"
-        threads = torch.get_num_threads()
-        x, h, qkv, att, fc, logits, scores = self._buffers(R, cache.max_len, threads)
-        step = _Step(R, cache.max_len, threads, int(cache.k.dtype == torch.bfloat16), *(_ptr(t) for t in (
-            ids, cache.pos, cache.k, cache.v, x, h, qkv, att, fc, logits, scores)))
-        status = self.lib.gptlab_decode_step(ctypes.byref(self._model), ctypes.byref(step))
-        assert status == 0, f"fused decode refused row {status - 1}: position or token id out of range"
-        return logits.clone()  # the buffer is the next step's
+        """ids (R,) the new token of each row -> next-token logits (R, V) in fp32, valid until the next step
+        (they live in the decoder's buffer); writes the rows' keys and values at cache.pos and advances cache.pos
+        by one, like the model's forward. Raises AssertionError for a position past the cache or block_size."""
+        plan = self._plan
+        if plan is None or plan[0] is not cache or plan[1].numel() != ids.numel():
+            plan = self._plan = self._make_plan(cache, ids.numel())
+        _, ids_buffer, step, logits, _ = plan
+        ids_buffer.copy_(ids)
+        step.n_threads = torch.get_num_threads()
+        assert step.n_threads * cache.max_len <= plan[4].numel() or self._grow_scores(step)
+        status = self._call(self._model_ref, ctypes.byref(step))
+        assert status == 0, f"fused decode refused row {status - 1}: position past the cache or token id out of range"
+        return logits
 
-    def _buffers(self, R: int, max_len: int, threads: int) -> list[torch.Tensor]:
-        key = (R, max_len, threads)
-        if key not in self._scratch:
-            C, V = self.config.n_embd, self.config.vocab_size
-            sizes = (R * C, R * C, R * 3 * C, R * C, R * 4 * C, R * V, threads * max_len)
-            self._scratch = {key: [torch.empty(n) for n in sizes]}  # one shape at a time
-        x, h, qkv, att, fc, logits, scores = self._scratch[key]
-        return [x, h, qkv, att, fc, logits.view(R, -1), scores]
+    def _make_plan(self, cache: KVCache, R: int) -> tuple:
+        """Everything a step of R rows over `cache` passes to the kernel, built once per cache (a few dozen
+        microseconds a token otherwise)."""
+        assert cache.k.shape[1] == R and self.accepts(cache)
+        C, V = self.config.n_embd, self.config.vocab_size
+        ids = torch.zeros(R, dtype=torch.int64)
+        x, h, qkv, att, fc, logits = (torch.empty(n) for n in (R * C, R * C, R * 3 * C, R * C, R * 4 * C, R * V))
+        scores = torch.empty(torch.get_num_threads() * cache.max_len)
+        step = _Step(R, cache.max_len, torch.get_num_threads(), int(cache.k.dtype == torch.bfloat16), *(
+            _ptr(t) for t in (ids, cache.pos, cache.k, cache.v, x, h, qkv, att, fc, logits, scores)))
+        self._plan_buffers = (x, h, qkv, att, fc)  # alive as long as the plan
+        return cache, ids, step, logits.view(R, V), scores
+
+    def _grow_scores(self, step: _Step) -> bool:
+        """torch's thread count grew since the plan was made: a scores row per thread."""
+        cache, ids, _, logits, _ = self._plan
+        scores = torch.empty(step.n_threads * cache.max_len)
+        step.scores = scores.data_ptr()
+        self._plan = (cache, ids, step, logits, scores)
+        return True
 
 
 def fused_decoder(model: torch.nn.Module) -> FusedDecoder | None:
