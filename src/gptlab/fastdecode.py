@@ -90,6 +90,9 @@ def load_library() -> ctypes.CDLL | None:
                 subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", str(built)], check=True,
                                capture_output=True, timeout=300)
                 os.replace(built, target)
+            for old in target.parent.glob("decode-*.so"):  # builds of earlier sources or flags
+                if old != target:
+                    old.unlink(missing_ok=True)
         lib = ctypes.CDLL(str(target))  # after torch: its libgomp is the one OpenMP runtime in the process
     except (OSError, subprocess.SubprocessError):
         return None
