@@ -104,3 +104,23 @@ def test_weights_moved_to_huge_pages_compute_the_same_and_stay_tied():
         assert torch.equal(model(x)[0], expected)
     assert model.lm_head.weight is model.transformer.wte.weight
     assert all(p.data_ptr() % 64 == 0 for p in model.parameters())  # each on its own cache lines
+
+
+def test_a_thread_count_raised_between_steps_still_gives_the_reference_logits():
+    model = GPT(tiny_config(n_head=3, n_embd=48, block_size=24)).eval()
+    fused, threads = fused_decoder(model), torch.get_num_threads()
+    caches = [model.new_kv_cache(2) for _ in range(2)]  # torch's, fused's
+    first, second = torch.tensor([1, 2]), torch.tensor([3, 4])
+    try:
+        with torch.inference_mode():
+            for cache in caches:
+                model(torch.randint(0, 50, (2, 5)).fill_(7), kv_cache=cache)
+            torch.set_num_threads(1)
+            fused.step(first, caches[1])  # planned for one thread
+            model(first[:, None], kv_cache=caches[0])
+            torch.set_num_threads(2)
+            got = fused.step(second, caches[1])  # two now: a scores row each
+            expected = model(second[:, None], kv_cache=caches[0], last_only=True)[0][:, -1]
+    finally:
+        torch.set_num_threads(threads)
+    assert (got - expected).abs().max() <= FP32_TOLERANCE and torch.equal(caches[1].pos, torch.tensor([7, 7]))

@@ -188,7 +188,8 @@ class FusedDecoder:
         _, ids_buffer, step, logits, _ = plan
         ids_buffer.copy_(ids)
         step.n_threads = torch.get_num_threads()
-        assert step.n_threads * cache.max_len <= plan[4].numel() or self._grow_scores(step)
+        if step.n_threads * cache.max_len > plan[4].numel():
+            self._grow_scores(step)
         status = self._call(self._model_ref, ctypes.byref(step))
         assert status == 0, f"fused decode refused row {status - 1}: position past the cache or token id out of range"
         return logits
@@ -206,13 +207,12 @@ class FusedDecoder:
         self._plan_buffers = (x, h, qkv, att, fc)  # alive as long as the plan
         return cache, ids, step, logits.view(R, V), scores
 
-    def _grow_scores(self, step: _Step) -> bool:
+    def _grow_scores(self, step: _Step) -> None:
         """torch's thread count grew since the plan was made: a scores row per thread."""
         cache, ids, _, logits, _ = self._plan
         scores = torch.empty(step.n_threads * cache.max_len)
         step.scores = scores.data_ptr()
         self._plan = (cache, ids, step, logits, scores)
-        return True
 
 
 def fused_decoder(model: torch.nn.Module) -> FusedDecoder | None:
