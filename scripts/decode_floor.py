@@ -1,6 +1,6 @@
 """How close one fused decode step comes to the memory-bandwidth floor, with the floor measured beside each step.
 
-    python scripts/decode_floor.py [--rounds 60] [--pages 2M|4K]
+    python scripts/decode_floor.py [--rounds 60] [--pages 2M|4K|both]
 
 A shared machine's read bandwidth drifts by tens of percent within seconds (docs/benchmarks.md), so this
 alternates, `rounds` times: a read of a 512 MB buffer (its rate is the floor of the moment), then one batch-1
@@ -29,40 +29,56 @@ def median(values: list[float]) -> float:
     return sorted(values)[len(values) // 2]
 
 
+def timed_step(model: torch.nn.Module, cache, ids: torch.Tensor, buffer: torch.Tensor) -> tuple[float, float]:
+    """One read of `buffer`, then one fused decode step: (read bytes/s, step seconds)."""
+    t0 = time.perf_counter()
+    buffer.sum()
+    t1 = time.perf_counter()
+    model.fused_decoder.step(ids, cache)
+    t2 = time.perf_counter()
+    cache.pos -= 1
+    return buffer.numel() * 4 / (t1 - t0), t2 - t1
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=60)
-    parser.add_argument("--pages", choices=["2M", "4K"], default="2M",
-                        help="weights in transparent huge pages (what the engine does) or in ordinary 4 KB pages")
+    parser.add_argument("--pages", choices=["2M", "4K", "both"], default="2M",
+                        help="weights in transparent huge pages (what the engine does), in ordinary 4 KB pages, "
+                             "or both, round by round")
     args = parser.parse_args()
     set_threads()
     torch.manual_seed(0)
     base = GPT(build(ModelConfig, GEN_MODELS["gpt2-124M"], {})).eval()
     buffer = torch.ones(512 * (1 << 20) // 4)
+    layouts = ["2M", "4K"] if args.pages == "both" else [args.pages]
     for precision in ("fp32", "bf16"):
-        model = prepare_for_inference(copy.deepcopy(base), precision, huge_pages=args.pages == "2M")
-        if model.fused_decoder is None:
+        models = {pages: prepare_for_inference(copy.deepcopy(base), precision, huge_pages=pages == "2M")
+                  for pages in layouts}
+        if any(m.fused_decoder is None for m in models.values()):
             print(f"{precision}: no fused decode step on this machine")
             continue
         weights = weight_bytes_per_token(base, precision)
-        shares, steps = [], {1: [], 8: []}
+        shares = {pages: [] for pages in layouts}
+        steps = {(pages, rows): [] for pages in layouts for rows in (1, 8)}
         for rows in (1, 8):
-            cache = model.new_kv_cache(rows, dtype=cache_dtype(model), max_len=160)
-            cache.pos.fill_(144)
             ids = torch.randint(0, base.config.vocab_size, (rows,))
+            caches = {}
+            for pages, model in models.items():
+                caches[pages] = model.new_kv_cache(rows, dtype=cache_dtype(model), max_len=160)
+                caches[pages].pos.fill_(144)
             for _ in range(args.rounds):
-                t0 = time.perf_counter()
-                buffer.sum()
-                t1 = time.perf_counter()
-                model.fused_decoder.step(ids, cache)
-                t2 = time.perf_counter()
-                cache.pos -= 1
-                steps[rows].append(t2 - t1)
-                if rows == 1:
-                    shares.append(weights / (buffer.numel() * 4 / (t1 - t0)) / (t2 - t1))
-        print(f"{precision} batch 1: {median(shares):.0%} of the floor (median of {args.rounds}; "
-              f"{min(shares):.0%}-{max(shares):.0%}), step {median(steps[1]) * 1e3:.2f} ms; batch 8: step "
-              f"{median(steps[8]) * 1e3:.2f} ms, {8 * median(steps[1]) / median(steps[8]):.2f}x batch 1's tokens/s")
+                for pages, model in models.items():  # layouts alternate: the same moments of the machine
+                    bandwidth, seconds = timed_step(model, caches[pages], ids, buffer)
+                    steps[pages, rows].append(seconds)
+                    if rows == 1:
+                        shares[pages].append(weights / bandwidth / seconds)
+        for pages in layouts:
+            one, eight = median(steps[pages, 1]), median(steps[pages, 8])
+            label = f"{precision}" + (f" {pages} pages" if len(layouts) > 1 else "")
+            print(f"{label} batch 1: {median(shares[pages]):.0%} of the floor (median of {args.rounds}; "
+                  f"{min(shares[pages]):.0%}-{max(shares[pages]):.0%}), step {one * 1e3:.2f} ms; batch 8: step "
+                  f"{eight * 1e3:.2f} ms, {8 * one / eight:.2f}x batch 1's tokens/s")
 
 
 if __name__ == "__main__":
