@@ -104,9 +104,9 @@ def load_library() -> ctypes.CDLL | None:
 def move_to_huge_pages(model: torch.nn.Module) -> bool:
     """Move every parameter of `model` (CPU, inference only) into one anonymous mapping backed by 2 MB pages
     (Linux transparent huge pages, madvise mode): a decode step streams all the weights, and with 4 KB pages
-    the reads cross a page, a TLB entry and a hardware-prefetch boundary every 4 KB (measured: sums and decode
-    products over huge pages read 5-8% faster here). Returns whether it did; memory stays one copy (the old
-    storage is released), tied parameters stay tied."""
+    the reads cross a page, a TLB entry and a hardware-prefetch boundary every 4 KB (measured: decode steps 0-2%
+    closer to the bandwidth floor, `scripts/decode_floor.py --pages both`). Returns whether it did; memory stays
+    one copy (the old storage is released), tied parameters stay tied."""
     params = list(model.parameters())  # unique: a tied weight appears once
     if not params or any(p.device.type != "cpu" for p in params) or not hasattr(mmap, "MADV_HUGEPAGE"):
         return False
