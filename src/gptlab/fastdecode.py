@@ -24,6 +24,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -140,8 +141,7 @@ class FusedDecoder:
     vectors (LayerNorm, biases). The model must not change afterwards: this is for inference only."""
 
     def __init__(self, model: GPT, lib: ctypes.CDLL):
-        self.lib, self.config = lib, model.config
-        c = model.config
+        self.config = c = model.config
         dtype = model.transformer.wte.weight.dtype
         self._keep: list[torch.Tensor] = []
 
@@ -165,13 +165,13 @@ class FusedDecoder:
                                vector(attn.c_proj.bias), vector(block.ln_2.weight), vector(block.ln_2.bias),
                                vector(mlp.c_fc.bias), vector(mlp.c_proj.bias))
         t = model.transformer
-        self._layers = layers
+        self._layers = layers  # the struct below points into it
         self._model = _Model(c.n_layer, c.n_head, c.head_dim, c.n_embd, c.vocab_size, c.block_size,
                              int(dtype == torch.bfloat16), int(c.activation == "gelu_tanh"), c.layer_norm_eps,
                              matrix(t.wte), matrix(t.wpe), matrix(model.lm_head), vector(t.ln_f.weight),
                              vector(t.ln_f.bias), layers)
         self._call, self._model_ref = lib.gptlab_decode_step, ctypes.byref(self._model)
-        self._plan: tuple | None = None  # the cache, ids buffer, kernel arguments, logits and scores of the last step
+        self._plan: _Plan | None = None  # the last step's
 
     def accepts(self, cache: KVCache) -> bool:
         """Whether `cache` has the layout the kernel reads: fp32 or bf16, contiguous, on the CPU."""
@@ -183,36 +183,38 @@ class FusedDecoder:
         (they live in the decoder's buffer); writes the rows' keys and values at cache.pos and advances cache.pos
         by one, like the model's forward. Raises AssertionError for a position past the cache or block_size."""
         plan = self._plan
-        if plan is None or plan[0] is not cache or plan[1].numel() != ids.numel():
-            plan = self._plan = self._make_plan(cache, ids.numel())
-        _, ids_buffer, step, logits, _ = plan
-        ids_buffer.copy_(ids)
-        step.n_threads = torch.get_num_threads()
-        if step.n_threads * cache.max_len > plan[4].numel():
-            self._grow_scores(step)
-        status = self._call(self._model_ref, ctypes.byref(step))
+        threads = torch.get_num_threads()
+        if plan is None or plan.cache is not cache or plan.ids.numel() != ids.numel() or plan.threads < threads:
+            assert self.accepts(cache), "the fused step reads fp32 or bf16 caches, contiguous, on the CPU"
+            plan = self._plan = _Plan.make(self.config, cache, ids.numel(), threads)
+        plan.ids.copy_(ids)
+        plan.args.n_threads = threads
+        status = self._call(self._model_ref, ctypes.byref(plan.args))
         assert status == 0, f"fused decode refused row {status - 1}: position past the cache or token id out of range"
-        return logits
+        return plan.logits
 
-    def _make_plan(self, cache: KVCache, R: int) -> tuple:
-        """Everything a step of R rows over `cache` passes to the kernel, built once per cache (a few dozen
-        microseconds a token otherwise)."""
-        assert cache.k.shape[1] == R and self.accepts(cache)
-        C, V = self.config.n_embd, self.config.vocab_size
-        ids = torch.zeros(R, dtype=torch.int64)
-        x, h, qkv, att, fc, logits = (torch.empty(n) for n in (R * C, R * C, R * 3 * C, R * C, R * 4 * C, R * V))
-        scores = torch.empty(torch.get_num_threads() * cache.max_len)
-        step = _Step(R, cache.max_len, torch.get_num_threads(), int(cache.k.dtype == torch.bfloat16), *(
-            _ptr(t) for t in (ids, cache.pos, cache.k, cache.v, x, h, qkv, att, fc, logits, scores)))
-        self._plan_buffers = (x, h, qkv, att, fc)  # alive as long as the plan
-        return cache, ids, step, logits.view(R, V), scores
 
-    def _grow_scores(self, step: _Step) -> None:
-        """torch's thread count grew since the plan was made: a scores row per thread."""
-        cache, ids, _, logits, _ = self._plan
-        scores = torch.empty(step.n_threads * cache.max_len)
-        step.scores = scores.data_ptr()
-        self._plan = (cache, ids, step, logits, scores)
+@dataclass
+class _Plan:
+    """Everything a step of R rows over one cache passes to the kernel, built once per cache (a few dozen
+    microseconds a token otherwise): the kernel's arguments and the buffers they point to."""
+
+    cache: KVCache
+    ids: torch.Tensor  # (R,) int64, the step's tokens are copied here
+    logits: torch.Tensor  # (R, V) fp32, written by the kernel
+    threads: int  # the most threads the scratch serves
+    args: _Step
+    scratch: tuple[torch.Tensor, ...]  # x, h, qkv, att, fc, and a row of scores per thread
+
+    @classmethod
+    def make(cls, config, cache: KVCache, R: int, threads: int) -> _Plan:
+        assert cache.k.shape[1] == R
+        C, V = config.n_embd, config.vocab_size
+        ids, logits = torch.zeros(R, dtype=torch.int64), torch.empty(R, V)
+        scratch = tuple(torch.empty(n) for n in (R * C, R * C, R * 3 * C, R * C, R * 4 * C, threads * cache.max_len))
+        args = _Step(R, cache.max_len, threads, int(cache.k.dtype == torch.bfloat16), *(
+            _ptr(t) for t in (ids, cache.pos, cache.k, cache.v, *scratch[:5], logits, scratch[5])))
+        return cls(cache, ids, logits, threads, args, scratch)
 
 
 def fused_decoder(model: torch.nn.Module) -> FusedDecoder | None:

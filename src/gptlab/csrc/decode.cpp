@@ -5,7 +5,8 @@
 // Python costs microseconds, a 12-layer model launches hundreds per token, and the library kernels for one row
 // (GEMV) stop well short of the bus (docs/benchmarks.md). Here the products stream each weight row once, for all
 // rows of the batch at a time, and the small work (LayerNorm, attention over the cache, GELU, residual adds) is
-// fused around them. Activations are fp32; weights fp32 or bf16 (widened to fp32 as they are loaded).
+// fused around them. Activations are fp32; weights fp32 or bf16 (bf16 products round x to bf16 where the CPU
+// has AVX512-BF16, as a bf16 model's activations are, and widen W to fp32 where it has not).
 //
 // The math is the model's (gptlab/model.py), step by step; tests/test_fastdecode.py holds it to the torch path.
 // Layout of the KV cache: k, v (n_layer, R, n_head, max_len, head_dim) fp32 or bf16, as gptlab.model.KVCache.
@@ -66,242 +67,187 @@ template <int E> static inline void finish(float* y, float d) {
     else *y = 0.5f * d * (1.0f + tanhf(0.79788456080286536f * (d + 0.044715f * d * d * d)));
 }
 
-// One row: four independent sums along k, one sequential stream through W's row.
-template <int E, typename WT>
-static void gemv_row1(const WT* W, const float* x, const float* b, float* y, int K, int n0, int n1) {
+// ---- matrix-vector products ----
+// One kernel shape per case below, written once over a "dot" type: how a vector of W meets a vector of x.
+// Widen<WT>: W fp32 or bf16 widened to fp32, x fp32, 16 multiply-adds per instruction.
+template <typename WT> struct Widen {
+    using W = WT;
+    using X = float;
+    using WV = __m512;
+    using XV = __m512;
+    using Mask = __mmask16;
+    static constexpr int LANES = 16;  // elements of k per vector
+    static Mask tail(int left) { return left >= LANES ? (Mask)0xFFFF : (Mask)((1u << left) - 1); }
+    static WV w(const W* p) { return load16(p); }
+    static WV w(const W* p, Mask m) { return load16(p, m); }
+    static XV x(const X* p) { return _mm512_loadu_ps(p); }
+    static XV x(const X* p, Mask m) { return _mm512_maskz_loadu_ps(m, p); }
+    static __m512 madd(__m512 acc, WV w, XV x) { return _mm512_fmadd_ps(w, x, acc); }
+};
+
+#ifdef __AVX512BF16__
+// DotBF16: bf16 weights on a CPU with AVX512-BF16; x is rounded to bf16 too (as a bf16 model's activations are)
+// and each vdpbf16ps does 32 multiply-adds into fp32 sums, half the instructions of widening W.
+struct DotBF16 {
+    using W = bf16;
+    using X = bf16;
+    using WV = __m512bh;
+    using XV = __m512bh;
+    using Mask = __mmask32;
+    static constexpr int LANES = 32;
+    static Mask tail(int left) { return left >= LANES ? (Mask)0xFFFFFFFFu : (Mask)((1u << left) - 1); }
+    static WV w(const W* p) { return (__m512bh)_mm512_loadu_si512(p); }
+    static WV w(const W* p, Mask m) { return (__m512bh)_mm512_maskz_loadu_epi16(m, p); }
+    static XV x(const X* p) { return w(p); }
+    static XV x(const X* p, Mask m) { return w(p, m); }
+    static __m512 madd(__m512 acc, WV w, XV x) { return _mm512_dpbf16_ps(acc, w, x); }
+};
+#endif
+
+// One row of x: four independent sums along k, one sequential stream through W, fetched STREAM_AHEAD bytes
+// ahead into L2.
+template <int E, typename D>
+static void gemv_row1(const typename D::W* W, const typename D::X* x, const float* b, float* y, int K, int n0,
+                      int n1) {
+    constexpr int L = D::LANES;
     for (int n = n0; n < n1; n++) {
-        const WT* w = W + (int64_t)n * K;
+        const typename D::W* w = W + (int64_t)n * K;
         __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
         int k = 0;
-        for (; k + 64 <= K; k += 64) {
-            for (int line = 0; line < 64 * (int)sizeof(WT); line += 64)  // 4 KB ahead, into L2: measured 5% faster
+        for (; k + 4 * L <= K; k += 4 * L) {
+            for (int line = 0; line < 4 * L * (int)sizeof(*w); line += 64)
                 _mm_prefetch((const char*)(w + k) + STREAM_AHEAD + line, _MM_HINT_T1);
-            a0 = _mm512_fmadd_ps(load16(w + k), _mm512_loadu_ps(x + k), a0);
-            a1 = _mm512_fmadd_ps(load16(w + k + 16), _mm512_loadu_ps(x + k + 16), a1);
-            a2 = _mm512_fmadd_ps(load16(w + k + 32), _mm512_loadu_ps(x + k + 32), a2);
-            a3 = _mm512_fmadd_ps(load16(w + k + 48), _mm512_loadu_ps(x + k + 48), a3);
+            a0 = D::madd(a0, D::w(w + k), D::x(x + k));
+            a1 = D::madd(a1, D::w(w + k + L), D::x(x + k + L));
+            a2 = D::madd(a2, D::w(w + k + 2 * L), D::x(x + k + 2 * L));
+            a3 = D::madd(a3, D::w(w + k + 3 * L), D::x(x + k + 3 * L));
         }
-        for (; k + 16 <= K; k += 16) a0 = _mm512_fmadd_ps(load16(w + k), _mm512_loadu_ps(x + k), a0);
-        if (k < K) {
-            __mmask16 m = (__mmask16)((1u << (K - k)) - 1);
-            a0 = _mm512_fmadd_ps(load16(w + k, m), _mm512_maskz_loadu_ps(m, x + k), a0);
+        for (; k < K; k += L) {
+            typename D::Mask m = D::tail(K - k);
+            a0 = D::madd(a0, D::w(w + k, m), D::x(x + k, m));
         }
         float d = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3)));
         finish<E>(y + n, d + (b ? b[n] : 0.0f));
     }
 }
 
-// RB rows of x against one row of W at a time: one sequential stream through W, each vector used RB times (two
-// interleaved streams, or a weight tile, measured slower here). The sums are named variables, not an array: GCC
-// keeps such an array on the stack and stores it every iteration.
-#define FMA(j, M) if constexpr (RB > j) a##j = _mm512_fmadd_ps(w, _mm512_maskz_loadu_ps(M, X + (int64_t)j * K + k), a##j);
-#define FMAS(M) FMA(0, M) FMA(1, M) FMA(2, M) FMA(3, M) FMA(4, M) FMA(5, M) FMA(6, M) FMA(7, M)
+// The sums below are named variables, not an array: GCC keeps such an array on the stack and stores it every
+// iteration. OUT stores row j's sum a##j for output n.
 #define OUT(j) if constexpr (RB > j) finish<E>(Y + (int64_t)j * N + n, _mm512_reduce_add_ps(a##j) + bias);
-template <int E, int RB, typename WT>
-static void gemv_rows(const WT* W, const float* X, const float* b, float* Y, int N, int K, int n0, int n1) {
-    const __mmask16 all = 0xFFFF;
+#define OUTS OUT(0) OUT(1) OUT(2) OUT(3) OUT(4) OUT(5) OUT(6) OUT(7)
+
+// Two rows of x (or the last odd one): one row of W at a time, one sequential stream (two interleaved streams, or
+// a weight tile, measured slower here), each W vector used RB times; the next row is fetched ahead into L1.
+#define MADD(j, M) if constexpr (RB > j) a##j = D::madd(a##j, w, D::x(X + (int64_t)j * K + k, M));
+#define MADDS(M) MADD(0, M) MADD(1, M) MADD(2, M) MADD(3, M) MADD(4, M) MADD(5, M) MADD(6, M) MADD(7, M)
+template <int E, int RB, typename D>
+static void gemv_rows(const typename D::W* W, const typename D::X* X, const float* b, float* Y, int N, int K,
+                      int n0, int n1) {
+    constexpr int L = D::LANES;
+    const typename D::Mask all = D::tail(L);
     for (int n = n0; n < n1; n++) {
         __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
-        const WT* r = W + (int64_t)n * K;
-        for (int k = 0; k < K; k += 16) {
-            __mmask16 m = K - k >= 16 ? all : (__mmask16)((1u << (K - k)) - 1);
-            _mm_prefetch((const char*)(r + K + k), _MM_HINT_T0);  // the next row: the prefetcher lags at this pace
-            __m512 w = load16(r + k, m);
-            FMAS(m)
+        const typename D::W* r = W + (int64_t)n * K;
+        int k = 0;
+        for (; k + L <= K; k += L) {
+            _mm_prefetch((const char*)(r + K + k), _MM_HINT_T0);
+            typename D::WV w = D::w(r + k);
+            MADDS(all)
+        }
+        if (k < K) {
+            typename D::Mask m = D::tail(K - k);
+            typename D::WV w = D::w(r + k, m);
+            MADDS(m)
         }
         float bias = b ? b[n] : 0.0f;
-        OUT(0) OUT(1) OUT(2) OUT(3) OUT(4) OUT(5) OUT(6) OUT(7)
+        OUTS
     }
 }
-#undef FMA
-#undef FMAS
+#undef MADD
+#undef MADDS
+#undef OUT
+#undef OUTS
 
-// Four or more rows of x: two rows of W at a time, each x vector loaded once for both, fewer loads per
-// multiply-add (measured faster than one row at a time here, and slower for two rows of x).
-#define ACC(j) __m512 a##j = _mm512_setzero_ps(), b##j = a##j;
-#define FMA2(j, M, OFF) if constexpr (RB > j) { \
-        __m512 xv = _mm512_maskz_loadu_ps(M, X + (int64_t)j * K + k + OFF); \
-        a##j = _mm512_fmadd_ps(w0, xv, a##j); b##j = _mm512_fmadd_ps(w1, xv, b##j); }
-#define FMAS2(M, OFF) FMA2(0, M, OFF) FMA2(1, M, OFF) FMA2(2, M, OFF) FMA2(3, M, OFF) \
-                      FMA2(4, M, OFF) FMA2(5, M, OFF) FMA2(6, M, OFF) FMA2(7, M, OFF)
+// Four or more rows of x: two rows of W at a time (n and n + 1; n only when `one`), each x vector loaded once
+// for both, fewer loads per multiply-add; W fetched AHEAD rows ahead into L2.
+#define MADD2(j, M) if constexpr (RB > j) { typename D::XV xv = D::x(X + (int64_t)j * K + k, M); \
+                                            a##j = D::madd(a##j, w0, xv); b##j = D::madd(b##j, w1, xv); }
+#define MADDS2(M) MADD2(0, M) MADD2(1, M) MADD2(2, M) MADD2(3, M) MADD2(4, M) MADD2(5, M) MADD2(6, M) MADD2(7, M)
 #define OUT2(j) if constexpr (RB > j) { finish<E>(Y + (int64_t)j * N + n, _mm512_reduce_add_ps(a##j) + bias0); \
                                         if (!one) finish<E>(Y + (int64_t)j * N + n + 1, _mm512_reduce_add_ps(b##j) + bias1); }
-template <int E, int RB, typename WT>
-static void gemv_pair(const WT* W, const float* X, const float* b, float* Y, int N, int K, int n, bool one) {
-    ACC(0) ACC(1) ACC(2) ACC(3) ACC(4) ACC(5) ACC(6) ACC(7)
-    const WT *r0 = W + (int64_t)n * K, *r1 = one ? r0 : r0 + K;
-    const __mmask16 all = 0xFFFF;
+template <int E, int RB, typename D>
+static void gemv_pair(const typename D::W* W, const typename D::X* X, const float* b, float* Y, int N, int K, int n,
+                      bool one) {
+    constexpr int L = D::LANES;
+    const typename D::Mask all = D::tail(L);
+    __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
+    __m512 b0 = a0, b1 = a0, b2 = a0, b3 = a0, b4 = a0, b5 = a0, b6 = a0, b7 = a0;
+    const typename D::W *r0 = W + (int64_t)n * K, *r1 = one ? r0 : r0 + K;
     int k = 0;
-    for (; k + 32 <= K; k += 32) {
-        {
-            for (int line = 0; line < 32 * (int)sizeof(WT); line += 64) {
-                _mm_prefetch((const char*)(r0 + AHEAD * K + k) + line, _MM_HINT_T1);
-                _mm_prefetch((const char*)(r1 + AHEAD * K + k) + line, _MM_HINT_T1);
-            }
+    for (; k + L <= K; k += L) {
+        for (int line = 0; line < L * (int)sizeof(*r0); line += 64) {
+            _mm_prefetch((const char*)(r0 + AHEAD * K + k) + line, _MM_HINT_T1);
+            _mm_prefetch((const char*)(r1 + AHEAD * K + k) + line, _MM_HINT_T1);
         }
-        __m512 w0 = load16(r0 + k), w1 = load16(r1 + k);
-        FMAS2(all, 0)
-        w0 = load16(r0 + k + 16), w1 = load16(r1 + k + 16);
-        FMAS2(all, 16)
+        typename D::WV w0 = D::w(r0 + k), w1 = D::w(r1 + k);
+        MADDS2(all)
     }
-    for (; k < K; k += 16) {
-        __mmask16 m = K - k >= 16 ? all : (__mmask16)((1u << (K - k)) - 1);
-        __m512 w0 = load16(r0 + k, m), w1 = load16(r1 + k, m);
-        FMAS2(m, 0)
+    if (k < K) {
+        typename D::Mask m = D::tail(K - k);
+        typename D::WV w0 = D::w(r0 + k, m), w1 = D::w(r1 + k, m);
+        MADDS2(m)
     }
     float bias0 = b ? b[n] : 0.0f, bias1 = b && !one ? b[n + 1] : 0.0f;
     OUT2(0) OUT2(1) OUT2(2) OUT2(3) OUT2(4) OUT2(5) OUT2(6) OUT2(7)
 }
-#undef ACC
-#undef FMA2
-#undef FMAS2
+#undef MADD2
+#undef MADDS2
 #undef OUT2
 
-template <int E, int RB, typename WT>
-static void gemv_pairs(const WT* W, const float* X, const float* b, float* Y, int N, int K, int n0, int n1) {
-    int n = n0;
-    for (; n + 2 <= n1; n += 2) gemv_pair<E, RB>(W, X, b, Y, N, K, n, false);
-    if (n < n1) gemv_pair<E, RB>(W, X, b, Y, N, K, n, true);
+// Y (R, N) from X (R, K) and W (N, K): this thread's share [n0, n1) of the outputs, every row.
+template <int E, typename D>
+static void gemv(const typename D::W* W, const typename D::X* X, const float* b, float* Y, int R, int N, int K,
+                 int n0, int n1) {
+    if (R == 1) { gemv_row1<E, D>(W, X, b, Y, K, n0, n1); return; }
+    for (int r = 0; r < R;) {
+        const typename D::X* x = X + (int64_t)r * K;
+        float* y = Y + (int64_t)r * N;
+        int left = R - r, rows = left >= 8 ? 8 : left >= 4 ? 4 : left >= 2 ? 2 : 1;
+        if (rows >= 4) {
+            for (int n = n0; n < n1; n += 2) {
+                if (rows == 8) gemv_pair<E, 8, D>(W, x, b, y, N, K, n, n + 1 == n1);
+                else gemv_pair<E, 4, D>(W, x, b, y, N, K, n, n + 1 == n1);
+            }
+        } else if (rows == 2) {
+            gemv_rows<E, 2, D>(W, x, b, y, N, K, n0, n1);
+        } else {
+            gemv_rows<E, 1, D>(W, x, b, y, N, K, n0, n1);
+        }
+        r += rows;
+    }
 }
 
 #ifdef __AVX512BF16__
-// bf16 weights on a CPU with AVX512-BF16: x is rounded to bf16 too (as a bf16 model's activations are) and each
-// vdpbf16ps does 32 multiply-adds into fp32 sums, half the instructions of widening W: batches stay memory-bound.
-static inline __m512bh bf16x32(const bf16* p) { return (__m512bh)_mm512_loadu_si512(p); }
-static inline __m512bh bf16x32(const bf16* p, __mmask32 m) { return (__m512bh)_mm512_maskz_loadu_epi16(m, p); }
-
-template <int E>
-static void gemv_dp_row1(const bf16* W, const bf16* x, const float* b, float* y, int K, int n0, int n1) {
-    for (int n = n0; n < n1; n++) {
-        const bf16* w = W + (int64_t)n * K;
-        __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-        int k = 0;
-        for (; k + 128 <= K; k += 128) {
-            for (int line = 0; line < 256; line += 64)
-                _mm_prefetch((const char*)(w + k) + STREAM_AHEAD + line, _MM_HINT_T1);
-            a0 = _mm512_dpbf16_ps(a0, bf16x32(w + k), bf16x32(x + k));
-            a1 = _mm512_dpbf16_ps(a1, bf16x32(w + k + 32), bf16x32(x + k + 32));
-            a2 = _mm512_dpbf16_ps(a2, bf16x32(w + k + 64), bf16x32(x + k + 64));
-            a3 = _mm512_dpbf16_ps(a3, bf16x32(w + k + 96), bf16x32(x + k + 96));
-        }
-        for (; k < K; k += 32) {
-            __mmask32 m = K - k >= 32 ? (__mmask32)0xFFFFFFFFu : (__mmask32)((1u << (K - k)) - 1);
-            a0 = _mm512_dpbf16_ps(a0, bf16x32(w + k, m), bf16x32(x + k, m));
-        }
-        float d = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3)));
-        finish<E>(y + n, d + (b ? b[n] : 0.0f));
-    }
-}
-
-#define DP(j, M) if constexpr (RB > j) a##j = _mm512_dpbf16_ps(a##j, w, bf16x32(X + (int64_t)j * K + k, M));
-#define DPS(M) DP(0, M) DP(1, M) DP(2, M) DP(3, M) DP(4, M) DP(5, M) DP(6, M) DP(7, M)
-// RB rows of x against one row of W at a time: one sequential stream through W, each vector used RB times.
-template <int E, int RB>
-static void gemv_dp_rows(const bf16* W, const bf16* X, const float* b, float* Y, int N, int K, int n0, int n1) {
-    const __mmask32 all = 0xFFFFFFFFu;
-    for (int n = n0; n < n1; n++) {
-        __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
-        const bf16* r = W + (int64_t)n * K;
-        int k = 0;
-        for (; k + 32 <= K; k += 32) {
-            _mm_prefetch((const char*)(r + K + k), _MM_HINT_T0);  // the next row
-            __m512bh w = bf16x32(r + k);
-            DPS(all)
-        }
-        if (k < K) {
-            __mmask32 m = (__mmask32)((1u << (K - k)) - 1);
-            __m512bh w = bf16x32(r + k, m);
-            DPS(m)
-        }
-        float bias = b ? b[n] : 0.0f;
-        OUT(0) OUT(1) OUT(2) OUT(3) OUT(4) OUT(5) OUT(6) OUT(7)
-    }
-}
-#undef DP
-#undef DPS
-
-#define ACC(j) __m512 a##j = _mm512_setzero_ps(), b##j = a##j;
-#define DP2(j, M) if constexpr (RB > j) { __m512bh xv = bf16x32(X + (int64_t)j * K + k, M); \
-                      a##j = _mm512_dpbf16_ps(a##j, w0, xv); b##j = _mm512_dpbf16_ps(b##j, w1, xv); }
-#define DPS2(M) DP2(0, M) DP2(1, M) DP2(2, M) DP2(3, M) DP2(4, M) DP2(5, M) DP2(6, M) DP2(7, M)
-#define OUT2(j) if constexpr (RB > j) { finish<E>(Y + (int64_t)j * N + n, _mm512_reduce_add_ps(a##j) + bias0); \
-                                        if (!one) finish<E>(Y + (int64_t)j * N + n + 1, _mm512_reduce_add_ps(b##j) + bias1); }
-template <int E, int RB>
-static void gemv_dp_pair(const bf16* W, const bf16* X, const float* b, float* Y, int N, int K, int n, bool one) {
-    ACC(0) ACC(1) ACC(2) ACC(3) ACC(4) ACC(5) ACC(6) ACC(7)
-    const bf16 *r0 = W + (int64_t)n * K, *r1 = one ? r0 : r0 + K;
-    const __mmask32 all = 0xFFFFFFFFu;
-    int k = 0;
-    for (; k + 32 <= K; k += 32) {
-        _mm_prefetch((const char*)(r0 + AHEAD * K + k), _MM_HINT_T1);
-        _mm_prefetch((const char*)(r1 + AHEAD * K + k), _MM_HINT_T1);
-        __m512bh w0 = bf16x32(r0 + k), w1 = bf16x32(r1 + k);
-        DPS2(all)
-    }
-    if (k < K) {
-        __mmask32 m = (__mmask32)((1u << (K - k)) - 1);
-        __m512bh w0 = bf16x32(r0 + k, m), w1 = bf16x32(r1 + k, m);
-        DPS2(m)
-    }
-    float bias0 = b ? b[n] : 0.0f, bias1 = b && !one ? b[n + 1] : 0.0f;
-    OUT2(0) OUT2(1) OUT2(2) OUT2(3) OUT2(4) OUT2(5) OUT2(6) OUT2(7)
-}
-#undef ACC
-#undef DP2
-#undef DPS2
-#undef OUT2
-
-template <int E, int RB>
-static void gemv_dp_pairs(const bf16* W, const bf16* X, const float* b, float* Y, int N, int K, int n0, int n1) {
-    int n = n0;
-    for (; n + 2 <= n1; n += 2) gemv_dp_pair<E, RB>(W, X, b, Y, N, K, n, false);
-    if (n < n1) gemv_dp_pair<E, RB>(W, X, b, Y, N, K, n, true);
-}
-
-template <int E>
-static void gemv_dp(const bf16* W, const float* X, const float* b, float* Y, int R, int N, int K, int n0, int n1) {
-    static thread_local bf16* xb = nullptr;  // this thread's bf16 copy of X, grown as needed
+// X rounded to bf16 for DotBF16, into this thread's buffer (each thread rounds all of X: R x K numbers, far
+// fewer than the weights it then reads, and no barrier).
+static const bf16* to_bf16(const float* X, int64_t count) {
+    static thread_local bf16* xb = nullptr;
     static thread_local int64_t capacity = 0;
-    if (capacity < (int64_t)R * K) {
+    if (capacity < count) {
         delete[] xb;
-        capacity = (int64_t)R * K;
+        capacity = count;
         xb = new bf16[capacity];
     }
-    for (int64_t i = 0; i < (int64_t)R * K; i += 32) {
-        int64_t left = (int64_t)R * K - i;
+    for (int64_t i = 0; i < count; i += 32) {
+        int64_t left = count - i;
         __mmask16 lo = left >= 16 ? 0xFFFF : (__mmask16)((1u << left) - 1);
         __mmask16 hi = left >= 32 ? 0xFFFF : left <= 16 ? 0 : (__mmask16)((1u << (left - 16)) - 1);
         __m512bh v = _mm512_cvtne2ps_pbh(_mm512_maskz_loadu_ps(hi, X + i + 16), _mm512_maskz_loadu_ps(lo, X + i));
         _mm512_mask_storeu_epi16(xb + i, ((__mmask32)hi << 16) | lo, (__m512i)v);
     }
-    if (R == 1) { gemv_dp_row1<E>(W, xb, b, Y, K, n0, n1); return; }
-    for (int r = 0; r < R;) {
-        const bf16* x = xb + (int64_t)r * K;
-        float* y = Y + (int64_t)r * N;
-        int left = R - r;
-        if (left >= 8) { gemv_dp_pairs<E, 8>(W, x, b, y, N, K, n0, n1); r += 8; }
-        else if (left >= 4) { gemv_dp_pairs<E, 4>(W, x, b, y, N, K, n0, n1); r += 4; }
-        else if (left >= 2) { gemv_dp_rows<E, 2>(W, x, b, y, N, K, n0, n1); r += 2; }
-        else { gemv_dp_rows<E, 1>(W, x, b, y, N, K, n0, n1); r += 1; }
-    }
+    return xb;
 }
 #endif
-#undef OUT
-
-// Y (R, N) from X (R, K) and W (N, K): this thread's share [n0, n1) of the outputs, every row.
-template <int E, typename WT>
-static void gemv(const WT* W, const float* X, const float* b, float* Y, int R, int N, int K, int n0, int n1) {
-    if (R == 1) { gemv_row1<E>(W, X, b, Y, K, n0, n1); return; }
-    for (int r = 0; r < R;) {
-        const float* x = X + (int64_t)r * K;
-        float* y = Y + (int64_t)r * N;
-        int left = R - r;
-        if (left >= 8) { gemv_pairs<E, 8>(W, x, b, y, N, K, n0, n1); r += 8; }
-        else if (left >= 4) { gemv_pairs<E, 4>(W, x, b, y, N, K, n0, n1); r += 4; }
-        else if (left >= 2) { gemv_rows<E, 2>(W, x, b, y, N, K, n0, n1); r += 2; }
-        else { gemv_rows<E, 1>(W, x, b, y, N, K, n0, n1); r += 1; }
-    }
-}
 
 template <int E>
 static void linear(const Model& m, const void* W, const float* X, const float* b, float* Y, int R, int N, int K) {
@@ -310,11 +256,11 @@ static void linear(const Model& m, const void* W, const float* X, const float* b
     int n0 = t * per, n1 = n0 + per < N ? n0 + per : N;
     if (n0 < n1) {
 #ifdef __AVX512BF16__
-        if (m.bf16_weights) gemv_dp<E>((const bf16*)W, X, b, Y, R, N, K, n0, n1);
+        if (m.bf16_weights) gemv<E, DotBF16>((const bf16*)W, to_bf16(X, (int64_t)R * K), b, Y, R, N, K, n0, n1);
 #else
-        if (m.bf16_weights) gemv<E>((const bf16*)W, X, b, Y, R, N, K, n0, n1);
+        if (m.bf16_weights) gemv<E, Widen<bf16>>((const bf16*)W, X, b, Y, R, N, K, n0, n1);
 #endif
-        else gemv<E>((const float*)W, X, b, Y, R, N, K, n0, n1);
+        else gemv<E, Widen<float>>((const float*)W, X, b, Y, R, N, K, n0, n1);
     }
 #pragma omp barrier
 }
