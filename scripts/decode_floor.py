@@ -6,7 +6,8 @@ A shared machine's read bandwidth drifts by tens of percent within seconds (docs
 alternates, `rounds` times: a read of a 512 MB buffer (its rate is the floor of the moment), then one batch-1
 decode step of a GPT-2-124M-shaped model (random weights, 144 positions in the cache); and likewise batch-8
 steps. It prints, per precision, the median and range of (floor time / step time) and the batch-8 step's
-aggregate tokens/s over batch 1's, from medians. `gptlab bench generate` measures the same share through the
+aggregate tokens/s over batch 1's, from medians, and a batch-8 step at 1 cached position (attention's share is
+the difference). `gptlab bench generate` measures the same share through the
 whole engine (sampling and Python included), token by token.
 """
 
@@ -60,25 +61,27 @@ def main() -> None:
             continue
         weights = weight_bytes_per_token(base, precision)
         shares = {pages: [] for pages in layouts}
-        steps = {(pages, rows): [] for pages in layouts for rows in (1, 8)}
-        for rows in (1, 8):
+        cases = ((1, 144), (8, 144), (8, 1))  # (rows, cached positions): the last shows attention's share
+        steps = {(pages, case): [] for pages in layouts for case in cases}
+        for rows, positions in cases:
             ids = torch.randint(0, base.config.vocab_size, (rows,))
             caches = {}
             for pages, model in models.items():
                 caches[pages] = model.new_kv_cache(rows, dtype=cache_dtype(model), max_len=160)
-                caches[pages].pos.fill_(144)
+                caches[pages].pos.fill_(positions)
             for _ in range(args.rounds):
                 for pages, model in models.items():  # layouts alternate: the same moments of the machine
                     bandwidth, seconds = timed_step(model, caches[pages], ids, buffer)
-                    steps[pages, rows].append(seconds)
+                    steps[pages, (rows, positions)].append(seconds)
                     if rows == 1:
                         shares[pages].append(weights / bandwidth / seconds)
         for pages in layouts:
-            one, eight = median(steps[pages, 1]), median(steps[pages, 8])
+            one, eight, bare = (median(steps[pages, case]) for case in cases)
             label = f"{precision}" + (f" {pages} pages" if len(layouts) > 1 else "")
             print(f"{label} batch 1: {median(shares[pages]):.0%} of the floor (median of {args.rounds}; "
                   f"{min(shares[pages]):.0%}-{max(shares[pages]):.0%}), step {one * 1e3:.2f} ms; batch 8: step "
-                  f"{eight * 1e3:.2f} ms, {8 * one / eight:.2f}x batch 1's tokens/s")
+                  f"{eight * 1e3:.2f} ms, {8 * one / eight:.2f}x batch 1's tokens/s ({bare * 1e3:.2f} ms at 1 "
+                  "position)")
 
 
 if __name__ == "__main__":
