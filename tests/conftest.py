@@ -1,4 +1,6 @@
 import os
+import shutil
+import tempfile
 
 import pytest
 import torch
@@ -12,6 +14,7 @@ CORPUS = (
     "First Citizen:\nYou are all resolved rather to die than to famish?\n\n"
     "All:\nResolved. resolved.\n\n"
 ) * 40
+_kernels = pytest.StashKey[tuple]()  # GPTLAB_KERNELS before the session, and the session's kernel folder
 
 
 @pytest.fixture(autouse=True)
@@ -19,11 +22,36 @@ def _seed():
     torch.manual_seed(0)
 
 
-@pytest.fixture(autouse=True, scope="session")
-def _kernel_build_dir(tmp_path_factory):
-    """The fused decode kernel (gptlab.fastdecode) is compiled once per test session, here, for every test and
-    every CLI subprocess, never into the user's cache."""
-    os.environ["GPTLAB_KERNELS"] = str(tmp_path_factory.mktemp("kernels"))
+def pytest_configure(config):
+    """Before any test module is collected: the fused decode kernel (gptlab.fastdecode) is compiled once per test
+    session into a temporary folder, for every test and every CLI subprocess, never into the user's cache; and
+    the device_path marker is declared (see the summary at the end of this file)."""
+    config.addinivalue_line("markers", "device_path(name): the device path a test exercises (default: cpu), "
+                                       "named in the summary at the end")
+    config.stash[_kernels] = (os.environ.get("GPTLAB_KERNELS"), tempfile.mkdtemp(prefix="gptlab-kernels-"))
+    os.environ["GPTLAB_KERNELS"] = config.stash[_kernels][1]
+
+
+def pytest_unconfigure(config):
+    before, kernels = config.stash[_kernels]
+    shutil.rmtree(kernels, ignore_errors=True)
+    if before is None:
+        os.environ.pop("GPTLAB_KERNELS", None)
+    else:
+        os.environ["GPTLAB_KERNELS"] = before
+
+
+@pytest.fixture(scope="session")
+def fused_kernel():
+    """The fused decode kernel (gptlab.fastdecode), built. Skips, naming what is missing, on a machine without an
+    x86-64 CPU with AVX-512 or without g++; on a machine with them a kernel that fails to build fails every test
+    that uses it (KernelBuildError, with the compiler's message)."""
+    from gptlab import fastdecode
+
+    reason = fastdecode.missing()
+    if reason is not None:
+        pytest.skip(f"the fused decode step cannot run here: {reason}")
+    return fastdecode.build_library()
 
 
 @pytest.fixture(autouse=True)
@@ -49,3 +77,46 @@ def char_data(tmp_path, corpus_file):
 def tiny_config(**overrides) -> ModelConfig:
     base = dict(vocab_size=50, block_size=16, n_layer=2, n_head=2, n_embd=32, dropout=0.0)
     return ModelConfig(**{**base, **overrides})
+
+
+# ---- which device paths ran: one line at the end of the run -------------------------------------------------
+
+PATHS = ["cpu", "fused decode (AVX-512)", "bf16 native", "torch.compile", "cuda", "mps"]  # the summary's order
+_outcomes: dict[str, dict] = {}  # device path -> {"passed": n, "failed": n, "skipped": [reasons]}
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        marker = item.get_closest_marker("device_path")
+        item.user_properties.append(("device_path", marker.args[0] if marker else "cpu"))
+
+
+def pytest_runtest_logreport(report):
+    path = dict(report.user_properties).get("device_path", "cpu")
+    seen = _outcomes.setdefault(path, {"passed": 0, "failed": 0, "skipped": []})
+    if report.failed:
+        seen["failed"] += 1
+    elif report.skipped:
+        seen["skipped"].append(report.longrepr[2].removeprefix("Skipped: ") if isinstance(report.longrepr, tuple)
+                               else "skipped")
+    elif report.when == "call":
+        seen["passed"] += 1
+
+
+def pytest_terminal_summary(terminalreporter):
+    """e.g. "device paths: cpu ran; fused decode (AVX-512) ran; ...; cuda skipped (no CUDA device)": from the
+    outcomes of the tests marked with each path, so a green run cannot hide a path that was never tried."""
+    if not _outcomes:  # nothing ran (--collect-only)
+        return
+    parts = []
+    for path in PATHS + sorted(set(_outcomes) - set(PATHS)):
+        seen = _outcomes.get(path)
+        if seen is None:
+            parts.append(f"{path} not run")
+        elif seen["failed"]:
+            parts.append(f"{path} FAILED ({seen['failed']})")
+        elif seen["passed"]:
+            parts.append(f"{path} ran" + (f" ({len(seen['skipped'])} skipped)" if seen["skipped"] else ""))
+        else:
+            parts.append(f"{path} skipped ({'; '.join(dict.fromkeys(seen['skipped']))})")
+    terminalreporter.write_line("device paths: " + "; ".join(parts))

@@ -7,10 +7,12 @@ over the KV cache, W_O, residual adds, the GELU feed-forward) and the LM head fo
 weight row a single time for all rows, in fp32 activations over fp32 or bf16 weights.
 
 The kernel is C++ with AVX-512 intrinsics, compiled on first use with the machine's g++ (about 3 s) into
-$GPTLAB_KERNELS (default ~/.cache/gptlab/kernels) and loaded with ctypes; it shares torch's OpenMP runtime and
-thread count. Where it cannot run (no AVX-512, no g++, not a CPU) `fused_decoder` returns None, and where a cache
+$GPTLAB_KERNELS (default ~/.cache/gptlab/kernels; one build per source, compiler and CPU feature set, as it is
+compiled with -march=native) and loaded with ctypes; it shares torch's OpenMP runtime and thread count. Where it
+cannot run (no AVX-512, no g++, not a CPU: `missing` says which) `fused_decoder` returns None, and where a cache
 is neither fp32 nor bf16 `accepts` says no: the engine then decodes with the torch model, which stays the
-reference (tests/test_fastdecode.py holds the two together).
+reference (tests/test_fastdecode.py holds the two together; tests/test_kernel_mutants.py checks that those tests
+catch a broken kernel).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import hashlib
+import logging
 import mmap
 import os
 import platform
@@ -31,6 +34,7 @@ import torch
 
 from gptlab.model import GPT, KVCache
 
+log = logging.getLogger("gptlab")
 SOURCE = Path(__file__).with_name("csrc") / "decode.cpp"
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
 _P = ctypes.c_void_p
@@ -65,6 +69,26 @@ def cpu_has_avx512() -> bool:
     return all(f" {flag}" in flags for flag in ("avx512f", "avx512bw", "avx512vl"))
 
 
+def _compiler() -> str | None:
+    return shutil.which(os.environ.get("CXX", "g++"))
+
+
+def missing() -> str | None:
+    """What this machine lacks to build and run the kernel ("not an x86-64 CPU", "no AVX-512", "no g++"), or None
+    where it has all of it: there a kernel that fails to build is a bug, not a missing feature."""
+    if platform.machine() not in ("x86_64", "AMD64"):
+        return f"not an x86-64 CPU ({platform.machine()})"
+    if not cpu_has_avx512():
+        return "no AVX-512 (F, BW and VL) on this CPU"
+    if _compiler() is None:
+        return f"no {os.environ.get('CXX', 'g++')} on PATH"
+    return None
+
+
+class KernelBuildError(RuntimeError):
+    """The kernel's source did not compile or load on a machine that has what it needs."""
+
+
 def _build_dir() -> Path:
     """$GPTLAB_KERNELS, else kernels/ in $GPTLAB_CACHE (default ~/.cache/gptlab)."""
     if os.environ.get("GPTLAB_KERNELS"):
@@ -75,31 +99,65 @@ def _build_dir() -> Path:
 
 
 @functools.cache
-def load_library() -> ctypes.CDLL | None:
-    """The compiled kernel, built once per source, compiler and machine; None where it cannot be built or run."""
-    compiler = shutil.which(os.environ.get("CXX", "g++"))
-    if not cpu_has_avx512() or compiler is None or not SOURCE.is_file():
-        return None
-    source = SOURCE.read_bytes()
-    key = hashlib.sha256(source + " ".join([compiler, *FLAGS, platform.node()]).encode()).hexdigest()[:16]
-    target = _build_dir() / f"decode-{key}.so"
+def _machine_key(compiler: str) -> str:
+    """What a -march=native build depends on besides its source: the compiler's version, the instruction set it
+    targets on this CPU (gcc's `-march=native -Q --help=target`) and the CPU's model and feature flags. Two
+    machines of one name but different CPUs get different keys, so neither loads a binary with instructions the
+    other lacks (SIGILL)."""
+    version = subprocess.run([compiler, "--version"], check=True, capture_output=True, text=True, timeout=60).stdout
+    target = subprocess.run([compiler, "-march=native", "-Q", "--help=target"], capture_output=True, text=True,
+                            timeout=60)  # gcc only; elsewhere the CPU's flags below still tell CPUs apart
     try:
+        lines = Path("/proc/cpuinfo").read_text(errors="replace").splitlines()
+    except OSError:
+        lines = []
+    cpu = [next((line for line in lines if line.startswith(key)), "") for key in ("model name", "flags")]
+    return hashlib.sha256("\n".join([compiler, *FLAGS, version, target.stdout, *cpu]).encode()).hexdigest()[:12]
+
+
+def build_library(source: Path = SOURCE, build_dir: Path | None = None) -> ctypes.CDLL:
+    """Compile `source` (default: the kernel) with the machine's g++ into `build_dir` (default $GPTLAB_KERNELS,
+    see the module docstring), unless this source was built for this CPU and compiler already, and load it.
+    Earlier builds for this CPU are removed; builds for other CPUs sharing the folder are left alone.
+    Raises KernelBuildError (with the compiler's message) where it fails to compile or load."""
+    compiler = _compiler()
+    if compiler is None:
+        raise KernelBuildError(f"no {os.environ.get('CXX', 'g++')} on PATH")
+    try:
+        machine, code = _machine_key(compiler), hashlib.sha256(source.read_bytes()).hexdigest()[:12]
+        target = (build_dir or _build_dir()) / f"decode-{machine}-{code}.so"
         if not target.is_file():
             target.parent.mkdir(parents=True, exist_ok=True)
             with tempfile.TemporaryDirectory(dir=target.parent) as tmp:  # compile aside, then publish atomically
                 built = Path(tmp) / target.name
-                subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", str(built)], check=True,
-                               capture_output=True, timeout=300)
+                subprocess.run([compiler, *FLAGS, str(source), "-o", str(built)], check=True,
+                               capture_output=True, text=True, timeout=300)
                 os.replace(built, target)
-            for old in target.parent.glob("decode-*.so"):  # builds of earlier sources or flags
-                if old != target:
+            # this CPU's builds of earlier sources, and those named before builds were keyed by CPU (decode-KEY.so)
+            for old in target.parent.glob("decode-*.so"):
+                if old != target and (old.name.startswith(f"decode-{machine}-") or old.stem.count("-") == 1):
                     old.unlink(missing_ok=True)
         lib = ctypes.CDLL(str(target))  # after torch: its libgomp is the one OpenMP runtime in the process
-    except (OSError, subprocess.SubprocessError):
-        return None
+    except subprocess.CalledProcessError as exc:
+        raise KernelBuildError(f"{' '.join(exc.cmd)} failed:\n{exc.stderr}") from None  # all of it is here
+    except (OSError, subprocess.SubprocessError) as exc:
+        raise KernelBuildError(f"building {source} failed: {exc}") from exc
     lib.gptlab_decode_step.argtypes = [ctypes.POINTER(_Model), ctypes.POINTER(_Step)]
     lib.gptlab_decode_step.restype = ctypes.c_int
     return lib
+
+
+@functools.cache
+def load_library() -> ctypes.CDLL | None:
+    """The compiled kernel (`build_library`), built once per source, compiler and CPU; None where this machine
+    lacks what it needs (`missing`) or the build fails (then with a warning: decoding falls back to torch)."""
+    if missing() is not None:
+        return None
+    try:
+        return build_library()
+    except KernelBuildError as exc:
+        log.warning("the fused decode step is unavailable, decoding with torch ops: %s", exc)
+        return None
 
 
 def move_to_huge_pages(model: torch.nn.Module) -> bool:
@@ -181,17 +239,34 @@ class FusedDecoder:
     def step(self, ids: torch.Tensor, cache: KVCache) -> torch.Tensor:
         """ids (R,) the new token of each row -> next-token logits (R, V) in fp32, valid until the next step
         (they live in the decoder's buffer); writes the rows' keys and values at cache.pos and advances cache.pos
-        by one, like the model's forward. Raises AssertionError for a position past the cache or block_size."""
+        by one, like the model's forward. Raises ValueError, and changes nothing, for a cache the kernel cannot
+        read (`accepts`), one of another shape or number of rows, a token id outside the vocabulary, or a
+        position past the cache or block_size."""
         plan = self._plan
         threads = torch.get_num_threads()
-        if plan is None or plan.cache is not cache or plan.ids.numel() != ids.numel() or plan.threads < threads:
-            assert self.accepts(cache), "the fused step reads fp32 or bf16 caches, contiguous, on the CPU"
+        if plan is None or not plan.serves(cache, ids.numel(), threads):
+            self._check(cache, ids.numel())
             plan = self._plan = _Plan.make(self.config, cache, ids.numel(), threads)
         plan.ids.copy_(ids)
         plan.args.n_threads = threads
         status = self._call(self._model_ref, ctypes.byref(plan.args))
-        assert status == 0, f"fused decode refused row {status - 1}: position past the cache or token id out of range"
+        if status != 0:  # the kernel checks every row before it touches memory
+            r, c = status - 1, self.config
+            raise ValueError(f"fused decode refused row {r}: token id {int(plan.ids[r])} (vocabulary {c.vocab_size}) "
+                             f"at position {int(cache.pos[r])} (cache {cache.max_len}, block_size {c.block_size})")
         return plan.logits
+
+    def _check(self, cache: KVCache, R: int) -> None:
+        """Raises ValueError unless the kernel can read and write `cache` for R rows of this model."""
+        c = self.config
+        shape = (c.n_layer, R, c.n_head, cache.max_len, c.head_dim)
+        if not self.accepts(cache):
+            raise ValueError("the fused step reads fp32 or bf16 caches, contiguous, on the CPU")
+        if (tuple(cache.k.shape) != shape or cache.v.shape != cache.k.shape or cache.v.dtype != cache.k.dtype
+                or tuple(cache.pos.shape) != (R,) or cache.pos.dtype != torch.int64
+                or cache.v.device != cache.k.device or cache.pos.device != cache.k.device):
+            raise ValueError(f"a cache of k, v {tuple(cache.k.shape)} and pos {tuple(cache.pos.shape)} does not fit "
+                             f"{R} rows of this model: k and v {shape}, pos ({R},) int64, all on the CPU")
 
 
 @dataclass
@@ -199,22 +274,26 @@ class _Plan:
     """Everything a step of R rows over one cache passes to the kernel, built once per cache (a few dozen
     microseconds a token otherwise): the kernel's arguments and the buffers they point to."""
 
-    cache: KVCache
+    tensors: tuple[torch.Tensor, ...]  # the cache's k, v and pos, which the pointers below point into
     ids: torch.Tensor  # (R,) int64, the step's tokens are copied here
     logits: torch.Tensor  # (R, V) fp32, written by the kernel
     threads: int  # the most threads the scratch serves
     args: _Step
     scratch: tuple[torch.Tensor, ...]  # x, h, qkv, att, fc, and a row of scores per thread
 
+    def serves(self, cache: KVCache, R: int, threads: int) -> bool:
+        """Whether this plan's pointers are still those of `cache` (not reallocated since) for R rows."""
+        same = all(a is b for a, b in zip(self.tensors, (cache.k, cache.v, cache.pos)))
+        return same and self.ids.numel() == R and self.threads >= threads
+
     @classmethod
     def make(cls, config, cache: KVCache, R: int, threads: int) -> _Plan:
-        assert cache.k.shape[1] == R
         C, V = config.n_embd, config.vocab_size
         ids, logits = torch.zeros(R, dtype=torch.int64), torch.empty(R, V)
         scratch = tuple(torch.empty(n) for n in (R * C, R * C, R * 3 * C, R * C, R * 4 * C, threads * cache.max_len))
         args = _Step(R, cache.max_len, threads, int(cache.k.dtype == torch.bfloat16), *(
             _ptr(t) for t in (ids, cache.pos, cache.k, cache.v, *scratch[:5], logits, scratch[5])))
-        return cls(cache, ids, logits, threads, args, scratch)
+        return cls((cache.k, cache.v, cache.pos), ids, logits, threads, args, scratch)
 
 
 def fused_decoder(model: torch.nn.Module) -> FusedDecoder | None:
