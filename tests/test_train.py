@@ -8,6 +8,7 @@ from gptlab import checkpoint as ck
 from gptlab.config import TrainConfig
 from gptlab.errors import GptlabError
 from gptlab.optim import lr_at, param_groups
+from gptlab.runtime import bf16_supported
 from gptlab.train import train
 
 
@@ -99,6 +100,8 @@ def test_corpus_shorter_than_a_block_is_refused(tmp_path):
         train(tmp_path / "d", tmp_path / "run", model_cfg(), quick(), quiet=True)
 
 
+@pytest.mark.device_path("bf16 native")
+@pytest.mark.skipif(not bf16_supported(torch.device("cpu")), reason="this CPU has no native bf16")
 def test_bf16_autocast_trains_close_to_fp32(tmp_path, char_data):
     fp32 = train(char_data, tmp_path / "a", model_cfg(), quick(max_steps=20), quiet=True)
     bf16 = train(char_data, tmp_path / "b", model_cfg(), quick(max_steps=20, precision="bf16"), quiet=True)
