@@ -140,3 +140,37 @@ def test_bad_sampling_settings_get_one_line(prepared, capsys):
 def test_bench_generate_refuses_bad_sizes(capsys):
     assert "--new-tokens must be >= 1" in run_bad(capsys, "bench", "generate", "--new-tokens", "0")
     assert "--char-tokens must be >= 0" in run_bad(capsys, "bench", "generate", "--char-tokens", "-1")
+
+
+# ---- saying what happens (issue 10) ----------------------------------------------------------------------------
+
+def test_version_and_which_run_sample_and_eval_picked(prepared, capsys):
+    from gptlab import __version__
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["--version"])
+    assert exit_.value.code == 0 and capsys.readouterr().out.strip() == f"gptlab {__version__}"
+    for verb in (["sample", "--max-new-tokens", "3"], ["eval"]):
+        assert main(verb) == 0
+        assert "gptlab: using runs/r/checkpoints/best-00000005 (best checkpoint, step 5)" in capsys.readouterr().err
+
+
+def test_stop_strings_read_escapes_as_the_readme_writes_them(prepared, capsys):
+    out = run_ok(capsys, "sample", "--run", "runs/r", "--prompt", "All:", "--max-new-tokens", "300",
+                 "--temperature", "1.0", "--stop", "\\n", "--no-echo", "--seed", "4")  # the shell passes \ and n
+    assert "\n" not in out.rstrip("\n") and len(out) < 300
+
+
+def test_without_a_terminal_training_prints_plain_progress_lines(prepared, capsys, monkeypatch):
+    import gptlab.train
+
+    monkeypatch.setattr(gptlab.train, "PLAIN_LINE_SECONDS", 0.0)  # every log row, to see them in a short run
+    flags = [f for f in TINY if f != "--quiet"]
+    assert main(["train", "--data", "data", "--run", "runs/p", "--max-steps", "10", *flags]) == 0
+    out, err = capsys.readouterr()
+    lines = [line for line in err.splitlines() if line.startswith("step ")]
+    assert [line.split(":")[0] for line in lines] == ["step 5/10", "step 10/10"]
+    assert "tokens/s" in lines[0]
+    seconds = float(out.split(" steps in ")[1].split(" s ")[0])
+    training = float(out.split(" over ")[1].split(" s of training steps")[0])
+    assert 0 < training <= seconds  # the tokens/s of the summary count training steps only

@@ -1,4 +1,5 @@
 import json
+import time
 
 import numpy as np
 import pytest
@@ -38,7 +39,7 @@ def test_uint32_when_the_vocabulary_does_not_fit_uint16(tmp_path):
 
 def test_token_ids_outside_the_vocabulary_never_wrap(tmp_path):
     writer = TokenWriter(tmp_path / "x.bin", vocab_size=100)
-    with pytest.raises(AssertionError):
+    with pytest.raises(ValueError, match="outside the vocabulary"):
         writer.write([100])
 
 
@@ -107,3 +108,65 @@ def test_non_utf8_names_the_file_and_byte_offset(tmp_path):
 def test_missing_input_is_refused(tmp_path):
     with pytest.raises(GptlabError, match="does not exist"):
         prepare([str(tmp_path / "nope.txt")], tmp_path / "out", quiet=True)
+
+
+# ---- one rule for reading text, every way of giving it ---------------------------------------------------------
+
+def test_a_byte_order_mark_and_windows_line_ends_read_like_plain_text(tmp_path, corpus_file):
+    text = corpus_file.read_text()
+    (tmp_path / "windows.txt").write_bytes(b"\xef\xbb\xbf" + text.replace("\n", "\r\n").encode())
+    plain = prepare([str(corpus_file)], tmp_path / "plain", "char", quiet=True)
+    windows = prepare([str(tmp_path / "windows.txt")], tmp_path / "win", "char", quiet=True)
+    assert "\ufeff" not in load_dataset(tmp_path / "win").tokenizer.to_dict()["chars"]
+    assert windows["train_sha256"] == plain["train_sha256"] and windows["val_sha256"] == plain["val_sha256"]
+    assert data.read_text(tmp_path / "windows.txt") == text  # what eval and --prompt-file read: the same rule
+
+
+def test_standard_input_and_pipes_are_read_like_files(tmp_path, corpus_file):
+    import subprocess
+    import sys
+
+    reference = prepare([str(corpus_file)], tmp_path / "file", "char", quiet=True)
+    for arg, out in (("-", "stdin"), ("/dev/stdin", "devstdin")):
+        with open(corpus_file, "rb") as f:
+            subprocess.run([sys.executable, "-m", "gptlab", "prepare", arg, "--out", str(tmp_path / out), "--quiet"],
+                           stdin=f, check=True, capture_output=True)
+        meta = json.loads((tmp_path / out / "meta.json").read_text())
+        assert meta["train_sha256"] == reference["train_sha256"] and meta["val_sha256"] == reference["val_sha256"]
+
+
+def test_the_end_of_text_marker_in_text_is_refused_or_read_as_the_token(tmp_path):
+    (tmp_path / "docs.txt").write_text("first document<|endoftext|>second one\n" * 20)
+    with pytest.raises(GptlabError, match="docs.txt contains the text <|endoftext|>.*--allow-special"):
+        prepare([str(tmp_path / "docs.txt")], tmp_path / "out", "gpt2", quiet=True)
+    assert not (tmp_path / "out").exists()
+    prepare([str(tmp_path / "docs.txt")], tmp_path / "out", "gpt2", quiet=True, allow_special=True)
+    ds = load_dataset(tmp_path / "out")
+    assert (np.asarray(ds.train) == 50256).sum() >= 15
+
+
+def test_tokenizer_from_a_data_folder_gives_the_same_ids(tmp_path, char_data, corpus_file):
+    meta = prepare([str(corpus_file)], tmp_path / "again", tokenizer_from=char_data, quiet=True)
+    assert meta["train_sha256"] == json.loads((char_data / "meta.json").read_text())["train_sha256"]
+    assert (tmp_path / "again" / "tokenizer.json").read_bytes() == (char_data / "tokenizer.json").read_bytes()
+
+
+def test_ctrl_c_stops_long_native_work_at_once():
+    """Training a BPE vocabulary runs in native code that never returns to Python until it is done; prepare runs it
+    through `_interruptible` so that Ctrl-C stops at once. Here the native work is a key derivation that takes
+    minutes and, called directly, would hold off Ctrl-C until it finished."""
+    import signal
+    import subprocess
+    import sys
+
+    script = ("import hashlib, sys\nfrom gptlab.data import _interruptible\nprint('started', flush=True)\n"
+              "try:\n    _interruptible(lambda: hashlib.pbkdf2_hmac('sha256', b'k', b's', 500_000_000))\n"
+              "except KeyboardInterrupt:\n    sys.exit(130)")
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline() == "started\n"
+        time.sleep(0.5)  # inside the native call
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=60) == 130  # called directly, the derivation would run for minutes
+    finally:
+        proc.kill()

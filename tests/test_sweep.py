@@ -1,4 +1,9 @@
-"""Every CLI verb against a catalogue of bad inputs: exit code 2, one line naming the problem, no run harmed."""
+"""Every CLI verb against a catalogue of bad inputs: exit code 2, one line naming the problem, and not one byte
+changed, added or removed anywhere in the folder it ran in (runs, data, everything)."""
+
+import hashlib
+import json
+import shutil
 
 import pytest
 
@@ -22,7 +27,14 @@ def world(tmp_path_factory):
     (root / "latin1.txt").write_bytes(b"caf\xe9 au lait\n")
     (root / "afile").write_text("I am a file, not a folder\n")
     (root / "unseen.txt").write_text("Zebra ☃ quartz\n")
+    (root / "eot.txt").write_text("one document<|endoftext|>another one\n" * 20)
+    (root / "upper.txt").write_text(CORPUS.upper())
     assert main(["prepare", str(root / "corpus.txt"), "--out", str(root / "data"), "--quiet"]) == 0
+    assert main(["prepare", str(root / "upper.txt"), "--out", str(root / "otherdata"), "--quiet"]) == 0
+    (root / "textbin").mkdir()  # a Hugging Face folder whose weights file is text (a Git LFS pointer, say)
+    (root / "textbin" / "config.json").write_text(json.dumps({"model_type": "gpt2", "n_layer": 1, "n_head": 2,
+                                                              "n_embd": 16, "n_positions": 16, "vocab_size": 60}))
+    (root / "textbin" / "pytorch_model.bin").write_text("these are not the weights you are looking for\n")
     assert main(["prepare", str(root / "short.txt"), "--out", str(root / "shortdata"), "--quiet"]) == 0
     assert main(["train", "--data", str(root / "data"), "--run", str(root / "run"), "--max-steps", "5", *TINY]) == 0
     (root / "notarun").mkdir()
@@ -34,11 +46,18 @@ def world(tmp_path_factory):
     (root / "badconfig" / "tokenizer.json").write_text((root / "run" / "tokenizer.json").read_text())
     (root / "badmeta").mkdir()
     (root / "badmeta" / "meta.json").write_text("{not json")
+    for name, key, value in (("badtype", ("model", "n_layer"), "abc"), ("baddata", ("data",), 123)):
+        shutil.copytree(root / "run", root / name)
+        config = json.loads((root / name / "config.json").read_text())
+        (config[key[0]] if len(key) == 2 else config)[key[-1]] = value
+        (root / name / "config.json").write_text(json.dumps(config))
     return root
 
 
-def files_of(run):
-    return {p: p.read_bytes() for p in run.rglob("*") if p.is_file() and p.name != "config.json"}
+def tree(root):
+    """Every folder and every file's sha256 under `root`: the state a refused command must leave alone."""
+    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest() if p.is_file() else "folder"
+            for p in sorted(root.rglob("*"))}
 
 
 CASES = [
@@ -50,7 +69,13 @@ CASES = [
     (["prepare", "{r}/missing.txt", "--out", "{r}/o"], "missing.txt does not exist"),
     (["prepare", "{r}/notarun", "--out", "{r}/o"], "no files found"),
     (["prepare", "{r}/corpus.txt", "--out", "{r}/afile/sub"], "cannot create output folder"),
-    (["prepare", "{r}/corpus.txt", "--out", "{r}/o", "--val-fraction", "1.5"], "val_fraction must be in [0, 1)"),
+    (["prepare", "{r}/corpus.txt", "--out", "{r}/o", "--val-fraction", "1.5"], "val_fraction must be in (0, 1)"),
+    (["prepare", "{r}/corpus.txt", "--out", "{r}/o", "--val-fraction", "0"], "val_fraction must be in (0, 1)"),
+    (["prepare", "{r}/eot.txt", "--out", "{r}/o", "--tokenizer", "gpt2"], "eot.txt contains the text <|endoftext|>"),
+    (["prepare", "{r}/corpus.txt", "--out", "{r}/run"], "holds a gptlab run"),
+    (["prepare", "{r}/corpus.txt", "--out", "{r}/textbin"], "holds a model"),
+    (["prepare", "{r}/unseen.txt", "--out", "{r}/o", "--tokenizer-from", "{r}/run"], "never seen: 'Z', 'b', 'q', '☃'"),
+    (["prepare", "{r}/corpus.txt", "--out", "{r}/o", "--tokenizer-from", "{r}/notarun"], "is not a gptlab run or"),
     (["prepare", "{r}/corpus.txt", "--out", "{r}/o", "--tokenizer", "bpe", "--vocab-size", "10"], "vocab_size >= 257"),
     (["prepare", "{r}/corpus.txt", "--tokenizer", "word"], "invalid choice: 'word'"),
     (["prepare", "{r}/corpus.txt", "--out", "{r}/o", "--encoding", "klingon"], "unknown text encoding"),
@@ -69,11 +94,23 @@ CASES = [
     (["train", "--data", "{r}/data", "--run", "{r}/t", "--keep-last", "1"], "keep_last must be at least 2"),
     (["train", "--data", "{r}/data", "--run", "{r}/t", "--preset", "gpt5"], "unknown preset 'gpt5'"),
     (["train", "--data", "{r}/data", "--run", "{r}/t", "--layers", "3"], "unrecognized arguments: --layers"),
-    (["train", "--data", "{r}/data", "--run", "{r}/t", "--device", "cuda"], "device 'cuda' is not available"),
+    (["train", "--data", "{r}/data", "--run", "{r}/t", "--n-embd", "1000000", "--n-head", "1"], "GiB for its weights"),
+    (["train", "--data", "{r}/data", "--run", "{r}/t", *TINY, "--batch-size", "1000000000"], "for its logits alone"),
+    (["train", "--data", "{r}/data", "--run", "{r}/t", "--lr", "nan"], "lr must be a finite number"),
+    (["train", "--data", "{r}/data", "--run", "{r}/t", "--seed", "-1"], "seed must be in [0, 2**63)"),
+    (["train", "--data", "{r}/data", "--run", "{r}/t", *TINY, "--nproc", "2", "--batch-size", "15"],
+     "must be a multiple of the 2 processes"),
+    (["train", "--data", "{r}/data", "--run", "{r}/data", *TINY], "is a prepared data folder"),
+    (["train", "--data", "{r}/data", "--run", "{r}/textbin", *TINY], "not a gptlab run's"),
     (["train", "--data", "{r}/data", "--run", "{r}/t", "--device", "tpu"], "device must be one of"),
     (["train", "--data", "{r}/data", "--run", "{r}/afile/sub", *TINY], "cannot create run folder"),
     (["train", "--data", "{r}/data", "--run", "{r}/run", *TINY], "already has checkpoints; pass --resume"),
     (["train", "--data", "{r}/data", "--run", "{r}/run", "--resume", "--n-embd", "32"], "n_embd=16 (now 32)"),
+    (["train", "--run", "{r}/run", "--resume", "--n-layer", "3"], "n_layer=1 (now 3)"),
+    (["train", "--run", "{r}/run", "--resume", "--data", "{r}/otherdata"], "trained on different data"),
+    (["train", "--run", "{r}/run", "--resume", "--max-steps", "3"], "nothing to do"),
+    (["train", "--run", "{r}/run", "--resume", "--max-steps", "5"], "nothing to do"),
+    (["train", "--run", "{r}/badtype", "--resume"], "config.json is damaged: n_layer must be an integer, not 'abc'"),
     (["train", "--data", "{r}/data", "--run", "{r}/run", "--resume", "maybe"], "--resume takes no value or 'auto'"),
     (["train", "--data", "{r}/data", "--run", "{r}/nowhere", "--resume"], "does not exist"),
     (["train", "--data", "{r}/data", "--run", "{r}/run-empty", "--resume", *TINY], "no checkpoint to resume"),
@@ -85,7 +122,12 @@ CASES = [
     (["sample", "--run", "{r}/run", "--prompt", "Zebra ☃"], "never seen: 'Z', 'b', '☃'"),
     (["sample", "--run", "{r}/run", "--prompt", ""], "the prompt is empty"),
     (["sample", "--run", "{r}/run", "--prompt-file", "{r}/missing.txt"], "does not exist"),
-    (["sample", "--run", "{r}/run", "--prompt-file", "{r}/latin1.txt"], "not valid UTF-8"),
+    (["sample", "--run", "{r}/run", "--prompt-file", "{r}/latin1.txt"], "latin1.txt is not valid utf-8"),
+    (["sample", "--run", "{r}/run", "--frequency-penalty", "nan"], "frequency_penalty must be a finite number"),
+    (["sample", "--run", "{r}/run", "--presence-penalty", "nan"], "presence_penalty must be a finite number"),
+    (["sample", "--run", "{r}/run", "--temperature", "inf"], "temperature must be a finite number"),
+    (["sample", "--run", "{r}/run", "--seed", "99999999999999999999999"], "seed must be in [0, 2**63)"),
+    (["sample", "--run", "{r}/badtype"], "config.json is damaged: n_layer must be an integer, not 'abc'"),
     (["sample", "--run", "{r}/run", "--max-new-tokens", "0"], "max_new_tokens must be a positive"),
     (["sample", "--run", "{r}/run", "--max-new-tokens", "-5"], "max_new_tokens must be a positive"),
     (["sample", "--run", "{r}/run", "--temperature", "-1"], "temperature must be >= 0"),
@@ -101,14 +143,22 @@ CASES = [
     (["eval", "--run", "{r}/run", "{r}/unseen.txt"], "never seen"),
     (["eval", "--run", "{r}/run", "{r}/empty.txt"], "too short to score"),
     (["eval", "--run", "{r}/run", "--batch-size", "0"], "--batch-size must be >= 1"),
+    (["eval", "--run", "{r}/run", "--encoding", "bogus", "{r}/corpus.txt"], "unknown text encoding 'bogus'"),
+    (["eval", "--run", "{r}/run", "--data", "{r}/otherdata"], "another tokenizer than run"),
+    (["eval", "--run", "{r}/baddata"], "config.json is damaged: data must be the path"),
     # import / export
     (["import", "{r}/nowhere", "--run", "{r}/i"], "does not exist"),
     (["import", "{r}/notarun", "--run", "{r}/i"], "no config.json"),
     (["import", "{r}/corpus.txt", "--run", "{r}/i"], "not a folder"),
+    (["import", "{r}/textbin", "--run", "{r}/i"], "pytorch_model.bin is not a PyTorch weights file"),
+    (["import", "{r}/textbin", "--run", "{r}/data"], "already holds prepared data"),
     (["export", "{r}/notarun", "--out", "{r}/x"], "is not a gptlab run"),
     (["export", "{r}/run", "--format", "onnx", "--out", "{r}/x"], "invalid choice: 'onnx'"),
     (["export", "{r}/run"], "the following arguments are required: --out"),
     (["export", "{r}/run", "--out", "{r}/afile/sub"], "cannot"),
+    (["export", "{r}/run", "--out", "{r}/run"], "is the run itself"),
+    (["export", "{r}/run", "--out", "{r}/badtype"], "is a gptlab run"),
+    (["export", "{r}/run", "--out", "{r}/data"], "is a prepared data folder"),
     # bench and the command itself
     (["bench", "generate", "--new-tokens", "0"], "new"),
     (["bench", "train", "--preset", "gpt5"], "unknown preset 'gpt5'"),
@@ -118,18 +168,19 @@ CASES = [
 
 
 @pytest.mark.parametrize("argv, words", CASES, ids=[" ".join(a[:1] + a[-2:]) for a, _ in CASES])
-def test_bad_input_is_one_clear_line_and_harms_no_run(world, capsys, argv, words):
-    before = files_of(world / "run")
+def test_bad_input_is_one_clear_line_and_changes_nothing(world, capsys, monkeypatch, argv, words):
+    monkeypatch.chdir(world)  # whatever a command writes by default (runs/, data/) lands in the tree too
+    before = tree(world)
     code = main([a.replace("{r}", str(world)) for a in argv])
     err = [line for line in capsys.readouterr().err.strip().splitlines() if not line.startswith("gptlab: warning")]
     assert code == 2
     assert len(err) == 1 and err[0].startswith("gptlab: error: "), err
     assert words in err[0]
-    assert files_of(world / "run") == before
+    assert tree(world) == before
 
 
-def test_an_oversize_prompt_keeps_its_last_block_size_tokens(world, capsys):
-    (world / "long.txt").write_text("All:\nSpeak, speak.\n" * 2000)
-    assert main(["sample", "--run", str(world / "run"), "--prompt-file", str(world / "long.txt"),
+def test_an_oversize_prompt_keeps_its_last_block_size_tokens(world, capsys, tmp_path):
+    (tmp_path / "long.txt").write_text("All:\nSpeak, speak.\n" * 2000)
+    assert main(["sample", "--run", str(world / "run"), "--prompt-file", str(tmp_path / "long.txt"),
                  "--max-new-tokens", "5", "--no-echo"]) == 0
     assert len(capsys.readouterr().out) >= 5

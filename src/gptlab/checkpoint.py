@@ -1,11 +1,12 @@
 """Run directories and checkpoints, written so that a crash can never leave a half-written checkpoint in use.
 
 A run directory holds config.json (resolved settings), tokenizer.json, metrics.jsonl, loss.png and
-checkpoints/. Each checkpoint is a folder: model.safetensors, optimizer.safetensors, rng.safetensors,
-state.json, and manifest.json with every file's sha256. It is written as a hidden temp folder, each file
-fsynced, the manifest last, then renamed into place in one step; old checkpoints are deleted only after the new
-one is committed. Loaders accept only a checkpoint whose files match its manifest and fall back to the previous
-valid one. Nothing is pickled: tensors go to safetensors, everything else to JSON.
+checkpoints/. Each checkpoint is a folder: model.safetensors, optimizer.safetensors (or, written by FSDP
+processes, shards/ with each one's slices of both: sharded.py), rng.safetensors, state.json, and manifest.json
+with every file's sha256. It is written as a hidden temp folder, each file fsynced, the manifest last, then
+renamed into place in one step; old checkpoints are deleted only after the new one is committed. Loaders
+accept only a checkpoint whose files match its manifest and fall back to the previous valid one. Nothing is
+pickled: tensors go to safetensors, everything else to JSON.
 """
 
 from __future__ import annotations
@@ -16,8 +17,11 @@ import json
 import logging
 import os
 import shutil
+import socket
 import subprocess
+import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -33,9 +37,10 @@ from gptlab.model import build_model
 from gptlab.tokenizer import Tokenizer, load as load_tokenizer
 
 log = logging.getLogger("gptlab")
-CONFIG, TOKENIZER, METRICS, CKPTS, MANIFEST = "config.json", "tokenizer.json", "metrics.jsonl", "checkpoints", \
-    "manifest.json"
+CONFIG, TOKENIZER, METRICS, CKPTS, MANIFEST, LOCK = "config.json", "tokenizer.json", "metrics.jsonl", \
+    "checkpoints", "manifest.json", ".lock"
 WRAPPER_PREFIXES = ("_orig_mod.", "module.")  # torch.compile and DDP wrap the model and prefix its names
+SHARDS = "shards"  # an FSDP checkpoint's model and optimizer: every process's slices (see sharded.py)
 
 
 def fsync_dir(path: Path) -> None:
@@ -93,16 +98,99 @@ def is_run(path: str | Path) -> bool:
 
 def init_run(run_dir: str | Path, model_cfg: ModelConfig, train_cfg: TrainConfig, tokenizer: Tokenizer,
              extra: dict[str, Any]) -> Path:
-    """Create (or update) a run directory with its resolved settings and tokenizer."""
+    """Fill a new run directory with its resolved settings and tokenizer (a run being resumed keeps both; see
+    update_run_config)."""
     run = Path(run_dir)
     try:
         (run / CKPTS).mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise GptlabError(f"cannot create run folder {run}: {exc.strerror}") from None
+    write_atomic(run / TOKENIZER, json.dumps(tokenizer.to_dict(), ensure_ascii=False).encode())
     write_json(run / CONFIG, {"model": to_dict(model_cfg), "train": to_dict(train_cfg), **extra,
                               "gptlab_version": __version__, "git_commit": git_commit()})
-    write_atomic(run / TOKENIZER, json.dumps(tokenizer.to_dict(), ensure_ascii=False).encode())
     return run
+
+
+def update_run_config(run_dir: str | Path, model_cfg: ModelConfig, train_cfg: TrainConfig, extra: dict[str, Any],
+                      resume: dict[str, Any]) -> None:
+    """On a resume that passed every check: the settings now in force, and one more entry in the `resumes`
+    history (every resume is kept)."""
+    path = Path(run_dir) / CONFIG
+    config = read_run_config(run_dir)
+    config.update({"model": to_dict(model_cfg), "train": to_dict(train_cfg), **extra})
+    config["resumes"] = [*config.get("resumes", []), resume]
+    write_json(path, config)
+
+
+# ---- one writer per run folder ---------------------------------------------------------------------------------
+
+class RunLock:
+    """An exclusive lock on a run folder for the one process that writes it (`gptlab train`). It is a
+    `flock` on RUN/.lock, which the OS releases when the process ends in any way (kill -9 leaves no stale
+    lock); while held, the file names its holder, so that a second writer is refused with a useful message.
+    Creates the folder when it is missing; `undo` takes back what the lock added, after a refusal. Readers
+    never lock: checkpoints are committed atomically, so they always read a complete one."""
+
+    def __init__(self, run_dir: str | Path):
+        self.run = Path(run_dir)
+        self.created = not self.run.exists()
+        self.created_file = not (self.run / LOCK).exists()
+        self.fd: int | None = None
+
+    def __enter__(self) -> RunLock:
+        try:
+            self.run.mkdir(parents=True, exist_ok=True)
+            self.fd = os.open(self.run / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as exc:
+            raise GptlabError(f"cannot create run folder {self.run}: {exc.strerror}") from None
+        try:
+            import fcntl
+        except ImportError:  # Windows: no flock; one writer is then the user's to ensure
+            return self
+        try:
+            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            holder = os.pread(self.fd, 4096, 0).decode(errors="replace").strip() or "another process"
+            os.close(self.fd)
+            self.fd = None
+            raise GptlabError(f"run {self.run} is being written by {holder}; wait for it to finish (or stop it), or "
+                              "train into another --run") from None
+        since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime())
+        holder = f"`gptlab {' '.join(sys.argv[1:])}` (pid {os.getpid()} on {socket.gethostname()}, since {since})"
+        os.ftruncate(self.fd, 0)
+        os.pwrite(self.fd, holder.encode(), 0)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.fd is not None:
+            os.ftruncate(self.fd, 0)  # the lock file goes back to empty: a refused command leaves it as it was
+            os.close(self.fd)
+            self.fd = None
+
+    @staticmethod
+    def held(run_dir: str | Path) -> bool:
+        """Whether some process is writing the run now (asked without creating anything)."""
+        try:
+            import fcntl
+
+            fd = os.open(Path(run_dir) / LOCK, os.O_RDONLY)
+        except (ImportError, OSError):
+            return False
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            return False
+        except OSError:
+            return True
+        finally:
+            os.close(fd)
+
+    def undo(self) -> None:
+        """After a refusal, or a new run's failure before its first step: remove the folder if this lock created
+        it and no checkpoint was committed in it, else the lock file if this lock created that."""
+        if self.created and not any((self.run / CKPTS).glob("[sb]*-*")):
+            shutil.rmtree(self.run, ignore_errors=True)
+        elif self.created_file:
+            (self.run / LOCK).unlink(missing_ok=True)
 
 
 def read_run_config(run_dir: str | Path) -> dict[str, Any]:
@@ -119,6 +207,15 @@ def read_run_config(run_dir: str | Path) -> dict[str, Any]:
         raise GptlabError(f"{run / CONFIG} is damaged (not valid JSON)") from None
     if not isinstance(config, dict) or not {"model", "train"} <= set(config):
         raise GptlabError(f"{run / CONFIG} is not a gptlab run config (no model and train settings)")
+    try:
+        if not isinstance(config["model"], dict) or not isinstance(config["train"], dict):
+            raise GptlabError("its model and train settings must be JSON objects")
+        from_dict(ModelConfig, config["model"])
+        from_dict(TrainConfig, config["train"])
+        if not isinstance(config.get("data"), (str, type(None))):
+            raise GptlabError(f"data must be the path of a prepared data folder, not {config['data']!r}")
+    except GptlabError as exc:
+        raise GptlabError(f"{run / CONFIG} is damaged: {exc}; fix it by hand or restore it") from None
     return config
 
 
@@ -228,28 +325,53 @@ def verify(path: Path) -> str | None:
 
 def find_checkpoint(run_dir: str | Path, kind: str = "step") -> Checkpoint | None:
     """The newest checkpoint of `kind` that passes verification; skipped damaged ones are logged as warnings."""
-    for ckpt in _list(Path(run_dir), kind):
-        problem = verify(ckpt.path)
+    found = _list(Path(run_dir), kind)
+    for i, ckpt in enumerate(found):
+        problem = verify_cached(ckpt.path)
         if problem is None:
             return ckpt
-        log.warning("checkpoint %s is unusable (%s); falling back to an older one", ckpt.path, problem)
+        log.warning("checkpoint %s is unusable (%s); %s", ckpt.path, problem,
+                    "falling back to an older one" if i + 1 < len(found) else f"no older {kind} checkpoint is left")
     return None
+
+
+_VERIFIED: dict[tuple, str | None] = {}
+
+
+def verify_cached(path: Path) -> str | None:
+    """verify(path), remembered while no file of the checkpoint changes (same inodes, sizes and modification
+    times), so that pruning after every save does not hash every kept checkpoint again."""
+    try:
+        key = (str(path), *sorted((f.name, st.st_ino, st.st_size, st.st_mtime_ns)
+                                  for f in path.iterdir() for st in [f.stat()]))
+    except OSError:
+        return verify(path)
+    if key not in _VERIFIED:
+        _VERIFIED[key] = verify(path)
+    return _VERIFIED[key]
 
 
 def save_checkpoint(run_dir: str | Path, kind: str, step: int, model: torch.nn.Module, state: dict[str, Any],
                     optimizer: torch.optim.Optimizer | None = None, keep: int = 2,
-                    extra_files: dict[str, bytes] | None = None) -> Path:
+                    extra_files: dict[str, bytes] | None = None, shards: Callable[..., Any] | None = None) -> Path:
     """Write a checkpoint atomically (with `extra_files`, e.g. the tokenizer, inside it) and then prune all but
-    the newest `keep` of its kind. Returns its path; raises GptlabError when the disk refuses the write."""
+    the newest `keep` of its kind. Returns its path; raises GptlabError when the disk refuses the write. With
+    `shards` (FSDP, see distributed.py), every process writes its own slices of model and optimizer into the
+    checkpoint's shards/ through shards(folder, with_optimizer), which returns the optimizer's JSON part."""
     ckpts = Path(run_dir) / CKPTS
     final = ckpts / f"{kind}-{step:08d}"
     tmp = ckpts / f".tmp-{kind}-{step:08d}-{os.getpid()}"
     try:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
-        files = {"model.safetensors": model_tensors(model), "rng.safetensors": rng_tensors()}
+        files = {"rng.safetensors": rng_tensors()}
+        if shards is not None:  # FSDP: every process writes its own slices
+            optimizer_meta = shards(tmp / SHARDS, optimizer is not None)
+        else:
+            files["model.safetensors"] = model_tensors(model)
+            if optimizer is not None:
+                files["optimizer.safetensors"], optimizer_meta = optimizer_tensors(optimizer)
         if optimizer is not None:
-            files["optimizer.safetensors"], optimizer_meta = optimizer_tensors(optimizer)
             state = {**state, "optimizer": optimizer_meta}
         for name, tensors in files.items():
             save_file(tensors, tmp / name)
@@ -257,37 +379,44 @@ def save_checkpoint(run_dir: str | Path, kind: str, step: int, model: torch.nn.M
         for name, blob in (extra_files or {}).items():
             (tmp / name).write_bytes(blob)
         manifest = {"step": step, "kind": kind, "files": {}}
-        for file in sorted(tmp.iterdir()):
+        for file in sorted(f for f in tmp.rglob("*") if f.is_file()):
             with open(file, "rb+") as f:
                 os.fsync(f.fileno())
-            manifest["files"][file.name] = {"bytes": file.stat().st_size, "sha256": sha256_file(file)}
+            manifest["files"][file.relative_to(tmp).as_posix()] = {"bytes": file.stat().st_size,
+                                                                   "sha256": sha256_file(file)}
         write_json(tmp / MANIFEST, manifest)
-        fsync_dir(tmp)
+        for folder in (tmp / SHARDS, tmp):
+            if folder.is_dir():
+                fsync_dir(folder)
         if final.exists():
             _discard(final)
         os.replace(tmp, final)
         fsync_dir(ckpts)
-    except OSError as exc:
+    except (OSError, SafetensorError) as exc:
         shutil.rmtree(tmp, ignore_errors=True)
-        raise GptlabError(f"cannot write a checkpoint in {ckpts}: {exc.strerror}; free some space or fix the "
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc).strip()
+        raise GptlabError(f"cannot write a checkpoint in {ckpts}: {reason}; free some space or fix the "
                           "permissions (the previous checkpoint is intact)") from None
-    for old in _list(Path(run_dir), kind)[keep:]:
-        _discard(old.path)
+    prune(Path(run_dir), kind, keep, final)
     return final
+
+
+def prune(run_dir: Path, kind: str, keep: int, newest: Path) -> None:
+    """Keep the newest `keep` valid checkpoints of `kind` (`newest`, just written, is one) and delete those
+    older than them. Damaged ones never count: after a resume that fell back past a damaged checkpoint, the
+    valid one it fell back to is kept."""
+    valid = 0
+    for ckpt in _list(run_dir, kind):
+        if valid >= keep:
+            _discard(ckpt.path)
+        elif ckpt.path == newest or verify_cached(ckpt.path) is None:
+            valid += 1
 
 
 def clean_stale(run_dir: str | Path) -> None:
     """Remove temp and half-deleted checkpoint folders left by a process that was killed (never a real one)."""
     for leftover in list((Path(run_dir) / CKPTS).glob(".tmp-*")) + list((Path(run_dir) / CKPTS).glob(".trash-*")):
         shutil.rmtree(leftover, ignore_errors=True)
-
-
-def record_resume(run_dir: str | Path, step: int, changes: dict[str, Any]) -> None:
-    """Note in config.json that the run was resumed at `step`, with the training settings that changed."""
-    path = Path(run_dir) / CONFIG
-    config = json.loads(path.read_text())
-    config.setdefault("resumes", []).append({"step": step, "changes": changes, "time": time.time()})
-    write_json(path, config)
 
 
 def _discard(path: Path) -> None:
@@ -308,6 +437,16 @@ def load_tensors(path: Path) -> dict[str, torch.Tensor]:
         raise GptlabError(f"{path} cannot be read ({exc}); the checkpoint is damaged") from None
 
 
+def read_tensors(path: Path, part: str) -> dict[str, torch.Tensor]:
+    """A checkpoint's "model" or "optimizer" tensors, whole: from its safetensors file, or (a checkpoint of FSDP
+    processes) gathered in this one process from the shards they wrote."""
+    if (path / SHARDS).is_dir():
+        from gptlab import sharded
+
+        return sharded.read_whole(path / SHARDS, part + ".")
+    return load_tensors(path / f"{part}.safetensors")
+
+
 # ---- loading a trained model -----------------------------------------------------------------------------------
 
 @dataclass
@@ -320,19 +459,30 @@ class LoadedRun:
 
 
 def load_run(run_dir: str | Path, which: str = "best", device: torch.device | str = "cpu") -> LoadedRun:
-    """The model of a run (its best checkpoint, else its latest) in eval mode, with its tokenizer.
+    """The model of a run (its best checkpoint, else its latest) in eval mode, with its tokenizer; safe while the
+    run is being trained (a checkpoint pruned while it is read is replaced by the newer one).
     Raises GptlabError when the run is missing, not a run, has no usable checkpoint, or its parts do not fit."""
     read_run_config(run_dir)
-    ckpt = (find_checkpoint(run_dir, "best") if which == "best" else None) or find_checkpoint(run_dir, "step")
-    if ckpt is None:
-        found = _list(Path(run_dir), "step") + _list(Path(run_dir), "best")
-        if found:
-            raise GptlabError(f"run {run_dir} has no usable checkpoint: the newest, {found[0].path.name}, is "
-                              f"damaged ({verify(found[0].path)})")
-        raise GptlabError(f"run {run_dir} has no checkpoint yet; train it with `gptlab train --run {run_dir}`")
+    for attempt in range(3):
+        ckpt = (find_checkpoint(run_dir, "best") if which == "best" else None) or find_checkpoint(run_dir, "step")
+        if ckpt is None:
+            found = _list(Path(run_dir), "step") + _list(Path(run_dir), "best")
+            if found:
+                raise GptlabError(f"run {run_dir} has no usable checkpoint: the newest, {found[0].path.name}, is "
+                                  f"damaged ({verify(found[0].path)})")
+            raise GptlabError(f"run {run_dir} has no checkpoint yet; train it with `gptlab train --run {run_dir}`")
+        try:
+            return _load_checkpoint(Path(run_dir), ckpt, device)
+        except (GptlabError, FileNotFoundError):
+            if ckpt.path.exists() or attempt == 2:
+                raise
+    raise AssertionError("unreachable")
+
+
+def _load_checkpoint(run_dir: Path, ckpt: Checkpoint, device: torch.device | str) -> LoadedRun:
     state = read_state(ckpt)
     model_cfg = from_dict(ModelConfig, state["model"])
-    run_tokenizer = Path(run_dir) / TOKENIZER
+    run_tokenizer = run_dir / TOKENIZER
     if (ckpt.path / TOKENIZER).is_file() and (ckpt.path / TOKENIZER).read_bytes() != run_tokenizer.read_bytes():
         raise GptlabError(f"{run_tokenizer} is not the tokenizer the weights in {ckpt.path} were trained with; "
                           f"restore it from {ckpt.path / TOKENIZER}")
@@ -341,5 +491,5 @@ def load_run(run_dir: str | Path, which: str = "best", device: torch.device | st
         raise GptlabError(f"the tokenizer of {run_dir} has {tokenizer.vocab_size} tokens but the weights only "
                           f"{model_cfg.vocab_size}: they do not belong together")
     model = build_model(model_cfg)
-    load_model_tensors(model, load_tensors(ckpt.path / "model.safetensors"), str(ckpt.path))
+    load_model_tensors(model, read_tensors(ckpt.path, "model"), str(ckpt.path))
     return LoadedRun(model.to(device).eval(), tokenizer, model_cfg, state, ckpt)

@@ -15,6 +15,7 @@ from typing import Any
 from gptlab.config import (DEFAULT_PRESET, FINETUNE_PRESET, PRESETS, TOKENIZERS, ModelConfig, SampleConfig,
                            TrainConfig, build, field_types, get_preset, parse_value, to_dict)
 from gptlab.errors import GptlabError
+from gptlab.tokenizer import EOT
 
 RUNS = Path("runs")
 DATA = Path("data")
@@ -46,7 +47,8 @@ def add_config_flags(parser: argparse.ArgumentParser, cls: type, skip: tuple[str
             group.add_argument(flag, dest=name, nargs="?", const="true", default=None, metavar="BOOL")
         elif name == "stop":
             group.add_argument(flag, dest=name, action="append", default=None, metavar="TEXT",
-                               help="stop when the generated text contains TEXT (repeatable)")
+                               help="stop when the generated text contains TEXT (repeatable; \\n, \\t, \\r and \\\\ are "
+                                    "read as escapes)")
         else:
             group.add_argument(flag, dest=name, default=None, metavar=kind.__name__.upper() if
                                isinstance(kind, type) else "VALUE")
@@ -73,18 +75,26 @@ def cmd_prepare(args: argparse.Namespace) -> int:
     from gptlab.data import prepare
 
     out = Path(args.out) if args.out else default_data_dir(args.tokenizer)
-    meta = prepare(args.paths, out, args.tokenizer, args.vocab_size, args.val_fraction, args.encoding, args.quiet)
+    meta = prepare(args.paths, out, args.tokenizer, args.vocab_size, args.val_fraction, args.encoding, args.quiet,
+                   args.allow_special, args.tokenizer_from)
     print(f"prepared {out}: {meta['train_tokens']:,} train + {meta['val_tokens']:,} val tokens, "
           f"{meta['tokenizer']} tokenizer with {meta['vocab_size']:,} ids ({meta['dtype']})")
     return 0
 
 
 def add_prepare(p: argparse.ArgumentParser) -> None:
-    p.add_argument("paths", nargs="*", help="text files or folders (default: bundled Tiny Shakespeare)")
+    p.add_argument("paths", nargs="*", help="text files or folders, or - for standard input (default: bundled Tiny "
+                   "Shakespeare)")
     p.add_argument("--tokenizer", choices=TOKENIZERS, default="char")
+    p.add_argument("--tokenizer-from", metavar="RUN_OR_DATA",
+                   help="encode with the tokenizer of this run or data folder instead of building one (to evaluate a "
+                        "run on new text, or fine-tune it)")
+    p.add_argument("--allow-special", action="store_true",
+                   help=f"read {EOT} in the text as the end-of-text token (default: refuse such text)")
     p.add_argument("--vocab-size", type=int, default=1024, help="vocabulary size for --tokenizer bpe")
     p.add_argument("--out", help="output folder (default: data/tinyshakespeare-TOKENIZER)")
-    p.add_argument("--val-fraction", type=float, default=0.1)
+    p.add_argument("--val-fraction", type=float, default=0.1, help="share of the text held out for validation, "
+                   "in (0, 1) (default 0.1)")
     p.add_argument("--encoding", default="utf-8", help="text encoding of the inputs")
     p.add_argument("--quiet", action="store_true")
 
@@ -92,13 +102,15 @@ def add_prepare(p: argparse.ArgumentParser) -> None:
 # ---- train -------------------------------------------------------------------------------------------------------
 
 def pick_run_dir(args: argparse.Namespace, preset: str) -> Path:
-    """--run if given; otherwise runs/PRESET, or runs/PRESET-2, -3, ... so that no earlier run is overwritten."""
-    from gptlab.checkpoint import CKPTS
+    """--run if given; otherwise runs/PRESET, or runs/PRESET-2, -3, ... so that no earlier run is overwritten and
+    none being trained now is taken."""
+    from gptlab.checkpoint import CKPTS, RunLock
 
     if args.run:
         return Path(args.run)
     candidate, n = RUNS / preset, 1
-    while not args.resume and (candidate / CKPTS).exists() and any((candidate / CKPTS).iterdir()):
+    while not args.resume and (RunLock.held(candidate) or (candidate / CKPTS).exists() and
+                               any((candidate / CKPTS).iterdir())):
         n += 1
         candidate = RUNS / f"{preset}-{n}"
     return candidate
@@ -127,10 +139,27 @@ def resolve_train_settings(args: argparse.Namespace) -> tuple[str, ModelConfig, 
     return str(run), model_cfg, train_cfg, resume, extra
 
 
-def data_dir_for(data: str | None, preset: str, quiet: bool) -> Path:
-    """--data, or the bundled corpus prepared for the preset's tokenizer (prepared now if it is missing)."""
+def run_data_dir(run: str | Path) -> Path | None:
+    """The data folder a run was trained on, from its config.json (None for an imported run); GptlabError when it
+    is no longer there."""
+    from gptlab.checkpoint import read_run_config
+
+    saved = read_run_config(run).get("data")
+    if not saved:
+        return None
+    if not (Path(saved) / "meta.json").is_file():
+        raise GptlabError(f"run {run} was trained on {saved}, which is no longer a prepared data folder; pass --data "
+                          "with its new place")
+    return Path(saved)
+
+
+def data_dir_for(data: str | None, preset: str, quiet: bool, run: str | Path | None = None) -> Path:
+    """--data; else, for a run being resumed (`run`), the data it was trained on; else the bundled corpus
+    prepared for the preset's tokenizer (prepared now if it is missing)."""
     if data:
         return Path(data)
+    if run is not None and (saved := run_data_dir(run)) is not None:
+        return saved
     tokenizer = get_preset(preset).tokenizer
     path = default_data_dir(tokenizer)
     if not (path / "meta.json").exists():
@@ -144,13 +173,25 @@ def data_dir_for(data: str | None, preset: str, quiet: bool) -> Path:
 def launch_train(args: argparse.Namespace) -> int:
     """`gptlab train --nproc N ...`: the same command in N processes through torchrun, all pointed at one run
     folder (chosen here, so that every process and every elastic restart finds the same one)."""
-    from gptlab.distributed import launch
+    import os
 
-    argv = list(args.argv)
-    if not args.run:
-        argv += ["--run", str(pick_run_dir(args, args.preset or DEFAULT_PRESET))]
-    data_dir_for(args.data, args.preset or DEFAULT_PRESET, args.quiet)  # once, before N processes race to it
-    return launch(args.nproc, argv, args.max_restarts)
+    from gptlab.checkpoint import RunLock
+    from gptlab.distributed import launch
+    from gptlab.train import LOCKED_RUN_ENV
+
+    if args.nproc < 1:
+        raise GptlabError(f"--nproc must be at least 1, not {args.nproc}")
+    run, _, train_cfg, resume, extra = resolve_train_settings(args)  # every setting checked before launching
+    if train_cfg.batch_size % args.nproc:
+        raise GptlabError(f"batch_size {train_cfg.batch_size} must be a multiple of the {args.nproc} processes; "
+                          f"try --batch-size {train_cfg.batch_size // args.nproc * args.nproc or args.nproc}")
+    argv = list(args.argv) + ([] if args.run else ["--run", run])
+    data_dir_for(args.data, extra["preset"], args.quiet, run if resume else None)  # once, before N processes race
+    with RunLock(run) as lock:  # held for the whole job, elastic restarts included
+        code = launch(args.nproc, argv, args.max_restarts, {LOCKED_RUN_ENV: str(Path(run).resolve())})
+        if code and not resume:
+            lock.undo()
+    return code
 
 
 def init_from_model_base(source: str | None, model_base: dict[str, Any]) -> dict[str, Any]:
@@ -176,19 +217,21 @@ def cmd_train(args: argparse.Namespace) -> int:
         return launch_train(args)
     args.resume = distributed.elastic_resume(args.resume, args.run)
     run, model_cfg, train_cfg, resume, extra = resolve_train_settings(args)
-    data = data_dir_for(args.data, extra["preset"], args.quiet)
+    data = data_dir_for(args.data, extra["preset"], args.quiet, run if resume else None)
     result = train(data, run, model_cfg, train_cfg, resume=resume, quiet=args.quiet, extra=extra)
     if result.rank:
         return 0  # rank 0 speaks for all
     print(f"run {result.run_dir}: {result.step} steps in {result.seconds:.1f} s "
-          f"({result.tokens_per_second:,.0f} tokens/s), val loss {result.val_loss:.4f} "
+          f"({result.tokens_per_second:,.0f} tokens/s over {result.train_seconds:.1f} s of training steps), "
+          f"val loss {result.val_loss:.4f} "
           f"(best {result.best_val_loss:.4f}); loss curve in {result.run_dir / 'loss.png'}")
     print(f"sample it: gptlab sample --run {result.run_dir}")
     return 0
 
 
 def add_train(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--data", help="prepared data folder (default: the bundled corpus, prepared if needed)")
+    p.add_argument("--data", help="prepared data folder (default: with --resume the run's own data, else the "
+                   "bundled corpus, prepared if needed)")
     p.add_argument("--preset", help=f"one of: {', '.join(PRESETS)} (default {DEFAULT_PRESET})")
     p.add_argument("--run", help="run folder (default: runs/PRESET, a new one if that has checkpoints)")
     p.add_argument("--resume", nargs="?", const="true", default=None, metavar="auto",
@@ -214,15 +257,27 @@ def latest_run() -> Path:
     return max(runs, key=lambda p: (p / "config.json").stat().st_mtime)
 
 
+ESCAPES = {"n": "\n", "t": "\t", "r": "\r", "\\": "\\"}
+
+
+def unescape(text: str) -> str:
+    """\\n, \\t, \\r and \\\\ as a shell passes them in `--stop "\\n\\n"` -> the characters they name."""
+    import re
+
+    return re.sub(r"\\(.)", lambda m: ESCAPES.get(m.group(1), m.group(0)), text)
+
+
+def announce(loaded) -> None:
+    """Say on stderr which run and checkpoint a command picked (stdout stays the command's output)."""
+    print(f"gptlab: using {loaded.checkpoint.path} ({loaded.checkpoint.kind} checkpoint, step {loaded.checkpoint.step})",
+          file=sys.stderr)
+
+
 def read_prompt(args: argparse.Namespace, tokenizer) -> list[int]:
+    from gptlab.data import read_text
+
     if args.prompt_file:
-        try:
-            text = Path(args.prompt_file).read_text(encoding="utf-8")
-        except FileNotFoundError:
-            raise GptlabError(f"prompt file {args.prompt_file} does not exist") from None
-        except UnicodeDecodeError as exc:
-            raise GptlabError(f"prompt file {args.prompt_file} is not valid UTF-8 (bad byte at offset "
-                              f"{exc.start})") from None
+        text = read_text(args.prompt_file, args.encoding)
     elif args.prompt is not None:
         text = args.prompt
     else:
@@ -239,7 +294,10 @@ def cmd_sample(args: argparse.Namespace) -> int:
     from gptlab.runtime import resolve_device, resolve_precision, set_threads
 
     set_threads()
-    cfg = build(SampleConfig, {}, overrides(args, SampleConfig))
+    settings = overrides(args, SampleConfig)
+    if "stop" in settings:
+        settings["stop"] = [unescape(s) for s in settings["stop"]]
+    cfg = build(SampleConfig, {}, settings)
     if args.num_samples < 1:  # before loading the model (the engine checks it too, for Python callers)
         raise GptlabError(f"--num-samples must be >= 1, not {args.num_samples}")
     device = resolve_device(args.device)
@@ -247,6 +305,7 @@ def cmd_sample(args: argparse.Namespace) -> int:
     prompt = read_prompt(args, loaded.tokenizer)
     model = prepare_for_inference(loaded.model, resolve_precision(args.precision, device))
     stream = TextStream(model, loaded.tokenizer, [prompt], cfg, args.num_samples)
+    announce(loaded)
     echo = loaded.tokenizer.decode(prompt) if args.echo_prompt else ""
     sys.stdout.write(echo)
     for pieces in stream:  # the first sample streams; the others are printed once they are done
@@ -261,7 +320,8 @@ def cmd_sample(args: argparse.Namespace) -> int:
 def add_sample(p: argparse.ArgumentParser) -> None:
     p.add_argument("--run", help="run folder (default: the most recent under runs/)")
     p.add_argument("--prompt", help="text to continue (default: a newline, or end-of-text for BPE models)")
-    p.add_argument("--prompt-file", help="read the prompt from this UTF-8 file")
+    p.add_argument("--prompt-file", help="read the prompt from this file (see --encoding)")
+    p.add_argument("--encoding", default="utf-8", help="text encoding of --prompt-file (default utf-8)")
     p.add_argument("--allow-special", action="store_true", help="encode <|endoftext|> in the prompt as special")
     p.add_argument("--num-samples", type=int, default=1, help="continuations of the prompt, from one prefill")
     p.add_argument("--no-echo", dest="echo_prompt", action="store_false", help="do not print the prompt")
@@ -276,8 +336,8 @@ def add_sample(p: argparse.ArgumentParser) -> None:
 
 @command("eval", "loss, perplexity and bits per character / byte on the validation split or on text files")
 def cmd_eval(args: argparse.Namespace) -> int:
-    from gptlab.checkpoint import load_run, read_run_config
-    from gptlab.data import load_dataset
+    from gptlab.checkpoint import load_run
+    from gptlab.data import load_dataset, read_text
     from gptlab.evaluate import score
     from gptlab.runtime import resolve_device, set_threads
 
@@ -289,26 +349,24 @@ def cmd_eval(args: argparse.Namespace) -> int:
     scores = []
     if args.files:
         for name in args.files:
-            try:
-                text = Path(name).read_text(encoding=args.encoding)
-            except FileNotFoundError:
-                raise GptlabError(f"{name} does not exist") from None
-            except UnicodeDecodeError as exc:
-                raise GptlabError(f"{name} is not valid {args.encoding} (bad byte at offset {exc.start}); "
-                                  "pass --encoding") from None
+            text = read_text(name, args.encoding)
             tokens = loaded.tokenizer.encode(text, allow_special=True)
             if len(tokens) < 2:
                 raise GptlabError(f"{name} is too short to score: it needs at least 2 tokens, it has {len(tokens)}")
             scores.append(score(loaded.model, name, tokens, len(text), len(text.encode()), args.batch_size))
     else:
-        data_dir = args.data or read_run_config(run).get("data")
+        data_dir = args.data or run_data_dir(run)
         if not data_dir:
             raise GptlabError(f"run {run} has no data of its own (it was imported); give text files to score or "
                               "--data")
         data = load_dataset(data_dir)
+        if data.tokenizer.to_dict() != loaded.tokenizer.to_dict():
+            raise GptlabError(f"{data.path} was tokenized with another tokenizer than run {run}'s, so its ids mean "
+                              f"other things to the model; prepare the text with --tokenizer-from {run}")
         text = loaded.tokenizer.decode(data.val.tolist())
         scores.append(score(loaded.model, f"{data.path} (val)", data.val, len(text), len(text.encode()),
                             args.batch_size))
+    announce(loaded)
     print(f"{'text':<40} {'tokens':>10} {'loss':>8} {'ppl':>9} {'bits/tok':>9} {'bits/char':>9} {'bits/byte':>9}")
     for s in scores:
         print(f"{s.name[-40:]:<40} {s.tokens:>10,} {s.loss:>8.4f} {s.perplexity:>9.3f} {s.bits_per_token:>9.4f} "
@@ -364,6 +422,9 @@ def add_export(p: argparse.ArgumentParser) -> None:
 # ---- bench -------------------------------------------------------------------------------------------------------
 
 BENCHES: dict[str, tuple[Any, Any, str]] = {}  # name -> (add flags, run, help)
+BENCH_DEVICES = ("auto", "cpu", "cuda", "mps")
+# presets that name a GPT's shape (bigram has none; finetune only changes dropout)
+SHAPED_PRESETS = tuple(n for n, p in PRESETS.items() if "n_embd" in p.model and p.model.get("arch") != "bigram")
 
 
 def bench(name: str, help: str, add: Any):
@@ -373,26 +434,35 @@ def bench(name: str, help: str, add: Any):
     return register
 
 
-def add_bench_peak(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--device", default="auto")
+def add_bench_device(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--device", choices=BENCH_DEVICES, default="auto",
+                   help="where to measure; auto picks cuda, then mps, then cpu (default auto)")
 
 
-@bench("peak", "measure the device's matmul peak (fp32, bf16, tf32) and memory bandwidth; cached per device",
-       add_bench_peak)
+def at_least(args: argparse.Namespace, **minimums: int) -> None:
+    """Refuse a numeric flag below its minimum, naming the flag."""
+    for name, low in minimums.items():
+        if getattr(args, name) < low:
+            raise GptlabError(f"--{name.replace('_', '-')} must be >= {low}, not {getattr(args, name)}")
+
+
+@bench("peak", "measure the device's matmul peak (fp32, bf16, tf32) and memory bandwidth, and the machine's load; "
+       "cached per device for MFU unless other work was running", add_bench_device)
 def bench_peak(args: argparse.Namespace) -> int:
-    from gptlab.bench import run_peak
+    from gptlab.bench.peak import run_peak
 
-    run_peak(args.device, refresh=True)
+    run_peak(device=args.device)
     return 0
 
 
 def add_bench_attention(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--preset", default="char-small", help=f"one of: {', '.join(PRESETS)} (default char-small)")
+    p.add_argument("--preset", choices=tuple(PRESETS), default="char-small", help="model and training settings to "
+                   "time (default char-small)")
     p.add_argument("--data", help="prepared data folder (default: the bundled corpus for the preset's tokenizer)")
-    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--batch-size", type=int, default=16, help="sequences per step (default 16)")
     p.add_argument("--steps", type=int, default=10, help="timed steps per variant (default 10)")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps per variant first (default 2)")
-    p.add_argument("--device", default="auto")
+    add_bench_device(p)
 
 
 def add_bench_train(p: argparse.ArgumentParser) -> None:
@@ -403,38 +473,42 @@ def add_bench_train(p: argparse.ArgumentParser) -> None:
 @bench("train", "train one model side by side: fp32 eager (the reference), bf16, bf16 + compile (+ flash attention "
        "on CUDA): tokens/s, ms/step, MFU, and the loss after the same steps", add_bench_train)
 def bench_train(args: argparse.Namespace) -> int:
-    from gptlab.bench import run_train_bench
+    from gptlab.bench.train import run_train_bench
 
-    run_train_bench(*_bench_train_settings(args))
+    data, model_cfg, train_cfg = _bench_train_settings(args)
+    run_train_bench(data, model_cfg, train_cfg, steps=args.steps, warmup=args.warmup)
     return 0
 
 
-def _bench_train_settings(args: argparse.Namespace) -> tuple[Path, ModelConfig, TrainConfig, int, int]:
+def _bench_train_settings(args: argparse.Namespace) -> tuple[Path, ModelConfig, TrainConfig]:
     if args.steps < 1 or args.warmup < 0 or args.batch_size < 1:
         raise GptlabError("--steps and --batch-size must be at least 1 and --warmup at least 0")
     preset = get_preset(args.preset)
     attention = getattr(args, "attention", None)
     model_cfg = build(ModelConfig, preset.model, {"attention": attention} if attention else {})
     train_cfg = build(TrainConfig, preset.train, {"batch_size": args.batch_size, "device": args.device})
-    return data_dir_for(args.data, args.preset, quiet=True), model_cfg, train_cfg, args.steps, args.warmup
+    return data_dir_for(args.data, args.preset, quiet=True), model_cfg, train_cfg
 
 
 @bench("attention", "time a training step with each attention path (sdpa, naive) in each precision, side by side",
        add_bench_attention)
 def bench_attention(args: argparse.Namespace) -> int:
-    from gptlab.bench import attention_variants, run_train_bench
+    from gptlab.bench.train import attention_variants, run_train_bench
     from gptlab.runtime import resolve_device
 
-    run_train_bench(*_bench_train_settings(args), attention_variants(resolve_device(args.device)))
+    data, model_cfg, train_cfg = _bench_train_settings(args)
+    run_train_bench(data, model_cfg, train_cfg, steps=args.steps, warmup=args.warmup,
+                    variants=attention_variants(resolve_device(args.device)))
     return 0
 
 
 def add_bench_generate(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--device", default="auto")
-    p.add_argument("--new-tokens", type=int, default=256, help="tokens generated per row")
-    p.add_argument("--prompt-tokens", type=int, default=16, help="prompt length per row")
-    p.add_argument("--char-tokens", type=int, default=1000, help="tokens for the char model (0: skip it)")
-    p.add_argument("--repeats", type=int, default=1, help="runs per variant; the fastest is kept")
+    add_bench_device(p)
+    p.add_argument("--new-tokens", type=int, default=256, help="tokens generated per row (default 256)")
+    p.add_argument("--prompt-tokens", type=int, default=16, help="prompt length per row (default 16)")
+    p.add_argument("--char-tokens", type=int, default=1000, help="tokens for the char model (0: skip it; default "
+                   "1000)")
+    p.add_argument("--repeats", type=int, default=1, help="runs per variant; the fastest is kept (default 1)")
     p.add_argument("--no-uncached", dest="uncached", action="store_false", help="skip the slow no-cache runs")
     p.add_argument("--no-transformers", dest="transformers", action="store_false",
                    help="skip transformers' generate even when it is installed")
@@ -444,19 +518,53 @@ def add_bench_generate(p: argparse.ArgumentParser) -> None:
        "first token, fp32 and bf16, beside no cache, transformers' generate and the memory-bandwidth floor",
        add_bench_generate)
 def bench_generate(args: argparse.Namespace) -> int:
-    from gptlab.bench import run_generate
+    from gptlab.bench.generate import run_generate
 
-    for name in ("new_tokens", "prompt_tokens", "repeats"):
-        if getattr(args, name) < 1:
-            raise GptlabError(f"--{name.replace('_', '-')} must be >= 1, not {getattr(args, name)}")
-    if not 0 <= args.char_tokens:
-        raise GptlabError(f"--char-tokens must be >= 0, not {args.char_tokens}")
-    run_generate(args.device, args.new_tokens, args.prompt_tokens, args.char_tokens, args.repeats, args.uncached,
-                 args.transformers)
+    at_least(args, new_tokens=1, prompt_tokens=1, repeats=1, char_tokens=0)
+    run_generate(device=args.device, new_tokens=args.new_tokens, prompt_tokens=args.prompt_tokens,
+                 char_tokens=args.char_tokens, repeats=args.repeats, uncached=args.uncached,
+                 with_transformers=args.transformers)
     return 0
 
 
-@command("bench", "benchmarks that measure variants side by side in one run and print ratios")
+def add_bench_decode(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--rounds", type=int, default=60, help="floor reads and decode steps per case (default 60)")
+    p.add_argument("--pages", choices=("2M", "4K", "both"), default="2M",
+                   help="weights in transparent huge pages (2M, what the engine does), in ordinary 4 KB pages (4K), "
+                        "or both, round by round (default 2M)")
+
+
+@bench("decode", "the fused decode step of a GPT-2-124M-shaped model (CPU) against the memory-bandwidth floor read "
+       "beside each step, batch 1 and batch 8, fp32 and bf16", add_bench_decode)
+def bench_decode(args: argparse.Namespace) -> int:
+    from gptlab.bench.decode import run_decode
+
+    at_least(args, rounds=1)
+    run_decode(rounds=args.rounds, pages=args.pages)
+    return 0
+
+
+def add_bench_matmul(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--preset", choices=SHAPED_PRESETS, default="char-small",
+                   help="model whose Linear products are timed (default char-small)")
+    p.add_argument("--batch-size", type=int, default=16, help="sequences per step: rows = batch size x the "
+                   "preset's context (default 16)")
+    p.add_argument("--repeats", type=int, default=10, help="timed calls per product; the fastest is kept (default 10)")
+    p.add_argument("--profile", action="store_true",
+                   help="also profile one training step per precision: matrix products against the rest")
+
+
+@bench("matmul", "a preset's own matrix products (forward, input and weight gradients) in fp32 and bf16 on the CPU: "
+       "the ceiling on bf16's training speed-up", add_bench_matmul)
+def bench_matmul(args: argparse.Namespace) -> int:
+    from gptlab.bench.matmul import run_matmul
+
+    at_least(args, batch_size=1, repeats=1)
+    run_matmul(preset=args.preset, batch_size=args.batch_size, repeats=args.repeats, profile=args.profile)
+    return 0
+
+
+@command("bench", "benchmarks that measure variants side by side in one run and print ratios and the machine's load")
 def cmd_bench(args: argparse.Namespace) -> int:
     return BENCHES[args.bench][1](args)
 
@@ -474,7 +582,10 @@ ADDERS = {"prepare": add_prepare, "train": add_train, "sample": add_sample, "eva
 
 
 def make_parser() -> Parser:
+    from gptlab import __version__
+
     parser = Parser(prog="gptlab", description="Build, train, run and look inside GPT-2-style language models.")
+    parser.add_argument("--version", action="version", version=f"gptlab {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=Parser)
     for name, (_, help) in COMMANDS.items():
         p = sub.add_parser(name, help=help, description=help)
@@ -496,7 +607,8 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         return COMMANDS[args.command][0](args)
     except GptlabError as exc:
-        print(f"gptlab: error: {exc}", file=sys.stderr)
+        label = getattr(exc, "label", "error")
+        print(f"gptlab: {label + ': ' if label else ''}{exc}", file=sys.stderr)
         return getattr(exc, "exit_code", 2)
     except BrokenPipeError:
         return 0

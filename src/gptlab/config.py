@@ -7,6 +7,7 @@ Python callers construct them directly. Nothing here imports torch.
 from __future__ import annotations
 
 import dataclasses
+import math
 import types
 from dataclasses import dataclass, field, fields
 from typing import Any, Union, get_args, get_origin, get_type_hints
@@ -30,6 +31,28 @@ def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
     _check(value in choices, f"{name} must be one of {', '.join(choices)}, not {value!r}")
 
 
+SEED_LIMIT = 1 << 63
+
+
+def _check_types(obj: Any) -> None:
+    """Every field holds a value of its declared type (settings also come from hand-edited JSON), and every
+    number is finite: NaN passes every comparison-based check below and would poison a run silently."""
+    for name, kind in field_types(type(obj)).items():
+        value = getattr(obj, name)
+        if value is None:
+            continue
+        if kind is float and isinstance(value, int) and not isinstance(value, bool):
+            value = float(value)
+            setattr(obj, name, value)
+        ok = isinstance(value, kind) and not (kind is int and isinstance(value, bool)) if isinstance(kind, type) \
+            else isinstance(value, list) and all(isinstance(v, str) for v in value)
+        if not ok:
+            what = {int: "an integer", float: "a number", bool: "true or false", str: "text"}.get(kind, "a list of text")
+            raise GptlabError(f"{name} must be {what}, not {value!r}")
+        if kind is float:
+            _check(math.isfinite(value), f"{name} must be a finite number, not {value}")
+
+
 @dataclass
 class ModelConfig:
     """The shape of a model. `vocab_size` 0 means "take it from the tokenizer"."""
@@ -47,6 +70,7 @@ class ModelConfig:
     layer_norm_eps: float = 1e-5
 
     def __post_init__(self) -> None:
+        _check_types(self)
         _check_choice("arch", self.arch, ARCHS)
         _check_choice("attention", self.attention, ATTENTION_PATHS)
         _check_choice("activation", self.activation, ACTIVATIONS)
@@ -99,6 +123,8 @@ class TrainConfig:
     init_from: str = ""
 
     def __post_init__(self) -> None:
+        _check_types(self)
+        _check(0 <= self.seed < SEED_LIMIT, f"seed must be in [0, 2**63), not {self.seed}")
         for name in ("batch_size", "grad_accum", "max_steps", "eval_interval", "eval_batches", "log_interval"):
             value = getattr(self, name)
             _check(value > 0, f"{name} must be a positive integer, not {value}")
@@ -137,6 +163,8 @@ class SampleConfig:
     stop: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
+        _check_types(self)
+        _check(0 <= self.seed < SEED_LIMIT, f"seed must be in [0, 2**63), not {self.seed}")
         _check(self.max_new_tokens > 0, f"max_new_tokens must be a positive integer, not {self.max_new_tokens}")
         _check(self.temperature >= 0, f"temperature must be >= 0 (0 is greedy), not {self.temperature}")
         _check(self.top_k is None or self.top_k >= 1,
@@ -232,9 +260,12 @@ def parse_value(cls: type, name: str, text: str) -> Any:
         raise GptlabError(f"{name} must be true or false, not {text!r}")
     if kind in (int, float):
         try:
-            return kind(text)
+            value = kind(text)
         except ValueError:
             raise GptlabError(f"{name} must be {'an integer' if kind is int else 'a number'}, not {text!r}") from None
+        if kind is float and not math.isfinite(value):
+            raise GptlabError(f"{name} must be a finite number, not {text!r}")
+        return value
     return text
 
 

@@ -10,11 +10,17 @@ rank), which makes training reproducible and resumable without storing the sampl
 from __future__ import annotations
 
 import codecs
+import contextlib
 import gzip
 import hashlib
+import io
 import json
 import os
+import shutil
 import struct
+import sys
+import tempfile
+import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from importlib import resources
@@ -25,7 +31,7 @@ import numpy as np
 import torch
 
 from gptlab.errors import GptlabError
-from gptlab.tokenizer import Tokenizer, load as load_tokenizer, train_tokenizer
+from gptlab.tokenizer import EOT, Tokenizer, load as load_tokenizer, train_tokenizer
 
 MAGIC = b"GPTLABTK"
 VERSION = 1
@@ -49,23 +55,77 @@ def bundled_source() -> Source:
     return Source(f"{BUNDLED} (bundled)", lambda: gzip.open(asset.open("rb")), 1_115_394)
 
 
+def spooled_source(name: str, stream: IO[bytes]) -> Source:
+    """A stream that can be read only once (standard input, a pipe) copied to an anonymous temporary file, so
+    that it can be read twice like any file."""
+    spool = tempfile.TemporaryFile()
+    shutil.copyfileobj(stream, spool)
+    size = spool.tell()
+
+    def reopen() -> IO[bytes]:
+        spool.seek(0)
+        return open(spool.fileno(), "rb", closefd=False)
+    return Source(name, reopen, size)
+
+
 def collect_sources(paths: list[str]) -> list[Source]:
-    """Files named, and the files inside folders named (recursively, sorted, hidden ones skipped)."""
+    """Files named, and the files inside folders named (recursively, sorted, hidden ones skipped); "-" is standard
+    input, and pipes or devices such as /dev/stdin are read once and spooled."""
     if not paths:
         return [bundled_source()]
     files: list[Path] = []
+    spooled: list[Source] = []
     for raw in paths:
         path = Path(raw)
-        if path.is_dir():
+        if raw == "-" or (path.exists() and not path.is_dir() and not path.is_file()):
+            with (open(sys.stdin.fileno(), "rb", closefd=False) if raw == "-" else open(path, "rb")) as stream:
+                spooled.append(spooled_source("standard input" if raw == "-" else raw, stream))
+        elif path.is_dir():
             files += sorted(p for p in path.rglob("*") if p.is_file()
                             and not any(part.startswith(".") for part in p.relative_to(path).parts))
         elif path.is_file():
             files.append(path)
         else:
             raise GptlabError(f"input {raw} does not exist; give text files or folders of text files")
-    if not files:
+    if not files and not spooled:
         raise GptlabError(f"no files found in {', '.join(paths)}; give text files or folders of text files")
-    return [Source(str(p), lambda p=p: open(p, "rb"), p.stat().st_size) for p in files]
+    return spooled + [Source(str(p), lambda p=p: open(p, "rb"), p.stat().st_size) for p in files]
+
+
+def folder_kind(path: str | Path) -> str | None:
+    """What a folder holds, for refusing to write one kind of thing over another: "run" (a gptlab run: its
+    config.json has model and train settings), "data" (a prepared data folder), "hf" (another config.json, e.g.
+    a Hugging Face model), or None."""
+    path = Path(path)
+    if (path / "meta.json").is_file() and (path / "train.bin").is_file():
+        return "data"
+    if (path / "config.json").is_file():
+        try:
+            config = json.loads((path / "config.json").read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            return "hf"
+        return "run" if isinstance(config, dict) and {"model", "train"} <= set(config) else "hf"
+    return None
+
+
+def text_decoder(encoding: str) -> io.IncrementalNewlineDecoder:
+    """The one rule for reading text everywhere (prepare, eval, prompt files): a UTF-8 byte-order mark at the
+    start is dropped, and Windows (\\r\\n) and old Mac (\\r) line ends become \\n."""
+    try:
+        name = codecs.lookup(encoding).name
+    except LookupError:
+        raise GptlabError(f"unknown text encoding {encoding!r}; try utf-8, latin-1 or cp1252") from None
+    inner = codecs.getincrementaldecoder("utf-8-sig" if name == "utf-8" else name)(errors="strict")
+    return io.IncrementalNewlineDecoder(inner, translate=True)
+
+
+def read_text(path: str | Path, encoding: str = "utf-8") -> str:
+    """The whole text of a file, read by the rule of `text_decoder`; GptlabError when it is missing, not text or
+    not in `encoding`."""
+    path = Path(path)
+    if not path.is_file():
+        raise GptlabError(f"{path} does not exist" if not path.exists() else f"{path} is not a file")
+    return "".join(read_chunks(Source(str(path), lambda: open(path, "rb"), path.stat().st_size), encoding))
 
 
 def read_chunks(source: Source, encoding: str = "utf-8",
@@ -73,10 +133,7 @@ def read_chunks(source: Source, encoding: str = "utf-8",
     """The text of `source` in pieces of about 1 MiB that end at a line break where one exists.
 
     Raises GptlabError naming the file and byte offset when the bytes are not valid in `encoding`."""
-    try:
-        decoder = codecs.getincrementaldecoder(encoding)(errors="strict")
-    except LookupError:
-        raise GptlabError(f"unknown text encoding {encoding!r}; try utf-8, latin-1 or cp1252") from None
+    decoder = text_decoder(encoding)
     offset, carry = 0, ""
     with source.open() as f:
         while True:
@@ -85,7 +142,7 @@ def read_chunks(source: Source, encoding: str = "utf-8",
                 on_bytes(block)
             try:
                 text = carry + decoder.decode(block, final=not block)
-            except UnicodeDecodeError as exc:
+            except UnicodeDecodeError as exc:  # its offset counts from the bytes given to this call
                 raise GptlabError(f"{source.name} is not valid {encoding}: bad byte at offset {offset + exc.start}; "
                                   "pass --encoding with the file's real encoding (e.g. latin-1)") from None
             if "\x00" in text:
@@ -105,7 +162,7 @@ def read_chunks(source: Source, encoding: str = "utf-8",
 
 
 class TokenWriter:
-    """Appends ids to a token file written atomically: a temp file, then rename once the header is final."""
+    """Appends ids to a token file: the header's count is filled in by `close`."""
 
     def __init__(self, path: Path, vocab_size: int):
         self.path = path
@@ -113,15 +170,15 @@ class TokenWriter:
         self.vocab_size = vocab_size
         self.count = 0
         self.sha = hashlib.sha256()
-        self.tmp = path.with_name(path.name + ".tmp")
-        self.file = open(self.tmp, "wb")
+        self.file = open(path, "wb")
         self.file.write(HEADER.pack(MAGIC, VERSION, self.dtype.itemsize, 0))
 
     def write(self, ids: list[int]) -> None:
         if not ids:
             return
         array = np.asarray(ids, dtype=np.int64)
-        assert array.min() >= 0 and array.max() < self.vocab_size, "token id outside the vocabulary"
+        if array.min() < 0 or array.max() >= self.vocab_size:  # a tokenizer bug, never the user's input
+            raise ValueError(f"token id outside the vocabulary of {self.vocab_size}")
         body = array.astype(self.dtype).tobytes()
         self.sha.update(body)
         self.file.write(body)
@@ -133,7 +190,6 @@ class TokenWriter:
         self.file.flush()
         os.fsync(self.file.fileno())
         self.file.close()
-        os.replace(self.tmp, self.path)
 
 
 def read_tokens(path: str | Path) -> np.ndarray:
@@ -164,8 +220,10 @@ def _progress(total: int, desc: str, quiet: bool) -> Any:
     return tqdm(total=total, desc=desc, unit="B", unit_scale=True, disable=True if quiet else None, leave=False)
 
 
-def _scan(sources: list[Source], encoding: str, quiet: bool) -> tuple[int, list[dict[str, Any]], set[str]]:
-    """First pass: validate the encoding, count characters, hash the bytes and collect the characters."""
+def _scan(sources: list[Source], encoding: str, quiet: bool,
+          refuse_special: bool) -> tuple[int, list[dict[str, Any]], set[str]]:
+    """First pass: validate the encoding, count characters, hash the bytes and collect the characters; with
+    refuse_special, refuse a file that holds the end-of-text marker as text before anything is written."""
     total, described, chars = 0, [], set()
     with _progress(sum(s.size for s in sources), "scan", quiet) as bar:
         for source in sources:
@@ -176,6 +234,10 @@ def _scan(sources: list[Source], encoding: str, quiet: bool) -> tuple[int, list[
                 bar.update(len(block))
 
             for chunk in read_chunks(source, encoding, seen):
+                if refuse_special and EOT in chunk:
+                    raise GptlabError(f"{source.name} contains the text {EOT}, which this tokenizer reserves for "
+                                      "the end of a document; pass --allow-special to read it as that token, or "
+                                      "remove it")
                 n_chars += len(chunk)
                 chars.update(chunk)
             described.append({"path": source.name, "chars": n_chars, "sha256": sha.hexdigest()})
@@ -183,57 +245,136 @@ def _scan(sources: list[Source], encoding: str, quiet: bool) -> tuple[int, list[
     return total, described, chars
 
 
+def tokenizer_of(folder: str | Path) -> Tokenizer:
+    """The tokenizer of a run or a prepared data folder (or a tokenizer.json file), for `--tokenizer-from`."""
+    path = Path(folder)
+    file = path / "tokenizer.json" if path.is_dir() else path
+    if not path.exists() or (path.is_dir() and folder_kind(path) not in ("run", "data")):
+        raise GptlabError(f"--tokenizer-from {folder} is not a gptlab run or prepared data folder; point it at "
+                          "one (it must hold tokenizer.json)")
+    return load_tokenizer(file)
+
+
+def _interruptible(fn: Callable[[], Any]) -> Any:
+    """fn() in a worker thread, so that Ctrl-C stops the caller at once even while fn runs native code that
+    never returns to Python (training a BPE tokenizer does); the abandoned worker dies with the process."""
+    result: dict[str, Any] = {}
+
+    def work() -> None:
+        try:
+            result["value"] = fn()
+        except BaseException as exc:  # handed to the caller below
+            result["error"] = exc
+    worker = threading.Thread(target=work, daemon=True)
+    worker.start()
+    while worker.is_alive():
+        worker.join(0.1)
+    if "error" in result:
+        raise result["error"]
+    return result["value"]
+
+
+def _check_covers(tok: Tokenizer, chars: set[str], source: str) -> None:
+    """A char tokenizer given by --tokenizer-from must know every character of the new text."""
+    if tok.kind == "char":
+        unseen = sorted(chars - set(tok.to_dict()["chars"]))
+        if unseen:
+            shown = ", ".join(repr(c) for c in unseen[:5]) + (f" and {len(unseen) - 5} more" if len(unseen) > 5 else "")
+            raise GptlabError(f"the text has characters the tokenizer of {source} has never seen: {shown}; prepare "
+                              "without --tokenizer-from to build a new vocabulary")
+
+
 def prepare(paths: list[str], out_dir: str | Path, tokenizer: str = "char", vocab_size: int = 1024,
-            val_fraction: float = 0.1, encoding: str = "utf-8", quiet: bool = False) -> dict[str, Any]:
+            val_fraction: float = 0.1, encoding: str = "utf-8", quiet: bool = False, allow_special: bool = False,
+            tokenizer_from: str | Path | None = None) -> dict[str, Any]:
     """Tokenize text files (default: the bundled Tiny Shakespeare) into `out_dir`/{train,val}.bin, tokenizer.json
-    and meta.json. The first (1 - val_fraction) of the characters, in file order, become the training split.
-    Returns the metadata; raises GptlabError on bad input."""
-    if not 0 <= val_fraction < 1:
-        raise GptlabError(f"val_fraction must be in [0, 1), not {val_fraction}")
+    and meta.json, with a new tokenizer of kind `tokenizer` or the one of `tokenizer_from` (a run or data folder).
+    The first (1 - val_fraction) of the characters, in file order, become the training split. Everything is
+    checked before anything is written; the files are written in a hidden folder and moved into place at the end
+    (meta.json last), so a failure or Ctrl-C leaves the folder as it was. Returns the metadata; raises
+    GptlabError on bad input or a full disk."""
+    if not 0 < val_fraction < 1:
+        raise GptlabError(f"val_fraction must be in (0, 1): training needs a validation split, not {val_fraction}")
+    out = Path(out_dir)
+    if folder_kind(out) in ("run", "hf"):
+        raise GptlabError(f"{out} holds a {'gptlab run' if folder_kind(out) == 'run' else 'model (config.json)'}; "
+                          "preparing data there would overwrite its files, so give --out a folder of its own")
+    fixed = tokenizer_of(tokenizer_from) if tokenizer_from else None
+    has_special = fixed.eot_id is not None if fixed else tokenizer != "char"
     sources = collect_sources(paths)
-    total, described, chars = _scan(sources, encoding, quiet)
+    total, described, chars = _scan(sources, encoding, quiet, refuse_special=has_special and not allow_special)
     if total == 0:
         raise GptlabError(f"the corpus ({', '.join(s.name for s in sources)}) is empty; give a file with text in it")
-    out = Path(out_dir)
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise GptlabError(f"cannot create output folder {out}: {exc.strerror}") from None
+    if fixed:
+        _check_covers(fixed, chars, str(tokenizer_from))
 
     def all_chunks() -> Iterator[str]:
         for source in sources:
             yield from read_chunks(source, encoding)
 
-    tok: Tokenizer = train_tokenizer(tokenizer, [chars] if tokenizer == "char" else all_chunks(), vocab_size)
-    split_at = int(total * (1 - val_fraction))
-    written = _encode_split(sources, tok, out, split_at, encoding, quiet)
-    tok.save(out / "tokenizer.json")
-    meta = {"format_version": VERSION, "tokenizer": tok.kind, "vocab_size": tok.vocab_size,
-            "dtype": "uint16" if tok.vocab_size <= 1 << 16 else "uint32", **written,
-            "train_chars": split_at, "val_chars": total - split_at,
-            "val_fraction": val_fraction, "encoding": encoding, "sources": described}
-    (out / "meta.json").write_text(json.dumps(meta, indent=2))
-    return meta
+    tok: Tokenizer = fixed or _interruptible(lambda: train_tokenizer(
+        tokenizer, [chars] if tokenizer == "char" else all_chunks(), vocab_size))
+    return _write_prepared(out, sources, tok, total, described, val_fraction, encoding, quiet, allow_special)
+
+
+def _write_prepared(out: Path, sources: list[Source], tok: Tokenizer, total: int, described: list[dict[str, Any]],
+                    val_fraction: float, encoding: str, quiet: bool, allow_special: bool) -> dict[str, Any]:
+    """Second pass: encode into a hidden staging folder inside `out`, then move the files into place."""
+    created = not out.exists()
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise GptlabError(f"cannot create output folder {out}: {exc.strerror}") from None
+    stage = out / f".prepare-{os.getpid()}"
+    committed = False
+    try:
+        stage.mkdir()
+        split_at = int(total * (1 - val_fraction))
+        written = _encode_split(sources, tok, stage, split_at, encoding, quiet, allow_special)
+        tok.save(stage / "tokenizer.json")
+        meta = {"format_version": VERSION, "tokenizer": tok.kind, "vocab_size": tok.vocab_size,
+                "dtype": "uint16" if tok.vocab_size <= 1 << 16 else "uint32", **written,
+                "train_chars": split_at, "val_chars": total - split_at,
+                "val_fraction": val_fraction, "encoding": encoding, "sources": described}
+        (stage / "meta.json").write_text(json.dumps(meta, indent=2))
+        (out / "meta.json").unlink(missing_ok=True)  # a half-replaced folder is never taken for a prepared one
+        for name in ("train.bin", "val.bin", "tokenizer.json", "meta.json"):
+            os.replace(stage / name, out / name)
+        committed = True
+        return meta
+    except OSError as exc:
+        raise GptlabError(f"cannot write the token files in {out}: {exc.strerror}; free some space or fix the "
+                          "permissions (nothing was changed)") from None
+    finally:
+        shutil.rmtree(stage, ignore_errors=True)
+        if created and not committed:
+            shutil.rmtree(out, ignore_errors=True)
 
 
 def _encode_split(sources: list[Source], tok: Tokenizer, out: Path, split_at: int, encoding: str,
-                  quiet: bool) -> dict[str, Any]:
-    """Second pass: encode everything, sending characters before `split_at` to train.bin and the rest to val.bin.
+                  quiet: bool, allow_special: bool = False) -> dict[str, Any]:
+    """Encode everything, sending characters before `split_at` to train.bin and the rest to val.bin.
     Documents are joined with the end-of-text token where the tokenizer has one."""
     writers = [TokenWriter(out / "train.bin", tok.vocab_size), TokenWriter(out / "val.bin", tok.vocab_size)]
     position = 0
-    with _progress(sum(s.size for s in sources), "encode", quiet) as bar:
-        for n, source in enumerate(sources):
-            if n and tok.eot_id is not None:
-                writers[position >= split_at].write([tok.eot_id])
-            for chunk in read_chunks(source, encoding, lambda block: bar.update(len(block))):
-                end = position + len(chunk)
-                if position < split_at < end:
-                    writers[0].write(tok.encode(chunk[:split_at - position]))
-                    writers[1].write(tok.encode(chunk[split_at - position:]))
-                else:
-                    writers[position >= split_at].write(tok.encode(chunk))
-                position = end
+    try:
+        with _progress(sum(s.size for s in sources), "encode", quiet) as bar:
+            for n, source in enumerate(sources):
+                if n and tok.eot_id is not None:
+                    writers[position >= split_at].write([tok.eot_id])
+                for chunk in read_chunks(source, encoding, lambda block: bar.update(len(block))):
+                    end = position + len(chunk)
+                    if position < split_at < end:
+                        writers[0].write(tok.encode(chunk[:split_at - position], allow_special))
+                        writers[1].write(tok.encode(chunk[split_at - position:], allow_special))
+                    else:
+                        writers[position >= split_at].write(tok.encode(chunk, allow_special))
+                    position = end
+    except BaseException:
+        for w in writers:
+            with contextlib.suppress(OSError):
+                w.file.close()
+        raise
     for w in writers:
         w.close()
     return {"train_tokens": writers[0].count, "val_tokens": writers[1].count,
@@ -264,8 +405,14 @@ def load_dataset(data_dir: str | Path) -> Dataset:
         meta = json.loads((path / "meta.json").read_text())
     except (json.JSONDecodeError, UnicodeDecodeError):
         raise GptlabError(f"{path / 'meta.json'} is damaged; run `gptlab prepare` again") from None
-    return Dataset(path, read_tokens(path / "train.bin"), read_tokens(path / "val.bin"),
-                   load_tokenizer(path / "tokenizer.json"), meta)
+    if not isinstance(meta, dict):
+        raise GptlabError(f"{path / 'meta.json'} is damaged; run `gptlab prepare` again")
+    train, val = read_tokens(path / "train.bin"), read_tokens(path / "val.bin")
+    if (meta.get("train_tokens"), meta.get("val_tokens")) != (len(train), len(val)):
+        raise GptlabError(f"the token files in {path} do not match its meta.json ({len(train)} / {len(val)} tokens, "
+                          f"meta.json says {meta.get('train_tokens')} / {meta.get('val_tokens')}); run `gptlab "
+                          "prepare` again")
+    return Dataset(path, train, val, load_tokenizer(path / "tokenizer.json"), meta)
 
 
 def batch_generator(seed: int, step: int, micro: int = 0, rank: int = 0) -> torch.Generator:

@@ -1,8 +1,11 @@
-"""Data-parallel training across processes; the only module that imports torch.distributed.
+"""Data-parallel training across processes, and everything about them: init/teardown, rank helpers, DDP/FSDP
+wrapping, sharded checkpoints.
 
 torchrun starts the processes and tells each its RANK, LOCAL_RANK and WORLD_SIZE; `setup` joins them into one
 group (gloo on CPUs, NCCL on CUDA GPUs) and `Parallel` is everything the training loop asks of it. In a single
-process (no torchrun), every method is a cheap no-op, so the loop has one code path.
+process (no torchrun), every method is a cheap no-op, so the loop has one code path. At start-up every process
+checks that it sees the same run folder as rank 0 (several machines must share it) and the same checkpoint to
+resume from, and refuses to start otherwise.
 
 The global batch does not depend on the number of processes N: each optimizer step sees batch_size x grad_accum
 sequences, the same ones as a single process would. Each micro-step's batch_size rows are drawn from
@@ -11,9 +14,13 @@ batch_size must be a multiple of N. Gradients are averaged across processes on t
 (`no_sync` on the others), which makes N processes compute the same mean gradient as one.
 
 Parallelism is applied to the model from outside: DDP (a full copy per process, gradients all-reduced) by
-default, or FSDP2 (`fully_shard`: parameters, gradients and optimizer state sharded, for models that do not fit
-one device). Checkpoints always hold full, unsharded tensors, written by rank 0, so they load on any number of
-processes, or in `gptlab sample`.
+default, or FSDP2 (`fully_shard`: parameters, gradients and optimizer state sharded, each process holding about
+1/N of them). With FSDP no process ever holds the whole model: it is built on the meta device, sharded, and each
+process draws the initial values one whole parameter at a time, in the order and from the generator a whole
+build uses, keeping only its slice, so the initial weights are bit for bit those of one process. Checkpoints
+are written by every process, each its own slices, and read back the same way on any number of processes
+(sharded.py, through torch.distributed.checkpoint); one process on its own reads them whole to sample, export or
+resume. DDP's checkpoints hold whole tensors, written by rank 0, and FSDP processes resume from those too.
 """
 
 from __future__ import annotations
@@ -22,13 +29,22 @@ import atexit
 import contextlib
 import logging
 import os
+import secrets
 import subprocess
 import sys
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.overrides import TorchFunctionMode
 
+from gptlab import checkpoint as ck
+from gptlab.config import ModelConfig
 from gptlab.errors import GptlabError
+from gptlab.model import build_model
 from gptlab.runtime import resolve_device
 
 log = logging.getLogger("gptlab")
@@ -57,46 +73,79 @@ class Parallel:
             raise GptlabError(f"batch_size {batch_size} does not split across {self.world_size} processes: each "
                               f"micro-step's rows are shared out, so use a multiple of {self.world_size}")
 
+    def check_shared_folder(self, folder: Path) -> None:
+        """Raise GptlabError (in every process) unless every process sees the same `folder` as rank 0: rank 0
+        writes a random token into it, every process reads it back, and they compare notes. Rank 0 must already
+        have created the folder; the token is removed again."""
+        if not self.active:
+            return
+        probe, token = folder / ".gptlab-same-folder", [secrets.token_hex(16)]
+        if self.is_main:
+            ck.write_atomic(probe, token[0].encode())
+        dist.broadcast_object_list(token, src=0)
+        try:
+            seen = probe.read_text() == token[0]
+        except OSError:
+            seen = False
+        missing = self.any(not seen)  # also makes rank 0 wait until every process has read the token
+        if self.is_main:
+            probe.unlink(missing_ok=True)
+        if missing:
+            raise GptlabError(f"not every process sees the run folder {folder.resolve()} that rank 0 writes "
+                              "(node-local storage, or a relative --run from different folders?); put --run on "
+                              "storage every machine shares, with the same absolute path")
+
+    def check_same_start(self, resume: bool, step: int | None) -> None:
+        """Raise GptlabError (in every process) unless all processes resume, or all start afresh, and from the
+        same checkpoint step."""
+        if not self.active:
+            return
+        mine = torch.tensor([float(resume), -1.0 if step is None else float(step)], device=self.device)
+        low, high = mine.clone(), mine.clone()
+        dist.all_reduce(low, op=dist.ReduceOp.MIN)
+        dist.all_reduce(high, op=dist.ReduceOp.MAX)
+        if not torch.equal(low, high):
+            raise GptlabError("the processes disagree on where to start (resume or not, and from which checkpoint "
+                              "step); every machine must see the same --run folder and get the same --resume")
+
+    def build(self, model_cfg: ModelConfig, fsdp: bool = False, init: dict[str, torch.Tensor] | None = None,
+              source: str = "") -> torch.nn.Module:
+        """The model on this process's device, initialised from the global generator (seeded by the caller), or
+        with `init`'s weights (`source` names them in errors). With FSDP across processes it is built on the
+        meta device and sharded, and then only this process's slices are made: see _initialise_shards."""
+        if not (fsdp and self.active):
+            model = build_model(model_cfg).to(self.device)
+            if init is not None:
+                ck.load_model_tensors(model, init, source)
+            return model
+        with torch.device("meta"), _InitRecorder() as recorder:
+            model = build_model(model_cfg)
+        if init is not None:
+            with warnings.catch_warnings():  # copying into meta tensors does nothing: this only checks names
+                warnings.filterwarnings("ignore", message=".*meta parameter.*")
+                ck.load_model_tensors(model, init, source)
+        names = {id(t): name for name, t in _named_tensors(model)}
+        self.sharded = _fully_shard(model)
+        model.to_empty(device=self.device)
+        _initialise_shards(model, recorder.calls, names, init or {})
+        return model
+
     def wrap(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
              fsdp: bool = False) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
-        """The model wrapped for data parallelism (DDP, or FSDP2 with `fsdp`) and the optimizer that steps it
-        (with FSDP, the same one, moved onto the sharded parameters)."""
+        """The model wrapped for data parallelism (DDP; with FSDP `build` has sharded it already) and the
+        optimizer that steps it."""
         if not self.active:
             if fsdp:
                 log.warning("fsdp shards across processes; in a single process it changes nothing")
             return model, optimizer
         if fsdp:
-            return self._shard(model, optimizer)
+            assert self.sharded is model, "with FSDP, build the model with Parallel.build"
+            return model, optimizer
         from torch.nn.parallel import DistributedDataParallel
 
         ids = [self.device.index] if self.device.type == "cuda" else None
         self.ddp = DistributedDataParallel(model, device_ids=ids)
         return self.ddp, optimizer
-
-    def _shard(self, model: torch.nn.Module,
-               optimizer: torch.optim.Optimizer) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
-        """FSDP2: each transformer block is one unit of all-gather / reduce-scatter, the root (embeddings, the
-        tied LM head, the final LayerNorm) another. fully_shard replaces the parameters, so the optimizer is
-        pointed at the new ones and any state it holds (from a resumed checkpoint) is cut into the same shards."""
-        from torch.distributed.fsdp import fully_shard
-        from torch.distributed.tensor import distribute_tensor
-
-        names = {id(p): name for name, p in model.named_parameters()}
-        for block in getattr(getattr(model, "transformer", None), "h", []):
-            fully_shard(block)
-        fully_shard(model)
-        new = dict(model.named_parameters())
-        state = {}
-        for old, entry in optimizer.state.items():
-            p = new[names[id(old)]]
-            state[p] = {k: distribute_tensor(v.to(self.device), p.device_mesh, p.placements)
-                        if torch.is_tensor(v) and v.shape == old.shape else v for k, v in entry.items()}
-        for group in optimizer.param_groups:
-            group["params"] = [new[names[id(p)]] for p in group["params"]]
-        optimizer.state.clear()
-        optimizer.state.update(state)
-        self.sharded = model
-        return model, optimizer
 
     def reseed(self, seed: int, step: int) -> None:
         """Give each process its own dropout stream, a function of (seed, step, rank) so a resumed run redraws
@@ -145,37 +194,183 @@ class Parallel:
         if self.active:
             dist.barrier()
 
-    def full_state(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tuple[object, object]:
-        """The model and optimizer as checkpoint.py saves them (objects with a state_dict()), holding full
-        tensors. With FSDP every process must call this (the shards are gathered together); otherwise rank 0's
-        copies are complete already and are returned as they are."""
+    def held_bytes(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, list[int]]:
+        """The bytes of parameters and of optimizer state that each process holds (with FSDP, its slices), one
+        entry per rank; all processes must ask together."""
+        params = sum(_local(p).nbytes for p in model.parameters())
+        state = sum(_local(v).nbytes for entry in optimizer.state.values() for v in entry.values()
+                    if torch.is_tensor(v))
+        mine = torch.tensor([params, state], dtype=torch.int64, device=self.device)
+        every = [torch.zeros_like(mine) for _ in range(self.world_size)]
+        if self.active:
+            dist.all_gather(every, mine)
+        else:
+            every = [mine]
+        return {"param_bytes": [int(t[0]) for t in every], "optimizer_bytes": [int(t[1]) for t in every]}
+
+    def shard_writer(self, model: torch.nn.Module,
+                     optimizer: torch.optim.Optimizer) -> Callable[[Path, bool], Any] | None:
+        """With FSDP, what rank 0 hands checkpoint.save_checkpoint as `shards`: called with the new checkpoint's
+        folder, it tells every other process where it is (they wait in `join_saves`) and all write their slices
+        there together; returns the optimizer's JSON part. None without FSDP (rank 0 writes whole tensors)."""
         if self.sharded is None:
-            return model, optimizer
-        gathered: dict[int, torch.Tensor] = {}
+            return None
 
-        def full(tensor: object) -> object:
-            if not hasattr(tensor, "full_tensor"):
-                return tensor
-            key = tensor.to_local().data_ptr()  # tied weights share storage: gather (and store) them once
-            if key not in gathered:
-                gathered[key] = tensor.full_tensor().cpu()
-            return gathered[key]
+        def write(folder: Path, with_optimizer: bool) -> Any:
+            dist.broadcast_object_list([str(folder), with_optimizer], src=0)
+            return _write_shards(folder, model, optimizer if with_optimizer else None)
+        return write
 
-        weights = {name: full(t) for name, t in self.sharded.state_dict().items()}
-        sd = optimizer.state_dict()
-        moments = {pid: {k: full(v) for k, v in entry.items()} for pid, entry in sd["state"].items()}
-        return _Saved(weights), _Saved({**sd, "state": moments})
-
+    def join_saves(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, count: int) -> None:
+        """With FSDP, on every rank but 0: write this process's slices into each of the next `count` checkpoints
+        that rank 0 opens (see shard_writer). Nothing without FSDP."""
+        for _ in range(count if self.sharded is not None and not self.is_main else 0):
+            where = [None, None]
+            dist.broadcast_object_list(where, src=0)
+            _write_shards(Path(where[0]), model, optimizer if where[1] else None)
 
 
-class _Saved:
-    """A gathered state dict, handed to checkpoint.py where a module or an optimizer is expected."""
+def load_checkpoint(folder: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                    meta: dict[str, Any]) -> None:
+    """Load the checkpoint in `folder` (whole tensors, or FSDP shards) into model and optimizer (`meta`: the
+    optimizer's JSON part). A whole model reads everything; an FSDP-sharded one reads only its own slices of a
+    sharded checkpoint, and cuts them from a whole one. Raises GptlabError when the tensors do not fit."""
+    if not any(_is_dtensor(p) for p in model.parameters()):
+        ck.load_model_tensors(model, ck.read_tensors(folder, "model"), str(folder))
+        ck.restore_optimizer(optimizer, ck.read_tensors(folder, "optimizer"), meta)
+        return
+    from gptlab import sharded
 
-    def __init__(self, state: dict):
-        self.state = state
+    whole = None
+    if (folder / ck.SHARDS).is_dir():
+        listing = sharded.describe(folder / ck.SHARDS)
+    else:
+        whole = {f"{part}.{name}": t for part in ("model", "optimizer")
+                 for name, t in ck.load_tensors(folder / f"{part}.safetensors").items()}
+        listing = {name: (t.shape, t.dtype) for name, t in whole.items()}
+    targets = _shard_targets(model, optimizer, listing, str(folder))
+    if whole is None:
+        sharded.read_into(folder / ck.SHARDS, targets)
+    else:
+        for name, target in targets.items():
+            _copy_slice(target, whole[name])
+    moments = {name.removeprefix("optimizer."): t for name, t in targets.items() if name.startswith("optimizer.")}
+    ck.restore_optimizer(optimizer, moments, meta)
 
-    def state_dict(self) -> dict:
-        return self.state
+
+def _shard_targets(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                   listing: dict[str, tuple[torch.Size, torch.dtype]], source: str) -> dict[str, torch.Tensor]:
+    """Where each tensor of a checkpoint (`listing`: name -> whole shape and dtype) goes in a sharded model and
+    optimizer: the parameters themselves, and new tensors sharded like their parameter for the optimizer's
+    moments (plain ones for its step counts)."""
+    targets = {f"model.{name}": p for name, p in _named_tensors(model)}
+    wrong = sorted(n for n, t in targets.items() if n not in listing or listing[n][0] != t.shape)
+    if wrong:
+        raise GptlabError(f"the weights in {source} do not fit the model described by its config ({wrong[0]})")
+    order = [p for group in optimizer.param_groups for p in group["params"]]
+    for name, (shape, dtype) in listing.items():
+        if name.startswith("optimizer."):
+            p = order[int(name.split(".")[1])]
+            targets[name] = torch.zeros_like(p) if shape == p.shape else torch.zeros(shape, dtype=dtype)
+    return targets
+
+
+def _write_shards(folder: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> Any:
+    """Every process together: write model and optimizer (when given) into `folder`, each process its own
+    slices, named as in a whole checkpoint; returns the optimizer's JSON part (or None)."""
+    from gptlab import sharded
+
+    tensors = {f"model.{name}": p.detach() for name, p in _named_tensors(model)}
+    meta = None
+    if optimizer is not None:
+        moments, meta = ck.optimizer_tensors(optimizer)
+        tensors.update({f"optimizer.{name}": t for name, t in moments.items()})
+    sharded.write(folder, tensors)
+    return meta
+
+
+class _InitRecorder(TorchFunctionMode):
+    """While a model is built on the meta device (where nothing is drawn), notes in order every initialiser
+    applied to its tensors: torch.nn.init's functions and Tensor.normal_ / uniform_ / fill_ / zero_, each of
+    which overwrites the whole tensor, so replaying them in order reproduces the build."""
+
+    OVERWRITING = {"normal_", "uniform_", "fill_", "zero_"}
+
+    def __init__(self):
+        super().__init__()
+        self.calls: list[tuple[Callable, torch.Tensor, tuple, dict]] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        target = args[0] if args else kwargs.get("tensor")
+        name = getattr(func, "__name__", "")
+        if isinstance(target, torch.Tensor) and target.is_meta and name.endswith("_") and not name.startswith("__"):
+            assert getattr(func, "__module__", None) == "torch.nn.init" or name in self.OVERWRITING, \
+                f"sharded initialisation cannot replay {name}, which does not overwrite the whole tensor"
+            self.calls.append((func, target, args[1:], {k: v for k, v in kwargs.items() if k != "tensor"}))
+        return func(*args, **kwargs)
+
+
+def _initialise_shards(model: torch.nn.Module, calls: list[tuple[Callable, torch.Tensor, tuple, dict]],
+                       names: dict[int, str], init: dict[str, torch.Tensor]) -> None:
+    """Give the sharded, materialised (uninitialised) `model` its initial values: each recorded initialiser is
+    run again, in order, on a whole tensor on the CPU, so the global generator draws exactly what a whole build
+    draws; this process keeps its slice of each tensor's final value (or of init's, for the names it has). One
+    whole tensor at a time is ever in memory."""
+    tensors = dict(_named_tensors(model))
+    last = {id(target): i for i, (_, target, _, _) in enumerate(calls)}
+    with torch.no_grad():
+        for i, (func, target, args, kwargs) in enumerate(calls):
+            whole = torch.empty(target.shape, dtype=target.dtype)
+            func(whole, *args, **kwargs)
+            name = names.get(id(target))
+            if name is not None and last[id(target)] == i and name not in init:
+                _copy_slice(tensors[name], whole)
+        for name, tensor in init.items():
+            if name in tensors:
+                _copy_slice(tensors[name], tensor)
+    assert all(key in last or name in init for key, name in names.items()), "a tensor was never initialised"
+
+
+def _named_tensors(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """Parameters (a tied one once) and buffers, by their names in a whole checkpoint."""
+    named = [*model.named_parameters(), *model.named_buffers()]
+    for prefix in ck.WRAPPER_PREFIXES:
+        named = [(name.removeprefix(prefix), t) for name, t in named]
+    return named
+
+
+def _fully_shard(model: torch.nn.Module) -> torch.nn.Module:
+    """FSDP2: each transformer block is one unit of all-gather / reduce-scatter, the root (embeddings, the tied
+    LM head, the final LayerNorm) another."""
+    from torch.distributed.fsdp import fully_shard
+
+    for block in getattr(getattr(model, "transformer", None), "h", []):
+        fully_shard(block)
+    fully_shard(model)
+    return model
+
+
+def _is_dtensor(tensor: torch.Tensor) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(tensor, DTensor)
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """The part of `tensor` this process holds: its slice of a DTensor, else all of it."""
+    return tensor.to_local() if _is_dtensor(tensor) else tensor
+
+
+def _copy_slice(target: torch.Tensor, whole: torch.Tensor) -> None:
+    """Copy into `target` its part of `whole`: this process's slice when `target` is a DTensor, else all."""
+    if _is_dtensor(target):
+        from torch.distributed.tensor import distribute_tensor
+
+        whole = distribute_tensor(whole.to(target.device), target.device_mesh, target.placements,
+                                  src_data_rank=None).to_local()  # no communication: each cuts its own slice
+    with torch.no_grad():
+        _local(target).copy_(whole)
 
 
 def setup(device_name: str = "auto") -> Parallel:
@@ -217,12 +412,13 @@ def elastic_resume(resume: str | None, run: str | None) -> str | None:
     return resume
 
 
-def launch(nproc: int, argv: list[str], max_restarts: int = 0) -> int:
-    """Run `gptlab ARGV` as nproc processes on this machine through torchrun; returns its exit code. Each
-    process gets an equal share of the cores unless OMP_NUM_THREADS says otherwise."""
+def launch(nproc: int, argv: list[str], max_restarts: int = 0, extra_env: dict[str, str] | None = None) -> int:
+    """Run `gptlab ARGV` as nproc processes on this machine through torchrun (with `extra_env` added to their
+    environment); returns its exit code. Each process gets an equal share of the cores unless OMP_NUM_THREADS
+    says otherwise."""
     if nproc < 1:
         raise GptlabError(f"--nproc must be at least 1, not {nproc}")
-    env = dict(os.environ)
+    env = {**os.environ, **(extra_env or {})}
     if "OMP_NUM_THREADS" not in env:
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
         env["OMP_NUM_THREADS"] = str(max(1, cores // nproc))

@@ -14,11 +14,13 @@ from gptlab.errors import GptlabError
 
 
 class Interrupted(GptlabError):
-    """Training stopped on a signal after writing a checkpoint; the CLI exits with 128 + the signal number."""
+    """Training stopped on a signal after writing a checkpoint; the CLI exits with 128 + the signal number and
+    reports it as a stop, not an error."""
 
     def __init__(self, message: str, signum: int):
         super().__init__(message)
         self.exit_code = 128 + signum
+        self.label = ""  # "gptlab: stopped by SIGINT ...", not "gptlab: error: ..."
 
 
 class NonFiniteLoss(GptlabError):
@@ -27,6 +29,14 @@ class NonFiniteLoss(GptlabError):
 
 class LossSpike(GptlabError):
     """The loss stayed far above its recent mean for several steps in a row."""
+
+
+def is_out_of_memory(exc: BaseException) -> bool:
+    """Whether `exc` is an allocation that failed: torch's (CUDA, or a CPU allocator's RuntimeError) or numpy's."""
+    import torch
+
+    return isinstance(exc, (MemoryError, torch.OutOfMemoryError)) or (
+        isinstance(exc, RuntimeError) and "can't allocate memory" in str(exc))
 
 
 class GracefulStop:

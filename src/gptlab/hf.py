@@ -18,10 +18,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from gptlab import checkpoint as ck
 from gptlab.config import ModelConfig, TrainConfig, from_dict, to_dict
+from gptlab.data import folder_kind
 from gptlab.errors import GptlabError
 from gptlab.model import GPT
 from gptlab.tokenizer import EOT, CharTokenizer, GPT2Tokenizer, Tokenizer, _byte_decoder, gpt2_ranks
@@ -100,6 +102,14 @@ def weight_files(folder: Path) -> list[Path]:
 
 def read_weight_file(path: Path) -> dict[str, torch.Tensor]:
     """The tensors in one safetensors or PyTorch weight file; raises GptlabError when it cannot be read."""
+    if path.suffix != ".safetensors":
+        with open(path, "rb") as f:
+            head = f.read(64)
+        if head.startswith(b"version https://git-lfs"):
+            raise GptlabError(f"{path} is a Git LFS pointer, not the weights; fetch the file itself (git lfs pull)")
+        if not (head.startswith(b"PK\x03\x04") or head[:1] == b"\x80"):  # a zip archive or a legacy pickle
+            raise GptlabError(f"{path} is not a PyTorch weights file (it does not start like one); it is damaged or "
+                              "something else, download it again")
     try:
         if path.suffix == ".safetensors":
             tensors = load_file(path)
@@ -243,15 +253,21 @@ def import_hf(folder: str | Path, run_dir: str | Path) -> GPT:
     """Turn the HF GPT-2 folder into a gptlab run at `run_dir` (config, tokenizer, one "best" checkpoint at step
     0) and return the model. Raises GptlabError on bad input or when `run_dir` already holds a run."""
     folder, run = Path(folder), Path(run_dir)
-    if ck.is_run(run):
-        raise GptlabError(f"{run} already holds a run; choose another --run or delete it first")
+    if folder_kind(run) is not None:
+        what = {"run": "a run", "data": "prepared data", "hf": "a model (config.json)"}[folder_kind(run)]
+        raise GptlabError(f"{run} already holds {what}; choose another --run or delete it first")
     model_cfg, tensors = read_hf_model(folder)
     tokenizer = read_hf_tokenizer(folder, model_cfg.vocab_size)
     model = GPT(model_cfg)
     ck.load_model_tensors(model, tensors, str(folder))
     source = str(folder.resolve())
-    ck.init_run(run, model_cfg, TrainConfig(), tokenizer, {"imported_from": source})
-    ck.save_checkpoint(run, "best", 0, model, {"model": to_dict(model_cfg), "imported_from": source}, keep=1)
+    with ck.RunLock(run) as lock:
+        try:
+            ck.init_run(run, model_cfg, TrainConfig(), tokenizer, {"imported_from": source})
+            ck.save_checkpoint(run, "best", 0, model, {"model": to_dict(model_cfg), "imported_from": source}, keep=1)
+        except GptlabError:
+            lock.undo()
+            raise
     return model.eval()
 
 
@@ -330,11 +346,16 @@ def write_tokenizer_files(out: Path, tokenizer: Tokenizer, max_length: int) -> l
 def export_hf(run_dir: str | Path, out_dir: str | Path, which: str = "best") -> list[str]:
     """Write the run's model (its best checkpoint, else its latest) as a HF GPT-2 folder: config.json,
     model.safetensors and tokenizer files. Returns the names written; raises GptlabError on bad input."""
+    out = Path(out_dir)
+    if out.resolve() == Path(run_dir).resolve() or folder_kind(out) in ("run", "data"):
+        kind = "the run itself" if out.resolve() == Path(run_dir).resolve() else \
+            {"run": "a gptlab run", "data": "a prepared data folder"}[folder_kind(out)]
+        raise GptlabError(f"--out {out} is {kind}; exporting there would overwrite its config.json and "
+                          "tokenizer.json, so give --out a folder of its own")
     loaded = ck.load_run(run_dir, which)
     if not isinstance(loaded.model, GPT):
         raise GptlabError(f"{run_dir} holds a {loaded.model_cfg.arch} model; only GPT models have a Hugging Face "
                           "GPT-2 form")
-    out = Path(out_dir)
     if out.exists() and not out.is_dir():
         raise GptlabError(f"{out} exists and is not a folder; give --out a new or existing folder")
     try:
@@ -346,9 +367,10 @@ def export_hf(run_dir: str | Path, out_dir: str | Path, which: str = "best") -> 
     try:
         save_file(tensors, tmp, metadata={"format": "pt"})  # transformers checks the "format" entry
         os.replace(tmp, out / "model.safetensors")
-    except OSError as exc:
+    except (OSError, SafetensorError) as exc:
         tmp.unlink(missing_ok=True)
-        raise GptlabError(f"cannot write {out / 'model.safetensors'}: {exc.strerror}; check free space") from None
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc).strip()
+        raise GptlabError(f"cannot write {out / 'model.safetensors'}: {reason}; check free space") from None
     ck.write_json(out / HF_CONFIG, hf_config(loaded.model_cfg, loaded.tokenizer))
     return [HF_CONFIG, "model.safetensors"] + write_tokenizer_files(out, loaded.tokenizer,
                                                                       loaded.model_cfg.block_size)

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
 import os
 import signal
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -21,11 +23,12 @@ from gptlab.config import ModelConfig, TrainConfig, from_dict, to_dict
 from gptlab.data import Dataset, batch_generator, get_batch, load_dataset
 from gptlab.distributed import Parallel
 from gptlab.errors import GptlabError
-from gptlab.faults import GracefulStop, Interrupted, LossSpike, NonFiniteLoss, SpikeGuard
+from gptlab.faults import GracefulStop, Interrupted, LossSpike, NonFiniteLoss, SpikeGuard, is_out_of_memory
 from gptlab.hf import init_tensors
 from gptlab.model import build_model
 from gptlab.optim import lr_at, make_optimizer, step_if_finite
 from gptlab.plots import plot_loss, read_metrics
+from gptlab.tokenizer import load as load_tokenizer
 from gptlab.runtime import (Speed, autocast, cached_speed, compile_model, configure_matmul, resolve_precision,
                             set_threads, to_device)
 
@@ -42,6 +45,7 @@ class TrainResult:
     tokens_per_second: float
     history: list[dict[str, Any]] = field(default_factory=list)
     rank: int = 0
+    train_seconds: float = 0.0  # `seconds` less evaluations and checkpoints: what tokens_per_second counts
 
 
 @dataclass
@@ -121,32 +125,90 @@ def defers_finite_check(device: torch.device) -> bool:
     return device.type == "cuda"
 
 
-def resume_state(run_dir: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                 dataset: Dataset, model_cfg: ModelConfig, cfg: TrainConfig, record: bool = True) -> Progress:
-    """Load the newest valid checkpoint of `run_dir` into model and optimizer; returns where training stands.
-    Refuses another model shape or other data; records deliberate changes of training settings (with record:
-    under torchrun, rank 0 alone writes)."""
-    ckpt = ck.find_checkpoint(run_dir, "step")
+PLAIN_LINE_SECONDS = 10.0  # without a terminal (CI, nohup, | tee): a progress line at most this often
+LOCKED_RUN_ENV = "GPTLAB_LOCKED_RUN"  # set by `gptlab train --nproc`, whose launcher holds the run's lock
+
+
+def check_memory(model_cfg: ModelConfig, cfg: TrainConfig, device: torch.device, processes: int) -> None:
+    """Refuse, before allocating anything, what cannot fit the device's memory by a lower bound alone: the
+    weights, gradients and AdamW moments (16 bytes a parameter), or one micro-batch's logits and their gradient
+    (8 bytes per position and vocabulary entry)."""
+    if device.type == "cuda":
+        total = torch.cuda.get_device_properties(device).total_memory
+    elif device.type == "cpu" and hasattr(os, "sysconf") and "SC_PHYS_PAGES" in os.sysconf_names:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    else:
+        return
+    with torch.device("meta"):
+        params = build_model(model_cfg).num_params()
+    gib = f"the {total / 2**30:,.0f} GiB of this {device.type}"
+    if params * 16 > total:
+        raise GptlabError(f"this model has {params:,} parameters: training it needs about {params * 16 / 2**30:,.0f} "
+                          f"GiB for its weights, gradients and AdamW state, more than {gib}; choose a smaller "
+                          "--n-embd or --n-layer")
+    rows = max(1, cfg.batch_size // processes)
+    logits = rows * model_cfg.block_size * model_cfg.vocab_size * 8
+    if logits > total:
+        raise GptlabError(f"a micro-batch of {rows:,} x {model_cfg.block_size} positions needs "
+                          f"{logits / 2**30:,.0f} GiB for its logits alone, more than {gib}; use a smaller "
+                          "--batch-size with a larger --grad-accum (the same tokens per step)")
+
+
+def check_new_run(run: Path) -> None:
+    """A new run may start in a new or empty folder, or over a run folder without checkpoints; never over
+    checkpoints (even damaged ones), a prepared data folder, or another program's files."""
+    from gptlab.data import folder_kind
+
+    kind = folder_kind(run)
+    if kind == "data":
+        raise GptlabError(f"{run} is a prepared data folder; training into it would overwrite its tokenizer, so "
+                          "choose another --run")
+    if kind == "hf":
+        raise GptlabError(f"{run} holds a config.json that is not a gptlab run's; choose another --run")
+    if any((run / ck.CKPTS).glob("step-*")) or any((run / ck.CKPTS).glob("best-*")):
+        raise GptlabError(f"run {run} already has checkpoints; pass --resume to continue it or choose a new --run")
+
+
+def check_resume(run: Path, dataset: Dataset, model_cfg: ModelConfig, cfg: TrainConfig) -> tuple[ck.Checkpoint,
+                                                                                                   dict[str, Any]]:
+    """Everything a resume must satisfy, checked before anything is written: a valid checkpoint, the same model
+    shape, the same data and tokenizer, and steps left to train. Returns the checkpoint and its state."""
+    ck.read_run_config(run)
+    ckpt = ck.find_checkpoint(run, "step")
     if ckpt is None:
-        raise GptlabError(f"run {run_dir} has no checkpoint to resume from; drop --resume to start it")
+        raise GptlabError(f"run {run} has no checkpoint to resume from; drop --resume to start it")
     state = ck.read_state(ckpt)
     saved = from_dict(ModelConfig, state["model"]).shape()
     if saved != model_cfg.shape():
         diff = ", ".join(f"{k}={saved[k]} (now {v})" for k, v in model_cfg.shape().items() if saved[k] != v)
-        raise GptlabError(f"cannot resume {run_dir}: it was trained with {diff}; drop those overrides or use a new --run")
+        raise GptlabError(f"cannot resume {run}: it was trained with {diff}; drop those overrides or use a new --run")
     if state.get("data_fingerprint") != dataset.fingerprint():
-        raise GptlabError(f"cannot resume {run_dir}: it was trained on different data than {dataset.path}; "
-                          "use the same --data or start a new --run")
-    ck.load_model_tensors(model, ck.load_tensors(ckpt.path / "model.safetensors"), str(ckpt.path))
-    ck.restore_optimizer(optimizer, ck.load_tensors(ckpt.path / "optimizer.safetensors"), state["optimizer"])
+        raise GptlabError(f"cannot resume {run}: it was trained on different data than {dataset.path}; "
+                          "drop --data (a run resumes on its own data) or start a new --run")
+    if dataset.tokenizer.to_dict() != load_tokenizer(run / ck.TOKENIZER).to_dict():
+        raise GptlabError(f"cannot resume {run}: the tokenizer of {dataset.path} is not the run's")
+    if state["step"] >= cfg.max_steps:
+        raise GptlabError(f"run {run} has already trained {state['step']} steps and max_steps is {cfg.max_steps}: "
+                          f"nothing to do; pass a larger --max-steps to train further")
+    return ckpt, state
+
+
+def resume_state(ckpt: ck.Checkpoint, state: dict[str, Any], model: torch.nn.Module,
+                 optimizer: torch.optim.Optimizer, progress: Progress) -> None:
+    """Load a checkpoint (already checked by check_resume) into model, optimizer and the random generators, and
+    set `progress` to where training stands."""
+    distributed.load_checkpoint(ckpt.path, model, optimizer, state["optimizer"])  # whole or sharded, either way
     ck.restore_rng(ck.load_tensors(ckpt.path / "rng.safetensors"))
-    changes = {k: [v, getattr(cfg, k)] for k, v in state["train"].items() if getattr(cfg, k, v) != v}
-    if changes and record:
-        log.warning("resuming %s at step %d with changed settings: %s", run_dir, state["step"],
-                    ", ".join(f"{k} {a} -> {b}" for k, (a, b) in changes.items()))
-    if record:
-        ck.record_resume(run_dir, state["step"], changes)
-    return Progress(state["step"], state["tokens_seen"], state["best_val_loss"])
+    progress.step, progress.tokens_seen, progress.best_val_loss = state["step"], state["tokens_seen"], \
+        state["best_val_loss"]
+
+
+def settings_changed(state: dict[str, Any], model_cfg: ModelConfig, cfg: TrainConfig) -> dict[str, list[Any]]:
+    """The settings a resume changes deliberately ({name: [before, now]}): training ones and the model's
+    non-shape ones (dropout, attention path)."""
+    now = {**to_dict(model_cfg), **to_dict(cfg)}
+    before = {**state["model"], **state["train"]}
+    return {k: [v, now[k]] for k, v in before.items() if k in now and now[k] != v}
 
 
 def _keep_metrics_until(path: Path, step: int) -> None:
@@ -160,6 +222,7 @@ def train(data_dir: str | Path, run_dir: str | Path, model_cfg: ModelConfig, cfg
     """Train `model_cfg` on the prepared data in `data_dir` into `run_dir`, per `cfg`; with resume, continue from
     the run's newest valid checkpoint. Returns the final numbers. Raises GptlabError on bad input, and its
     subclasses Interrupted (a signal: a checkpoint was written), NonFiniteLoss and LossSpike (nothing applied).
+    Everything is checked before the run folder is written, and the folder has one writer at a time (RunLock).
     Under torchrun, every process runs this and trains its share of each batch (see distributed.py)."""
     set_threads()
     dist = distributed.setup(cfg.device)
@@ -173,20 +236,50 @@ def train(data_dir: str | Path, run_dir: str | Path, model_cfg: ModelConfig, cfg
     # fine-tuning: start from a gptlab run's or a HF GPT-2's weights, checked against this model and data first
     init = init_tensors(cfg.init_from, model_cfg, dataset.tokenizer) if cfg.init_from and not resume else None
     check_data(dataset, model_cfg)
+    check_memory(model_cfg, cfg, device, dist.world_size)
     run = Path(run_dir)
+    own_lock = dist.is_main and os.environ.get(LOCKED_RUN_ENV) != str(run.resolve())
+    lock = ck.RunLock(run) if own_lock else contextlib.nullcontext()
+    with lock:
+        progress = Progress()
+        try:
+            return _train_locked(dataset, run, model_cfg, cfg, resume, quiet, extra or {}, init, dist, precision,
+                                 progress)
+        except GptlabError as exc:
+            if own_lock and progress.step == 0 and not isinstance(exc, Interrupted):
+                lock.undo()  # refused, or a new run failed before its first step: the folder is as it was
+            raise
+
+
+def _train_locked(dataset: Dataset, run: Path, model_cfg: ModelConfig, cfg: TrainConfig, resume: bool, quiet: bool,
+                  extra: dict[str, Any], init: dict[str, torch.Tensor] | None, dist: Parallel, precision: str,
+                  progress: Progress) -> TrainResult:
+    """train(), once this process may write the run: check, then write, then train."""
+    device = dist.device
+    dist.check_shared_folder(run)  # several machines: each must see the folder rank 0 writes
+    ckpt, state = check_resume(run, dataset, model_cfg, cfg) if resume else (None, None)
+    if not resume:
+        check_new_run(run)
+    dist.check_same_start(resume, ckpt.step if ckpt else None)
     torch.manual_seed(cfg.seed)
-    model = build_model(model_cfg).to(device)
-    if init is not None:
-        ck.load_model_tensors(model, init, cfg.init_from)
+    model = dist.build(model_cfg, cfg.fsdp, init, cfg.init_from)  # with FSDP: only this process's slices
     speed = cached_speed(device, precision, cfg.batch_size * model_cfg.block_size * cfg.grad_accum,
                          model.flops_per_token(), dist.world_size)
     optimizer = make_optimizer(model, cfg)
-    if not resume and ck.find_checkpoint(run, "step") is not None:
-        raise GptlabError(f"run {run} already has checkpoints; pass --resume to continue it or choose a new --run")
-    if dist.is_main:
-        ck.init_run(run, model_cfg, cfg, dataset.tokenizer, {"data": str(Path(data_dir)), "precision": precision,
-                    "device": str(device), "processes": dist.world_size, **(extra or {})})
-    progress = resume_state(run, model, optimizer, dataset, model_cfg, cfg, dist.is_main) if resume else Progress()
+    if ckpt is not None:
+        resume_state(ckpt, state, model, optimizer, progress)
+    if dist.is_main:  # every check has passed: now the run folder may change
+        where = {"data": str(dataset.path.resolve()), "precision": precision, "device": str(device),
+                 "processes": dist.world_size}
+        if resume:
+            changes = settings_changed(state, model_cfg, cfg)
+            if changes:
+                log.warning("resuming %s at step %d with changed settings: %s", run, state["step"],
+                            ", ".join(f"{k} {a} -> {b}" for k, (a, b) in changes.items()))
+            ck.update_run_config(run, model_cfg, cfg, {**where, **extra},
+                                 {"step": state["step"], "changes": changes, "time": time.time()})
+        else:
+            ck.init_run(run, model_cfg, cfg, dataset.tokenizer, {**where, **extra})
     model, optimizer = dist.wrap(model, optimizer, cfg.fsdp)
     dist.reseed(cfg.seed, progress.step)
     if cfg.compile:
@@ -235,6 +328,7 @@ class Trainer:
     history: list[dict[str, Any]] = field(default_factory=list)
     last_checkpoint: Path | None = None
     val_loss: float = math.nan
+    held_reported: bool = False  # the first train row says what each process holds (held_bytes)
 
     def loop(self, quiet: bool) -> TrainResult:
         """Steps until max_steps: train step, log, evaluate and checkpoint at intervals, stop cleanly on a signal."""
@@ -252,8 +346,11 @@ class Trainer:
         self.eager = getattr(self.model, "_orig_mod", self.model)  # evaluating compiled costs a second compilation
         self.model.train()
         metrics = self.run / ck.METRICS if self.dist.is_main else os.devnull
+        self.train_seconds, self.last_line = 0.0, self.start
+        self.plain = not quiet and self.dist.is_main and bar.disable  # no terminal: a plain line now and then
         with GracefulStop() as stop, open(metrics, "a") as self.metrics:
             while progress.step < cfg.max_steps:
+                began = time.perf_counter()
                 loss, norm = self.step()
                 if cfg.spike_factor > 0:
                     self.check_finite()  # the guard reads the loss every step anyway
@@ -264,6 +361,7 @@ class Trainer:
                     self.check_finite()
                     self.log(loss, norm, bar)
                 bar.update(1)
+                self.train_seconds += time.perf_counter() - began
                 if progress.step % cfg.eval_interval == 0 or done:
                     self.check_finite()
                     self.evaluate(bar)
@@ -273,9 +371,9 @@ class Trainer:
         seconds = time.perf_counter() - self.start
         if self.dist.is_main:
             plot_loss(self.run / ck.METRICS, self.run / "loss.png", title=self.run.name)
-        rate = (progress.step - self.start_step) * self.tokens_per_step / max(seconds, 1e-9)
+        rate = (progress.step - self.start_step) * self.tokens_per_step / max(self.train_seconds, 1e-9)
         return TrainResult(self.run, progress.step, self.val_loss, progress.best_val_loss, seconds, rate,
-                           self.history, self.dist.rank)
+                           self.history, self.dist.rank, self.train_seconds)
 
     @property
     def tokens_per_step(self) -> int:
@@ -315,7 +413,9 @@ class Trainer:
             return fn(*args)
         except (NonFiniteLoss, LossSpike) as exc:
             raise type(exc)(f"{exc}; {last}. Try a lower --lr, more --warmup-steps or --precision fp32") from None
-        except torch.OutOfMemoryError:
+        except (MemoryError, RuntimeError) as exc:
+            if not is_out_of_memory(exc):
+                raise
             B, accum = self.cfg.batch_size, self.cfg.grad_accum
             raise GptlabError(f"out of memory on {self.device} at batch_size {B} x block_size "
                               f"{self.model_cfg.block_size}; try --batch-size {max(1, B // 2)} --grad-accum "
@@ -332,11 +432,18 @@ class Trainer:
         rates = self.speed.report(self.progress.step - self.tick_step, now - self.tick)
         self.tick, self.tick_step = now, self.progress.step
         shown = loss.item()
+        held = {} if self.held_reported else self.dist.held_bytes(self.model, self.optimizer)  # per process, once
+        self.held_reported = True
         self.record({"kind": "train", "step": self.progress.step, "loss": shown, "grad_norm": norm.item(),
                      "lr": lr_at(self.progress.step - 1, self.cfg), "tokens": self.progress.tokens_seen, **rates,
-                     "elapsed_s": round(now - self.start, 3)})
+                     "elapsed_s": round(now - self.start, 3), **held})
         mfu = {"mfu": f"{rates['mfu']:.0%}"} if "mfu" in rates else {}
         bar.set_postfix(loss=f"{shown:.4f}", tok_s=f"{rates['tokens_per_s']:,.0f}", **mfu, refresh=False)
+        if self.plain and (now - self.last_line >= PLAIN_LINE_SECONDS or self.progress.step == self.cfg.max_steps):
+            self.last_line = now
+            print(f"step {self.progress.step}/{self.cfg.max_steps}: loss {shown:.4f}, "
+                  f"{rates['tokens_per_s']:,.0f} tokens/s" + (f", mfu {mfu['mfu']}" if mfu else "") +
+                  f", {now - self.start:,.0f} s", file=sys.stderr, flush=True)
 
     def evaluate(self, bar: Any) -> None:
         losses = estimate_loss(self.eager, self.dataset, self.cfg, self.model_cfg.block_size, self.device,
@@ -360,7 +467,7 @@ class Trainer:
 
     def save(self, best: bool) -> None:
         """A resumable checkpoint now, and a "best" one when the validation loss is the lowest so far; written by
-        rank 0 once every process has come this far, with full (unsharded) tensors."""
+        rank 0 once every process has come this far (with FSDP, every process writes its slices of the tensors)."""
         progress = self.progress
         if best:
             progress.best_val_loss = self.val_loss
@@ -370,15 +477,17 @@ class Trainer:
                  "model": to_dict(self.model_cfg), "train": to_dict(self.cfg),
                  "gptlab_version": ck.__version__, "git_commit": ck.git_commit()}
         self.dist.barrier()
-        model, optimizer = self.dist.full_state(self.model, self.optimizer)
+        model, optimizer, shards = self.model, self.optimizer, self.dist.shard_writer(self.model, self.optimizer)
         if not self.dist.is_main:
+            self.dist.join_saves(model, optimizer, 2 if best else 1)
             self.last_checkpoint = self.run / ck.CKPTS / f"step-{progress.step:08d}"  # where rank 0 writes it
             return
         extra = {ck.TOKENIZER: (self.run / ck.TOKENIZER).read_bytes()}
         self.last_checkpoint = ck.save_checkpoint(self.run, "step", progress.step, model, state, optimizer,
-                                                  keep=self.cfg.keep_last, extra_files=extra)
+                                                  keep=self.cfg.keep_last, extra_files=extra, shards=shards)
         if best:
-            ck.save_checkpoint(self.run, "best", progress.step, model, state, keep=1, extra_files=extra)
+            ck.save_checkpoint(self.run, "best", progress.step, model, state, keep=1, extra_files=extra,
+                               shards=shards)
 
 
 def _raise(exc: Exception) -> None:
