@@ -1,40 +1,90 @@
-"""Benchmarks: the measured peak is cached per device and read back; `bench train` trains every variant from the
-same seed on the same batches and prints its table with the headline ratio last."""
+"""Benchmarks: the measured peak is cached per device and read back, but never when other work ran meanwhile;
+`bench train` trains every variant from the same seed on the same batches and prints its table with the headline
+ratio last; `bench matmul` times a preset's own products; every bench flag says what it does."""
 
 import json
+import os
 
 import pytest
 import torch
 
 from conftest import tiny_config
-from gptlab import bench
-from gptlab.cli import main
+from gptlab.bench import matmul, peak, timing
+from gptlab.bench.train import Variant, attention_variants, run_train_bench, train_variants
+from gptlab.cli import BENCHES, main
 from gptlab.config import TrainConfig
 from gptlab.runtime import bf16_supported, read_peak
 
+HZ = os.sysconf("SC_CLK_TCK")
 
-def test_peak_is_measured_once_then_read_from_the_cache(monkeypatch):
+
+def fake_machine(monkeypatch, others: float) -> None:
+    """Every load reading sees `others` CPUs' worth of other processes' time per second (a job named "stress"),
+    and this process at half a CPU; each reading is one second after the previous."""
+    clock = iter(range(1000))
+
+    def sample() -> timing.Sample:
+        t = next(clock)
+        return timing.Sample(float(t), (3.0 if others else 0.1, 1.0, 1.0), busy_ticks=int(t * HZ * (others + 0.5)),
+                             own_ticks=int(t * HZ * 0.5), processes={42: ("stress", int(t * HZ * others))})
+    monkeypatch.setattr(timing, "sample", sample)
+
+
+@pytest.fixture
+def quiet_machine(monkeypatch):
+    fake_machine(monkeypatch, others=0.0)
+
+
+def test_the_load_counts_other_processes_time_not_this_ones(monkeypatch):
+    fake_machine(monkeypatch, others=1.5)
+    load = timing.LoadWatch().stop()
+    assert load.others == pytest.approx(1.5) and load.busy and load.busiest == [("stress", pytest.approx(1.5))]
+    assert "other processes used 1.50 CPUs" in load.line() and "stress 150%" in load.line()
+    assert "warning: other work was running" in load.report()
+    fake_machine(monkeypatch, others=0.1)
+    load = timing.LoadWatch().stop()
+    assert not load.busy and "warning" not in load.report()
+    assert not timing.Load((2.5, 0, 0), 2, 2, 1.0).busy and timing.Load((3.5, 0, 0), 2, 2, 1.0).busy  # no /proc
+
+
+def test_a_peak_measured_on_a_busy_machine_is_printed_but_not_cached(monkeypatch, capsys):
+    cpu = torch.device("cpu")
+    fake_machine(monkeypatch, others=1.5)
+    busy = peak.run_peak(device="cpu", quick=True)
+    out = capsys.readouterr().out
+    assert busy["fp32"] > 0 and "fp32 matmul" in out and read_peak(cpu) is None
+    assert "warning: measured while other work was running (1.50 CPUs of other work): not cached" in out
+    assert peak.cached_peak(cpu, quick=True) and read_peak(cpu) is None  # training's first measurement, too
+    assert "not cached" in capsys.readouterr().out
+    fake_machine(monkeypatch, others=0.0)
+    quiet = peak.run_peak(device="cpu", quick=True)
+    out = capsys.readouterr().out
+    assert "warning" not in out and "other processes used 0.00 CPUs" in out
+    assert read_peak(cpu)["fp32"] == quiet["fp32"] and read_peak(cpu)["load"].startswith("machine load: ")
+
+
+def test_peak_is_measured_once_then_read_from_the_cache(monkeypatch, quiet_machine):
     device = torch.device("cpu")
-    peak = bench.measure_peak(device, quick=True)
-    assert peak["fp32"] > 1e8 and peak["read_bytes_per_s"] > 1e8
-    assert ("bf16" in peak) == bf16_supported(device) and "tf32" not in peak
+    measured = peak.measure_peak(device, quick=True)
+    assert measured["fp32"] > 1e8 and measured["read_bytes_per_s"] > 1e8
+    assert ("bf16" in measured) == bf16_supported(device) and "tf32" not in measured
     calls = []
-    monkeypatch.setattr(bench, "measure_peak", lambda device: calls.append(device) or {**peak, "fp32": 123.0})
+    monkeypatch.setattr(peak, "measure_peak", lambda device, quick: calls.append(device) or {**measured, "fp32": 123.0})
     assert read_peak(device) is None
-    assert bench.cached_peak(device)["fp32"] == 123.0 and read_peak(device)["fp32"] == 123.0
-    assert bench.cached_peak(device)["fp32"] == 123.0 and len(calls) == 1
-    bench.cached_peak(device, refresh=True)
+    assert peak.cached_peak(device)["fp32"] == 123.0 and read_peak(device)["fp32"] == 123.0
+    assert peak.cached_peak(device)["fp32"] == 123.0 and len(calls) == 1
+    peak.cached_peak(device, refresh=True)
     assert len(calls) == 2
 
 
-def test_bench_train_compares_variants_from_the_same_start(char_data, monkeypatch, capsys):
-    monkeypatch.setattr(bench, "measure_peak", lambda device: {"device": "test", "fp32": 1e10, "bf16": 2e10})
-    variants = [bench.Variant("fp32 eager (reference)", "fp32"), bench.Variant("fp32 again", "fp32")]
+def test_bench_train_compares_variants_from_the_same_start(char_data, monkeypatch, capsys, quiet_machine):
+    monkeypatch.setattr(peak, "measure_peak", lambda device, quick: {"device": "test", "fp32": 1e10, "bf16": 2e10})
+    variants = [Variant("fp32 eager (reference)", "fp32"), Variant("fp32 again", "fp32")]
     if bf16_supported(torch.device("cpu")):
-        variants.append(bench.Variant("bf16 eager", "bf16"))
+        variants.append(Variant("bf16 eager", "bf16"))
     cfg = TrainConfig(batch_size=4, lr=3e-3, warmup_steps=1, device="cpu")
     model = tiny_config(vocab_size=0, dropout=0.1)  # interleaved variants, yet each draws the masks it would alone
-    rows = bench.run_train_bench(char_data, model, cfg, steps=2, warmup=1, variants=variants)
+    rows = run_train_bench(char_data, model, cfg, steps=2, warmup=1, variants=variants)
     lines = capsys.readouterr().out.strip().splitlines()
     assert [r["variant"] for r in rows] == [v.name for v in variants]
     assert rows[0]["val_loss"] == rows[1]["val_loss"]  # same seed, same batches, same path: the same numbers
@@ -46,6 +96,7 @@ def test_bench_train_compares_variants_from_the_same_start(char_data, monkeypatc
         assert r["mfu"] == pytest.approx(r["tokens_per_s"] * flops_per_token / (2e10 if r["peak"] == "bf16" else 1e10))
     assert lines[-1].endswith("peak") and "x the fp32 reference's tokens/s, MFU" in lines[-1]
     assert any(line.startswith("fp32 again") and " +0.0000" in line for line in lines)
+    assert any(line.startswith("machine load: ") for line in lines)
 
 
 def model_flops(char_data) -> float:
@@ -55,14 +106,48 @@ def model_flops(char_data) -> float:
     return GPT(tiny_config(vocab_size=vocab)).flops_per_token()
 
 
-def test_bench_train_cli_rejects_bad_numbers(capsys):
-    assert main(["bench", "train", "--steps", "0"]) == 2
-    assert "--steps" in capsys.readouterr().err
+@pytest.mark.parametrize("argv, flag", [(["train", "--steps", "0"], "--steps"),
+                                        (["decode", "--rounds", "0"], "--rounds"),
+                                        (["matmul", "--repeats", "0"], "--repeats"),
+                                        (["generate", "--char-tokens", "-1"], "--char-tokens")])
+def test_bench_cli_rejects_bad_numbers(capsys, argv, flag):
+    assert main(["bench", *argv]) == 2
+    assert flag in capsys.readouterr().err
+
+
+def test_every_bench_flag_says_what_it_does():
+    import argparse
+
+    for name, (add, _, _) in BENCHES.items():
+        parser = argparse.ArgumentParser()
+        add(parser)
+        for action in parser._actions:
+            assert action.help, f"gptlab bench {name} {action.option_strings}"
+            if action.dest == "device":
+                assert action.choices == ("auto", "cpu", "cuda", "mps") and action.default == "auto"
+    assert {"peak", "train", "attention", "generate", "decode", "matmul"} <= set(BENCHES)
 
 
 def test_variants_put_the_fp32_reference_first():
     cpu = torch.device("cpu")
-    assert bench.train_variants(cpu)[0] == bench.Variant("fp32 eager (reference)", "fp32")
-    assert [v.compile for v in bench.train_variants(cpu)] == [False] * (1 + bf16_supported(cpu)) + [True]
-    pairs = [(v.precision, v.attention) for v in bench.attention_variants(cpu)]
+    assert train_variants(cpu)[0] == Variant("fp32 eager (reference)", "fp32")
+    assert [v.compile for v in train_variants(cpu)] == [False] * (1 + bf16_supported(cpu)) + [True]
+    pairs = [(v.precision, v.attention) for v in attention_variants(cpu)]
     assert pairs == [("fp32", "sdpa"), ("fp32", "naive")] + [("bf16", "sdpa"), ("bf16", "naive")] * bf16_supported(cpu)
+
+
+def test_bench_matmul_times_every_product_of_the_preset(capsys):
+    result = matmul.run_matmul(preset="char-quick", batch_size=1, repeats=1, profile=True)
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert result.rows == 64 and list(result.gflops) == [(128, 384), (128, 128), (128, 512), (512, 128), (128, 65)]
+    assert all(len(v) == 3 and min(v) > 0 for per in result.gflops.values() for v in per.values())
+    assert result.ratio > 0 and result.total_s["fp32"] > 0
+    assert lines[0] == "char-quick: 64 rows (batch 1 x context 64); best of 1"
+    assert [line.split(" GFLOP/s")[0].split() for line in lines[1:6]] == [
+        ["128", "->", "384"], ["128", "->", "128"], ["128", "->", "512"], ["512", "->", "128"], ["128", "->", "65"]]
+    assert lines[6].startswith("machine load: ")
+    assert f"bf16 {result.ratio:.2f}x fp32" in next(line for line in lines if line.startswith("all products"))
+    for precision in ("fp32", "bf16"):
+        seconds, products, rest = result.steps[precision]
+        assert seconds > 0 and products > 0 and rest > 0
+    assert lines[-2].startswith("fp32 step ") and lines[-1].startswith("bf16 step ") and "the rest" in lines[-1]

@@ -1,12 +1,13 @@
-"""`gptlab bench generate` on tiny models: the transformers twin holds the same weights, the engines agree, the
-table and ratios come out (timings themselves are never asserted)."""
+"""`gptlab bench generate` and `gptlab bench decode` on tiny models: the transformers twin holds the same weights,
+the engines agree, the tables and ratios come out (timings themselves are never asserted)."""
 
 import pytest
 import torch
 
 from conftest import tiny_config
-from gptlab.bench import (GEN_MODELS, bench_model, generation_ratios, print_generation_table, transformers_twin,
-                          weight_bytes_per_token)
+from gptlab.bench.decode import run_decode
+from gptlab.bench.generate import (GEN_MODELS, bench_model, generation_ratios, print_generation_table,
+                                   transformers_twin, weight_bytes_per_token)
 from gptlab.config import ModelConfig, build
 from gptlab.fastdecode import load_library
 from gptlab.model import GPT
@@ -57,3 +58,20 @@ def test_bytes_read_per_token_count_the_tied_embedding_once():
         model = GPT(build(ModelConfig, GEN_MODELS["gpt2-124M"], {}))
     assert weight_bytes_per_token(model, "fp32") == (124_439_808 - 1024 * 768) * 4
     assert weight_bytes_per_token(model, "bf16") == (124_439_808 - 1024 * 768) * 2
+
+
+@pytest.mark.device_path("fused decode (AVX-512)")
+def test_bench_decode_holds_each_step_to_the_floor_read_beside_it(fused_kernel, capsys):
+    rows = run_decode(rounds=3, pages="both", config=tiny_config(block_size=64), positions=16, buffer_mb=8)
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert [(r.precision, r.pages) for r in rows] == [("fp32", "2M"), ("fp32", "4K"), ("bf16", "2M"), ("bf16", "4K")]
+    for r in rows:
+        assert len(r.shares) == 3 and min(r.shares) > 0 and r.batch1_s > 0 and r.bare8_s > 0
+        assert r.batch8_gain == pytest.approx(8 * r.batch1_s / r.batch8_s) and r.batch8_gain > 0
+    assert lines[0].startswith("machine load: ")
+    table = [line for line in lines if " batch 1: " in line]
+    assert [line.split(" batch 1:")[0] for line in table] == ["fp32 2M pages", "fp32 4K pages", "bf16 2M pages",
+                                                               "bf16 4K pages"]
+    assert all("of the floor (median of 3; " in line and "x batch 1's tokens/s (" in line for line in table)
+    with pytest.raises(ValueError, match="pages"):
+        run_decode(pages="1G")

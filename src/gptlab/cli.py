@@ -327,7 +327,7 @@ def add_sample(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-echo", dest="echo_prompt", action="store_false", help="do not print the prompt")
     p.add_argument("--device", default="cpu")
     p.add_argument("--precision", choices=("fp32", "bf16", "auto"), default="fp32",
-                   help="inference weights: fp32 (the reference), bf16 (about 1.5x as fast on a CPU with native "
+                   help="inference weights: fp32 (the reference), bf16 (faster on a CPU with native "
                         "bf16), or auto (bf16 where native)")
     add_config_flags(p, SampleConfig)
 

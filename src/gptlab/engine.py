@@ -49,7 +49,7 @@ class InferenceLinear(nn.Module):
 
     Used for prompts and window rebuilds, and for decoding where the fused step (gptlab.fastdecode) is not
     available: decoding reads every weight once per token, so these reads are its time. On a 2-core AMD EPYC
-    (`gptlab bench generate`, docs/benchmarks.md) packed products of one row take 0.55-0.8x the time of F.linear
+    (`gptlab bench generate`, docs/benchmarks.md) packed products of one row take less time than F.linear
     in fp32 and in bf16, and several rows (batches, prompts) gain more. W is packed for MIN_ROWS rows, the layout
     that suits batches; a single row is padded to MIN_ROWS, which measured faster than giving that layout one row.
     Inference only: the packed weight is not a parameter."""
@@ -100,7 +100,7 @@ def prepare_for_inference(model: nn.Module, precision: str = "fp32", fused: bool
         raise GptlabError("this CPU has no native bf16 support; use --precision fp32")
     model.eval().to(dtype)
     # the fused step decodes from the plain weights (it holds them); prompts and window rebuilds, many rows at a
-    # time, go through the packed copies: 2x prefill speed measured, for twice the weights' memory
+    # time, go through the packed copies: faster prefills (docs/benchmarks.md), for twice the weights' memory
     if fused and huge_pages:
         move_to_huge_pages(model)  # before the decoder takes its pointers
     model.fused_decoder = fused_decoder(model) if fused else None

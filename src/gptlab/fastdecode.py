@@ -6,7 +6,7 @@ the memory bus (docs/benchmarks.md). `FusedDecoder.step` runs embeddings, every 
 over the KV cache, W_O, residual adds, the GELU feed-forward) and the LM head for R rows at once, streaming each
 weight row a single time for all rows, in fp32 activations over fp32 or bf16 weights.
 
-The kernel is C++ with AVX-512 intrinsics, compiled on first use with the machine's g++ (about 3 s) into
+The kernel is C++ with AVX-512 intrinsics, compiled on first use with the machine's g++ into
 $GPTLAB_KERNELS (default ~/.cache/gptlab/kernels; one build per source, compiler and CPU feature set, as it is
 compiled with -march=native) and loaded with ctypes; it shares torch's OpenMP runtime and thread count. Where it
 cannot run (no AVX-512, no g++, not a CPU: `missing` says which) `fused_decoder` returns None, and where a cache
@@ -163,8 +163,8 @@ def load_library() -> ctypes.CDLL | None:
 def move_to_huge_pages(model: torch.nn.Module) -> bool:
     """Move every parameter of `model` (CPU, inference only) into one anonymous mapping backed by 2 MB pages
     (Linux transparent huge pages, madvise mode): a decode step streams all the weights, and with 4 KB pages
-    the reads cross a page, a TLB entry and a hardware-prefetch boundary every 4 KB (measured: decode steps 0-2%
-    closer to the bandwidth floor, `scripts/decode_floor.py --pages both`). Returns whether it did; memory stays
+    the reads cross a page, a TLB entry and a hardware-prefetch boundary every 4 KB (a small gain, measured by
+    `gptlab bench decode --pages both`, docs/benchmarks.md). Returns whether it did; memory stays
     one copy (the old storage is released), tied parameters stay tied."""
     params = list(model.parameters())  # unique: a tied weight appears once
     if not params or any(p.device.type != "cpu" for p in params) or not hasattr(mmap, "MADV_HUGEPAGE"):

@@ -90,7 +90,7 @@ def _attention_mask(kv_pos: torch.Tensor, T: int, n_keys: int) -> torch.Tensor:
 
 class Dropout(nn.Dropout):
     """nn.Dropout with a cheaper mask on CPUs. There torch draws one random number per element, serially, which
-    took a third of a bf16 training step of char-small (docs/benchmarks.md); here each 64-bit random word masks
+    took a large share of a bf16 training step of char-small (docs/benchmarks.md); here each 64-bit random word masks
     four elements, 16 bits each (p rounded to a multiple of 1/65536). The same generator (torch.manual_seed
     governs it), the same scaling by 1 / (1 - p); evaluation and GPUs keep torch's own dropout."""
 

@@ -1,0 +1,183 @@
+"""`gptlab bench train` and `gptlab bench attention`: one model trained with several variants (fp32 eager, the
+reference; bf16; bf16 + compile; flash attention on CUDA; or each attention path in each precision), steps
+interleaved so that a busy machine slows them alike, compared by tokens/s, MFU and the loss reached. Training
+runs through gptlab.train's public functions, as a user's loop would."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from gptlab.bench.peak import cached_peak
+from gptlab.bench.timing import Load, LoadWatch, median, sync
+from gptlab.config import ModelConfig, TrainConfig
+from gptlab.runtime import (Speed, bf16_supported, compile_model, configure_matmul, peak_key, read_peak,
+                            resolve_device, set_threads)
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One way to run the same training step."""
+
+    name: str
+    precision: str
+    compile: bool = False
+    flash: bool = False  # CUDA: force SDPA's flash-attention kernel
+    attention: str = ""  # naive / sdpa / auto; "" keeps the model's setting
+
+
+def train_variants(device: torch.device) -> list[Variant]:
+    """The plain fp32 eager path (the reference) first, then the fast paths this device has."""
+    fast = "bf16" if bf16_supported(device) else "fp32"
+    variants = [Variant("fp32 eager (reference)", "fp32")]
+    if fast == "bf16":
+        variants.append(Variant("bf16 eager", "bf16"))
+    variants.append(Variant(f"{fast} + compile", fast, compile=True))
+    if device.type == "cuda":
+        variants.append(Variant(f"{fast} + compile + flash attention", fast, compile=True, flash=True,
+                                attention="sdpa"))
+    return variants
+
+
+def attention_variants(device: torch.device) -> list[Variant]:
+    """Both attention paths in each precision, eager: the evidence behind attention="auto"."""
+    precisions = ["fp32"] + (["bf16"] if bf16_supported(device) else [])
+    return [Variant(f"{p} eager, {a} attention" + (" (reference)" if (p, a) == ("fp32", "sdpa") else ""), p,
+                    attention=a) for p in precisions for a in ("sdpa", "naive")]
+
+
+@dataclass
+class Contender:
+    """A variant's own model and optimizer, built from the same seed as every other, and its step times."""
+
+    variant: Variant
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    eager: torch.nn.Module
+    rng: list[torch.Tensor]
+    compile_s: float = 0.0
+    times: list[float] = dataclasses.field(default_factory=list)
+
+    @contextlib.contextmanager
+    def running(self, device: torch.device) -> Iterator[None]:
+        """This variant's attention kernel and matmul precision, and its own random stream, so that every
+        variant draws the same dropout masks as it would alone (steps are interleaved)."""
+        configure_matmul(device, self.variant.precision)
+        saved = _rng_state(device)
+        _set_rng_state(device, self.rng)
+        with contextlib.ExitStack() as stack:
+            if self.variant.flash:
+                from torch.nn.attention import SDPBackend, sdpa_kernel
+
+                stack.enter_context(sdpa_kernel(SDPBackend.FLASH_ATTENTION))
+            yield
+        self.rng = _rng_state(device)
+        _set_rng_state(device, saved)
+
+
+def _rng_state(device: torch.device) -> list[torch.Tensor]:
+    return [torch.get_rng_state()] + ([torch.cuda.get_rng_state(device)] if device.type == "cuda" else [])
+
+
+def _set_rng_state(device: torch.device, state: list[torch.Tensor]) -> None:
+    torch.set_rng_state(state[0])
+    if device.type == "cuda":
+        torch.cuda.set_rng_state(state[1], device)
+
+
+def _contender(variant: Variant, model_cfg: ModelConfig, cfg: TrainConfig, dataset: Any,
+               device: torch.device) -> Contender:
+    from gptlab.model import build_model
+    from gptlab.optim import make_optimizer
+    from gptlab.train import warm_up
+
+    torch.manual_seed(cfg.seed)
+    model_cfg = dataclasses.replace(model_cfg, attention=variant.attention or model_cfg.attention)
+    eager = build_model(model_cfg).to(device)
+    contender = Contender(variant, eager, make_optimizer(eager, cfg), eager, _rng_state(device))
+    if variant.compile:
+        start = time.perf_counter()
+        with contender.running(device):
+            contender.model = compile_model(eager, warm_up(dataset=dataset, cfg=cfg, block_size=model_cfg.block_size,
+                                                           device=device, precision=variant.precision))
+        contender.compile_s = time.perf_counter() - start
+    return contender
+
+
+def run_train_bench(data_dir: str | Path, model_cfg: ModelConfig, cfg: TrainConfig, *, steps: int = 10,
+                    warmup: int = 2, variants: list[Variant] | None = None) -> list[dict[str, Any]]:
+    """Train the same model on the same batches with every variant, steps interleaved so that a busy machine
+    slows them alike: `warmup` untimed steps, then `steps` timed ones. Prints the machine's load and the table
+    (tokens/s, ms/step, MFU against the measured peak, ratio to the fp32 reference, validation loss after all
+    steps next to fp32's), the headline last, and returns its rows. `variants` defaults to
+    train_variants(device); the first is the reference."""
+    from gptlab.data import load_dataset
+    from gptlab.train import estimate_loss, train_step
+
+    set_threads()
+    device = resolve_device(cfg.device)
+    if read_peak(device) is None:
+        print("measuring this device's matmul peak first (cached for later runs on a quiet machine) ...", flush=True)
+    peak = cached_peak(device)
+    watch = LoadWatch()
+    dataset = load_dataset(data_dir)
+    model_cfg = dataclasses.replace(model_cfg, vocab_size=model_cfg.vocab_size or dataset.tokenizer.vocab_size)
+    total = warmup + steps
+    cfg = dataclasses.replace(cfg, grad_accum=1, max_steps=total, warmup_steps=min(cfg.warmup_steps, total // 4),
+                              eval_batches=4)
+    contenders = [_contender(v, model_cfg, cfg, dataset, device) for v in variants or train_variants(device)]
+    for step in range(total):
+        for c in contenders:
+            with c.running(device):
+                start = time.perf_counter()
+                train_step(model=c.model, optimizer=c.optimizer, dataset=dataset, cfg=cfg,
+                           block_size=model_cfg.block_size, step=step, device=device, precision=c.variant.precision)
+                sync(device)
+            if step >= warmup:
+                c.times.append(time.perf_counter() - start)
+    load = watch.stop()
+    configure_matmul(device, "fp32")
+    rows = [_row(c, estimate_loss(model=c.eager, dataset=dataset, cfg=cfg, block_size=model_cfg.block_size,
+                                  device=device, precision="fp32")["val"], peak, cfg.batch_size * model_cfg.block_size)
+            for c in contenders]
+    _print_train_table(rows, peak, model_cfg, cfg, total, contenders[0].eager, load)
+    return rows
+
+
+def _row(c: Contender, val_loss: float, peak: dict[str, Any], tokens_per_step: int) -> dict[str, Any]:
+    seconds = median(c.times)
+    key = peak_key(c.variant.precision)
+    tokens_per_s, mfu = Speed(tokens_per_step, c.eager.flops_per_token(), peak.get(key)).rates(1, seconds)
+    return {"variant": c.variant.name, "ms_per_step": seconds * 1e3, "best_ms": min(c.times) * 1e3,
+            "tokens_per_s": tokens_per_s, "mfu": float("nan") if mfu is None else mfu, "peak": key,
+            "val_loss": val_loss, "compile_s": c.compile_s, "compiled": c.model is not c.eager}
+
+
+def _print_train_table(rows: list[dict[str, Any]], peak: dict[str, Any], model_cfg: ModelConfig, cfg: TrainConfig,
+                       total: int, model: torch.nn.Module, load: Load) -> None:
+    print(f"device: {peak['device']}; peaks measured {peak.get('measured_at', '?')}: "
+          + ", ".join(f"{k} {peak[k] / 1e9:,.0f} GFLOP/s" for k in ("fp32", "tf32", "bf16") if k in peak))
+    print(load.report())
+    print(f"model: {model_cfg.n_layer} layers x {model_cfg.n_embd} wide, context {model_cfg.block_size}, "
+          f"{model.num_params() / 1e6:.2f}M parameters, {model.flops_per_token() / 1e6:.1f} MFLOP per token "
+          f"(training); batch {cfg.batch_size}; dropout {model_cfg.dropout}; {total} steps from seed {cfg.seed}")
+    ref = rows[0]
+    print("ms/step: the median of the timed steps (best: the fastest); tokens/s and MFU from the median")
+    print(f"{'variant':<40} {'ms/step':>9} {'best':>8} {'tokens/s':>9} {'MFU':>6} {'vs ref':>7} {'val loss':>9} "
+          f"{'Δ loss':>8}")
+    for r in rows:
+        note = "" if r["compiled"] or "compile" not in r["variant"] else "  (compile unavailable: ran eager)"
+        note += f"  (compiled in {r['compile_s']:.0f} s)" if r["compiled"] else ""
+        print(f"{r['variant']:<40} {r['ms_per_step']:>9.1f} {r['best_ms']:>8.1f} {r['tokens_per_s']:>9,.0f} "
+              f"{r['mfu']:>6.1%} {r['tokens_per_s'] / ref['tokens_per_s']:>6.2f}x {r['val_loss']:>9.4f} "
+              f"{r['val_loss'] - ref['val_loss']:>+8.4f}{note}")
+    best = max(rows, key=lambda r: r["tokens_per_s"])
+    print(f"{best['variant']}: {best['tokens_per_s'] / ref['tokens_per_s']:.2f}x the fp32 reference's tokens/s, "
+          f"MFU {best['mfu']:.1%} of the measured {best['peak']} peak")
