@@ -151,6 +151,8 @@ class Load:
             text += f"; other processes used {self.others:.2f} CPUs during the {self.seconds:.0f} s run"
             if self.busiest:
                 text += " (" + ", ".join(f"{name} {share:.0%}" for name, share in self.busiest) + ")"
+            elif self.others > BUSY_CPUS:
+                text += " (no process of this machine's view accounts for it: other containers or VMs)"
         return text
 
     def report(self) -> str:
