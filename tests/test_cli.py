@@ -81,7 +81,7 @@ def test_bad_corpus_inputs(workdir, capsys):
 
 
 def test_bad_settings(prepared, capsys):
-    assert "unknown preset 'huge'" in run_bad(capsys, "train", "--data", "data", "--preset", "huge")
+    assert "invalid choice: 'huge'" in run_bad(capsys, "train", "--data", "data", "--preset", "huge")
     assert "unrecognized arguments: --n-layers" in run_bad(capsys, "train", "--data", "data", "--n-layers", "3")
     for flag, value, words in [("--batch-size", "0", "batch_size must be a positive"),
                                ("--lr", "-0.1", "learning rate"), ("--max-steps", "0", "max_steps must be"),

@@ -92,7 +92,7 @@ CASES = [
     (["train", "--data", "{r}/data", "--run", "{r}/t", "--dropout", "1.5"], "dropout must be in [0, 1)"),
     (["train", "--data", "{r}/data", "--run", "{r}/t", "--grad-clip", "-1"], "grad_clip must be >= 0"),
     (["train", "--data", "{r}/data", "--run", "{r}/t", "--keep-last", "1"], "keep_last must be at least 2"),
-    (["train", "--data", "{r}/data", "--run", "{r}/t", "--preset", "gpt5"], "unknown preset 'gpt5'"),
+    (["train", "--data", "{r}/data", "--run", "{r}/t", "--preset", "gpt5"], "invalid choice: 'gpt5'"),
     (["train", "--data", "{r}/data", "--run", "{r}/t", "--layers", "3"], "unrecognized arguments: --layers"),
     (["train", "--data", "{r}/data", "--run", "{r}/t", "--n-embd", "1000000", "--n-head", "1"], "GiB for its weights"),
     (["train", "--data", "{r}/data", "--run", "{r}/t", *TINY, "--batch-size", "1000000000"], "for its logits alone"),
@@ -102,7 +102,7 @@ CASES = [
      "must be a multiple of the 2 processes"),
     (["train", "--data", "{r}/data", "--run", "{r}/data", *TINY], "is a prepared data folder"),
     (["train", "--data", "{r}/data", "--run", "{r}/textbin", *TINY], "not a gptlab run's"),
-    (["train", "--data", "{r}/data", "--run", "{r}/t", "--device", "tpu"], "device must be one of"),
+    (["train", "--data", "{r}/data", "--run", "{r}/t", "--device", "tpu"], "invalid choice: 'tpu'"),
     (["train", "--data", "{r}/data", "--run", "{r}/afile/sub", *TINY], "cannot create run folder"),
     (["train", "--data", "{r}/data", "--run", "{r}/run", *TINY], "already has checkpoints; pass --resume"),
     (["train", "--data", "{r}/data", "--run", "{r}/run", "--resume", "--n-embd", "32"], "n_embd=16 (now 32)"),
@@ -161,7 +161,7 @@ CASES = [
     (["export", "{r}/run", "--out", "{r}/data"], "is a prepared data folder"),
     # bench and the command itself
     (["bench", "generate", "--new-tokens", "0"], "new"),
-    (["bench", "train", "--preset", "gpt5"], "unknown preset 'gpt5'"),
+    (["bench", "train", "--preset", "gpt5"], "invalid choice: 'gpt5'"),
     (["bench", "nope"], "invalid choice: 'nope'"),
     (["launch"], "invalid choice: 'launch'"),
 ]

@@ -1,7 +1,11 @@
-"""The `gptlab` command: thin verbs over the modules, no logic of its own.
+"""The `gptlab` command: it only parses and prints. Every verb is one entry of COMMANDS, made by `@command(name,
+help)` over a function that turns its flags into typed values, calls one library function and prints the result;
+its flags come from the function `add_NAME` beside it. Policy lives in the library (runs.py: presets, overrides,
+resumes, run folders; evaluate.py: scoring), so a Python caller gets what a command does.
 
-Flags for model, training and sampling settings are generated from the dataclasses in config.py, so the CLI,
-config files and Python callers share one definition. Errors a user can cause print one line and exit 2.
+Flags for model, training and sampling settings are generated from the dataclasses in config.py, with their help
+texts and choices, so the CLI, config files and Python callers share one definition. Errors a user can cause print
+one line and exit 2.
 """
 
 from __future__ import annotations
@@ -12,14 +16,13 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from gptlab.config import (DEFAULT_PRESET, FINETUNE_PRESET, PRESETS, TOKENIZERS, ModelConfig, SampleConfig,
-                           TrainConfig, build, field_types, get_preset, parse_value, to_dict)
+from gptlab.config import (DEFAULT_PRESET, PRESETS, TOKENIZERS, ModelConfig, SampleConfig, TrainConfig, build,
+                           field_help, field_types, get_preset, parse_value)
 from gptlab.errors import GptlabError
 from gptlab.tokenizer import EOT
 
-RUNS = Path("runs")
-DATA = Path("data")
-COMMANDS: dict[str, Any] = {}
+COMMANDS: dict[str, tuple[Any, str]] = {}  # name -> (function, help); its flags: the module's add_NAME
+DEVICES = ("auto", "cpu", "cuda", "mps")
 
 
 class Parser(argparse.ArgumentParser):
@@ -30,28 +33,28 @@ class Parser(argparse.ArgumentParser):
 
 
 def command(name: str, help: str):
+    """Register the verb `name`; its flags are added by the function add_NAME of this module."""
     def register(fn):
         COMMANDS[name] = (fn, help)
         return fn
     return register
 
 
-def add_config_flags(parser: argparse.ArgumentParser, cls: type, skip: tuple[str, ...] = ()) -> None:
-    """One --flag per dataclass field; values stay None unless given, so presets fill the rest."""
-    group = parser.add_argument_group(f"{cls.__name__} settings")
+def add_config_flags(parser: argparse.ArgumentParser, cls: type, title: str) -> None:
+    """One --flag per dataclass field, with the field's help and choices; values stay None unless given, so the
+    preset (or the run being resumed, or a config file) fills the rest."""
+    group = parser.add_argument_group(title)
+    helps = field_help(cls)
     for name, kind in field_types(cls).items():
-        if name in skip:
-            continue
-        flag = "--" + name.replace("_", "-")
+        flag, (text, choices) = "--" + name.replace("_", "-"), helps[name]
         if kind is bool:
-            group.add_argument(flag, dest=name, nargs="?", const="true", default=None, metavar="BOOL")
+            group.add_argument(flag, dest=name, nargs="?", const="true", default=None, metavar="BOOL",
+                               help=f"{text} (true / false; the flag alone: true)")
         elif name == "stop":
-            group.add_argument(flag, dest=name, action="append", default=None, metavar="TEXT",
-                               help="stop when the generated text contains TEXT (repeatable; \\n, \\t, \\r and \\\\ are "
-                                    "read as escapes)")
+            group.add_argument(flag, dest=name, action="append", default=None, metavar="TEXT", help=text)
         else:
-            group.add_argument(flag, dest=name, default=None, metavar=kind.__name__.upper() if
-                               isinstance(kind, type) else "VALUE")
+            group.add_argument(flag, dest=name, default=None, choices=choices, help=text,
+                               metavar=None if choices else kind.__name__.upper())
 
 
 def overrides(args: argparse.Namespace, cls: type) -> dict[str, Any]:
@@ -64,15 +67,19 @@ def overrides(args: argparse.Namespace, cls: type) -> dict[str, Any]:
     return out
 
 
+def data_dir_for(data: str | None, preset: str, quiet: bool = False) -> Path:
+    """--data, or the bundled corpus prepared for the preset's tokenizer (see runs.data_dir_for)."""
+    from gptlab.runs import data_dir_for as resolve_data
+
+    return resolve_data(data, preset, quiet)
+
+
 # ---- prepare -----------------------------------------------------------------------------------------------------
-
-def default_data_dir(tokenizer: str) -> Path:
-    return DATA / f"tinyshakespeare-{tokenizer}"
-
 
 @command("prepare", "tokenize text files (default: the bundled Tiny Shakespeare) into train/val token files")
 def cmd_prepare(args: argparse.Namespace) -> int:
     from gptlab.data import prepare
+    from gptlab.runs import default_data_dir
 
     out = Path(args.out) if args.out else default_data_dir(args.tokenizer)
     meta = prepare(args.paths, out, args.tokenizer, args.vocab_size, args.val_fraction, args.encoding, args.quiet,
@@ -85,146 +92,50 @@ def cmd_prepare(args: argparse.Namespace) -> int:
 def add_prepare(p: argparse.ArgumentParser) -> None:
     p.add_argument("paths", nargs="*", help="text files or folders, or - for standard input (default: bundled Tiny "
                    "Shakespeare)")
-    p.add_argument("--tokenizer", choices=TOKENIZERS, default="char")
+    p.add_argument("--tokenizer", choices=TOKENIZERS, default="char",
+                   help="char (one token per character), bpe (a byte-level BPE trained on the text) or gpt2 (GPT-2's "
+                        "50,257 tokens) (default char)")
     p.add_argument("--tokenizer-from", metavar="RUN_OR_DATA",
                    help="encode with the tokenizer of this run or data folder instead of building one (to evaluate a "
                         "run on new text, or fine-tune it)")
     p.add_argument("--allow-special", action="store_true",
                    help=f"read {EOT} in the text as the end-of-text token (default: refuse such text)")
-    p.add_argument("--vocab-size", type=int, default=1024, help="vocabulary size for --tokenizer bpe")
+    p.add_argument("--vocab-size", type=int, default=1024, help="vocabulary size for --tokenizer bpe (default 1024)")
     p.add_argument("--out", help="output folder (default: data/tinyshakespeare-TOKENIZER)")
     p.add_argument("--val-fraction", type=float, default=0.1, help="share of the text held out for validation, "
                    "in (0, 1) (default 0.1)")
-    p.add_argument("--encoding", default="utf-8", help="text encoding of the inputs")
-    p.add_argument("--quiet", action="store_true")
+    p.add_argument("--encoding", default="utf-8", help="text encoding of the inputs (default utf-8)")
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
 
 
 # ---- train -------------------------------------------------------------------------------------------------------
 
-def pick_run_dir(args: argparse.Namespace, preset: str) -> Path:
-    """--run if given; otherwise runs/PRESET, or runs/PRESET-2, -3, ... so that no earlier run is overwritten and
-    none being trained now is taken."""
-    from gptlab.checkpoint import CKPTS, RunLock
+def train_spec(args: argparse.Namespace, resume: bool | str):
+    from gptlab.runs import resolve
 
-    if args.run:
-        return Path(args.run)
-    candidate, n = RUNS / preset, 1
-    while not args.resume and (RunLock.held(candidate) or (candidate / CKPTS).exists() and
-                               any((candidate / CKPTS).iterdir())):
-        n += 1
-        candidate = RUNS / f"{preset}-{n}"
-    return candidate
-
-
-def resolve_train_settings(args: argparse.Namespace) -> tuple[str, ModelConfig, TrainConfig, bool, dict]:
-    """Preset (or the run being resumed) + command-line overrides -> validated settings."""
-    from gptlab.checkpoint import find_checkpoint, read_run_config
-
-    preset_name = args.preset or (FINETUNE_PRESET if args.init_from else DEFAULT_PRESET)
-    preset = get_preset(preset_name)
-    model_base, train_base = dict(preset.model), dict(preset.train)
-    run = pick_run_dir(args, preset_name)
-    resume = bool(args.resume)
-    if args.resume == "auto":
-        resume = (run / "config.json").exists() and find_checkpoint(run, "step") is not None
-    if not resume and (args.init_from or preset_name == FINETUNE_PRESET):
-        model_base = init_from_model_base(args.init_from, model_base)
-    extra: dict[str, Any] = {"preset": preset_name}
-    if resume:
-        saved = read_run_config(run)
-        model_base, train_base = saved["model"], saved["train"]
-        extra = {"preset": saved.get("preset", preset_name)}
-    model_cfg = build(ModelConfig, model_base, overrides(args, ModelConfig))
-    train_cfg = build(TrainConfig, train_base, overrides(args, TrainConfig))
-    return str(run), model_cfg, train_cfg, resume, extra
-
-
-def run_data_dir(run: str | Path) -> Path | None:
-    """The data folder a run was trained on, from its config.json (None for an imported run); GptlabError when it
-    is no longer there."""
-    from gptlab.checkpoint import read_run_config
-
-    saved = read_run_config(run).get("data")
-    if not saved:
-        return None
-    if not (Path(saved) / "meta.json").is_file():
-        raise GptlabError(f"run {run} was trained on {saved}, which is no longer a prepared data folder; pass --data "
-                          "with its new place")
-    return Path(saved)
-
-
-def data_dir_for(data: str | None, preset: str, quiet: bool, run: str | Path | None = None) -> Path:
-    """--data; else, for a run being resumed (`run`), the data it was trained on; else the bundled corpus
-    prepared for the preset's tokenizer (prepared now if it is missing)."""
-    if data:
-        return Path(data)
-    if run is not None and (saved := run_data_dir(run)) is not None:
-        return saved
-    tokenizer = get_preset(preset).tokenizer
-    path = default_data_dir(tokenizer)
-    if not (path / "meta.json").exists():
-        from gptlab.data import prepare
-
-        print(f"preparing the bundled Tiny Shakespeare into {path} ...", file=sys.stderr)
-        prepare([], path, tokenizer, quiet=quiet)
-    return path
-
-
-def launch_train(args: argparse.Namespace) -> int:
-    """`gptlab train --nproc N ...`: the same command in N processes through torchrun, all pointed at one run
-    folder (chosen here, so that every process and every elastic restart finds the same one)."""
-    import os
-
-    from gptlab.checkpoint import RunLock
-    from gptlab.distributed import launch
-    from gptlab.train import LOCKED_RUN_ENV
-
-    if args.nproc < 1:
-        raise GptlabError(f"--nproc must be at least 1, not {args.nproc}")
-    run, _, train_cfg, resume, extra = resolve_train_settings(args)  # every setting checked before launching
-    if train_cfg.batch_size % args.nproc:
-        raise GptlabError(f"batch_size {train_cfg.batch_size} must be a multiple of the {args.nproc} processes; "
-                          f"try --batch-size {train_cfg.batch_size // args.nproc * args.nproc or args.nproc}")
-    argv = list(args.argv) + ([] if args.run else ["--run", run])
-    data_dir_for(args.data, extra["preset"], args.quiet, run if resume else None)  # once, before N processes race
-    with RunLock(run) as lock:  # held for the whole job, elastic restarts included
-        code = launch(args.nproc, argv, args.max_restarts, {LOCKED_RUN_ENV: str(Path(run).resolve())})
-        if code and not resume:
-            lock.undo()
-    return code
-
-
-def init_from_model_base(source: str | None, model_base: dict[str, Any]) -> dict[str, Any]:
-    """With --init-from the model's shape comes from the source; the preset and flags still set dropout, the
-    attention path and a shorter block_size."""
-    from gptlab.hf import source_model_config
-
-    if not source:
-        raise GptlabError(f"the {FINETUNE_PRESET} preset continues training a model; name it with --init-from "
-                          "RUN_OR_HF_FOLDER")
-    shape = {k: v for k, v in to_dict(source_model_config(source)).items() if k not in ("dropout", "attention")}
-    return {**model_base, **shape}
+    return resolve(args.preset, overrides(args, ModelConfig), overrides(args, TrainConfig), args.run, args.data,
+                   resume, args.config, args.quiet)
 
 
 @command("train", "train a model (no arguments: the default preset on the bundled corpus, into runs/)")
 def cmd_train(args: argparse.Namespace) -> int:
     from gptlab import distributed
-    from gptlab.train import train
+    from gptlab.runs import launch, start
 
     if args.resume not in (None, "true", "auto"):
         raise GptlabError(f"--resume takes no value or 'auto', not {args.resume!r}")
     if args.nproc is not None and not distributed.launched():  # under torchrun, --nproc has done its job
-        return launch_train(args)
-    args.resume = distributed.elastic_resume(args.resume, args.run)
-    run, model_cfg, train_cfg, resume, extra = resolve_train_settings(args)
-    data = data_dir_for(args.data, extra["preset"], args.quiet, run if resume else None)
-    result = train(data, run, model_cfg, train_cfg, resume=resume, quiet=args.quiet, extra=extra)
+        spec = train_spec(args, {None: False, "true": True, "auto": "auto"}[args.resume])
+        return launch(spec, args.nproc, args.argv + ([] if args.run else ["--run", str(spec.run)]),
+                      args.max_restarts)
+    resume = distributed.elastic_resume(args.resume, args.run)
+    result = start(train_spec(args, {None: False, "true": True, "auto": "auto"}[resume]), quiet=args.quiet)
     if result.rank:
         return 0  # rank 0 speaks for all
     print(f"run {result.run_dir}: {result.step} steps in {result.seconds:.1f} s "
           f"({result.tokens_per_second:,.0f} tokens/s over {result.train_seconds:.1f} s of training steps), "
-          f"val loss {result.val_loss:.4f} "
-          f"(best {result.best_val_loss:.4f}); loss curve in {result.run_dir / 'loss.png'}")
+          f"val loss {result.val_loss:.4f} (best {result.best_val_loss:.4f}); loss curve in "
+          f"{result.run_dir / 'loss.png'}")
     print(f"sample it: gptlab sample --run {result.run_dir}")
     return 0
 
@@ -232,7 +143,11 @@ def cmd_train(args: argparse.Namespace) -> int:
 def add_train(p: argparse.ArgumentParser) -> None:
     p.add_argument("--data", help="prepared data folder (default: with --resume the run's own data, else the "
                    "bundled corpus, prepared if needed)")
-    p.add_argument("--preset", help=f"one of: {', '.join(PRESETS)} (default {DEFAULT_PRESET})")
+    p.add_argument("--preset", choices=tuple(PRESETS), metavar="PRESET",
+                   help=f"starting settings: {', '.join(PRESETS)} (default {DEFAULT_PRESET}; finetune with "
+                        "--init-from)")
+    p.add_argument("--config", metavar="FILE", help="settings from a TOML or JSON file (the fields below, flat or "
+                   "in [model] / [train] tables; a run's config.json is one); flags override it")
     p.add_argument("--run", help="run folder (default: runs/PRESET, a new one if that has checkpoints)")
     p.add_argument("--resume", nargs="?", const="true", default=None, metavar="auto",
                    help="continue the run from its newest valid checkpoint ('auto': only if it has one)")
@@ -241,21 +156,11 @@ def add_train(p: argparse.ArgumentParser) -> None:
                    help="train data-parallel in N processes on this machine (launches torchrun; see README)")
     p.add_argument("--max-restarts", type=int, default=0, metavar="K",
                    help="with --nproc: restart all processes up to K times after a failure, resuming each time")
-    add_config_flags(p, ModelConfig)
-    add_config_flags(p, TrainConfig)
+    add_config_flags(p, ModelConfig, "model settings (not given: the preset's)")
+    add_config_flags(p, TrainConfig, "training settings (not given: the preset's)")
 
 
 # ---- sample ------------------------------------------------------------------------------------------------------
-
-def latest_run() -> Path:
-    """The most recently trained run under runs/, for `gptlab sample` without --run."""
-    from gptlab.checkpoint import is_run
-
-    runs = [p for p in RUNS.glob("*") if is_run(p)] if RUNS.is_dir() else []
-    if not runs:
-        raise GptlabError("no run found under runs/; train one with `gptlab train` or pass --run")
-    return max(runs, key=lambda p: (p / "config.json").stat().st_mtime)
-
 
 ESCAPES = {"n": "\n", "t": "\t", "r": "\r", "\\": "\\"}
 
@@ -291,6 +196,7 @@ def read_prompt(args: argparse.Namespace, tokenizer) -> list[int]:
 def cmd_sample(args: argparse.Namespace) -> int:
     from gptlab.checkpoint import load_run
     from gptlab.engine import TextStream, prepare_for_inference
+    from gptlab.runs import latest_run
     from gptlab.runtime import resolve_device, resolve_precision, set_threads
 
     set_threads()
@@ -317,19 +223,24 @@ def cmd_sample(args: argparse.Namespace) -> int:
     return 0
 
 
+def add_device(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--device", choices=DEVICES, default="auto",
+                   help="where to run: auto picks cuda, then mps, then cpu (default auto)")
+
+
 def add_sample(p: argparse.ArgumentParser) -> None:
     p.add_argument("--run", help="run folder (default: the most recent under runs/)")
     p.add_argument("--prompt", help="text to continue (default: a newline, or end-of-text for BPE models)")
     p.add_argument("--prompt-file", help="read the prompt from this file (see --encoding)")
     p.add_argument("--encoding", default="utf-8", help="text encoding of --prompt-file (default utf-8)")
-    p.add_argument("--allow-special", action="store_true", help="encode <|endoftext|> in the prompt as special")
+    p.add_argument("--allow-special", action="store_true", help=f"encode {EOT} in the prompt as end-of-text")
     p.add_argument("--num-samples", type=int, default=1, help="continuations of the prompt, from one prefill")
     p.add_argument("--no-echo", dest="echo_prompt", action="store_false", help="do not print the prompt")
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--precision", choices=("fp32", "bf16", "auto"), default="fp32",
-                   help="inference weights: fp32 (the reference), bf16 (faster on a CPU with native "
-                        "bf16), or auto (bf16 where native)")
-    add_config_flags(p, SampleConfig)
+    add_device(p)
+    p.add_argument("--precision", choices=("auto", "fp32", "bf16"), default="auto",
+                   help="inference weights: fp32 (the reference), bf16 (faster where the hardware computes it "
+                        "natively; see docs/benchmarks.md), or auto (bf16 where native, else fp32) (default auto)")
+    add_config_flags(p, SampleConfig, "sampling settings")
 
 
 # ---- eval --------------------------------------------------------------------------------------------------------
@@ -337,8 +248,8 @@ def add_sample(p: argparse.ArgumentParser) -> None:
 @command("eval", "loss, perplexity and bits per character / byte on the validation split or on text files")
 def cmd_eval(args: argparse.Namespace) -> int:
     from gptlab.checkpoint import load_run
-    from gptlab.data import load_dataset, read_text
-    from gptlab.evaluate import score
+    from gptlab.evaluate import score_files, score_split
+    from gptlab.runs import latest_run, run_data_dir
     from gptlab.runtime import resolve_device, set_threads
 
     set_threads()
@@ -346,26 +257,14 @@ def cmd_eval(args: argparse.Namespace) -> int:
         raise GptlabError(f"--batch-size must be >= 1, not {args.batch_size}")
     run = args.run or latest_run()
     loaded = load_run(run, device=resolve_device(args.device))
-    scores = []
     if args.files:
-        for name in args.files:
-            text = read_text(name, args.encoding)
-            tokens = loaded.tokenizer.encode(text, allow_special=True)
-            if len(tokens) < 2:
-                raise GptlabError(f"{name} is too short to score: it needs at least 2 tokens, it has {len(tokens)}")
-            scores.append(score(loaded.model, name, tokens, len(text), len(text.encode()), args.batch_size))
+        scores = score_files(loaded.model, loaded.tokenizer, args.files, args.encoding, args.batch_size)
     else:
         data_dir = args.data or run_data_dir(run)
         if not data_dir:
             raise GptlabError(f"run {run} has no data of its own (it was imported); give text files to score or "
                               "--data")
-        data = load_dataset(data_dir)
-        if data.tokenizer.to_dict() != loaded.tokenizer.to_dict():
-            raise GptlabError(f"{data.path} was tokenized with another tokenizer than run {run}'s, so its ids mean "
-                              f"other things to the model; prepare the text with --tokenizer-from {run}")
-        text = loaded.tokenizer.decode(data.val.tolist())
-        scores.append(score(loaded.model, f"{data.path} (val)", data.val, len(text), len(text.encode()),
-                            args.batch_size))
+        scores = [score_split(loaded.model, loaded.tokenizer, data_dir, args.batch_size, source=f"run {run}")]
     announce(loaded)
     print(f"{'text':<40} {'tokens':>10} {'loss':>8} {'ppl':>9} {'bits/tok':>9} {'bits/char':>9} {'bits/byte':>9}")
     for s in scores:
@@ -378,9 +277,53 @@ def add_eval(p: argparse.ArgumentParser) -> None:
     p.add_argument("files", nargs="*", help="text files to score (default: the run's validation split)")
     p.add_argument("--run", help="run folder (default: the most recent under runs/)")
     p.add_argument("--data", help="prepared data folder whose val split to score (default: the run's)")
-    p.add_argument("--encoding", default="utf-8")
-    p.add_argument("--batch-size", type=int, default=16)
-    p.add_argument("--device", default="cpu")
+    p.add_argument("--encoding", default="utf-8", help="text encoding of the files (default utf-8)")
+    p.add_argument("--batch-size", type=int, default=16, help="sequences scored at once (default 16)")
+    add_device(p)
+
+
+# ---- runs and info -------------------------------------------------------------------------------------------------
+
+@command("runs", "list the runs in a folder: preset, steps, best validation loss, tokens, training time, state")
+def cmd_runs(args: argparse.Namespace) -> int:
+    from gptlab.runs import list_runs
+
+    rows = list_runs(args.folder)
+    print(f"{'run':<28} {'preset':<12} {'steps':>13} {'best val':>9} {'tokens':>13} {'time':>9}  state")
+    for r in rows:
+        best = f"{r.best_val_loss:.4f}" if r.best_val_loss is not None else "-"
+        print(f"{str(r.path)[-28:]:<28} {r.preset:<12} {f'{r.step:,}/{r.max_steps:,}':>13} {best:>9} "
+              f"{r.tokens:>13,} {r.train_seconds:>8.1f}s  {r.state}")
+    if not rows:
+        print(f"(no runs in {args.folder})")
+    return 0
+
+
+def add_runs(p: argparse.ArgumentParser) -> None:
+    p.add_argument("folder", nargs="?", default="runs", help="the folder that holds the runs (default runs/)")
+
+
+@command("info", "one run's resolved settings, data, checkpoints and resumes")
+def cmd_info(args: argparse.Namespace) -> int:
+    from gptlab.runs import describe
+
+    info = describe(args.run)
+    run = info["run"]
+    print(f"run {run['path']}: {run['state']}, step {run['step']:,} of {run['max_steps']:,}, preset {run['preset']}, "
+          f"{run['tokens']:,} tokens in {run['train_seconds']:.1f} s of training")
+    print(f"data: {info['data']}")
+    for section in ("model", "train"):
+        print(f"{section}: " + ", ".join(f"{k}={v}" for k, v in info[section].items()))
+    for c in info["checkpoints"]:
+        val = f", val loss {c['val_loss']:.4f}" if isinstance(c["val_loss"], float) else ""
+        print(f"checkpoint {c['name']}: {c['valid']}{val}")
+    for r in info["resumes"]:
+        print(f"resumed at step {r['step']}" + (f" with {r['changes']}" if r.get("changes") else ""))
+    return 0
+
+
+def add_info(p: argparse.ArgumentParser) -> None:
+    p.add_argument("run", help="the run folder")
 
 
 # ---- import / export --------------------------------------------------------------------------------------------
@@ -388,6 +331,7 @@ def add_eval(p: argparse.ArgumentParser) -> None:
 @command("import", "turn a local Hugging Face GPT-2 folder into a gptlab run (nothing is downloaded)")
 def cmd_import(args: argparse.Namespace) -> int:
     from gptlab.hf import import_hf
+    from gptlab.runs import RUNS
 
     run = Path(args.run) if args.run else RUNS / Path(args.path).resolve().name
     model = import_hf(args.path, run)
@@ -577,10 +521,6 @@ def add_bench(p: argparse.ArgumentParser) -> None:
 
 # ---- main --------------------------------------------------------------------------------------------------------
 
-ADDERS = {"prepare": add_prepare, "train": add_train, "sample": add_sample, "eval": add_eval, "import": add_import,
-          "export": add_export, "bench": add_bench}
-
-
 def make_parser() -> Parser:
     from gptlab import __version__
 
@@ -588,8 +528,7 @@ def make_parser() -> Parser:
     parser.add_argument("--version", action="version", version=f"gptlab {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=Parser)
     for name, (_, help) in COMMANDS.items():
-        p = sub.add_parser(name, help=help, description=help)
-        ADDERS[name](p)
+        globals()[f"add_{name}"](sub.add_parser(name, help=help, description=help))
     return parser
 
 

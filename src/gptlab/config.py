@@ -53,21 +53,37 @@ def _check_types(obj: Any) -> None:
             _check(math.isfinite(value), f"{name} must be a finite number, not {value}")
 
 
+def setting(default: Any, help: str, choices: tuple[str, ...] | None = None) -> Any:
+    """A dataclass field with the one-line help (and the fixed set of values, if any) that `--help` shows."""
+    meta = {"help": help, "choices": choices}
+    if isinstance(default, list):
+        return field(default_factory=lambda: list(default), metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+def field_help(cls: type) -> dict[str, tuple[str, tuple[str, ...] | None]]:
+    """Field name -> (help text, choices or None)."""
+    return {f.name: (f.metadata.get("help", ""), f.metadata.get("choices")) for f in fields(cls)}
+
+
 @dataclass
 class ModelConfig:
     """The shape of a model. `vocab_size` 0 means "take it from the tokenizer"."""
 
-    arch: str = "gpt"
-    vocab_size: int = 0
-    block_size: int = 64
-    n_layer: int = 4
-    n_head: int = 4
-    n_embd: int = 128
-    dropout: float = 0.0
-    bias: bool = True
-    attention: str = "auto"
-    activation: str = "gelu"
-    layer_norm_eps: float = 1e-5
+    arch: str = setting("gpt", "the model: gpt (the GPT-2 decoder) or bigram (a V x V table, no context)", ARCHS)
+    vocab_size: int = setting(0, "token ids the model knows (0: the tokenizer's size)")
+    block_size: int = setting(64, "context length T: the positions the model attends over")
+    n_layer: int = setting(4, "transformer blocks N")
+    n_head: int = setting(4, "attention heads h per block (n_embd must be a multiple of it)")
+    n_embd: int = setting(128, "embedding width C (each head is C / h wide)")
+    dropout: float = setting(0.0, "dropout rate in training, in [0, 1) (never at inference)")
+    bias: bool = setting(True, "biases in the linear layers and LayerNorms (GPT-2 has them)")
+    attention: str = setting("auto", "attention path: naive (the equation written out), sdpa (torch's fused "
+                                     "kernel) or auto (the faster one for this device and precision)",
+                             ATTENTION_PATHS)
+    activation: str = setting("gelu", "MLP activation: gelu (exact) or gelu_tanh (GPT-2's approximation)",
+                              ACTIVATIONS)
+    layer_norm_eps: float = setting(1e-5, "the epsilon of every LayerNorm")
 
     def __post_init__(self) -> None:
         _check_types(self)
@@ -98,29 +114,30 @@ class TrainConfig:
     """How to train. `lr_decay_steps` 0 means "decay over max_steps". `spike_factor` > 1 stops the run when the
     loss exceeds that multiple of its recent mean for `spike_patience` steps in a row (0: off)."""
 
-    batch_size: int = 12
-    grad_accum: int = 1
-    max_steps: int = 2000
-    lr: float = 1e-3
-    min_lr: float = 1e-4
-    warmup_steps: int = 100
-    lr_decay_steps: int = 0
-    weight_decay: float = 0.1
-    beta1: float = 0.9
-    beta2: float = 0.99
-    grad_clip: float = 1.0
-    eval_interval: int = 250
-    eval_batches: int = 20
-    log_interval: int = 10
-    seed: int = 1337
-    precision: str = "auto"
-    device: str = "auto"
-    compile: bool = False
-    fsdp: bool = False
-    keep_last: int = 2
-    spike_factor: float = 0.0
-    spike_patience: int = 3
-    init_from: str = ""
+    batch_size: int = setting(12, "sequences per micro-step B, over all processes")
+    grad_accum: int = setting(1, "micro-steps per optimizer step (B x grad_accum sequences a step)")
+    max_steps: int = setting(2000, "optimizer steps to train for")
+    lr: float = setting(1e-3, "peak learning rate (after warm-up)")
+    min_lr: float = setting(1e-4, "learning rate at the end of the cosine decay")
+    warmup_steps: int = setting(100, "steps of linear learning-rate warm-up")
+    lr_decay_steps: int = setting(0, "steps of cosine decay (0: over max_steps)")
+    weight_decay: float = setting(0.1, "AdamW weight decay (matrices only)")
+    beta1: float = setting(0.9, "AdamW beta1")
+    beta2: float = setting(0.99, "AdamW beta2")
+    grad_clip: float = setting(1.0, "clip the gradient norm to this (0: no clipping)")
+    eval_interval: int = setting(250, "steps between evaluations (each writes a checkpoint)")
+    eval_batches: int = setting(20, "batches per split in each evaluation")
+    log_interval: int = setting(10, "steps between log rows (metrics.jsonl, the progress bar)")
+    seed: int = setting(1337, "seed of the initial weights and of every batch, in [0, 2**63)")
+    precision: str = setting("auto", "fp32, bf16 (autocast over fp32 weights) or auto (bf16 where the hardware "
+                                     "computes it natively)", PRECISIONS)
+    device: str = setting("auto", "where to train (auto: cuda, then mps, then cpu)", DEVICES)
+    compile: bool = setting(False, "torch.compile the model (eager, with a warning, where it cannot)")
+    fsdp: bool = setting(False, "with several processes: shard weights, gradients and AdamW state (FSDP2)")
+    keep_last: int = setting(2, "valid step checkpoints to keep (at least 2)")
+    spike_factor: float = setting(0.0, "stop when the loss stays above this multiple of its recent mean (0: off)")
+    spike_patience: int = setting(3, "steps the loss must stay that high before the run stops")
+    init_from: str = setting("", "start from this run's or Hugging Face GPT-2 folder's weights (fine-tuning)")
 
     def __post_init__(self) -> None:
         _check_types(self)
@@ -152,15 +169,16 @@ class SampleConfig:
     """How to sample. temperature 0 is greedy; top_k None (unset) and top_p 1 turn those filters off; generation
     stops at the first of the `stop` strings to appear in the generated text."""
 
-    max_new_tokens: int = 500
-    temperature: float = 0.8
-    top_k: int | None = None
-    top_p: float = 1.0
-    repetition_penalty: float = 1.0
-    frequency_penalty: float = 0.0
-    presence_penalty: float = 0.0
-    seed: int = 1337
-    stop: list[str] = field(default_factory=list)
+    max_new_tokens: int = setting(500, "tokens to generate per sample")
+    temperature: float = setting(0.8, "sampling temperature (0: greedy, always the most likely token)")
+    top_k: int | None = setting(None, "sample only among the k most likely tokens (unset: all)")
+    top_p: float = setting(1.0, "sample only among the most likely tokens whose mass reaches p, in (0, 1]")
+    repetition_penalty: float = setting(1.0, "divide the logits of tokens already seen by this (1: off)")
+    frequency_penalty: float = setting(0.0, "subtract this times a token's count so far from its logit")
+    presence_penalty: float = setting(0.0, "subtract this from the logit of every token seen so far")
+    seed: int = setting(1337, "seed of the sampling, in [0, 2**63)")
+    stop: list[str] = setting([], "stop when the generated text contains TEXT (repeatable; \\n, \\t, \\r and "
+                                  "\\\\ are read as escapes)")
 
     def __post_init__(self) -> None:
         _check_types(self)

@@ -24,7 +24,6 @@ from gptlab.data import Dataset, batch_generator, get_batch, load_dataset
 from gptlab.distributed import Parallel
 from gptlab.errors import GptlabError
 from gptlab.faults import GracefulStop, Interrupted, LossSpike, NonFiniteLoss, SpikeGuard, is_out_of_memory
-from gptlab.hf import init_tensors
 from gptlab.model import build_model
 from gptlab.optim import lr_at, make_optimizer, step_if_finite
 from gptlab.plots import plot_loss, read_metrics
@@ -218,9 +217,11 @@ def _keep_metrics_until(path: Path, step: int) -> None:
 
 
 def train(data_dir: str | Path, run_dir: str | Path, model_cfg: ModelConfig, cfg: TrainConfig,
-          resume: bool = False, quiet: bool = False, extra: dict[str, Any] | None = None) -> TrainResult:
+          resume: bool = False, quiet: bool = False, extra: dict[str, Any] | None = None,
+          init: dict[str, torch.Tensor] | None = None) -> TrainResult:
     """Train `model_cfg` on the prepared data in `data_dir` into `run_dir`, per `cfg`; with resume, continue from
-    the run's newest valid checkpoint. Returns the final numbers. Raises GptlabError on bad input, and its
+    the run's newest valid checkpoint; with `init` (the weights cfg.init_from names, which runs.start reads),
+    start a new run from those weights. Returns the final numbers. Raises GptlabError on bad input, and its
     subclasses Interrupted (a signal: a checkpoint was written), NonFiniteLoss and LossSpike (nothing applied).
     Everything is checked before the run folder is written, and the folder has one writer at a time (RunLock).
     Under torchrun, every process runs this and trains its share of each batch (see distributed.py)."""
@@ -233,8 +234,8 @@ def train(data_dir: str | Path, run_dir: str | Path, model_cfg: ModelConfig, cfg
     dataset = load_dataset(data_dir)
     if model_cfg.vocab_size == 0:
         model_cfg.vocab_size = dataset.tokenizer.vocab_size
-    # fine-tuning: start from a gptlab run's or a HF GPT-2's weights, checked against this model and data first
-    init = init_tensors(cfg.init_from, model_cfg, dataset.tokenizer) if cfg.init_from and not resume else None
+    if cfg.init_from and not resume and init is None:
+        raise GptlabError(f"init_from {cfg.init_from!r} needs its weights: start the run with gptlab.runs.start")
     check_data(dataset, model_cfg)
     check_memory(model_cfg, cfg, device, dist.world_size)
     run = Path(run_dir)

@@ -1,0 +1,276 @@
+"""Run policy as a library: a preset, a config file, overrides, the data, `resume` and `init_from` become one typed,
+validated `TrainSpec`; run folders are chosen, listed and described here. `gptlab train` and Python callers use the
+same functions:
+
+    spec = resolve(preset="char-small", model={"n_layer": 4}, train={"max_steps": 500}, run="runs/mine")
+    result = start(spec)
+
+Settings are applied in this order, later ones winning: the preset (or, on a resume, the run's own config.json),
+a config file (TOML or JSON: flat `name = value` fields, or [model] / [train] tables; a run's config.json is one),
+then the overrides.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from gptlab import checkpoint as ck
+from gptlab.config import (DEFAULT_PRESET, FINETUNE_PRESET, ModelConfig, TrainConfig, build, get_preset, to_dict)
+from gptlab.data import prepare
+from gptlab.errors import GptlabError
+
+RUNS = Path("runs")
+DATA = Path("data")
+# what a run's config.json records besides its settings: a config file may carry them, they set nothing
+RECORDED = {"gptlab_version", "git_commit", "precision", "device", "processes", "resumes", "imported_from"}
+
+
+@dataclass
+class TrainSpec:
+    """Everything `start` needs: where, on what, with which settings, and whether it continues a run."""
+
+    run: Path
+    data: Path
+    model: ModelConfig
+    train: TrainConfig
+    resume: bool = False
+    preset: str = DEFAULT_PRESET
+    extra: dict[str, Any] = field(default_factory=dict)  # recorded in config.json
+
+
+def default_data_dir(tokenizer: str) -> Path:
+    return DATA / f"tinyshakespeare-{tokenizer}"
+
+
+def pick_run_dir(preset: str, run: str | Path | None = None, resume: bool = False) -> Path:
+    """`run` if given; otherwise runs/PRESET, or runs/PRESET-2, -3, ... so that no earlier run is overwritten and
+    none being trained now is taken (with resume: runs/PRESET)."""
+    if run:
+        return Path(run)
+    candidate, n = RUNS / preset, 1
+    while not resume and (ck.RunLock.held(candidate) or any((candidate / ck.CKPTS).glob("[sb]*-*"))):
+        n += 1
+        candidate = RUNS / f"{preset}-{n}"
+    return candidate
+
+
+def read_config_file(path: str | Path) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+    """A config file's (model settings, training settings, the rest: preset, data, run). TOML or JSON; fields
+    flat or in [model] / [train] tables. Raises GptlabError naming an unknown field or a file it cannot read."""
+    import tomllib
+
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+        raw = json.loads(text) if path.suffix == ".json" else tomllib.loads(text)
+    except FileNotFoundError:
+        raise GptlabError(f"config file {path} does not exist") from None
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise GptlabError(f"config file {path} cannot be read: {exc}") from None
+    if not isinstance(raw, dict):
+        raise GptlabError(f"config file {path} must hold named settings")
+    flat = {**{k: v for k, v in raw.items() if k not in ("model", "train")}, **raw.get("model", {}),
+            **raw.get("train", {})}
+    model_names, train_names = ({f.name for f in fields(c)} for c in (ModelConfig, TrainConfig))
+    model = {k: v for k, v in flat.items() if k in model_names}
+    train = {k: v for k, v in flat.items() if k in train_names}
+    rest = {k: v for k, v in flat.items() if k in ("preset", "data", "run")}
+    unknown = sorted(set(flat) - model_names - train_names - set(rest) - RECORDED)
+    if unknown:
+        raise GptlabError(f"config file {path}: unknown setting {unknown[0]!r} (see `gptlab train --help`)")
+    return model, train, rest
+
+
+def resolve(preset: str | None = None, model: dict[str, Any] | None = None, train: dict[str, Any] | None = None,
+            run: str | Path | None = None, data: str | Path | None = None, resume: bool | str = False,
+            config_file: str | Path | None = None, quiet: bool = False) -> TrainSpec:
+    """The one validated spec for a training run. `resume` may be "auto" (continue when the run has a valid
+    checkpoint). With `init_from` (in `train`) the model's shape comes from that run or Hugging Face folder. The
+    bundled corpus is prepared when no data is given and it is missing. Raises GptlabError on bad settings."""
+    file_model, file_train, rest = read_config_file(config_file) if config_file else ({}, {}, {})
+    model, train = {**file_model, **(model or {})}, {**file_train, **(train or {})}
+    run, data = run or rest.get("run"), data or rest.get("data")
+    init_from = train.get("init_from")
+    preset_name = preset or rest.get("preset") or (FINETUNE_PRESET if init_from else DEFAULT_PRESET)
+    base = get_preset(preset_name)
+    model_base, train_base = dict(base.model), dict(base.train)
+    run_dir = pick_run_dir(preset_name, run, bool(resume))
+    if resume == "auto":
+        resume = ck.is_run(run_dir) and ck.find_checkpoint(run_dir, "step") is not None
+    extra: dict[str, Any] = {"preset": preset_name}
+    if resume:
+        saved = ck.read_run_config(run_dir)
+        model_base, train_base = saved["model"], saved["train"]
+        extra = {"preset": saved.get("preset", preset_name)}
+    elif init_from or preset_name == FINETUNE_PRESET:
+        model_base = init_from_model_base(init_from, model_base)
+    model_cfg = build(ModelConfig, model_base, model)
+    train_cfg = build(TrainConfig, train_base, train)
+    data_dir = data_dir_for(data, extra["preset"], quiet, run_dir if resume else None)
+    return TrainSpec(run_dir, data_dir, model_cfg, train_cfg, bool(resume), extra["preset"], extra)
+
+
+def init_from_model_base(source: str | None, model_base: dict[str, Any]) -> dict[str, Any]:
+    """With --init-from the model's shape comes from the source; the preset and flags still set dropout, the
+    attention path and a shorter block_size."""
+    from gptlab.hf import source_model_config
+
+    if not source:
+        raise GptlabError(f"the {FINETUNE_PRESET} preset continues training a model; name it with --init-from "
+                          "RUN_OR_HF_FOLDER")
+    shape = {k: v for k, v in to_dict(source_model_config(source)).items() if k not in ("dropout", "attention")}
+    return {**model_base, **shape}
+
+
+def run_data_dir(run: str | Path) -> Path | None:
+    """The data folder a run was trained on, from its config.json (None for an imported run); GptlabError when it
+    is no longer there."""
+    saved = ck.read_run_config(run).get("data")
+    if not saved:
+        return None
+    if not (Path(saved) / "meta.json").is_file():
+        raise GptlabError(f"run {run} was trained on {saved}, which is no longer a prepared data folder; pass --data "
+                          "with its new place")
+    return Path(saved)
+
+
+def data_dir_for(data: str | Path | None, preset: str, quiet: bool = False, run: str | Path | None = None) -> Path:
+    """`data`; else, for a run being resumed (`run`), the data it was trained on; else the bundled corpus
+    prepared for the preset's tokenizer (prepared now if it is missing)."""
+    if data:
+        return Path(data)
+    if run is not None and (saved := run_data_dir(run)) is not None:
+        return saved
+    tokenizer = get_preset(preset).tokenizer
+    path = default_data_dir(tokenizer)
+    if not (path / "meta.json").exists():
+        print(f"preparing the bundled Tiny Shakespeare into {path} ...", file=sys.stderr)
+        prepare([], path, tokenizer, quiet=quiet)
+    return path
+
+
+def start(spec: TrainSpec, quiet: bool = False) -> Any:
+    """Train per `spec` (in this process; under torchrun, in each); returns train.TrainResult."""
+    from gptlab.train import train
+
+    init = None
+    if spec.train.init_from and not spec.resume:  # the weights to start from, checked against model and data
+        from gptlab.data import load_dataset
+        from gptlab.hf import init_tensors
+
+        model_cfg = spec.model
+        tokenizer = load_dataset(spec.data).tokenizer
+        if model_cfg.vocab_size == 0:
+            model_cfg.vocab_size = tokenizer.vocab_size
+        init = init_tensors(spec.train.init_from, model_cfg, tokenizer)
+    return train(spec.data, spec.run, spec.model, spec.train, resume=spec.resume, quiet=quiet, extra=spec.extra,
+                 init=init)
+
+
+def launch(spec: TrainSpec, nproc: int, argv: list[str], max_restarts: int = 0) -> int:
+    """`gptlab ARGV` (a train command whose settings resolved to `spec`) in `nproc` processes through torchrun, all
+    writing spec.run, whose lock this process holds for the whole job (elastic restarts included); returns the
+    exit code. Settings are checked here, before any process starts."""
+    from gptlab.distributed import launch as torchrun
+    from gptlab.train import LOCKED_RUN_ENV
+
+    if nproc < 1:
+        raise GptlabError(f"--nproc must be at least 1, not {nproc}")
+    if spec.train.batch_size % nproc:
+        raise GptlabError(f"batch_size {spec.train.batch_size} must be a multiple of the {nproc} processes; "
+                          f"try --batch-size {spec.train.batch_size // nproc * nproc or nproc}")
+    with ck.RunLock(spec.run) as lock:
+        code = torchrun(nproc, argv, max_restarts, {LOCKED_RUN_ENV: str(spec.run.resolve())})
+        if code and not spec.resume:
+            lock.undo()
+    return code
+
+
+def latest_run(root: Path = RUNS) -> Path:
+    """The most recently trained run under `root`, for `gptlab sample` and `eval` without --run."""
+    runs = [p for p in root.glob("*") if ck.is_run(p)] if root.is_dir() else []
+    if not runs:
+        raise GptlabError(f"no run found under {root}/; train one with `gptlab train` or pass --run")
+    return max(runs, key=lambda p: (p / ck.CONFIG).stat().st_mtime)
+
+
+# ---- looking at runs ---------------------------------------------------------------------------------------------
+
+@dataclass
+class RunSummary:
+    """One run at a glance, as `gptlab runs` lists it."""
+
+    path: Path
+    preset: str
+    step: int
+    max_steps: int
+    best_val_loss: float | None
+    tokens: int
+    train_seconds: float
+    state: str  # running, finished, interrupted, new or imported
+
+
+def training_seconds(run: str | Path) -> float:
+    """Wall-clock seconds of training in metrics.jsonl, every session of the run added up (the clock restarts
+    at each resume)."""
+    from gptlab.plots import read_metrics
+
+    total, last = 0.0, 0.0
+    for row in read_metrics(Path(run) / ck.METRICS):
+        elapsed = row.get("elapsed_s", last)
+        if elapsed < last:  # a new session began
+            total += last
+        last = elapsed
+    return total + last
+
+
+def summarize(run: str | Path) -> RunSummary:
+    """Where a run stands; GptlabError when `run` is not a run."""
+    config = ck.read_run_config(run)
+    ckpt = ck.find_checkpoint(run, "step") or ck.find_checkpoint(run, "best")
+    state = ck.read_state(ckpt) if ckpt else {}
+    step, max_steps = (ckpt.step if ckpt else 0), config["train"]["max_steps"]
+    if ck.RunLock.held(run):
+        where = "running"
+    elif config.get("imported_from"):
+        where = "imported"
+    else:
+        where = "new" if ckpt is None else "finished" if step >= max_steps else "interrupted"
+    best = state.get("best_val_loss")
+    return RunSummary(Path(run), config.get("preset", "?"), step, max_steps,
+                      best if isinstance(best, float) and best != float("inf") else None,
+                      state.get("tokens_seen", 0), training_seconds(run), where)
+
+
+def list_runs(root: str | Path = RUNS) -> list[RunSummary]:
+    """Every run directly under `root` (or `root` itself when it is a run), oldest first."""
+    root = Path(root)
+    if ck.is_run(root):
+        return [summarize(root)]
+    if not root.is_dir():
+        raise GptlabError(f"{root} is not a folder; give the folder that holds your runs (default runs/)")
+    runs = sorted((p for p in root.iterdir() if ck.is_run(p)), key=lambda p: (p / ck.CONFIG).stat().st_mtime)
+    return [summarize(p) for p in runs]
+
+
+def describe(run: str | Path) -> dict[str, Any]:
+    """A run's resolved settings and checkpoints, for `gptlab info`: {"run": summary fields, "data", "model",
+    "train", "checkpoints": [{name, step, valid, val_loss}], "resumes"}."""
+    config = ck.read_run_config(run)
+    checkpoints = []
+    for kind in ("step", "best"):
+        for c in ck._list(Path(run), kind):
+            problem = ck.verify(c.path)
+            val = ck.read_state(c).get("val_loss") if problem is None else None
+            checkpoints.append({"name": c.path.name, "step": c.step, "valid": problem or "valid", "val_loss": val})
+    return {"run": to_dict_summary(summarize(run)), "data": config.get("data") or config.get("imported_from"),
+            "model": config["model"], "train": config["train"], "checkpoints": checkpoints,
+            "resumes": config.get("resumes", [])}
+
+
+def to_dict_summary(summary: RunSummary) -> dict[str, Any]:
+    return {f.name: getattr(summary, f.name) for f in fields(summary)}
