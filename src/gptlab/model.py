@@ -35,9 +35,6 @@ class KVCache:
         self.max_len = max_len
         self.step: CacheStep | None = None
 
-    def reset(self) -> None:
-        self.pos.zero_()
-
     def repeat_rows(self, n: int) -> KVCache:
         """A cache of n * B rows, each row copied n times in a row: N samples share one prefill."""
         out = KVCache.__new__(KVCache)

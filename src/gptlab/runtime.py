@@ -73,10 +73,6 @@ def set_threads() -> None:
             pass
 
 
-def seed_everything(seed: int) -> None:
-    torch.manual_seed(seed)
-
-
 def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
     """Copy a host tensor to `device`; on CUDA through pinned memory without waiting, so the host can prepare
     the next batch while the device computes."""

@@ -1,0 +1,81 @@
+"""The house's walls: data flows one way through the modules (no module imports one that imports it back, lazy
+imports inside functions included), model.py is the architecture alone, and the core never reaches into the
+bench wing, the CLI or the Hugging Face bridge."""
+
+import ast
+import sys
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[1] / "src" / "gptlab"
+HF_USERS = {"cli", "runs"}  # --init-from and import / export are the only ways into hf
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE).with_suffix("").parts
+    return ".".join(p for p in parts if p != "__init__") or "__init__"
+
+
+def imports_of(path: Path) -> set[str]:
+    """Every module a file imports anywhere in it (top level or inside a function), as full dotted names."""
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names.add(node.module)
+            names.update(f"{node.module}.{alias.name}" for alias in node.names)  # `from gptlab import x`
+    return names
+
+
+def graph() -> dict[str, set[str]]:
+    """gptlab module -> the gptlab modules it imports (a package counts as its __init__)."""
+    files = {module_name(p): p for p in PACKAGE.rglob("*.py")}
+    out = {}
+    for name, path in files.items():
+        own = {n.removeprefix("gptlab.") for n in imports_of(path) if n.startswith("gptlab.")}
+        out[name] = {n for n in own if n in files and n != name}
+    return out
+
+
+def test_the_modules_import_one_way():
+    edges = graph()
+    state: dict[str, str] = {}
+
+    def visit(node, trail):
+        if state.get(node) == "done":
+            return
+        if state.get(node) == "open":
+            pytest.fail("import cycle: " + " -> ".join(trail[trail.index(node):] + [node]))
+        state[node] = "open"
+        for nxt in sorted(edges[node]):
+            visit(nxt, trail + [node])
+        state[node] = "done"
+
+    for node in sorted(edges):
+        visit(node, [])
+
+
+def test_model_py_is_the_architecture_alone():
+    allowed = {"torch", "gptlab.config", "__future__"} | set(sys.stdlib_module_names)
+    for name in imports_of(PACKAGE / "model.py"):
+        top = name.split(".")[0]
+        assert top in allowed or name == "gptlab.config" or name.startswith("gptlab.config."), \
+            f"model.py imports {name}"
+        assert not name.startswith("gptlab.") or name.startswith("gptlab.config"), f"model.py imports {name}"
+
+
+def test_the_core_never_imports_the_bench_wing_the_cli_or_hf():
+    for name, deps in graph().items():
+        if name in ("cli", "__main__") or name.startswith("bench"):
+            continue
+        assert not any(d == "cli" or d.startswith("bench") for d in deps), f"{name} imports {deps}"
+        if name not in HF_USERS | {"hf"}:
+            assert "hf" not in deps, f"{name} imports hf"
+
+
+def test_the_checker_sees_lazy_imports(tmp_path):
+    """The walls above are only as good as the import reader: it must see imports inside functions."""
+    (tmp_path / "m.py").write_text("def f():\n    from gptlab.bench import peak\n    import gptlab.cli\n")
+    assert {"gptlab.bench", "gptlab.bench.peak", "gptlab.cli"} <= imports_of(tmp_path / "m.py")
