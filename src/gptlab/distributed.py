@@ -32,6 +32,7 @@ import os
 import secrets
 import subprocess
 import sys
+import time
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -391,8 +392,18 @@ def setup(device_name: str = "auto") -> Parallel:
     if not dist.is_initialized():
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
                                 device_id=device if device.type == "cuda" else None)
-        atexit.register(dist.destroy_process_group)
+        atexit.register(_leave)
     return Parallel(device, rank, world_size, local_rank)
+
+
+def _leave() -> None:
+    """At exit: leave the process group, then wait a moment with the GIL released. Gloo's worker threads may
+    still be dropping finished work that holds Python objects (work issued during backward keeps them); that
+    needs the GIL, and a thread that asks for it once the interpreter is shutting down aborts the process
+    ("terminate called without an active exception": 7 exits in 30 of a 2-process FSDP run on a busy machine
+    before this pause, none in 30 after it)."""
+    dist.destroy_process_group()
+    time.sleep(0.1)
 
 
 def launched() -> bool:
