@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import torch
 
-from gptlab import data
+from gptlab import corpus, data
 from gptlab.data import (HEADER, TokenWriter, batch_generator, get_batch, load_dataset, prepare, read_tokens)
 from gptlab.errors import GptlabError
 
@@ -76,7 +76,7 @@ def test_folders_and_chunked_streaming_give_the_same_tokens(tmp_path, monkeypatc
     (folder / "sub" / "b.txt").write_text(corpus_file.read_text())
     (folder / ".hidden").write_text("skipped")
     whole = prepare([str(folder)], tmp_path / "d1", "char", quiet=True)
-    monkeypatch.setattr(data, "CHUNK_BYTES", 7)  # forces splits inside multi-byte characters and lines
+    monkeypatch.setattr(corpus, "CHUNK_BYTES", 7)  # forces splits inside multi-byte characters and lines
     small = prepare([str(folder)], tmp_path / "d2", "char", quiet=True)
     assert len(whole["sources"]) == 2
     assert (tmp_path / "d1" / "train.bin").read_bytes() == (tmp_path / "d2" / "train.bin").read_bytes()
@@ -119,7 +119,7 @@ def test_a_byte_order_mark_and_windows_line_ends_read_like_plain_text(tmp_path, 
     windows = prepare([str(tmp_path / "windows.txt")], tmp_path / "win", "char", quiet=True)
     assert "\ufeff" not in load_dataset(tmp_path / "win").tokenizer.to_dict()["chars"]
     assert windows["train_sha256"] == plain["train_sha256"] and windows["val_sha256"] == plain["val_sha256"]
-    assert data.read_text(tmp_path / "windows.txt") == text  # what eval and --prompt-file read: the same rule
+    assert corpus.read_text(tmp_path / "windows.txt") == text  # what eval and --prompt-file read: the same rule
 
 
 def test_standard_input_and_pipes_are_read_like_files(tmp_path, corpus_file):

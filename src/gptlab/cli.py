@@ -179,7 +179,7 @@ def announce(loaded) -> None:
 
 
 def read_prompt(args: argparse.Namespace, tokenizer) -> list[int]:
-    from gptlab.data import read_text
+    from gptlab.corpus import read_text
 
     if args.prompt_file:
         text = read_text(args.prompt_file, args.encoding)

@@ -10,7 +10,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from gptlab.data import load_dataset, read_text
+from gptlab.corpus import read_text
+from gptlab.data import load_dataset
 from gptlab.errors import GptlabError
 from gptlab.runtime import autocast
 from gptlab.tokenizer import Tokenizer
@@ -81,7 +82,7 @@ def score(model: torch.nn.Module, name: str, tokens: np.ndarray | list[int], tex
 
 def score_files(model: torch.nn.Module, tokenizer: Tokenizer, files: list[str], encoding: str = "utf-8",
                 batch_size: int = 16) -> list[Score]:
-    """A Score for each text file (read by data.read_text's rule); GptlabError for a file that cannot be read or
+    """A Score for each text file (read by corpus.read_text's rule); GptlabError for a file that cannot be read or
     is shorter than 2 tokens."""
     scores = []
     for name in files:
