@@ -21,7 +21,8 @@ from gptlab.data import load_dataset, prepare
 from gptlab.engine import generate
 from gptlab.errors import GptlabError
 from gptlab.evaluate import total_nats
-from gptlab.hf import CONV1D, export_hf, gpt2_merges, gpt2_vocab, init_tensors, load_hf_model, write_tokenizer_files
+from gptlab.hf import CONV1D, export_hf, init_tensors, load_hf_model
+from gptlab.hf_tokenizer import gpt2_merges, gpt2_vocab, write_tokenizer_files
 from gptlab.model import GPT
 from gptlab.tokenizer import EOT, GPT2Tokenizer
 from gptlab.train import train

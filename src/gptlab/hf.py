@@ -10,7 +10,6 @@ arbitrary objects) and tokenizers: transformers is not needed here at all, only 
 
 from __future__ import annotations
 
-import functools
 import json
 import os
 import pickle
@@ -25,12 +24,11 @@ from gptlab import checkpoint as ck
 from gptlab.config import ModelConfig, TrainConfig, from_dict, to_dict
 from gptlab.data import folder_kind
 from gptlab.errors import GptlabError
+from gptlab.hf_tokenizer import read_hf_tokenizer, write_tokenizer_files
 from gptlab.model import GPT
-from gptlab.tokenizer import EOT, CharTokenizer, GPT2Tokenizer, Tokenizer, _byte_decoder, gpt2_ranks
-from gptlab.tokenizer import load as load_tokenizer
+from gptlab.tokenizer import Tokenizer
 
 HF_CONFIG = "config.json"
-GPTLAB_TOKENIZER = "gptlab_tokenizer.json"  # written by export, so that importing the folder back is exact
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")  # in order of preference
 CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
 ACTIVATIONS = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu"}  # HF name -> ours
@@ -168,85 +166,6 @@ def load_hf_model(folder: str | Path) -> GPT:
     return model.eval()
 
 
-# ---- GPT-2's vocabulary in Hugging Face's format, derived from the bundled tiktoken ranks -----------------------
-
-@functools.lru_cache(maxsize=1)
-def _byte_encoder() -> dict[int, str]:
-    return {b: ch for ch, b in _byte_decoder().items()}
-
-
-def _byte_piece(token: bytes) -> str:
-    """A byte string in GPT-2's printable byte alphabet, as vocab.json and merges.txt spell it."""
-    encoder = _byte_encoder()
-    return "".join(encoder[b] for b in token)
-
-
-@functools.lru_cache(maxsize=1)
-def gpt2_vocab() -> dict[str, int]:
-    """GPT-2's vocab.json: 50,257 byte-level pieces -> ids, `<|endoftext|>` last."""
-    vocab = {_byte_piece(token): rank for token, rank in gpt2_ranks().items()}
-    vocab[EOT] = len(vocab)
-    return vocab
-
-
-def _split(token: bytes, ranks: dict[bytes, int], max_rank: int) -> list[bytes]:
-    """BPE of `token` using only merges ranked below max_rank: for a token of rank r this yields the two parts
-    whose merge made it, which is how the merge list is recovered from tiktoken's ranks."""
-    parts = [bytes([b]) for b in token]
-    while True:
-        best: tuple[int, int] | None = None  # (position, rank) of the lowest-ranked adjacent pair
-        for i in range(len(parts) - 1):
-            rank = ranks.get(parts[i] + parts[i + 1])
-            if rank is not None and rank < max_rank and (best is None or rank < best[1]):
-                best = (i, rank)
-        if best is None:
-            return parts
-        i = best[0]
-        parts[i:i + 2] = [parts[i] + parts[i + 1]]
-
-
-@functools.lru_cache(maxsize=1)
-def gpt2_merges() -> list[tuple[str, str]]:
-    """GPT-2's 50,000 merges in rank order, as merges.txt lists them."""
-    ranks = gpt2_ranks()
-    merges = []
-    for token, rank in sorted(ranks.items(), key=lambda item: item[1]):
-        if len(token) > 1:
-            left, right = _split(token, ranks, rank)
-            merges.append((_byte_piece(left), _byte_piece(right)))
-    return merges
-
-
-def has_gpt2_vocabulary(folder: Path) -> bool:
-    """Whether the tokenizer files in `folder` (vocab.json, else tokenizer.json) hold GPT-2's vocabulary."""
-    try:
-        if (folder / "vocab.json").is_file():
-            vocab = json.loads((folder / "vocab.json").read_text(encoding="utf-8"))
-        else:
-            vocab = json.loads((folder / "tokenizer.json").read_text(encoding="utf-8"))["model"]["vocab"]
-    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError):
-        raise GptlabError(f"the tokenizer files in {folder} are damaged; download them again") from None
-    return vocab == gpt2_vocab()
-
-
-def read_hf_tokenizer(folder: str | Path, vocab_size: int) -> Tokenizer:
-    """The tokenizer of a HF folder: the one gptlab exported there, else GPT-2's (which the folder's tokenizer
-    files, if any, must hold). Raises GptlabError for another tokenizer or one larger than the model's vocab."""
-    folder = Path(folder)
-    if (folder / GPTLAB_TOKENIZER).is_file():
-        tokenizer = load_tokenizer(folder / GPTLAB_TOKENIZER)
-    elif any((folder / name).is_file() for name in ("vocab.json", "tokenizer.json")) \
-            and not has_gpt2_vocabulary(folder):
-        raise GptlabError(f"{folder} has its own tokenizer, not GPT-2's; gptlab imports models with GPT-2's "
-                          "vocabulary or folders written by `gptlab export`")
-    else:
-        tokenizer = GPT2Tokenizer()  # GPT-2 files, or none: a GPT-2 checkpoint implies GPT-2's vocabulary
-    if tokenizer.vocab_size > vocab_size:
-        raise GptlabError(f"the model in {folder} has vocab_size {vocab_size}, fewer than the {tokenizer.vocab_size} "
-                          f"ids of its {tokenizer.kind} tokenizer; it was not trained with that tokenizer")
-    return tokenizer
-
-
 # ---- import -----------------------------------------------------------------------------------------------------
 
 def import_hf(folder: str | Path, run_dir: str | Path) -> GPT:
@@ -304,43 +223,6 @@ def hf_config(model_cfg: ModelConfig, tokenizer: Tokenizer) -> dict[str, Any]:
         "reorder_and_upcast_attn": False, "tie_word_embeddings": True, "use_cache": True,
         "bos_token_id": tokenizer.eot_id, "eos_token_id": tokenizer.eot_id, "dtype": "float32",
     }
-
-
-def _hf_tokenizer(tokenizer: Tokenizer) -> Any:
-    """The tokenizer as a Hugging Face `tokenizers.Tokenizer`, which transformers loads from tokenizer.json."""
-    from tokenizers import AddedToken, Regex, Tokenizer as HFTokenizer, decoders, models, pre_tokenizers
-
-    if isinstance(tokenizer, GPT2Tokenizer):
-        hf = HFTokenizer(models.BPE(vocab=gpt2_vocab(), merges=gpt2_merges()))
-        hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-        hf.decoder = decoders.ByteLevel()
-        hf.add_special_tokens([AddedToken(EOT, special=True)])
-        return hf
-    if isinstance(tokenizer, CharTokenizer):
-        hf = HFTokenizer(models.WordLevel(vocab=tokenizer.stoi, unk_token=None))
-        hf.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")  # one piece per character
-        hf.decoder = decoders.Fuse()  # join the characters back with nothing between them
-        return hf
-    return tokenizer.hf  # a trained byte-level BPE is a Hugging Face tokenizer already
-
-
-def write_tokenizer_files(out: Path, tokenizer: Tokenizer, max_length: int) -> list[str]:
-    """Write tokenizer.json + tokenizer_config.json (and GPT-2's vocab.json + merges.txt for a GPT-2 run) that
-    transformers' AutoTokenizer loads, plus gptlab's own tokenizer file. Returns the names written."""
-    special = {"bos_token": EOT, "eos_token": EOT, "unk_token": EOT} if tokenizer.eot_id is not None else {}
-    gpt2 = isinstance(tokenizer, GPT2Tokenizer)
-    config = {"tokenizer_class": "GPT2Tokenizer" if gpt2 else "PreTrainedTokenizerFast",
-              "model_max_length": max_length, "clean_up_tokenization_spaces": False, **special}
-    files = {"tokenizer.json": _hf_tokenizer(tokenizer).to_str(),
-             GPTLAB_TOKENIZER: json.dumps(tokenizer.to_dict(), ensure_ascii=False)}
-    if gpt2:
-        config.update(add_prefix_space=False, errors="replace")
-        files["vocab.json"] = json.dumps(gpt2_vocab(), ensure_ascii=False)
-        files["merges.txt"] = "#version: 0.2\n" + "".join(f"{left} {right}\n" for left, right in gpt2_merges())
-    files["tokenizer_config.json"] = json.dumps(config, indent=2) + "\n"
-    for name, text in files.items():
-        ck.write_atomic(out / name, text.encode())
-    return list(files)
 
 
 def export_hf(run_dir: str | Path, out_dir: str | Path, which: str = "best") -> list[str]:
