@@ -23,7 +23,7 @@ def _seed():
 
 
 def pytest_configure(config):
-    """Before any test module is collected: the fused decode kernel (gptlab.fastdecode) is compiled once per test
+    """Before any test module is collected: the fused decode kernel (gptlab.inference.native) is compiled once per test
     session into a temporary folder, for every test and every CLI subprocess, never into the user's cache; and
     the device_path marker is declared (see the summary at the end of this file)."""
     config.addinivalue_line("markers", "device_path(name): the device path a test exercises (default: cpu), "
@@ -43,15 +43,15 @@ def pytest_unconfigure(config):
 
 @pytest.fixture(scope="session")
 def fused_kernel():
-    """The fused decode kernel (gptlab.fastdecode), built. Skips, naming what is missing, on a machine without an
+    """The fused decode kernel (gptlab.inference.native), built. Skips, naming what is missing, on a machine without an
     x86-64 CPU with AVX-512 or without g++; on a machine with them a kernel that fails to build fails every test
     that uses it (KernelBuildError, with the compiler's message)."""
-    from gptlab import fastdecode
+    from gptlab.inference import native
 
-    reason = fastdecode.missing()
+    reason = native.missing()
     if reason is not None:
         pytest.skip(f"the fused decode step cannot run here: {reason}")
-    return fastdecode.build_library()
+    return native.build_library()
 
 
 @pytest.fixture(autouse=True)

@@ -9,7 +9,7 @@ from gptlab.bench.decode import run_decode
 from gptlab.bench.generate import (GEN_MODELS, bench_model, generation_ratios, print_generation_table,
                                    transformers_twin, weight_bytes_per_token)
 from gptlab.config import ModelConfig, build
-from gptlab.fastdecode import load_library
+from gptlab.inference.native import load_library
 from gptlab.model import GPT
 from gptlab.runtime import bf16_supported
 

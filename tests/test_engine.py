@@ -5,8 +5,9 @@ import torch
 
 from conftest import tiny_config
 from gptlab.config import SampleConfig
-from gptlab.engine import (InferenceLinear, TextStream, can_pack, complete, generate, generate_batch,
-                           generate_uncached, prepare_for_inference, window_keep)
+from gptlab.engine import TextStream, complete, generate, generate_batch, generate_uncached, window_keep
+from gptlab.inference import InferenceModel, TorchStep, as_inference, prepare_for_inference
+from gptlab.inference.weights import InferenceLinear, can_pack
 from gptlab.errors import GptlabError
 from gptlab.model import GPT, Bigram
 from gptlab.tokenizer import BPETokenizer, CharTokenizer
@@ -28,7 +29,7 @@ SHAPES = [dict(), dict(n_layer=3, n_head=3, n_embd=48, block_size=24), dict(n_la
 
 
 def pair(**shape):
-    """A plain fp32 model and its inference-prepared (packed) twin."""
+    """A plain fp32 model and its inference-prepared (packed) twin, an InferenceModel."""
     plain = GPT(tiny_config(**shape)).eval()
     return plain, prepare_for_inference(copy.deepcopy(plain), "fp32")
 
@@ -121,6 +122,51 @@ def test_bad_generation_inputs_are_refused_at_the_call():
         prepare_for_inference(model, "fp16")
 
 
+# ---- the inference object ----------------------------------------------------------------------------------------
+
+class CountingStep(TorchStep):
+    """The torch step, recording the rows and cache dtype of every call; accepts caches only if `accept`."""
+
+    def __init__(self, model, accept=True):
+        super().__init__(model)
+        self.accept, self.calls = accept, []
+
+    def accepts(self, cache):
+        return self.accept
+
+    def step(self, ids, cache):
+        self.calls.append((len(ids), cache.k.dtype))
+        return super().step(ids, cache)
+
+
+def test_the_engine_decodes_with_the_objects_decoder_and_cache_precision():
+    model = GPT(tiny_config()).eval()
+    cfg = SampleConfig(max_new_tokens=12, temperature=0)
+    reference = rows_of(generate(model, [1, 2, 3], cfg, 2))
+    counting = CountingStep(model)
+    prepared = InferenceModel(model, counting, torch.float32)
+    assert rows_of(generate(prepared, [1, 2, 3], cfg, 2)) == reference
+    assert counting.calls == [(2, torch.float32)] * 11  # every step after the prefill, over the object's cache
+    refusing = CountingStep(model, accept=False)  # a decoder that cannot read the cache: the torch step decodes
+    assert rows_of(generate(InferenceModel(model, refusing, torch.float32), [1, 2, 3], cfg, 2)) == reference
+    assert refusing.calls == []
+
+
+def test_a_plain_model_runs_as_it_is_with_the_torch_step():
+    model = GPT(tiny_config()).eval()
+    plain = as_inference(model)
+    assert plain.model is model and isinstance(plain.decoder, TorchStep) and not plain.fused
+    assert plain.cache_dtype == torch.float32 and as_inference(plain) is plain
+    assert as_inference(model.to(torch.bfloat16)).cache_dtype == torch.float32  # bf16 attention is slow on a CPU
+
+
+def test_preparing_attaches_nothing_to_the_module():
+    model = GPT(tiny_config())
+    before = set(vars(model))
+    prepared = prepare_for_inference(model, "fp32")
+    assert prepared.model is model and set(vars(model)) == before  # children replaced, no attribute added
+
+
 # ---- inference weights -------------------------------------------------------------------------------------------
 
 needs_onednn = pytest.mark.skipif(not can_pack(torch.device("cpu"), torch.float32), reason="no oneDNN on this CPU")
@@ -139,10 +185,10 @@ def test_packed_linear_equals_nn_linear(rows):
 @needs_onednn
 def test_prepared_model_keeps_the_forward_contract():
     plain, fast = pair()
-    assert not any(isinstance(m, (torch.nn.Linear, torch.nn.Dropout)) for m in fast.modules())
+    assert not any(isinstance(m, (torch.nn.Linear, torch.nn.Dropout)) for m in fast.model.modules())
     x = torch.randint(0, 50, (3, 16))
     with torch.no_grad():
-        assert (plain(x)[0] - fast(x)[0]).abs().max().item() <= 1e-5
+        assert (plain(x)[0] - fast.model(x)[0]).abs().max().item() <= 1e-5
 
 
 @needs_bf16
@@ -151,13 +197,14 @@ def test_bf16_inference_is_close_to_fp32():
     with torch.no_grad():
         plain.transformer.wte.weight.mul_(20)  # logits spread over a range like a trained model's
     half = prepare_for_inference(copy.deepcopy(plain), "bf16")
-    assert half.transformer.wte.weight.dtype == torch.bfloat16
+    assert half.model.transformer.wte.weight.dtype == torch.bfloat16
     x = torch.randint(0, 50, (2, 16))
     with torch.no_grad():
-        full, approx = plain(x)[0], half(x)[0].float()
-        cache = half.new_kv_cache(2, dtype=torch.float32)  # as the engine runs it: bf16 weights, fp32 attention
-        cached = torch.cat([half(x[:, :9], kv_cache=cache)[0]] + [half(x[:, t:t + 1], kv_cache=cache)[0]
-                                                                  for t in range(9, 16)], dim=1).float()
+        full, approx = plain(x)[0], half.model(x)[0].float()
+        # as the engine runs it without the fused step: bf16 weights, fp32 attention
+        cache = half.model.new_kv_cache(2, dtype=torch.float32)
+        cached = torch.cat([half.model(x[:, :9], kv_cache=cache)[0]] + [
+            half.model(x[:, t:t + 1], kv_cache=cache)[0] for t in range(9, 16)], dim=1).float()
     spread = (full.max() - full.min()).item()
     assert spread > 5
     for logits in (approx, cached):  # bf16 keeps 8 bits of mantissa: errors of ~1% of the logits' range

@@ -1,4 +1,4 @@
-"""The fused native decode step (gptlab.fastdecode) against the model's torch forward with the same KV cache.
+"""The fused native decode step (gptlab.inference.fused) against the model's torch forward with the same KV cache.
 
 Every comparison runs on parameters away from their initial values (at init every bias is 0 and every LayerNorm
 gain 1, so ln_1 equals ln_2 and a kernel that skips a bias or a gain, or swaps the two norms, still matches), at
@@ -18,10 +18,11 @@ import pytest
 import torch
 
 from conftest import tiny_config
-from gptlab import fastdecode
 from gptlab.config import ModelConfig, SampleConfig
-from gptlab.engine import generate_batch, generate_uncached, prepare_for_inference
-from gptlab.fastdecode import FusedDecoder, fused_decoder, move_to_huge_pages
+from gptlab.engine import generate_batch, generate_uncached
+from gptlab.inference import TorchStep, native, prepare_for_inference
+from gptlab.inference.fused import FusedDecoder, fused_decoder
+from gptlab.inference.weights import move_to_huge_pages
 from gptlab.model import GPT, Bigram
 
 pytestmark = [pytest.mark.device_path("fused decode (AVX-512)"), pytest.mark.usefixtures("fused_kernel")]
@@ -142,10 +143,10 @@ def test_the_bf16_cache_holds_keys_and_values_rounded_to_nearest_even(shape):
 def test_the_engine_decodes_with_the_fused_step_and_gives_the_reference_ids():
     plain = trained_like(dict(n_layer=2, n_head=3, n_embd=60, vocab_size=50, block_size=24))
     fast = prepare_for_inference(copy.deepcopy(plain), "fp32")
-    assert isinstance(fast.fused_decoder, FusedDecoder)
+    assert isinstance(fast.decoder, FusedDecoder) and fast.fused and fast.cache_dtype == torch.float32
     calls = []
-    step = fast.fused_decoder.step
-    fast.fused_decoder.step = lambda ids, cache: calls.append(len(ids)) or step(ids, cache)
+    step = fast.decoder.step
+    fast.decoder.step = lambda ids, cache: calls.append(len(ids)) or step(ids, cache)
     prompts = [torch.randint(0, 50, (n,)).tolist() for n in (3, 1, 20)]  # ragged, and past the 24-token window
     cfg = SampleConfig(max_new_tokens=60, temperature=0)
     assert list(generate_batch(fast, prompts, cfg)) == list(generate_uncached(plain, prompts, cfg))
@@ -154,7 +155,7 @@ def test_the_engine_decodes_with_the_fused_step_and_gives_the_reference_ids():
 
 def test_the_torch_path_stays_where_the_fused_step_cannot_run():
     unfused = prepare_for_inference(GPT(tiny_config()), "fp32", fused=False)
-    assert unfused.fused_decoder is None
+    assert isinstance(unfused.decoder, TorchStep) and not unfused.fused
     assert fused_decoder(Bigram(tiny_config(arch="bigram"))) is None
     assert fused_decoder(GPT(tiny_config(n_head=1, n_embd=272))) is None  # heads wider than 256
     model = GPT(tiny_config()).eval()
@@ -206,17 +207,17 @@ def test_builds_are_keyed_by_the_cpus_instruction_set_not_the_host_name(tmp_path
     for isa, host in (("-mavx512f [enabled]", "a"), ("-mavx512f [disabled]", "a"), ("-mavx512f [enabled]", "b")):
         monkeypatch.setenv("ISA", isa)
         monkeypatch.setattr(platform, "node", lambda: host)
-        keys.append(fastdecode._machine_key.__wrapped__(str(fake)))
+        keys.append(native._machine_key.__wrapped__(str(fake)))
     assert keys[0] != keys[1] and keys[0] == keys[2]
 
     folder = tmp_path / "kernels"
     folder.mkdir()
-    mine = fastdecode._machine_key(fastdecode._compiler())
-    code = hashlib.sha256(fastdecode.SOURCE.read_bytes()).hexdigest()[:12]
+    mine = native._machine_key(native._compiler())
+    code = hashlib.sha256(native.SOURCE.read_bytes()).hexdigest()[:12]
     other_cpu, earlier = folder / f"decode-{'0' * 12}-{code}.so", folder / f"decode-{mine}-{'0' * 12}.so"
     for stale in (other_cpu, earlier, folder / "decode-0123456789abcdef.so"):  # the last named by host name
         stale.write_bytes(b"not a library: loading this fails")
-    fastdecode.build_library(fastdecode.SOURCE, folder)
+    native.build_library(native.SOURCE, folder)
     assert sorted(folder.iterdir()) == sorted([other_cpu, folder / f"decode-{mine}-{code}.so"])
 
 
@@ -224,7 +225,7 @@ def test_collecting_the_tests_builds_nothing_and_writes_nothing_into_the_users_c
     """`make test` points the kernel folder at a temporary one before collecting, and collecting builds nothing:
     the user's ~/.cache/gptlab/kernels is neither written nor pruned."""
     code = ("import sys, pytest; pytest.main(['--collect-only', '-q', '-p', 'no:cacheprovider', sys.argv[1]]); "
-            "from gptlab import fastdecode; print('builds', fastdecode.load_library.cache_info().misses)")
+            "from gptlab.inference import native; print('builds', native.load_library.cache_info().misses)")
     env = {k: v for k, v in os.environ.items() if k not in ("GPTLAB_KERNELS", "GPTLAB_CACHE")}
     env.update(HOME=str(tmp_path), XDG_CACHE_HOME=str(tmp_path / "cache"))
     tests = Path(__file__).parent

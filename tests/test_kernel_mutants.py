@@ -1,9 +1,12 @@
 """Deliberately broken copies of the fused decode kernel (csrc/decode.cpp): each must fail one of
-tests/test_fastdecode.py's parity checks, so that those checks are known to catch what they claim to."""
+tests/test_fastdecode.py's parity checks, so that those checks are known to catch what they claim to; and copies
+whose structs differ from the ctypes ones (gptlab.inference.native), each of which loading must refuse."""
+
+from pathlib import Path
 
 import pytest
 
-from gptlab import fastdecode
+from gptlab.inference import native
 from test_fastdecode import BF16_TOLERANCE, FP32_TOLERANCE, SHAPES, bf16_cache_errors, bf16_errors, fp32_error
 
 pytestmark = [pytest.mark.device_path("fused decode (AVX-512)"), pytest.mark.usefixtures("fused_kernel")]
@@ -47,10 +50,55 @@ def test_the_kernel_itself_passes_every_check(fused_kernel):
 @pytest.mark.parametrize("name", MUTANTS)
 def test_a_broken_kernel_fails_the_parity_checks(name, tmp_path):
     edits, catcher = MUTANTS[name]
-    source = fastdecode.SOURCE.read_text()
-    for old, new in edits:
-        assert old in source, f"the mutant {name!r} no longer applies: {old!r} is not in decode.cpp"
-        source = source.replace(old, new)
-    (tmp_path / "decode.cpp").write_text(source)
-    lib = fastdecode.build_library(tmp_path / "decode.cpp", tmp_path)
+    lib = native.build_library(mutated_source(edits, tmp_path), tmp_path)
     assert not CHECKS[catcher](lib), f"the {catcher} check passes a kernel with {name}"
+
+
+# ---- the ABI: builds whose structs differ from the ctypes ones are refused before any call ------------------------
+
+# name -> the edits that change decode.cpp's layout, and what the refusal must say (both values, the struct named)
+ABI_MUTANTS = {
+    "a field added to Step": ([("int R, max_len, n_threads, cache_bf16;",
+                                "int R, max_len, n_threads, cache_bf16, spare;")], r"struct Step is 112 bytes in .* but 104 bytes in gptlab's ctypes"),
+    "two Layer fields swapped": ([("const void *c_attn_w, *attn_proj_w,", "const void *attn_proj_w, *c_attn_w,")],
+                                 r"Layer.c_attn_w is at byte 8 in .* but at byte 0 in gptlab's ctypes"),
+    "a field in Model's padding": ([("    float eps;\n", "    float eps;\n    int spare;\n"),
+                                    ("F(Model, eps),", "F(Model, eps), F(Model, spare),")],
+                                   r"struct Model has 16 fields in .* but 15 in gptlab's ctypes"),
+    "the layout version raised": ([("constexpr int LAYOUT_VERSION = 1;", "constexpr int LAYOUT_VERSION = 2;")],
+                                  r"layout version 2, gptlab passes version 1"),
+    "no layout exported (an older source)": ([("gptlab_layout_version()", "gptlab_layout_version_gone()")],
+                                             r"exports no struct layout"),
+}
+
+
+def mutated_source(edits: list[tuple[str, str]], folder) -> Path:
+    """decode.cpp with `edits` applied (each must still apply), written into `folder`."""
+    source = native.SOURCE.read_text()
+    for old, new in edits:
+        assert old in source, f"{old!r} is not in decode.cpp: the mutant no longer applies"
+        source = source.replace(old, new)
+    (folder / "decode.cpp").write_text(source)
+    return folder / "decode.cpp"
+
+
+def test_the_kernel_reports_the_layout_gptlab_passes(fused_kernel):
+    native.check_layout(fused_kernel)  # raises on any difference
+    assert fused_kernel.gptlab_layout_version() == native.LAYOUT_VERSION
+
+
+@pytest.mark.parametrize("name", ABI_MUTANTS)
+def test_a_build_with_other_structs_is_refused(name, tmp_path):
+    edits, message = ABI_MUTANTS[name]
+    with pytest.raises(native.KernelABIError, match=message):
+        native.build_library(mutated_source(edits, tmp_path), tmp_path)
+
+
+def test_a_refused_build_leaves_decoding_to_torch(monkeypatch, caplog):
+    """gptlab expecting another layout than the built library's: loading refuses it with a warning, and the engine
+    is left to decode with torch ops."""
+    monkeypatch.setattr(native, "LAYOUT_VERSION", native.LAYOUT_VERSION + 1)
+    with pytest.raises(native.KernelABIError, match="is not called"):
+        native.build_library()
+    assert native.load_library.__wrapped__() is None
+    assert "the fused decode step is unavailable" in caplog.text and "layout version" in caplog.text

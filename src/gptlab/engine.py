@@ -1,14 +1,13 @@
 """Autoregressive generation: prefill the prompts once, then decode one token at a time from the KV cache.
 
-Three layers, each usable alone:
+Two layers here, each usable alone, over a model made fast to run by the inference wing
+(`gptlab.inference.prepare_for_inference`: packed weights, the decode step, the KV cache's precision):
 
-- `prepare_for_inference` makes a model fast to run: weights in fp32 or bf16; on a CPU with AVX-512, a fused
-  native decode step (gptlab.fastdecode: one call per token for the whole model, since decoding reads every
-  weight once per token and how fast those reads go is the speed of generation); on a CPU with oneDNN, every
-  Linear pre-packed in oneDNN's blocked layout for the prompts and for steps the fused kernel does not take.
 - `generate_batch` / `generate` see only token ids: prompts of different lengths in one batch (each row keeps its
   own position), `num_samples` continuations of each prompt from one prefill, yielding ids as they come.
 - `TextStream` turns those ids into text: UTF-8-safe streaming, the end-of-text token, stop strings.
+
+Each takes an `InferenceModel` or a plain model, which runs as it is, decoded by the torch step (`as_inference`).
 
 The sliding window. Learned positions cannot be shifted, so when a row's window is full (block_size tokens) and
 one more token arrives, the row's window becomes its last `keep` tokens (`window_keep`: 3/4 of block_size) and
@@ -24,17 +23,13 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from gptlab.config import SampleConfig
 from gptlab.errors import GptlabError
-from gptlab.fastdecode import fused_decoder, move_to_huge_pages
+from gptlab.inference import InferenceModel, TorchStep, as_inference
 from gptlab.model import KVCache
-from gptlab.runtime import bf16_supported
 from gptlab.sampling import next_token
 from gptlab.tokenizer import StreamDecoder, Tokenizer
-
-PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 def window_keep(block_size: int) -> int:
@@ -42,106 +37,27 @@ def window_keep(block_size: int) -> int:
     return max(1, block_size * 3 // 4)
 
 
-# ---- fast weights ------------------------------------------------------------------------------------------------
-
-class InferenceLinear(nn.Module):
-    """y = x W^T + b, like the nn.Linear it replaces, with W pre-packed in oneDNN's blocked layout for this CPU.
-
-    Used for prompts and window rebuilds, and for decoding where the fused step (gptlab.fastdecode) is not
-    available: decoding reads every weight once per token, so these reads are its time. On a 2-core AMD EPYC
-    (`gptlab bench generate`, docs/benchmarks.md) packed products of one row take less time than F.linear
-    in fp32 and in bf16, and several rows (batches, prompts) gain more. W is packed for MIN_ROWS rows, the layout
-    that suits batches; a single row is padded to MIN_ROWS, which measured faster than giving that layout one row.
-    Inference only: the packed weight is not a parameter."""
-
-    MIN_ROWS = 4
-
-    def __init__(self, linear: nn.Linear):
-        super().__init__()
-        self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), self.MIN_ROWS)
-        self.bias = None if linear.bias is None else linear.bias.detach()
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.numel() // self.in_features
-        if rows >= self.MIN_ROWS:
-            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
-        padded = F.pad(x.reshape(rows, self.in_features), (0, 0, 0, self.MIN_ROWS - rows))  # (MIN_ROWS, in)
-        y = torch.ops.mkldnn._linear_pointwise(padded, self.packed, self.bias, "none", [], "")
-        return y[:rows].view(*x.shape[:-1], self.out_features)
-
-    def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
-
-
-def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether oneDNN can run packed Linears of `dtype` on `device` (a CPU with torch's oneDNN build)."""
-    if device.type != "cpu" or not torch.backends.mkldnn.is_available():
-        return False
-    if not hasattr(torch.ops.mkldnn, "_linear_pointwise"):  # oneDNN's packed Linear, as torch.compile uses it
-        return False
-    return dtype == torch.float32 or (dtype == torch.bfloat16 and bf16_supported(device))
-
-
-@torch.no_grad()
-def prepare_for_inference(model: nn.Module, precision: str = "fp32", fused: bool = True,
-                          huge_pages: bool = True) -> nn.Module:
-    """Make `model` fast to generate with, in place, and return it: eval mode, weights in `precision` ("fp32",
-    the reference, or "bf16"), dropout removed, each nn.Linear replaced by an InferenceLinear where oneDNN
-    supports it, and a `fused_decoder` (gptlab.fastdecode: the whole decode step in one native call) where the CPU
-    and a compiler allow it and `fused` is true (its weights moved into 2 MB pages unless `huge_pages` is false).
-    The result still has the model's forward contract but is for inference only: no training, no checkpoint.
-    Raises GptlabError for an unknown precision or bf16 on a device without it."""
-    if precision not in PRECISIONS:
-        raise GptlabError(f"precision must be one of {', '.join(PRECISIONS)}, not {precision!r}")
-    dtype = PRECISIONS[precision]
-    device = next(model.parameters()).device
-    if dtype == torch.bfloat16 and device.type == "cpu" and not bf16_supported(device):
-        raise GptlabError("this CPU has no native bf16 support; use --precision fp32")
-    model.eval().to(dtype)
-    # the fused step decodes from the plain weights (it holds them); prompts and window rebuilds, many rows at a
-    # time, go through the packed copies: faster prefills (docs/benchmarks.md), for twice the weights' memory
-    if fused and huge_pages:
-        move_to_huge_pages(model)  # before the decoder takes its pointers
-    model.fused_decoder = fused_decoder(model) if fused else None
-    pack = can_pack(device, dtype)
-    for module in list(model.modules()):
-        for name, child in list(module.named_children()):
-            if isinstance(child, nn.Dropout):
-                setattr(module, name, nn.Identity())  # a no-op in eval mode, but a call per use all the same
-            elif pack and isinstance(child, nn.Linear):
-                setattr(module, name, InferenceLinear(child))  # the tied LM head gets its own packed copy
-    return model
-
-
-def cache_dtype(model: nn.Module) -> torch.dtype:
-    """The precision keys and values are stored in: the weights' dtype, except fp32 for a bf16 model on a CPU
-    decoded by torch ops (bf16 attention there is several times slower, measured in docs/benchmarks.md); the
-    fused step reads a bf16 cache at half the bytes (at batch 8 and a few hundred positions, the cache's bytes
-    rival the weights')."""
-    weight = next(model.parameters())
-    if weight.device.type == "cpu" and getattr(model, "fused_decoder", None) is None:
-        return torch.float32
-    return weight.dtype
-
-
 # ---- token ids ---------------------------------------------------------------------------------------------------
 
 class Generation:
     """State shared by the cached and the reference decoder: each row's window (the tokens the model sees), the
     penalty counts (each row's prompt, up to its last block_size tokens, and every token generated since) and the
-    generator. Rows are prompt-major: row r continues prompt r // num_samples."""
+    generator. Rows are prompt-major: row r continues prompt r // num_samples. `model` is the torch module that
+    prompts go through, `prepared` the InferenceModel (its decoder and cache precision) it belongs to."""
 
-    def __init__(self, model: nn.Module, prompts: Sequence[Sequence[int]], cfg: SampleConfig, num_samples: int):
+    def __init__(self, model: InferenceModel | nn.Module, prompts: Sequence[Sequence[int]], cfg: SampleConfig,
+                 num_samples: int):
         if num_samples < 1:
             raise GptlabError(f"num_samples must be >= 1, not {num_samples}")
         if not prompts or any(len(p) == 0 for p in prompts):
             raise GptlabError("the prompt is empty and this model has no start token; give a --prompt")
+        self.prepared = as_inference(model)
+        model = self.model = self.prepared.model
         vocab = model.config.vocab_size
         bad = next((i for p in prompts for i in p if not 0 <= i < vocab), None)
         if bad is not None:
             raise GptlabError(f"token id {bad} is outside the model's vocabulary of {vocab}; use the run's tokenizer")
-        self.model, self.cfg, self.num_samples = model, cfg, num_samples
+        self.cfg, self.num_samples = cfg, num_samples
         self.device = next(model.parameters()).device
         self.block_size = model.config.block_size
         self.keep = window_keep(self.block_size)
@@ -200,7 +116,7 @@ def _slide(model: nn.Module, cache: KVCache, state: Generation, filled: list[int
         filled[r] = len(state.windows[r]) - 1
 
 
-def generate_batch(model: nn.Module, prompts: Sequence[Sequence[int]], cfg: SampleConfig,
+def generate_batch(model: InferenceModel | nn.Module, prompts: Sequence[Sequence[int]], cfg: SampleConfig,
                    num_samples: int = 1) -> Iterator[list[int]]:
     """Yield, for each new position, the next token id of every row: len(prompts) * num_samples ids, prompt-major
     (row r continues prompts[r // num_samples]), up to cfg.max_new_tokens positions. Each prompt is prefilled
@@ -217,36 +133,35 @@ def _decode_cached(state: Generation) -> Iterator[list[int]]:
     firsts = state.windows[::n]
     longest = min(state.block_size, max(len(w) for w in firsts) + state.cfg.max_new_tokens)
     # only as long as this generation can get: zeroing a cache of block_size positions costs time
-    cache = model.new_kv_cache(len(firsts), dtype=cache_dtype(model), max_len=longest)
+    cache = state.prepared.new_kv_cache(len(firsts), max_len=longest)
     logits = _prefill(model, cache, firsts, state.device)
     if n > 1:
         cache = cache.repeat_rows(n)
         logits = logits.repeat_interleave(n, dim=0)
     filled = [len(w) for w in state.windows]  # cache positions of each row, tracked here to avoid host syncs
-    fused = getattr(model, "fused_decoder", None)
-    fused = fused if fused is not None and fused.accepts(cache) else None
+    decoder = state.prepared.decoder
+    decoder = decoder if decoder.accepts(cache) else TorchStep(model)
     for step in range(state.cfg.max_new_tokens):
         ids = state.choose(logits)
         yield ids.tolist()
         if step + 1 == state.cfg.max_new_tokens:
             break  # no logits needed after the last token
         _slide(model, cache, state, filled)
-        if fused is not None:
-            logits = fused.step(ids, cache)  # (R, V)
-        else:
-            logits = model(ids[:, None], kv_cache=cache, last_only=True)[0][:, -1]  # (R, V)
+        logits = decoder.step(ids, cache)  # (R, V)
         filled = [k + 1 for k in filled]
 
 
-def generate(model: nn.Module, prompt: Sequence[int], cfg: SampleConfig, num_samples: int = 1) -> Iterator[list[int]]:
+def generate(model: InferenceModel | nn.Module, prompt: Sequence[int], cfg: SampleConfig,
+             num_samples: int = 1) -> Iterator[list[int]]:
     """`generate_batch` for one prompt: yields the `num_samples` next ids of each new position."""
     return generate_batch(model, [prompt], cfg, num_samples)
 
 
-def generate_uncached(model: nn.Module, prompts: Sequence[Sequence[int]], cfg: SampleConfig,
+def generate_uncached(model: InferenceModel | nn.Module, prompts: Sequence[Sequence[int]], cfg: SampleConfig,
                       num_samples: int = 1) -> Iterator[list[int]]:
     """The reference for `generate_batch` (same arguments, rows, window policy and yields): no cache, every step
-    recomputes each row's whole window, rows of equal window length together, others one by one."""
+    recomputes each row's whole window through the model's forward, rows of equal window length together, others
+    one by one (an InferenceModel's decoder is not used)."""
     return _decode_uncached(Generation(model, prompts, cfg, num_samples))
 
 
@@ -325,7 +240,7 @@ class TextStream:
     nothing new or has finished) and stops once every row has finished; `completions` then holds each row's text,
     ids and finish reason. Rows are as in `generate_batch`."""
 
-    def __init__(self, model: nn.Module, tokenizer: Tokenizer, prompts: Sequence[Sequence[int]],
+    def __init__(self, model: InferenceModel | nn.Module, tokenizer: Tokenizer, prompts: Sequence[Sequence[int]],
                  cfg: SampleConfig, num_samples: int = 1):
         self._ids = generate_batch(model, prompts, cfg, num_samples)
         self.completions = [Completion(tokenizer, cfg.stop) for _ in range(len(prompts) * num_samples)]
@@ -339,8 +254,8 @@ class TextStream:
         yield [row.close("length") for row in self.completions]
 
 
-def complete(model: nn.Module, tokenizer: Tokenizer, prompts: Sequence[Sequence[int]], cfg: SampleConfig,
-             num_samples: int = 1) -> list[Completion]:
+def complete(model: InferenceModel | nn.Module, tokenizer: Tokenizer, prompts: Sequence[Sequence[int]],
+             cfg: SampleConfig, num_samples: int = 1) -> list[Completion]:
     """Generate to the end and return every row's Completion."""
     stream = TextStream(model, tokenizer, prompts, cfg, num_samples)
     for _ in stream:

@@ -20,7 +20,7 @@ import torch
 from gptlab.bench.generate import GEN_MODELS, weight_bytes_per_token
 from gptlab.bench.timing import LoadWatch, median
 from gptlab.config import ModelConfig, build
-from gptlab.engine import cache_dtype, prepare_for_inference
+from gptlab.inference import InferenceModel, prepare_for_inference
 from gptlab.model import GPT
 from gptlab.runtime import set_threads
 
@@ -44,13 +44,13 @@ class DecodeRow:
         return 8 * self.batch1_s / self.batch8_s
 
 
-def timed_step(model: torch.nn.Module, cache, ids: torch.Tensor, buffer: torch.Tensor) -> tuple[float, float]:
+def timed_step(model: InferenceModel, cache, ids: torch.Tensor, buffer: torch.Tensor) -> tuple[float, float]:
     """One read of `buffer`, then one fused decode step: (read bytes/s, step seconds). The cache position is put
     back, so every round decodes at the same position."""
     t0 = time.perf_counter()
     buffer.sum()
     t1 = time.perf_counter()
-    model.fused_decoder.step(ids, cache)
+    model.decoder.step(ids, cache)
     t2 = time.perf_counter()
     cache.pos -= 1
     return buffer.numel() * 4 / (t1 - t0), t2 - t1
@@ -62,7 +62,7 @@ def measure(base: torch.nn.Module, precision: str, layouts: list[str], rounds: i
     where this machine has no fused decode step."""
     models = {pages: prepare_for_inference(copy.deepcopy(base), precision, huge_pages=pages == "2M")
               for pages in layouts}
-    if any(m.fused_decoder is None for m in models.values()):
+    if not all(m.fused for m in models.values()):
         return None
     weights = weight_bytes_per_token(base, precision)
     shares: dict[str, list[float]] = {pages: [] for pages in layouts}
@@ -72,7 +72,7 @@ def measure(base: torch.nn.Module, precision: str, layouts: list[str], rounds: i
         ids = torch.randint(0, base.config.vocab_size, (rows,))
         caches = {}
         for pages, model in models.items():
-            caches[pages] = model.new_kv_cache(rows, dtype=cache_dtype(model), max_len=positions + 16)
+            caches[pages] = model.new_kv_cache(rows, max_len=positions + 16)
             caches[pages].pos.fill_(at)
         for _ in range(rounds):
             for pages, model in models.items():

@@ -15,9 +15,10 @@ import torch.nn.functional as F
 
 from gptlab.bench.timing import Clock, LoadWatch, median, read_bandwidth, time_it
 from gptlab.config import ModelConfig, SampleConfig, build, get_preset
-from gptlab.engine import (PRECISIONS, InferenceLinear, can_pack, generate_batch, generate_uncached,
-                           prepare_for_inference)
-from gptlab.fastdecode import load_library
+from gptlab.engine import generate_batch, generate_uncached
+from gptlab.inference import PRECISIONS, InferenceModel, prepare_for_inference
+from gptlab.inference.native import load_library
+from gptlab.inference.weights import InferenceLinear, can_pack
 from gptlab.model import GPT
 from gptlab.runtime import bf16_supported, device_name, resolve_device, set_threads
 
@@ -55,7 +56,7 @@ class GenResult:
                    [list(row) for row in zip(*clock.ids)])
 
 
-def run_gptlab(model: torch.nn.Module, prompts: list[list[int]], new_tokens: int, cached: bool = True) -> Clock:
+def run_gptlab(model: InferenceModel, prompts: list[list[int]], new_tokens: int, cached: bool = True) -> Clock:
     """Greedy generation with the engine (or its no-cache reference), timed position by position."""
     cfg = SampleConfig(max_new_tokens=new_tokens, temperature=0)
     clock = Clock()
@@ -123,7 +124,7 @@ def bench_model(config: ModelConfig, device: torch.device, precisions: list[str]
     for precision in precisions:
         model = prepare_for_inference(copy.deepcopy(base), precision)
         # the same engine with the decode step as torch ops (oneDNN-packed weights), beside the fused native step
-        ops = prepare_for_inference(copy.deepcopy(base), precision, fused=False) if model.fused_decoder else None
+        ops = prepare_for_inference(copy.deepcopy(base), precision, fused=False) if model.fused else None
         if hf is not None:
             hf.to(PRECISIONS[precision])
         for batch in batch_sizes:
@@ -153,7 +154,7 @@ def bench_model(config: ModelConfig, device: torch.device, precisions: list[str]
     return results
 
 
-def paired_floor(model: torch.nn.Module, prompts: list[list[int]], new_tokens: int, bytes_per_token: int,
+def paired_floor(model: InferenceModel, prompts: list[list[int]], new_tokens: int, bytes_per_token: int,
                  megabytes: int = 512) -> float:
     """How close batch-1 decoding comes to the bandwidth floor, measured token by token: before each decode step,
     one read of a `megabytes` buffer (its rate is the floor for that step); the median over the steps of
@@ -292,7 +293,7 @@ def run_generate(*, device: str = "auto", new_tokens: int = 256, prompt_tokens: 
           f"tokens, greedy; best of {repeats}")
     print(f"device: {device_name(dev)}; memory read {bandwidth / 1e9:.1f} GB/s now (each engine run's floor: "
           "the read measured just before it)")
-    step = "fused native step (gptlab.fastdecode)" if dev.type == "cpu" and load_library() else "torch ops"
+    step = "fused native step (gptlab.inference.fused)" if dev.type == "cpu" and load_library() else "torch ops"
     print(f"gptlab (KV cache) decodes with: {step}")
     model = GPT(config).to(dev)
     if can_pack(dev, torch.float32):

@@ -8,11 +8,14 @@
 // fused around them. Activations are fp32; weights fp32 or bf16 (bf16 products round x to bf16 where the CPU
 // has AVX512-BF16, as a bf16 model's activations are, and widen W to fp32 where it has not).
 //
-// The math is the model's (gptlab/model.py), step by step; tests/test_fastdecode.py holds it to the torch path.
+// The math is the model's (gptlab/model.py), step by step; tests/test_fastdecode.py holds it to the torch path
+// (gptlab/inference/fused.py calls it).
 // Layout of the KV cache: k, v (n_layer, R, n_head, max_len, head_dim) fp32 or bf16, as gptlab.model.KVCache.
 #include <immintrin.h>
 #include <math.h>
+#include <stddef.h>
 #include <stdint.h>
+#include <string.h>
 #include <omp.h>
 
 typedef uint16_t bf16;
@@ -43,6 +46,42 @@ struct Step {  // R rows, each one new token at its own position
     void *k, *v;         // caches, fp32 or bf16
     float *x, *h, *qkv, *att, *fc, *logits, *scores;  // scratch (R*C, R*C, R*3C, R*C, R*4C), out (R*V), T*max_len
 };
+
+// ---- the ABI: Python (gptlab/inference/native.py) fills these structs with ctypes and checks, before the first
+// call, that this library's version, sizes and offsets are the ones it passes; a mismatch is never called ----
+constexpr int LAYOUT_VERSION = 1;  // raise with any change to the structs above, here and in native.py
+struct FieldOffset { const char *s, *f; long off; };
+#define F(S, f) {#S, #f, (long)offsetof(S, f)}
+static const FieldOffset FIELDS[] = {
+    F(Layer, c_attn_w), F(Layer, attn_proj_w), F(Layer, c_fc_w), F(Layer, mlp_proj_w), F(Layer, ln_1_w),
+    F(Layer, ln_1_b), F(Layer, c_attn_b), F(Layer, attn_proj_b), F(Layer, ln_2_w), F(Layer, ln_2_b),
+    F(Layer, c_fc_b), F(Layer, mlp_proj_b),
+    F(Model, n_layer), F(Model, n_head), F(Model, head_dim), F(Model, n_embd), F(Model, vocab_size),
+    F(Model, block_size), F(Model, bf16_weights), F(Model, gelu_tanh), F(Model, eps), F(Model, wte),
+    F(Model, wpe), F(Model, lm_head), F(Model, ln_f_w), F(Model, ln_f_b), F(Model, layers),
+    F(Step, R), F(Step, max_len), F(Step, n_threads), F(Step, cache_bf16), F(Step, ids), F(Step, pos), F(Step, k),
+    F(Step, v), F(Step, x), F(Step, h), F(Step, qkv), F(Step, att), F(Step, fc), F(Step, logits), F(Step, scores),
+};
+#undef F
+
+extern "C" int gptlab_layout_version() { return LAYOUT_VERSION; }
+
+extern "C" long gptlab_sizeof(const char* s) {  // -1 for a struct this library does not know
+    return !strcmp(s, "Layer") ? (long)sizeof(Layer) : !strcmp(s, "Model") ? (long)sizeof(Model)
+         : !strcmp(s, "Step") ? (long)sizeof(Step) : -1;
+}
+
+extern "C" int gptlab_fields(const char* s) {  // how many fields of struct s FIELDS lists
+    int n = 0;
+    for (const FieldOffset& e : FIELDS) n += !strcmp(e.s, s);
+    return n;
+}
+
+extern "C" long gptlab_offsetof(const char* s, const char* f) {  // -1 for a field this library does not know
+    for (const FieldOffset& e : FIELDS)
+        if (!strcmp(e.s, s) && !strcmp(e.f, f)) return e.off;
+    return -1;
+}
 
 // ---- loading weights as fp32 vectors of 16 ----
 static inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }

@@ -1,0 +1,121 @@
+"""The inference wing: a model made fast to generate with, as one object the engine takes.
+
+`prepare_for_inference(model, precision)` returns an `InferenceModel`: the model (eval mode, weights in fp32 or
+bf16, packed for oneDNN where it can run them: `weights`), its decoder (the step that turns one new token per row
+into next-token logits: the fused native step of `fused` where the CPU and a compiler allow it, else `TorchStep`,
+the model's own forward, which stays the reference) and the precision of its KV cache. The engine
+(gptlab.engine) takes that object, or a plain model, which `as_inference` wraps with the torch step.
+
+Rooms: `weights` (packed Linears, huge pages), `native` (building and loading csrc/decode.cpp, and checking its
+ABI), `fused` (the ctypes call of one decode step).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+import torch.nn as nn
+
+from gptlab.errors import GptlabError
+from gptlab.inference.fused import FusedDecoder, fused_decoder
+from gptlab.inference.weights import InferenceLinear, can_pack, move_to_huge_pages, pack_linears
+from gptlab.model import KVCache
+from gptlab.runtime import bf16_supported
+
+PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16}
+__all__ = ["PRECISIONS", "Decoder", "FusedDecoder", "InferenceLinear", "InferenceModel", "TorchStep", "as_inference",
+           "cache_dtype", "can_pack", "move_to_huge_pages", "prepare_for_inference"]
+
+
+class Decoder(Protocol):
+    """One decode step: the new token of each row -> next-token logits, over a KV cache it advances."""
+
+    def accepts(self, cache: KVCache) -> bool:
+        """Whether this step can read and write `cache` (its dtype, layout and device)."""
+
+    def step(self, ids: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        """ids (R,) -> logits (R, V); writes each row's key and value at cache.pos and advances cache.pos by one."""
+
+
+class TorchStep:
+    """The reference decode step: the model's own forward over the cache, op by op (any device, any cache)."""
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+
+    def accepts(self, cache: KVCache) -> bool:
+        return True
+
+    def step(self, ids: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        return self.model(ids[:, None], kv_cache=cache, last_only=True)[0][:, -1]  # (R, V)
+
+
+@dataclass(frozen=True)
+class InferenceModel:
+    """A model ready to generate with: what the engine runs prompts through, what decodes each new token, and the
+    dtype its KV cache holds. Built by `prepare_for_inference` (or `as_inference` for a model used as it is)."""
+
+    model: nn.Module  # its forward contract (prompts and window rebuilds go through it)
+    decoder: Decoder  # a FusedDecoder over the model's weights, or TorchStep(model)
+    cache_dtype: torch.dtype  # keys and values are stored in this (see `cache_dtype`)
+    precision: str | None = None  # "fp32" or "bf16" as prepared; None for a model used as it is
+
+    @property
+    def fused(self) -> bool:
+        """Whether new tokens are decoded by the fused native step."""
+        return isinstance(self.decoder, FusedDecoder)
+
+    @property
+    def config(self):
+        return self.model.config
+
+    def new_kv_cache(self, rows: int, max_len: int | None = None) -> KVCache:
+        """An empty cache for `rows` rows, in this model's cache dtype, of `max_len` positions (block_size)."""
+        return self.model.new_kv_cache(rows, dtype=self.cache_dtype, max_len=max_len)
+
+
+def cache_dtype(device: torch.device, weights: torch.dtype, fused: bool) -> torch.dtype:
+    """The precision keys and values are stored in, for a model with `weights` of this dtype on `device`: the
+    weights' dtype, except fp32 for a bf16 model on a CPU decoded by torch ops (bf16 attention there is several times
+    slower, measured in docs/benchmarks.md); the fused step reads a bf16 cache at half the bytes (at batch 8 and a
+    few hundred positions, the cache's bytes rival the weights')."""
+    if device.type == "cpu" and not fused:
+        return torch.float32
+    return weights
+
+
+def as_inference(model: InferenceModel | nn.Module) -> InferenceModel:
+    """`model` itself if it is an InferenceModel; a plain model as it is (no packing, no cast), decoded by the
+    torch step."""
+    if isinstance(model, InferenceModel):
+        return model
+    weight = next(model.parameters())
+    return InferenceModel(model, TorchStep(model), cache_dtype(weight.device, weight.dtype, fused=False))
+
+
+@torch.no_grad()
+def prepare_for_inference(model: nn.Module, precision: str = "fp32", fused: bool = True,
+                          huge_pages: bool = True) -> InferenceModel:
+    """Make `model` fast to generate with and return it as an InferenceModel. `model` is changed in place, for
+    inference only (no training, no checkpoint): eval mode, weights in `precision` ("fp32", the reference, or
+    "bf16"), dropout removed, each nn.Linear replaced by an InferenceLinear where oneDNN supports it. Its decoder
+    is the fused native step (gptlab.inference.fused) where the CPU and a compiler allow it and `fused` is true
+    (the weights moved into 2 MB pages first unless `huge_pages` is false), else the torch step.
+    Raises GptlabError for an unknown precision or bf16 on a device without it."""
+    if precision not in PRECISIONS:
+        raise GptlabError(f"precision must be one of {', '.join(PRECISIONS)}, not {precision!r}")
+    dtype = PRECISIONS[precision]
+    device = next(model.parameters()).device
+    if dtype == torch.bfloat16 and device.type == "cpu" and not bf16_supported(device):
+        raise GptlabError("this CPU has no native bf16 support; use --precision fp32")
+    model.eval().to(dtype)
+    # the fused step decodes from the plain weights (it holds them); prompts and window rebuilds, many rows at a
+    # time, go through the packed copies: faster prefills (docs/benchmarks.md), for twice the weights' memory
+    if fused and huge_pages:
+        move_to_huge_pages(model)  # before the decoder takes its pointers
+    native = fused_decoder(model) if fused else None
+    pack_linears(model)
+    decoder = native if native is not None else TorchStep(model)
+    return InferenceModel(model, decoder, cache_dtype(device, dtype, native is not None), precision)

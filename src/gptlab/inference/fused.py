@@ -1,0 +1,146 @@
+"""The fused decode step: one new token per row through the whole GPT in one native call (csrc/decode.cpp).
+
+Decoding reads every weight once per token, so memory bandwidth sets its pace; launched op by op from Python, a
+12-layer model pays hundreds of dispatches per token, and the library kernels for a single row stop well short of
+the memory bus (docs/benchmarks.md). `FusedDecoder.step` runs embeddings, every block (LayerNorm, QKV, attention
+over the KV cache, W_O, residual adds, the GELU feed-forward) and the LM head for R rows at once, streaming each
+weight row a single time for all rows, in fp32 activations over fp32 or bf16 weights.
+
+The library is built, loaded and its structs checked by gptlab.inference.native. Where it cannot run
+`fused_decoder` returns None, and where a cache is neither fp32 nor bf16 `accepts` says no: the engine then
+decodes with the torch step (gptlab.inference.TorchStep), which stays the reference (tests/test_fastdecode.py
+holds the two together; tests/test_kernel_mutants.py checks that those tests catch a broken kernel).
+"""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+
+import torch
+
+from gptlab.inference.native import Layer, Model, Step, load_library
+from gptlab.model import GPT, KVCache
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+class FusedDecoder:
+    """Runs `GPT.forward(ids[:, None], kv_cache=cache, last_only=True)` for one new token per row, natively.
+
+    Holds the model's weights as they are (fp32 or bf16 matrices, shared, not copied) and fp32 copies of the small
+    vectors (LayerNorm, biases). The model must not change afterwards: this is for inference only. `lib` is the
+    library from gptlab.inference.native (`load_library` or `build_library`), whose structs it has checked."""
+
+    def __init__(self, model: GPT, lib: ctypes.CDLL):
+        self.config = c = model.config
+        dtype = model.transformer.wte.weight.dtype
+        self._keep: list[torch.Tensor] = []
+
+        def matrix(linear: torch.nn.Module) -> int:
+            w = linear.weight.detach().contiguous()
+            self._keep.append(w)
+            return w.data_ptr()
+
+        def vector(t: torch.Tensor | None) -> int | None:
+            if t is None:
+                return None
+            t = t.detach().float().contiguous()
+            self._keep.append(t)
+            return t.data_ptr()
+
+        layers = (Layer * c.n_layer)()
+        for i, block in enumerate(model.transformer.h):
+            attn, mlp = block.attn, block.mlp
+            layers[i] = Layer(matrix(attn.c_attn), matrix(attn.c_proj), matrix(mlp.c_fc), matrix(mlp.c_proj),
+                              vector(block.ln_1.weight), vector(block.ln_1.bias), vector(attn.c_attn.bias),
+                              vector(attn.c_proj.bias), vector(block.ln_2.weight), vector(block.ln_2.bias),
+                              vector(mlp.c_fc.bias), vector(mlp.c_proj.bias))
+        t = model.transformer
+        self._layers = layers  # the struct below points into it
+        self._model = Model(c.n_layer, c.n_head, c.head_dim, c.n_embd, c.vocab_size, c.block_size,
+                            int(dtype == torch.bfloat16), int(c.activation == "gelu_tanh"), c.layer_norm_eps,
+                            matrix(t.wte), matrix(t.wpe), matrix(model.lm_head), vector(t.ln_f.weight),
+                            vector(t.ln_f.bias), layers)
+        self._call, self._model_ref = lib.gptlab_decode_step, ctypes.byref(self._model)
+        self._plan: _Plan | None = None  # the last step's
+
+    def accepts(self, cache: KVCache) -> bool:
+        """Whether `cache` has the layout the kernel reads: fp32 or bf16, contiguous, on the CPU."""
+        return (cache.k.dtype in (torch.float32, torch.bfloat16) and cache.k.device.type == "cpu"
+                and cache.k.is_contiguous() and cache.v.is_contiguous() and cache.pos.is_contiguous())
+
+    def step(self, ids: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        """ids (R,) the new token of each row -> next-token logits (R, V) in fp32, valid until the next step
+        (they live in the decoder's buffer); writes the rows' keys and values at cache.pos and advances cache.pos
+        by one, like the model's forward. Raises ValueError, and changes nothing, for a cache the kernel cannot
+        read (`accepts`), one of another shape or number of rows, a token id outside the vocabulary, or a
+        position past the cache or block_size."""
+        plan = self._plan
+        threads = torch.get_num_threads()
+        if plan is None or not plan.serves(cache, ids.numel(), threads):
+            self._check(cache, ids.numel())
+            plan = self._plan = _Plan.make(self.config, cache, ids.numel(), threads)
+        plan.ids.copy_(ids)
+        plan.args.n_threads = threads
+        status = self._call(self._model_ref, ctypes.byref(plan.args))
+        if status != 0:  # the kernel checks every row before it touches memory
+            r, c = status - 1, self.config
+            raise ValueError(f"fused decode refused row {r}: token id {int(plan.ids[r])} (vocabulary {c.vocab_size}) "
+                             f"at position {int(cache.pos[r])} (cache {cache.max_len}, block_size {c.block_size})")
+        return plan.logits
+
+    def _check(self, cache: KVCache, R: int) -> None:
+        """Raises ValueError unless the kernel can read and write `cache` for R rows of this model."""
+        c = self.config
+        shape = (c.n_layer, R, c.n_head, cache.max_len, c.head_dim)
+        if not self.accepts(cache):
+            raise ValueError("the fused step reads fp32 or bf16 caches, contiguous, on the CPU")
+        if (tuple(cache.k.shape) != shape or cache.v.shape != cache.k.shape or cache.v.dtype != cache.k.dtype
+                or tuple(cache.pos.shape) != (R,) or cache.pos.dtype != torch.int64
+                or cache.v.device != cache.k.device or cache.pos.device != cache.k.device):
+            raise ValueError(f"a cache of k, v {tuple(cache.k.shape)} and pos {tuple(cache.pos.shape)} does not fit "
+                             f"{R} rows of this model: k and v {shape}, pos ({R},) int64, all on the CPU")
+
+
+@dataclass
+class _Plan:
+    """Everything a step of R rows over one cache passes to the kernel, built once per cache (a few dozen
+    microseconds a token otherwise): the kernel's arguments and the buffers they point to."""
+
+    tensors: tuple[torch.Tensor, ...]  # the cache's k, v and pos, which the pointers below point into
+    ids: torch.Tensor  # (R,) int64, the step's tokens are copied here
+    logits: torch.Tensor  # (R, V) fp32, written by the kernel
+    threads: int  # the most threads the scratch serves
+    args: Step
+    scratch: tuple[torch.Tensor, ...]  # x, h, qkv, att, fc, and a row of scores per thread
+
+    def serves(self, cache: KVCache, R: int, threads: int) -> bool:
+        """Whether this plan's pointers are still those of `cache` (not reallocated since) for R rows."""
+        same = all(a is b for a, b in zip(self.tensors, (cache.k, cache.v, cache.pos)))
+        return same and self.ids.numel() == R and self.threads >= threads
+
+    @classmethod
+    def make(cls, config, cache: KVCache, R: int, threads: int) -> _Plan:
+        C, V = config.n_embd, config.vocab_size
+        ids, logits = torch.zeros(R, dtype=torch.int64), torch.empty(R, V)
+        scratch = tuple(torch.empty(n) for n in (R * C, R * C, R * 3 * C, R * C, R * 4 * C, threads * cache.max_len))
+        args = Step(R, cache.max_len, threads, int(cache.k.dtype == torch.bfloat16), *(
+            _ptr(t) for t in (ids, cache.pos, cache.k, cache.v, *scratch[:5], logits, scratch[5])))
+        return cls((cache.k, cache.v, cache.pos), ids, logits, threads, args, scratch)
+
+
+def fused_decoder(model: torch.nn.Module) -> FusedDecoder | None:
+    """A FusedDecoder for `model`, or None where the native step cannot run it (not a GPT, not on a CPU with
+    AVX-512, weights neither fp32 nor bf16, heads wider than 256, no compiler)."""
+    if not isinstance(model, GPT):
+        return None
+    weight = model.transformer.wte.weight
+    if weight.device.type != "cpu" or weight.dtype not in (torch.float32, torch.bfloat16):
+        return None
+    if model.config.head_dim > 256:  # the kernel holds a head's query and output in registers
+        return None
+    lib = load_library()
+    return None if lib is None else FusedDecoder(model, lib)

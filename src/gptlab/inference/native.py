@@ -1,0 +1,211 @@
+"""The native decode library (csrc/decode.cpp): building it for this machine, loading it, and checking that its
+structs are the ones this module passes across.
+
+The kernel is C++ with AVX-512 intrinsics, compiled on first use with the machine's g++ into $GPTLAB_KERNELS
+(default ~/.cache/gptlab/kernels; one build per source, compiler and CPU feature set, as it is compiled with
+-march=native) and loaded with ctypes; it shares torch's OpenMP runtime and thread count. Where it cannot run (no
+AVX-512, no g++, not a CPU: `missing` says which) `load_library` returns None and the engine decodes with torch.
+
+The ABI. Python fills the ctypes structs below and the kernel reads them as the C structs of decode.cpp: the two
+must agree field for field, or the kernel reads pointers where there are none. The library exports its layout
+version, the size of each struct and the offset of each field (by name); `build_library` compares them with the
+structs here and refuses a library that differs (`KernelABIError`), so a stale or mismatched build is never called.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+log = logging.getLogger("gptlab")
+SOURCE = Path(__file__).parent.parent / "csrc" / "decode.cpp"
+FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
+LAYOUT_VERSION = 1  # decode.cpp's LAYOUT_VERSION: raise both with any change to the structs' fields or meaning
+_P = ctypes.c_void_p
+
+
+class Layer(ctypes.Structure):
+    """decode.cpp's `Layer`: one block's weights (matrices in the model's dtype, vectors fp32, NULL if absent)."""
+
+    _fields_ = [(name, _P) for name in (
+        "c_attn_w", "attn_proj_w", "c_fc_w", "mlp_proj_w",
+        "ln_1_w", "ln_1_b", "c_attn_b", "attn_proj_b", "ln_2_w", "ln_2_b", "c_fc_b", "mlp_proj_b")]
+
+
+class Model(ctypes.Structure):
+    """decode.cpp's `Model`: the shape, the embeddings, the final LayerNorm and LM head, and the layers."""
+
+    _fields_ = [(name, ctypes.c_int) for name in (
+        "n_layer", "n_head", "head_dim", "n_embd", "vocab_size", "block_size", "bf16_weights", "gelu_tanh")] + [
+        ("eps", ctypes.c_float), ("wte", _P), ("wpe", _P), ("lm_head", _P), ("ln_f_w", _P), ("ln_f_b", _P),
+        ("layers", ctypes.POINTER(Layer))]
+
+
+class Step(ctypes.Structure):
+    """decode.cpp's `Step`: one call's rows, the KV cache and the scratch buffers."""
+
+    _fields_ = [(name, ctypes.c_int) for name in ("R", "max_len", "n_threads", "cache_bf16")] + [
+        (name, _P) for name in ("ids", "pos", "k", "v", "x", "h", "qkv", "att", "fc", "logits", "scores")]
+
+
+STRUCTS = (Layer, Model, Step)  # every struct passed across, by its C name
+
+
+class KernelBuildError(RuntimeError):
+    """The kernel's source did not compile or load on a machine that has what it needs."""
+
+
+class KernelABIError(KernelBuildError):
+    """The library's structs are not the ones this module passes (a stale or mismatched build): never called."""
+
+
+def cpu_has_avx512() -> bool:
+    """Whether this CPU runs the kernel's instructions (AVX-512 F, BW and VL)."""
+    if platform.machine() not in ("x86_64", "AMD64"):
+        return False
+    try:
+        flags = Path("/proc/cpuinfo").read_text(errors="replace")
+    except OSError:
+        return False
+    return all(f" {flag}" in flags for flag in ("avx512f", "avx512bw", "avx512vl"))
+
+
+def _compiler() -> str | None:
+    return shutil.which(os.environ.get("CXX", "g++"))
+
+
+def missing() -> str | None:
+    """What this machine lacks to build and run the kernel ("not an x86-64 CPU", "no AVX-512", "no g++"), or None
+    where it has all of it: there a kernel that fails to build is a bug, not a missing feature."""
+    if platform.machine() not in ("x86_64", "AMD64"):
+        return f"not an x86-64 CPU ({platform.machine()})"
+    if not cpu_has_avx512():
+        return "no AVX-512 (F, BW and VL) on this CPU"
+    if _compiler() is None:
+        return f"no {os.environ.get('CXX', 'g++')} on PATH"
+    return None
+
+
+def _build_dir() -> Path:
+    """$GPTLAB_KERNELS, else kernels/ in $GPTLAB_CACHE (default ~/.cache/gptlab)."""
+    if os.environ.get("GPTLAB_KERNELS"):
+        return Path(os.environ["GPTLAB_KERNELS"])
+    root = os.environ.get("GPTLAB_CACHE") or os.path.join(os.environ.get("XDG_CACHE_HOME")
+                                                            or os.path.expanduser("~/.cache"), "gptlab")
+    return Path(root) / "kernels"
+
+
+@functools.cache
+def _machine_key(compiler: str) -> str:
+    """What a -march=native build depends on besides its source: the compiler's version, the instruction set it
+    targets on this CPU (gcc's `-march=native -Q --help=target`) and the CPU's model and feature flags. Two
+    machines of one name but different CPUs get different keys, so neither loads a binary with instructions the
+    other lacks (SIGILL)."""
+    version = subprocess.run([compiler, "--version"], check=True, capture_output=True, text=True, timeout=60).stdout
+    target = subprocess.run([compiler, "-march=native", "-Q", "--help=target"], capture_output=True, text=True,
+                            timeout=60)  # gcc only; elsewhere the CPU's flags below still tell CPUs apart
+    try:
+        lines = Path("/proc/cpuinfo").read_text(errors="replace").splitlines()
+    except OSError:
+        lines = []
+    cpu = [next((line for line in lines if line.startswith(key)), "") for key in ("model name", "flags")]
+    return hashlib.sha256("\n".join([compiler, *FLAGS, version, target.stdout, *cpu]).encode()).hexdigest()[:12]
+
+
+def build_library(source: Path = SOURCE, build_dir: Path | None = None) -> ctypes.CDLL:
+    """Compile `source` (default: the kernel) with the machine's g++ into `build_dir` (default $GPTLAB_KERNELS,
+    see the module docstring), unless this source was built for this CPU and compiler already, load it and check
+    its structs (`check_layout`). Earlier builds for this CPU are removed; builds for other CPUs sharing the folder
+    are left alone. Raises KernelBuildError (with the compiler's message) where it fails to compile or load, and
+    KernelABIError where its structs differ from this module's."""
+    compiler = _compiler()
+    if compiler is None:
+        raise KernelBuildError(f"no {os.environ.get('CXX', 'g++')} on PATH")
+    try:
+        machine, code = _machine_key(compiler), hashlib.sha256(source.read_bytes()).hexdigest()[:12]
+        target = (build_dir or _build_dir()) / f"decode-{machine}-{code}.so"
+        if not target.is_file():
+            _compile(compiler, source, target)
+            # this CPU's builds of earlier sources, and those named before builds were keyed by CPU (decode-KEY.so)
+            for old in target.parent.glob("decode-*.so"):
+                if old != target and (old.name.startswith(f"decode-{machine}-") or old.stem.count("-") == 1):
+                    old.unlink(missing_ok=True)
+        lib = ctypes.CDLL(str(target))  # after torch: its libgomp is the one OpenMP runtime in the process
+    except subprocess.CalledProcessError as exc:
+        raise KernelBuildError(f"{' '.join(exc.cmd)} failed:\n{exc.stderr}") from None  # all of it is here
+    except (OSError, subprocess.SubprocessError) as exc:
+        raise KernelBuildError(f"building {source} failed: {exc}") from exc
+    check_layout(lib, str(target))
+    lib.gptlab_decode_step.argtypes = [ctypes.POINTER(Model), ctypes.POINTER(Step)]
+    lib.gptlab_decode_step.restype = ctypes.c_int
+    return lib
+
+
+def _compile(compiler: str, source: Path, target: Path) -> None:
+    """Compile `source` into `target`: aside in a temporary folder, then published atomically."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        built = Path(tmp) / target.name
+        subprocess.run([compiler, *FLAGS, str(source), "-o", str(built)], check=True, capture_output=True,
+                       text=True, timeout=300)
+        os.replace(built, target)
+
+
+def check_layout(lib: ctypes.CDLL, name: str = "the decode library") -> None:
+    """Raises KernelABIError unless `lib` reports this module's LAYOUT_VERSION, and for every struct in STRUCTS
+    the size, the number of fields and the offset of every field that ctypes gives it (the message names the
+    struct or field and both values)."""
+    version, sizeof, fields, offsetof = _layout_functions(lib, name)
+    if version() != LAYOUT_VERSION:
+        raise KernelABIError(f"{name} has struct layout version {version()}, gptlab passes version "
+                             f"{LAYOUT_VERSION}; it is not called")
+    for struct in STRUCTS:
+        c_name = struct.__name__.encode()
+        if sizeof(c_name) != ctypes.sizeof(struct):
+            raise KernelABIError(f"struct {struct.__name__} is {sizeof(c_name)} bytes in {name} but "
+                                 f"{ctypes.sizeof(struct)} bytes in gptlab's ctypes; it is not called")
+        if fields(c_name) != len(struct._fields_):
+            raise KernelABIError(f"struct {struct.__name__} has {fields(c_name)} fields in {name} but "
+                                 f"{len(struct._fields_)} in gptlab's ctypes; it is not called")
+        for field, _ in struct._fields_:
+            c_offset, offset = offsetof(c_name, field.encode()), getattr(struct, field).offset
+            if c_offset != offset:
+                where = "absent" if c_offset < 0 else f"at byte {c_offset}"
+                raise KernelABIError(f"{struct.__name__}.{field} is {where} in {name} but at byte {offset} in "
+                                     "gptlab's ctypes; it is not called")
+
+
+def _layout_functions(lib: ctypes.CDLL, name: str) -> tuple:
+    """The library's gptlab_layout_version(), gptlab_sizeof(struct), gptlab_fields(struct) and
+    gptlab_offsetof(struct, field), typed; KernelABIError where it lacks them."""
+    try:
+        functions = lib.gptlab_layout_version, lib.gptlab_sizeof, lib.gptlab_fields, lib.gptlab_offsetof
+    except AttributeError:
+        raise KernelABIError(f"{name} exports no struct layout (built from an older source); "
+                             "it is not called") from None
+    for fn, restype, argtypes in zip(functions, (ctypes.c_int, ctypes.c_long, ctypes.c_int, ctypes.c_long),
+                                     ([], [ctypes.c_char_p], [ctypes.c_char_p], [ctypes.c_char_p] * 2)):
+        fn.restype, fn.argtypes = restype, argtypes
+    return functions
+
+
+@functools.cache
+def load_library() -> ctypes.CDLL | None:
+    """The compiled kernel (`build_library`), built once per source, compiler and CPU; None where this machine
+    lacks what it needs (`missing`) or the build fails or is refused (then with a warning: decoding falls back to
+    torch)."""
+    if missing() is not None:
+        return None
+    try:
+        return build_library()
+    except KernelBuildError as exc:
+        log.warning("the fused decode step is unavailable, decoding with torch ops: %s", exc)
+        return None
