@@ -24,6 +24,7 @@ from gptlab.inference import TorchStep, native, prepare_for_inference
 from gptlab.inference.fused import FusedDecoder, fused_decoder
 from gptlab.inference.weights import move_to_huge_pages
 from gptlab.model import GPT, Bigram
+from gptlab.runtime import bf16_supported
 
 pytestmark = [pytest.mark.device_path("fused decode (AVX-512)"), pytest.mark.usefixtures("fused_kernel")]
 
@@ -160,6 +161,15 @@ def test_the_torch_path_stays_where_the_fused_step_cannot_run():
     assert fused_decoder(GPT(tiny_config(n_head=1, n_embd=272))) is None  # heads wider than 256
     model = GPT(tiny_config()).eval()
     assert not fused_decoder(model).accepts(model.new_kv_cache(2, dtype=torch.float16))  # fp32 or bf16 caches
+
+
+@pytest.mark.skipif(not bf16_supported(torch.device("cpu")), reason="no native bf16 on this CPU")
+def test_a_bf16_model_keeps_a_bf16_cache_only_where_the_fused_step_decodes():
+    """The fused step reads a bf16 cache at half the bytes; torch ops on a CPU attend in fp32 (bf16 is slower)."""
+    fast = prepare_for_inference(GPT(tiny_config()), "bf16")
+    assert fast.fused and fast.cache_dtype == torch.bfloat16
+    assert fast.new_kv_cache(2).k.dtype == torch.bfloat16
+    assert prepare_for_inference(GPT(tiny_config()), "bf16", fused=False).cache_dtype == torch.float32
 
 
 def test_a_refused_step_raises_and_changes_nothing():
