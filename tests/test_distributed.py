@@ -174,6 +174,16 @@ def test_an_fsdp_checkpoint_is_sharded_and_one_process_reads_it_whole(straight, 
     assert_same_weights(root / "fsdp-in-one", root / "one-8", 8)
 
 
+def test_a_shard_damaged_after_its_checkpoint_was_verified_is_noticed(fsdp, tmp_path):
+    shutil.copytree(fsdp, tmp_path / "run")
+    ckpt = ck.find_checkpoint(tmp_path / "run", "step")  # verified, and the verdict remembered
+    shard = sorted((ckpt.path / ck.SHARDS).iterdir())[0]
+    data = bytearray(shard.read_bytes())
+    data[-1] ^= 1  # same size, same inode: only the file's own modification time tells
+    shard.write_bytes(bytes(data))
+    assert ck.find_checkpoint(tmp_path / "run", "step") is None
+
+
 def test_an_fsdp_run_stopped_and_resumed_continues_exactly(straight, fsdp):
     """Resumed from its shards on 2 processes, the run is the run that never stopped, bit for bit (and within
     1e-5 of one process)."""

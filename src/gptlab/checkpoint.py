@@ -342,8 +342,8 @@ def verify_cached(path: Path) -> str | None:
     """verify(path), remembered while no file of the checkpoint changes (same inodes, sizes and modification
     times), so that pruning after every save does not hash every kept checkpoint again."""
     try:
-        key = (str(path), *sorted((f.name, st.st_ino, st.st_size, st.st_mtime_ns)
-                                  for f in path.iterdir() for st in [f.stat()]))
+        key = (str(path), *sorted((str(f), st.st_ino, st.st_size, st.st_mtime_ns)  # shards/ too, file by file
+                                  for f in path.rglob("*") for st in [f.stat()]))
     except OSError:
         return verify(path)
     if key not in _VERIFIED:
