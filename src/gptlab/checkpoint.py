@@ -364,13 +364,14 @@ def save_checkpoint(run_dir: str | Path, kind: str, step: int, model: torch.nn.M
     try:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
-        files = {"rng.safetensors": rng_tensors()}
+        files = {}
         if shards is not None:  # FSDP: every process writes its own slices
             optimizer_meta = shards(tmp / SHARDS, optimizer is not None)
         else:
             files["model.safetensors"] = model_tensors(model)
             if optimizer is not None:
                 files["optimizer.safetensors"], optimizer_meta = optimizer_tensors(optimizer)
+        files["rng.safetensors"] = rng_tensors()
         if optimizer is not None:
             state = {**state, "optimizer": optimizer_meta}
         for name, tensors in files.items():
