@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import torch
 
-from gptlab import corpus, data
+from gptlab import corpus
 from gptlab.data import (HEADER, TokenWriter, batch_generator, get_batch, load_dataset, prepare, read_tokens)
 from gptlab.errors import GptlabError
 

@@ -15,6 +15,7 @@ import pytest
 from safetensors import SafetensorError
 
 import gptlab.checkpoint as ck
+import gptlab.rundir as rundir
 import gptlab.data
 import gptlab.hf
 from gptlab.cli import main
@@ -154,7 +155,7 @@ def start_training(data, run, steps="100000", eval_interval="100000"):
 
 def wait_for_steps(run, proc, n=3):
     deadline = time.time() + 120
-    while not (run / ck.METRICS).exists() or len((run / ck.METRICS).read_text().splitlines()) < n:
+    while not (run / rundir.METRICS).exists() or len((run / rundir.METRICS).read_text().splitlines()) < n:
         assert time.time() < deadline and proc.poll() is None, proc.stderr.read() if proc.poll() else "slow"
         time.sleep(0.05)
 

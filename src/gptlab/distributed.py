@@ -43,6 +43,7 @@ import torch.distributed as dist
 from torch.overrides import TorchFunctionMode
 
 from gptlab import checkpoint as ck
+from gptlab import rundir
 from gptlab.config import ModelConfig
 from gptlab.errors import GptlabError
 from gptlab.model import build_model
@@ -82,7 +83,7 @@ class Parallel:
             return
         probe, token = folder / ".gptlab-same-folder", [secrets.token_hex(16)]
         if self.is_main:
-            ck.write_atomic(probe, token[0].encode())
+            rundir.write_atomic(probe, token[0].encode())
         dist.broadcast_object_list(token, src=0)
         try:
             seen = probe.read_text() == token[0]

@@ -21,6 +21,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from gptlab import checkpoint as ck
+from gptlab import rundir
 from gptlab.config import ModelConfig, TrainConfig, from_dict, to_dict
 from gptlab.data import folder_kind
 from gptlab.errors import GptlabError
@@ -180,9 +181,9 @@ def import_hf(folder: str | Path, run_dir: str | Path) -> GPT:
     model = GPT(model_cfg)
     ck.load_model_tensors(model, tensors, str(folder))
     source = str(folder.resolve())
-    with ck.RunLock(run) as lock:
+    with rundir.RunLock(run) as lock:
         try:
-            ck.init_run(run, model_cfg, TrainConfig(), tokenizer, {"imported_from": source})
+            rundir.init_run(run, model_cfg, TrainConfig(), tokenizer, {"imported_from": source})
             ck.save_checkpoint(run, "best", 0, model, {"model": to_dict(model_cfg), "imported_from": source}, keep=1)
         except GptlabError:
             lock.undo()
@@ -253,7 +254,7 @@ def export_hf(run_dir: str | Path, out_dir: str | Path, which: str = "best") -> 
         tmp.unlink(missing_ok=True)
         reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc).strip()
         raise GptlabError(f"cannot write {out / 'model.safetensors'}: {reason}; check free space") from None
-    ck.write_json(out / HF_CONFIG, hf_config(loaded.model_cfg, loaded.tokenizer))
+    rundir.write_json(out / HF_CONFIG, hf_config(loaded.model_cfg, loaded.tokenizer))
     return [HF_CONFIG, "model.safetensors"] + write_tokenizer_files(out, loaded.tokenizer,
                                                                       loaded.model_cfg.block_size)
 
@@ -263,8 +264,8 @@ def export_hf(run_dir: str | Path, out_dir: str | Path, which: str = "best") -> 
 def source_model_config(source: str | Path) -> ModelConfig:
     """The model settings of a gptlab run or a HF GPT-2 folder; raises GptlabError when it is neither."""
     path = Path(source)
-    if ck.is_run(path):
-        return from_dict(ModelConfig, ck.read_run_config(path)["model"])
+    if rundir.is_run(path):
+        return from_dict(ModelConfig, rundir.read_run_config(path)["model"])
     if (path / HF_CONFIG).is_file():
         return read_hf_config(path)
     raise GptlabError(f"--init-from {source}: not a gptlab run nor a Hugging Face GPT-2 folder; give a folder made "
@@ -273,7 +274,7 @@ def source_model_config(source: str | Path) -> ModelConfig:
 
 def _read_source(source: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor], Tokenizer]:
     path = Path(source)
-    if ck.is_run(path):
+    if rundir.is_run(path):
         loaded = ck.load_run(path)
         return loaded.model_cfg, ck.model_tensors(loaded.model), loaded.tokenizer
     source_model_config(path)  # refuses what is neither

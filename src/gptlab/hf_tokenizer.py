@@ -9,7 +9,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from gptlab.checkpoint import write_atomic
+from gptlab.rundir import write_atomic
 from gptlab.errors import GptlabError
 from gptlab.tokenizer import EOT, CharTokenizer, GPT2Tokenizer, Tokenizer, _byte_decoder, gpt2_ranks
 from gptlab.tokenizer import load as load_tokenizer

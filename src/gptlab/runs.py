@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from gptlab import checkpoint as ck
+from gptlab import rundir
 from gptlab.config import (DEFAULT_PRESET, FINETUNE_PRESET, ModelConfig, TrainConfig, build, get_preset, to_dict)
 from gptlab.data import prepare
 from gptlab.errors import GptlabError
@@ -52,7 +53,7 @@ def pick_run_dir(preset: str, run: str | Path | None = None, resume: bool = Fals
     if run:
         return Path(run)
     candidate, n = RUNS / preset, 1
-    while not resume and (ck.RunLock.held(candidate) or any((candidate / ck.CKPTS).glob("[sb]*-*"))):
+    while not resume and (rundir.RunLock.held(candidate) or any((candidate / rundir.CKPTS).glob("[sb]*-*"))):
         n += 1
         candidate = RUNS / f"{preset}-{n}"
     return candidate
@@ -100,10 +101,10 @@ def resolve(preset: str | None = None, model: dict[str, Any] | None = None, trai
     model_base, train_base = dict(base.model), dict(base.train)
     run_dir = pick_run_dir(preset_name, run, bool(resume))
     if resume == "auto":
-        resume = ck.is_run(run_dir) and ck.find_checkpoint(run_dir, "step") is not None
+        resume = rundir.is_run(run_dir) and ck.find_checkpoint(run_dir, "step") is not None
     extra: dict[str, Any] = {"preset": preset_name}
     if resume:
-        saved = ck.read_run_config(run_dir)
+        saved = rundir.read_run_config(run_dir)
         model_base, train_base = saved["model"], saved["train"]
         extra = {"preset": saved.get("preset", preset_name)}
     elif init_from or preset_name == FINETUNE_PRESET:
@@ -129,7 +130,7 @@ def init_from_model_base(source: str | None, model_base: dict[str, Any]) -> dict
 def run_data_dir(run: str | Path) -> Path | None:
     """The data folder a run was trained on, from its config.json (None for an imported run); GptlabError when it
     is no longer there."""
-    saved = ck.read_run_config(run).get("data")
+    saved = rundir.read_run_config(run).get("data")
     if not saved:
         return None
     if not (Path(saved) / "meta.json").is_file():
@@ -183,7 +184,7 @@ def launch(spec: TrainSpec, nproc: int, argv: list[str], max_restarts: int = 0) 
     if spec.train.batch_size % nproc:
         raise GptlabError(f"batch_size {spec.train.batch_size} must be a multiple of the {nproc} processes; "
                           f"try --batch-size {spec.train.batch_size // nproc * nproc or nproc}")
-    with ck.RunLock(spec.run) as lock:
+    with rundir.RunLock(spec.run) as lock:
         code = torchrun(nproc, argv, max_restarts, {LOCKED_RUN_ENV: str(spec.run.resolve())})
         if code and not spec.resume:
             lock.undo()
@@ -192,10 +193,10 @@ def launch(spec: TrainSpec, nproc: int, argv: list[str], max_restarts: int = 0) 
 
 def latest_run(root: Path = RUNS) -> Path:
     """The most recently trained run under `root`, for `gptlab sample` and `eval` without --run."""
-    runs = [p for p in root.glob("*") if ck.is_run(p)] if root.is_dir() else []
+    runs = [p for p in root.glob("*") if rundir.is_run(p)] if root.is_dir() else []
     if not runs:
         raise GptlabError(f"no run found under {root}/; train one with `gptlab train` or pass --run")
-    return max(runs, key=lambda p: (p / ck.CONFIG).stat().st_mtime)
+    return max(runs, key=lambda p: (p / rundir.CONFIG).stat().st_mtime)
 
 
 # ---- looking at runs ---------------------------------------------------------------------------------------------
@@ -220,7 +221,7 @@ def training_seconds(run: str | Path) -> float:
     from gptlab.plots import read_metrics
 
     total, last = 0.0, 0.0
-    for row in read_metrics(Path(run) / ck.METRICS):
+    for row in read_metrics(Path(run) / rundir.METRICS):
         elapsed = row.get("elapsed_s", last)
         if elapsed < last:  # a new session began
             total += last
@@ -230,11 +231,11 @@ def training_seconds(run: str | Path) -> float:
 
 def summarize(run: str | Path) -> RunSummary:
     """Where a run stands; GptlabError when `run` is not a run."""
-    config = ck.read_run_config(run)
+    config = rundir.read_run_config(run)
     ckpt = ck.find_checkpoint(run, "step") or ck.find_checkpoint(run, "best")
     state = ck.read_state(ckpt) if ckpt else {}
     step, max_steps = (ckpt.step if ckpt else 0), config["train"]["max_steps"]
-    if ck.RunLock.held(run):
+    if rundir.RunLock.held(run):
         where = "running"
     elif config.get("imported_from"):
         where = "imported"
@@ -249,18 +250,18 @@ def summarize(run: str | Path) -> RunSummary:
 def list_runs(root: str | Path = RUNS) -> list[RunSummary]:
     """Every run directly under `root` (or `root` itself when it is a run), oldest first."""
     root = Path(root)
-    if ck.is_run(root):
+    if rundir.is_run(root):
         return [summarize(root)]
     if not root.is_dir():
         raise GptlabError(f"{root} is not a folder; give the folder that holds your runs (default runs/)")
-    runs = sorted((p for p in root.iterdir() if ck.is_run(p)), key=lambda p: (p / ck.CONFIG).stat().st_mtime)
+    runs = sorted((p for p in root.iterdir() if rundir.is_run(p)), key=lambda p: (p / rundir.CONFIG).stat().st_mtime)
     return [summarize(p) for p in runs]
 
 
 def describe(run: str | Path) -> dict[str, Any]:
     """A run's resolved settings and checkpoints, for `gptlab info`: {"run": summary fields, "data", "model",
     "train", "checkpoints": [{name, step, valid, val_loss}], "resumes"}."""
-    config = ck.read_run_config(run)
+    config = rundir.read_run_config(run)
     checkpoints = []
     for kind in ("step", "best"):
         for c in ck._list(Path(run), kind):

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from gptlab import checkpoint as ck
+from gptlab import __version__, rundir
 from gptlab import distributed
 from gptlab.config import ModelConfig, TrainConfig, from_dict, to_dict
 from gptlab.data import Dataset, batch_generator, get_batch, load_dataset
@@ -164,7 +165,7 @@ def check_new_run(run: Path) -> None:
                           "choose another --run")
     if kind == "hf":
         raise GptlabError(f"{run} holds a config.json that is not a gptlab run's; choose another --run")
-    if any((run / ck.CKPTS).glob("step-*")) or any((run / ck.CKPTS).glob("best-*")):
+    if any((run / rundir.CKPTS).glob("step-*")) or any((run / rundir.CKPTS).glob("best-*")):
         raise GptlabError(f"run {run} already has checkpoints; pass --resume to continue it or choose a new --run")
 
 
@@ -172,7 +173,7 @@ def check_resume(run: Path, dataset: Dataset, model_cfg: ModelConfig, cfg: Train
                                                                                                    dict[str, Any]]:
     """Everything a resume must satisfy, checked before anything is written: a valid checkpoint, the same model
     shape, the same data and tokenizer, and steps left to train. Returns the checkpoint and its state."""
-    ck.read_run_config(run)
+    rundir.read_run_config(run)
     ckpt = ck.find_checkpoint(run, "step")
     if ckpt is None:
         raise GptlabError(f"run {run} has no checkpoint to resume from; drop --resume to start it")
@@ -184,7 +185,7 @@ def check_resume(run: Path, dataset: Dataset, model_cfg: ModelConfig, cfg: Train
     if state.get("data_fingerprint") != dataset.fingerprint():
         raise GptlabError(f"cannot resume {run}: it was trained on different data than {dataset.path}; "
                           "drop --data (a run resumes on its own data) or start a new --run")
-    if dataset.tokenizer.to_dict() != load_tokenizer(run / ck.TOKENIZER).to_dict():
+    if dataset.tokenizer.to_dict() != load_tokenizer(run / rundir.TOKENIZER).to_dict():
         raise GptlabError(f"cannot resume {run}: the tokenizer of {dataset.path} is not the run's")
     if state["step"] >= cfg.max_steps:
         raise GptlabError(f"run {run} has already trained {state['step']} steps and max_steps is {cfg.max_steps}: "
@@ -213,7 +214,7 @@ def settings_changed(state: dict[str, Any], model_cfg: ModelConfig, cfg: TrainCo
 def _keep_metrics_until(path: Path, step: int) -> None:
     """After a resume, drop what a crashed run logged past its checkpoint, so the log reads as one run."""
     rows = [r for r in read_metrics(path) if r.get("step", 0) <= step]
-    ck.write_atomic(path, "".join(json.dumps(r) + "\n" for r in rows).encode())
+    rundir.write_atomic(path, "".join(json.dumps(r) + "\n" for r in rows).encode())
 
 
 def train(data_dir: str | Path, run_dir: str | Path, model_cfg: ModelConfig, cfg: TrainConfig,
@@ -240,7 +241,7 @@ def train(data_dir: str | Path, run_dir: str | Path, model_cfg: ModelConfig, cfg
     check_memory(model_cfg, cfg, device, dist.world_size)
     run = Path(run_dir)
     own_lock = dist.is_main and os.environ.get(LOCKED_RUN_ENV) != str(run.resolve())
-    lock = ck.RunLock(run) if own_lock else contextlib.nullcontext()
+    lock = rundir.RunLock(run) if own_lock else contextlib.nullcontext()
     with lock:
         progress = Progress()
         try:
@@ -277,17 +278,17 @@ def _train_locked(dataset: Dataset, run: Path, model_cfg: ModelConfig, cfg: Trai
             if changes:
                 log.warning("resuming %s at step %d with changed settings: %s", run, state["step"],
                             ", ".join(f"{k} {a} -> {b}" for k, (a, b) in changes.items()))
-            ck.update_run_config(run, model_cfg, cfg, {**where, **extra},
+            rundir.update_run_config(run, model_cfg, cfg, {**where, **extra},
                                  {"step": state["step"], "changes": changes, "time": time.time()})
         else:
-            ck.init_run(run, model_cfg, cfg, dataset.tokenizer, {**where, **extra})
+            rundir.init_run(run, model_cfg, cfg, dataset.tokenizer, {**where, **extra})
     model, optimizer = dist.wrap(model, optimizer, cfg.fsdp)
     dist.reseed(cfg.seed, progress.step)
     if cfg.compile:
         model = compile_model(model, warm_up(dataset, cfg, model_cfg.block_size, device, precision, dist))
     if dist.is_main:
         ck.clean_stale(run)
-        metrics = run / ck.METRICS
+        metrics = run / rundir.METRICS
         if resume:
             _keep_metrics_until(metrics, progress.step)
         elif metrics.exists():
@@ -346,7 +347,7 @@ class Trainer:
         self.nonfinite = torch.zeros((), dtype=torch.int64, device=self.device)  # steps skipped, when deferred
         self.eager = getattr(self.model, "_orig_mod", self.model)  # evaluating compiled costs a second compilation
         self.model.train()
-        metrics = self.run / ck.METRICS if self.dist.is_main else os.devnull
+        metrics = self.run / rundir.METRICS if self.dist.is_main else os.devnull
         self.train_seconds, self.last_line = 0.0, self.start
         self.plain = not quiet and self.dist.is_main and bar.disable  # no terminal: a plain line now and then
         with GracefulStop() as stop, open(metrics, "a") as self.metrics:
@@ -371,7 +372,7 @@ class Trainer:
         bar.close()
         seconds = time.perf_counter() - self.start
         if self.dist.is_main:
-            plot_loss(self.run / ck.METRICS, self.run / "loss.png", title=self.run.name)
+            plot_loss(self.run / rundir.METRICS, self.run / "loss.png", title=self.run.name)
         rate = (progress.step - self.start_step) * self.tokens_per_step / max(self.train_seconds, 1e-9)
         return TrainResult(self.run, progress.step, self.val_loss, progress.best_val_loss, seconds, rate,
                            self.history, self.dist.rank, self.train_seconds)
@@ -476,14 +477,14 @@ class Trainer:
                  "val_loss": self.val_loss, "data_fingerprint": self.dataset.fingerprint(),
                  "sampler": {"seed": self.cfg.seed, "next_step": progress.step},
                  "model": to_dict(self.model_cfg), "train": to_dict(self.cfg),
-                 "gptlab_version": ck.__version__, "git_commit": ck.git_commit()}
+                 "gptlab_version": __version__, "git_commit": rundir.git_commit()}
         self.dist.barrier()
         model, optimizer, shards = self.model, self.optimizer, self.dist.shard_writer(self.model, self.optimizer)
         if not self.dist.is_main:
             self.dist.join_saves(model, optimizer, 2 if best else 1)
-            self.last_checkpoint = self.run / ck.CKPTS / f"step-{progress.step:08d}"  # where rank 0 writes it
+            self.last_checkpoint = self.run / rundir.CKPTS / f"step-{progress.step:08d}"  # where rank 0 writes it
             return
-        extra = {ck.TOKENIZER: (self.run / ck.TOKENIZER).read_bytes()}
+        extra = {rundir.TOKENIZER: (self.run / rundir.TOKENIZER).read_bytes()}
         self.last_checkpoint = ck.save_checkpoint(self.run, "step", progress.step, model, state, optimizer,
                                                   keep=self.cfg.keep_last, extra_files=extra, shards=shards)
         if best:
