@@ -102,10 +102,11 @@ def test_where_the_check_is_deferred_a_nan_step_is_skipped_on_the_device_and_rep
     """The CUDA path, run on the CPU: the host learns of the skipped step only at the next log row."""
     from test_faults import inject_nan_at
 
-    from gptlab import train as train_module
+    from gptlab import step as step_module, train as train_module
     from gptlab.faults import NonFiniteLoss
 
-    monkeypatch.setattr(train_module, "defers_finite_check", lambda device: True)
+    for module in (step_module, train_module):  # the step skips on the device, the loop reads it back later
+        monkeypatch.setattr(module, "defers_finite_check", lambda device: True)
     seen = inject_nan_at(monkeypatch, step=3)
     with pytest.raises(NonFiniteLoss, match=r"1 step\(s\) up to step 5 had a non-finite .* no checkpoint was written"):
         train(char_data, tmp_path / "run", tiny_config(vocab_size=0), settings(max_steps=12, log_interval=5,

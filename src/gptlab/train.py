@@ -10,7 +10,6 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -20,17 +19,17 @@ import torch
 from gptlab import checkpoint as ck
 from gptlab import __version__, rundir
 from gptlab import distributed
-from gptlab.config import ModelConfig, TrainConfig, from_dict, to_dict
-from gptlab.data import Dataset, batch_generator, get_batch, load_dataset
+from gptlab.config import ModelConfig, TrainConfig, to_dict
+from gptlab.data import Dataset, load_dataset
 from gptlab.distributed import Parallel
 from gptlab.errors import GptlabError
+from gptlab.preflight import check_data, check_memory, check_new_run, check_resume, settings_changed
+from gptlab.step import defers_finite_check, estimate_loss, train_step, warm_up
 from gptlab.faults import GracefulStop, Interrupted, LossSpike, NonFiniteLoss, SpikeGuard, is_out_of_memory
-from gptlab.model import build_model
-from gptlab.optim import lr_at, make_optimizer, step_if_finite
+from gptlab.optim import lr_at, make_optimizer
 from gptlab.plots import plot_loss, read_metrics
-from gptlab.tokenizer import load as load_tokenizer
-from gptlab.runtime import (Speed, autocast, cached_speed, compile_model, configure_matmul, resolve_precision,
-                            set_threads, to_device)
+from gptlab.runtime import (Speed, cached_speed, compile_model, configure_matmul, resolve_precision,
+                            set_threads)
 
 log = logging.getLogger("gptlab")
 
@@ -57,140 +56,8 @@ class Progress:
     best_val_loss: float = math.inf
 
 
-def check_data(dataset: Dataset, model_cfg: ModelConfig) -> None:
-    """Refuse data the model cannot learn from, with the numbers that make it so."""
-    need = model_cfg.block_size + 1
-    for split, tokens in (("training", dataset.train), ("validation", dataset.val)):
-        if len(tokens) < need:
-            raise GptlabError(f"the {split} split of {dataset.path} has {len(tokens)} tokens, fewer than "
-                              f"block_size + 1 = {need}; use a longer corpus or a smaller --block-size")
-    if model_cfg.vocab_size < dataset.tokenizer.vocab_size:
-        raise GptlabError(f"vocab_size {model_cfg.vocab_size} is smaller than the tokenizer's "
-                          f"{dataset.tokenizer.vocab_size}; drop the --vocab-size override")
-
-
-@torch.no_grad()
-def estimate_loss(model: torch.nn.Module, dataset: Dataset, cfg: TrainConfig, block_size: int,
-                  device: torch.device, precision: str, dist: Parallel | None = None) -> dict[str, float]:
-    """Mean loss over cfg.eval_batches fixed batches of each split, in eval mode (no dropout); with several
-    processes, each scores its rows of every batch."""
-    dist = dist or Parallel(device)
-    was_training = model.training
-    model.eval()
-    out = {}
-    for split, tokens in (("train", dataset.train), ("val", dataset.val)):
-        total = torch.zeros((), device=device)
-        for i in range(cfg.eval_batches):
-            x, y = dist.local_rows(*get_batch(tokens, cfg.batch_size, block_size, batch_generator(cfg.seed, i, -1)))
-            with autocast(device, precision):
-                total += dist.mean(model(to_device(x, device), to_device(y, device))[1])
-        out[split] = total.item() / cfg.eval_batches
-    model.train(was_training)
-    return out
-
-
-def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, dataset: Dataset, cfg: TrainConfig,
-               block_size: int, step: int, device: torch.device, precision: str,
-               dist: Parallel | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """One optimizer step over cfg.grad_accum micro-batches (each process taking its rows of each); returns
-    (mean loss over all processes, gradient norm before clipping) as tensors. A step whose loss or norm is not
-    finite is never applied (decided on the device, see step_if_finite); where the host would wait for the
-    device to learn it (CUDA, see defers_finite_check) the loop reads it back later, elsewhere this raises
-    NonFiniteLoss at once."""
-    dist = dist or Parallel(device)
-    for group in optimizer.param_groups:
-        group["lr"] = lr_at(step, cfg)
-    loss_sum = torch.zeros((), device=device)
-    for micro in range(cfg.grad_accum):
-        x, y = get_batch(dataset.train, cfg.batch_size, block_size, batch_generator(cfg.seed, step, micro))
-        x, y = dist.local_rows(x, y)
-        with dist.no_sync(last=micro == cfg.grad_accum - 1):
-            with autocast(device, precision):
-                _, loss = model(to_device(x, device), to_device(y, device))
-            (loss / cfg.grad_accum).backward()
-        loss_sum += loss.detach()
-    norm = dist.clip_grad_norm(model, cfg.grad_clip if cfg.grad_clip > 0 else math.inf)
-    loss = dist.mean(loss_sum / cfg.grad_accum)
-    applied = step_if_finite(optimizer, loss, norm)
-    optimizer.zero_grad(set_to_none=True)
-    if not defers_finite_check(device) and not applied:
-        raise NonFiniteLoss(f"step {step + 1}: the loss ({loss.item()}) or gradient norm ({norm.item()}) is not "
-                            "finite, so the step was not applied")
-    return loss, norm
-
-
-def defers_finite_check(device: torch.device) -> bool:
-    """Whether the host learns of non-finite steps only at log rows and evaluations (on CUDA: asking after
-    every step would make the host wait for the GPU every step; elsewhere the answer is free)."""
-    return device.type == "cuda"
-
-
 PLAIN_LINE_SECONDS = 10.0  # without a terminal (CI, nohup, | tee): a progress line at most this often
 LOCKED_RUN_ENV = "GPTLAB_LOCKED_RUN"  # set by `gptlab train --nproc`, whose launcher holds the run's lock
-
-
-def check_memory(model_cfg: ModelConfig, cfg: TrainConfig, device: torch.device, processes: int) -> None:
-    """Refuse, before allocating anything, what cannot fit the device's memory by a lower bound alone: the
-    weights, gradients and AdamW moments (16 bytes a parameter), or one micro-batch's logits and their gradient
-    (8 bytes per position and vocabulary entry)."""
-    if device.type == "cuda":
-        total = torch.cuda.get_device_properties(device).total_memory
-    elif device.type == "cpu" and hasattr(os, "sysconf") and "SC_PHYS_PAGES" in os.sysconf_names:
-        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    else:
-        return
-    with torch.device("meta"):
-        params = build_model(model_cfg).num_params()
-    gib = f"the {total / 2**30:,.0f} GiB of this {device.type}"
-    if params * 16 > total:
-        raise GptlabError(f"this model has {params:,} parameters: training it needs about {params * 16 / 2**30:,.0f} "
-                          f"GiB for its weights, gradients and AdamW state, more than {gib}; choose a smaller "
-                          "--n-embd or --n-layer")
-    rows = max(1, cfg.batch_size // processes)
-    logits = rows * model_cfg.block_size * model_cfg.vocab_size * 8
-    if logits > total:
-        raise GptlabError(f"a micro-batch of {rows:,} x {model_cfg.block_size} positions needs "
-                          f"{logits / 2**30:,.0f} GiB for its logits alone, more than {gib}; use a smaller "
-                          "--batch-size with a larger --grad-accum (the same tokens per step)")
-
-
-def check_new_run(run: Path) -> None:
-    """A new run may start in a new or empty folder, or over a run folder without checkpoints; never over
-    checkpoints (even damaged ones), a prepared data folder, or another program's files."""
-    from gptlab.data import folder_kind
-
-    kind = folder_kind(run)
-    if kind == "data":
-        raise GptlabError(f"{run} is a prepared data folder; training into it would overwrite its tokenizer, so "
-                          "choose another --run")
-    if kind == "hf":
-        raise GptlabError(f"{run} holds a config.json that is not a gptlab run's; choose another --run")
-    if any((run / rundir.CKPTS).glob("step-*")) or any((run / rundir.CKPTS).glob("best-*")):
-        raise GptlabError(f"run {run} already has checkpoints; pass --resume to continue it or choose a new --run")
-
-
-def check_resume(run: Path, dataset: Dataset, model_cfg: ModelConfig, cfg: TrainConfig) -> tuple[ck.Checkpoint,
-                                                                                                   dict[str, Any]]:
-    """Everything a resume must satisfy, checked before anything is written: a valid checkpoint, the same model
-    shape, the same data and tokenizer, and steps left to train. Returns the checkpoint and its state."""
-    rundir.read_run_config(run)
-    ckpt = ck.find_checkpoint(run, "step")
-    if ckpt is None:
-        raise GptlabError(f"run {run} has no checkpoint to resume from; drop --resume to start it")
-    state = ck.read_state(ckpt)
-    saved = from_dict(ModelConfig, state["model"]).shape()
-    if saved != model_cfg.shape():
-        diff = ", ".join(f"{k}={saved[k]} (now {v})" for k, v in model_cfg.shape().items() if saved[k] != v)
-        raise GptlabError(f"cannot resume {run}: it was trained with {diff}; drop those overrides or use a new --run")
-    if state.get("data_fingerprint") != dataset.fingerprint():
-        raise GptlabError(f"cannot resume {run}: it was trained on different data than {dataset.path}; "
-                          "drop --data (a run resumes on its own data) or start a new --run")
-    if dataset.tokenizer.to_dict() != load_tokenizer(run / rundir.TOKENIZER).to_dict():
-        raise GptlabError(f"cannot resume {run}: the tokenizer of {dataset.path} is not the run's")
-    if state["step"] >= cfg.max_steps:
-        raise GptlabError(f"run {run} has already trained {state['step']} steps and max_steps is {cfg.max_steps}: "
-                          f"nothing to do; pass a larger --max-steps to train further")
-    return ckpt, state
 
 
 def resume_state(ckpt: ck.Checkpoint, state: dict[str, Any], model: torch.nn.Module,
@@ -201,14 +68,6 @@ def resume_state(ckpt: ck.Checkpoint, state: dict[str, Any], model: torch.nn.Mod
     ck.restore_rng(ck.load_tensors(ckpt.path / "rng.safetensors"))
     progress.step, progress.tokens_seen, progress.best_val_loss = state["step"], state["tokens_seen"], \
         state["best_val_loss"]
-
-
-def settings_changed(state: dict[str, Any], model_cfg: ModelConfig, cfg: TrainConfig) -> dict[str, list[Any]]:
-    """The settings a resume changes deliberately ({name: [before, now]}): training ones and the model's
-    non-shape ones (dropout, attention path)."""
-    now = {**to_dict(model_cfg), **to_dict(cfg)}
-    before = {**state["model"], **state["train"]}
-    return {k: [v, now[k]] for k, v in before.items() if k in now and now[k] != v}
 
 
 def _keep_metrics_until(path: Path, step: int) -> None:
@@ -297,19 +156,6 @@ def _train_locked(dataset: Dataset, run: Path, model_cfg: ModelConfig, cfg: Trai
     result = trainer.loop(quiet)
     dist.barrier()  # no process leaves while rank 0 may still be writing
     return result
-
-
-def warm_up(dataset: Dataset, cfg: TrainConfig, block_size: int, device: torch.device, precision: str,
-            dist: Parallel | None = None) -> Callable[[torch.nn.Module], None]:
-    """One forward and backward pass on the first batch, to compile the training graph before the clock runs."""
-    dist = dist or Parallel(device)
-
-    def run(model: torch.nn.Module) -> None:
-        x, y = dist.local_rows(*get_batch(dataset.train, cfg.batch_size, block_size, batch_generator(cfg.seed, 0)))
-        with autocast(device, precision):
-            _, loss = model(to_device(x, device), to_device(y, device))
-        loss.backward()
-    return run
 
 
 @dataclass

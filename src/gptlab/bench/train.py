@@ -96,7 +96,7 @@ def _contender(variant: Variant, model_cfg: ModelConfig, cfg: TrainConfig, datas
                device: torch.device) -> Contender:
     from gptlab.model import build_model
     from gptlab.optim import make_optimizer
-    from gptlab.train import warm_up
+    from gptlab.step import warm_up
 
     torch.manual_seed(cfg.seed)
     model_cfg = dataclasses.replace(model_cfg, attention=variant.attention or model_cfg.attention)
@@ -119,7 +119,7 @@ def run_train_bench(data_dir: str | Path, model_cfg: ModelConfig, cfg: TrainConf
     steps next to fp32's), the headline last, and returns its rows. `variants` defaults to
     train_variants(device); the first is the reference."""
     from gptlab.data import load_dataset
-    from gptlab.train import estimate_loss, train_step
+    from gptlab.step import estimate_loss, train_step
 
     set_threads()
     device = resolve_device(cfg.device)

@@ -1,0 +1,101 @@
+"""What training checks before it writes anything: the data against the model, the memory the model and a
+micro-batch need, the folder a new run starts in, and everything a resume must satisfy. Each check raises
+GptlabError with the numbers that make it fail; none touches the disk."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from gptlab import checkpoint as ck
+from gptlab import rundir
+from gptlab.config import ModelConfig, TrainConfig, from_dict, to_dict
+from gptlab.data import Dataset, folder_kind
+from gptlab.errors import GptlabError
+from gptlab.model import build_model
+from gptlab.tokenizer import load as load_tokenizer
+
+
+def check_data(dataset: Dataset, model_cfg: ModelConfig) -> None:
+    """Refuse data the model cannot learn from, with the numbers that make it so."""
+    need = model_cfg.block_size + 1
+    for split, tokens in (("training", dataset.train), ("validation", dataset.val)):
+        if len(tokens) < need:
+            raise GptlabError(f"the {split} split of {dataset.path} has {len(tokens)} tokens, fewer than "
+                              f"block_size + 1 = {need}; use a longer corpus or a smaller --block-size")
+    if model_cfg.vocab_size < dataset.tokenizer.vocab_size:
+        raise GptlabError(f"vocab_size {model_cfg.vocab_size} is smaller than the tokenizer's "
+                          f"{dataset.tokenizer.vocab_size}; drop the --vocab-size override")
+
+
+def check_memory(model_cfg: ModelConfig, cfg: TrainConfig, device: torch.device, processes: int) -> None:
+    """Refuse, before allocating anything, what cannot fit the device's memory by a lower bound alone: the
+    weights, gradients and AdamW moments (16 bytes a parameter), or one micro-batch's logits and their gradient
+    (8 bytes per position and vocabulary entry)."""
+    if device.type == "cuda":
+        total = torch.cuda.get_device_properties(device).total_memory
+    elif device.type == "cpu" and hasattr(os, "sysconf") and "SC_PHYS_PAGES" in os.sysconf_names:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    else:
+        return
+    with torch.device("meta"):
+        params = build_model(model_cfg).num_params()
+    gib = f"the {total / 2**30:,.0f} GiB of this {device.type}"
+    if params * 16 > total:
+        raise GptlabError(f"this model has {params:,} parameters: training it needs about {params * 16 / 2**30:,.0f} "
+                          f"GiB for its weights, gradients and AdamW state, more than {gib}; choose a smaller "
+                          "--n-embd or --n-layer")
+    rows = max(1, cfg.batch_size // processes)
+    logits = rows * model_cfg.block_size * model_cfg.vocab_size * 8
+    if logits > total:
+        raise GptlabError(f"a micro-batch of {rows:,} x {model_cfg.block_size} positions needs "
+                          f"{logits / 2**30:,.0f} GiB for its logits alone, more than {gib}; use a smaller "
+                          "--batch-size with a larger --grad-accum (the same tokens per step)")
+
+
+def check_new_run(run: Path) -> None:
+    """A new run may start in a new or empty folder, or over a run folder without checkpoints; never over
+    checkpoints (even damaged ones), a prepared data folder, or another program's files."""
+    kind = folder_kind(run)
+    if kind == "data":
+        raise GptlabError(f"{run} is a prepared data folder; training into it would overwrite its tokenizer, so "
+                          "choose another --run")
+    if kind == "hf":
+        raise GptlabError(f"{run} holds a config.json that is not a gptlab run's; choose another --run")
+    if any((run / rundir.CKPTS).glob("step-*")) or any((run / rundir.CKPTS).glob("best-*")):
+        raise GptlabError(f"run {run} already has checkpoints; pass --resume to continue it or choose a new --run")
+
+
+def check_resume(run: Path, dataset: Dataset, model_cfg: ModelConfig, cfg: TrainConfig) -> tuple[ck.Checkpoint,
+                                                                                                   dict[str, Any]]:
+    """Everything a resume must satisfy, checked before anything is written: a valid checkpoint, the same model
+    shape, the same data and tokenizer, and steps left to train. Returns the checkpoint and its state."""
+    rundir.read_run_config(run)
+    ckpt = ck.find_checkpoint(run, "step")
+    if ckpt is None:
+        raise GptlabError(f"run {run} has no checkpoint to resume from; drop --resume to start it")
+    state = ck.read_state(ckpt)
+    saved = from_dict(ModelConfig, state["model"]).shape()
+    if saved != model_cfg.shape():
+        diff = ", ".join(f"{k}={saved[k]} (now {v})" for k, v in model_cfg.shape().items() if saved[k] != v)
+        raise GptlabError(f"cannot resume {run}: it was trained with {diff}; drop those overrides or use a new --run")
+    if state.get("data_fingerprint") != dataset.fingerprint():
+        raise GptlabError(f"cannot resume {run}: it was trained on different data than {dataset.path}; "
+                          "drop --data (a run resumes on its own data) or start a new --run")
+    if dataset.tokenizer.to_dict() != load_tokenizer(run / rundir.TOKENIZER).to_dict():
+        raise GptlabError(f"cannot resume {run}: the tokenizer of {dataset.path} is not the run's")
+    if state["step"] >= cfg.max_steps:
+        raise GptlabError(f"run {run} has already trained {state['step']} steps and max_steps is {cfg.max_steps}: "
+                          f"nothing to do; pass a larger --max-steps to train further")
+    return ckpt, state
+
+
+def settings_changed(state: dict[str, Any], model_cfg: ModelConfig, cfg: TrainConfig) -> dict[str, list[Any]]:
+    """The settings a resume changes deliberately ({name: [before, now]}): training ones and the model's
+    non-shape ones (dropout, attention path)."""
+    now = {**to_dict(model_cfg), **to_dict(cfg)}
+    before = {**state["model"], **state["train"]}
+    return {k: [v, now[k]] for k, v in before.items() if k in now and now[k] != v}
