@@ -40,12 +40,13 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.overrides import TorchFunctionMode
 
 from gptlab import checkpoint as ck
 from gptlab import rundir
 from gptlab.config import ModelConfig
 from gptlab.errors import GptlabError
+from gptlab.fsdp import (InitRecorder, initialise_shards, local_part, named_tensors, shard_model,
+                         write_shards)
 from gptlab.model import build_model
 from gptlab.runtime import resolve_device
 
@@ -114,22 +115,22 @@ class Parallel:
               source: str = "") -> torch.nn.Module:
         """The model on this process's device, initialised from the global generator (seeded by the caller), or
         with `init`'s weights (`source` names them in errors). With FSDP across processes it is built on the
-        meta device and sharded, and then only this process's slices are made: see _initialise_shards."""
+        meta device and sharded, and then only this process's slices are made: see initialise_shards."""
         if not (fsdp and self.active):
             model = build_model(model_cfg).to(self.device)
             if init is not None:
                 ck.load_model_tensors(model, init, source)
             return model
-        with torch.device("meta"), _InitRecorder() as recorder:
+        with torch.device("meta"), InitRecorder() as recorder:
             model = build_model(model_cfg)
         if init is not None:
             with warnings.catch_warnings():  # copying into meta tensors does nothing: this only checks names
                 warnings.filterwarnings("ignore", message=".*meta parameter.*")
                 ck.load_model_tensors(model, init, source)
-        names = {id(t): name for name, t in _named_tensors(model)}
-        self.sharded = _fully_shard(model)
+        names = {id(t): name for name, t in named_tensors(model)}
+        self.sharded = shard_model(model)
         model.to_empty(device=self.device)
-        _initialise_shards(model, recorder.calls, names, init or {})
+        initialise_shards(model, recorder.calls, names, init or {})
         return model
 
     def wrap(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
@@ -199,8 +200,8 @@ class Parallel:
     def held_bytes(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, list[int]]:
         """The bytes of parameters and of optimizer state that each process holds (with FSDP, its slices), one
         entry per rank; all processes must ask together."""
-        params = sum(_local(p).nbytes for p in model.parameters())
-        state = sum(_local(v).nbytes for entry in optimizer.state.values() for v in entry.values()
+        params = sum(local_part(p).nbytes for p in model.parameters())
+        state = sum(local_part(v).nbytes for entry in optimizer.state.values() for v in entry.values()
                     if torch.is_tensor(v))
         mine = torch.tensor([params, state], dtype=torch.int64, device=self.device)
         every = [torch.zeros_like(mine) for _ in range(self.world_size)]
@@ -220,7 +221,7 @@ class Parallel:
 
         def write(folder: Path, with_optimizer: bool) -> Any:
             dist.broadcast_object_list([str(folder), with_optimizer], src=0)
-            return _write_shards(folder, model, optimizer if with_optimizer else None)
+            return write_shards(folder, model, optimizer if with_optimizer else None)
         return write
 
     def join_saves(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, count: int) -> None:
@@ -229,150 +230,7 @@ class Parallel:
         for _ in range(count if self.sharded is not None and not self.is_main else 0):
             where = [None, None]
             dist.broadcast_object_list(where, src=0)
-            _write_shards(Path(where[0]), model, optimizer if where[1] else None)
-
-
-def load_checkpoint(folder: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                    meta: dict[str, Any]) -> None:
-    """Load the checkpoint in `folder` (whole tensors, or FSDP shards) into model and optimizer (`meta`: the
-    optimizer's JSON part). A whole model reads everything; an FSDP-sharded one reads only its own slices of a
-    sharded checkpoint, and cuts them from a whole one. Raises GptlabError when the tensors do not fit."""
-    if not any(_is_dtensor(p) for p in model.parameters()):
-        ck.load_model_tensors(model, ck.read_tensors(folder, "model"), str(folder))
-        ck.restore_optimizer(optimizer, ck.read_tensors(folder, "optimizer"), meta)
-        return
-    from gptlab import sharded
-
-    whole = None
-    if (folder / ck.SHARDS).is_dir():
-        listing = sharded.describe(folder / ck.SHARDS)
-    else:
-        whole = {f"{part}.{name}": t for part in ("model", "optimizer")
-                 for name, t in ck.load_tensors(folder / f"{part}.safetensors").items()}
-        listing = {name: (t.shape, t.dtype) for name, t in whole.items()}
-    targets = _shard_targets(model, optimizer, listing, str(folder))
-    if whole is None:
-        sharded.read_into(folder / ck.SHARDS, targets)
-    else:
-        for name, target in targets.items():
-            _copy_slice(target, whole[name])
-    moments = {name.removeprefix("optimizer."): t for name, t in targets.items() if name.startswith("optimizer.")}
-    ck.restore_optimizer(optimizer, moments, meta)
-
-
-def _shard_targets(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                   listing: dict[str, tuple[torch.Size, torch.dtype]], source: str) -> dict[str, torch.Tensor]:
-    """Where each tensor of a checkpoint (`listing`: name -> whole shape and dtype) goes in a sharded model and
-    optimizer: the parameters themselves, and new tensors sharded like their parameter for the optimizer's
-    moments (plain ones for its step counts)."""
-    targets = {f"model.{name}": p for name, p in _named_tensors(model)}
-    wrong = sorted(n for n, t in targets.items() if n not in listing or listing[n][0] != t.shape)
-    if wrong:
-        raise GptlabError(f"the weights in {source} do not fit the model described by its config ({wrong[0]})")
-    order = [p for group in optimizer.param_groups for p in group["params"]]
-    for name, (shape, dtype) in listing.items():
-        if name.startswith("optimizer."):
-            p = order[int(name.split(".")[1])]
-            targets[name] = torch.zeros_like(p) if shape == p.shape else torch.zeros(shape, dtype=dtype)
-    return targets
-
-
-def _write_shards(folder: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> Any:
-    """Every process together: write model and optimizer (when given) into `folder`, each process its own
-    slices, named as in a whole checkpoint; returns the optimizer's JSON part (or None)."""
-    from gptlab import sharded
-
-    tensors = {f"model.{name}": p.detach() for name, p in _named_tensors(model)}
-    meta = None
-    if optimizer is not None:
-        moments, meta = ck.optimizer_tensors(optimizer)
-        tensors.update({f"optimizer.{name}": t for name, t in moments.items()})
-    sharded.write(folder, tensors)
-    return meta
-
-
-class _InitRecorder(TorchFunctionMode):
-    """While a model is built on the meta device (where nothing is drawn), notes in order every initialiser
-    applied to its tensors: torch.nn.init's functions and Tensor.normal_ / uniform_ / fill_ / zero_, each of
-    which overwrites the whole tensor, so replaying them in order reproduces the build."""
-
-    OVERWRITING = {"normal_", "uniform_", "fill_", "zero_"}
-
-    def __init__(self):
-        super().__init__()
-        self.calls: list[tuple[Callable, torch.Tensor, tuple, dict]] = []
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        target = args[0] if args else kwargs.get("tensor")
-        name = getattr(func, "__name__", "")
-        if isinstance(target, torch.Tensor) and target.is_meta and name.endswith("_") and not name.startswith("__"):
-            assert getattr(func, "__module__", None) == "torch.nn.init" or name in self.OVERWRITING, \
-                f"sharded initialisation cannot replay {name}, which does not overwrite the whole tensor"
-            self.calls.append((func, target, args[1:], {k: v for k, v in kwargs.items() if k != "tensor"}))
-        return func(*args, **kwargs)
-
-
-def _initialise_shards(model: torch.nn.Module, calls: list[tuple[Callable, torch.Tensor, tuple, dict]],
-                       names: dict[int, str], init: dict[str, torch.Tensor]) -> None:
-    """Give the sharded, materialised (uninitialised) `model` its initial values: each recorded initialiser is
-    run again, in order, on a whole tensor on the CPU, so the global generator draws exactly what a whole build
-    draws; this process keeps its slice of each tensor's final value (or of init's, for the names it has). One
-    whole tensor at a time is ever in memory."""
-    tensors = dict(_named_tensors(model))
-    last = {id(target): i for i, (_, target, _, _) in enumerate(calls)}
-    with torch.no_grad():
-        for i, (func, target, args, kwargs) in enumerate(calls):
-            whole = torch.empty(target.shape, dtype=target.dtype)
-            func(whole, *args, **kwargs)
-            name = names.get(id(target))
-            if name is not None and last[id(target)] == i and name not in init:
-                _copy_slice(tensors[name], whole)
-        for name, tensor in init.items():
-            if name in tensors:
-                _copy_slice(tensors[name], tensor)
-    assert all(key in last or name in init for key, name in names.items()), "a tensor was never initialised"
-
-
-def _named_tensors(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
-    """Parameters (a tied one once) and buffers, by their names in a whole checkpoint."""
-    named = [*model.named_parameters(), *model.named_buffers()]
-    for prefix in ck.WRAPPER_PREFIXES:
-        named = [(name.removeprefix(prefix), t) for name, t in named]
-    return named
-
-
-def _fully_shard(model: torch.nn.Module) -> torch.nn.Module:
-    """FSDP2: each transformer block is one unit of all-gather / reduce-scatter, the root (embeddings, the tied
-    LM head, the final LayerNorm) another."""
-    from torch.distributed.fsdp import fully_shard
-
-    for block in getattr(getattr(model, "transformer", None), "h", []):
-        fully_shard(block)
-    fully_shard(model)
-    return model
-
-
-def _is_dtensor(tensor: torch.Tensor) -> bool:
-    from torch.distributed.tensor import DTensor
-
-    return isinstance(tensor, DTensor)
-
-
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    """The part of `tensor` this process holds: its slice of a DTensor, else all of it."""
-    return tensor.to_local() if _is_dtensor(tensor) else tensor
-
-
-def _copy_slice(target: torch.Tensor, whole: torch.Tensor) -> None:
-    """Copy into `target` its part of `whole`: this process's slice when `target` is a DTensor, else all."""
-    if _is_dtensor(target):
-        from torch.distributed.tensor import distribute_tensor
-
-        whole = distribute_tensor(whole.to(target.device), target.device_mesh, target.placements,
-                                  src_data_rank=None).to_local()  # no communication: each cuts its own slice
-    with torch.no_grad():
-        _local(target).copy_(whole)
+            write_shards(Path(where[0]), model, optimizer if where[1] else None)
 
 
 def setup(device_name: str = "auto") -> Parallel:

@@ -25,6 +25,7 @@ from gptlab.distributed import Parallel
 from gptlab.errors import GptlabError
 from gptlab.preflight import check_data, check_memory, check_new_run, check_resume, settings_changed
 from gptlab.step import defers_finite_check, estimate_loss, train_step, warm_up
+from gptlab.fsdp import load_checkpoint
 from gptlab.faults import GracefulStop, Interrupted, LossSpike, NonFiniteLoss, SpikeGuard, is_out_of_memory
 from gptlab.optim import lr_at, make_optimizer
 from gptlab.plots import plot_loss, read_metrics
@@ -64,7 +65,7 @@ def resume_state(ckpt: ck.Checkpoint, state: dict[str, Any], model: torch.nn.Mod
                  optimizer: torch.optim.Optimizer, progress: Progress) -> None:
     """Load a checkpoint (already checked by check_resume) into model, optimizer and the random generators, and
     set `progress` to where training stands."""
-    distributed.load_checkpoint(ckpt.path, model, optimizer, state["optimizer"])  # whole or sharded, either way
+    load_checkpoint(ckpt.path, model, optimizer, state["optimizer"])  # whole or sharded, either way
     ck.restore_rng(ck.load_tensors(ckpt.path / "rng.safetensors"))
     progress.step, progress.tokens_seen, progress.best_val_loss = state["step"], state["tokens_seen"], \
         state["best_val_loss"]
