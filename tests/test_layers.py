@@ -79,3 +79,20 @@ def test_the_checker_sees_lazy_imports(tmp_path):
     """The walls above are only as good as the import reader: it must see imports inside functions."""
     (tmp_path / "m.py").write_text("def f():\n    from gptlab.bench import peak\n    import gptlab.cli\n")
     assert {"gptlab.bench", "gptlab.bench.peak", "gptlab.cli"} <= imports_of(tmp_path / "m.py")
+
+
+def test_the_readme_map_lists_every_module_in_an_order_the_imports_follow():
+    """The README's module table is the pipeline's map: every module is in it, and each imports only rows above
+    its own (a package's modules share its row and may import each other)."""
+    readme = (PACKAGE.parents[1] / "README.md").read_text()
+    table = readme[readme.index("| module | what it does |"):].split("\n\n")[0]
+    rows = [line.split("`")[1].removesuffix(".py").rstrip("/") for line in table.splitlines()[2:]]
+    row_of = {name: (name.split(".")[0] if name.split(".")[0] in rows else name) for name in graph()}
+    missing = sorted(n for n, row in row_of.items() if row not in rows and n not in ("__init__", "__main__"))
+    assert not missing, f"modules missing from the README's map: {missing}"
+    for name, deps in graph().items():
+        if name in ("__init__", "__main__"):
+            continue
+        for dep in deps:
+            if row_of[dep] != row_of[name]:
+                assert rows.index(row_of[dep]) < rows.index(row_of[name]), f"{name} imports {dep}, listed below it"
