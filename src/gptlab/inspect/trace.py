@@ -1,0 +1,144 @@
+"""Tracing: the GPT's forward written out once more, over the model's own weights, keeping what it computes.
+
+The model's forward (model.py) stays as it is, fast paths and all: tracing never hooks into it, so a training step
+runs the same code and gives the same result whether or not anything is traced. Here the attention is the
+equation itself, softmax(QK^T / sqrt(D) + mask) V, so the probabilities are exact (no dropout: a trace is an
+inference). Letters as in model.py: B batch, T positions, C channels, H heads, D head_dim, V vocabulary, L layers.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+import torch.nn.functional as F
+
+from gptlab.config import SampleConfig
+from gptlab.engine import generate
+from gptlab.errors import GptlabError
+from gptlab.model import GPT
+from gptlab.tokenizer import Tokenizer
+
+
+@dataclass
+class Trace:
+    """What one forward computed, for ids (B, T).
+
+    residual[l] (B, T, C) is the residual stream entering block l (residual[0]: token + position embeddings) and
+    residual[L] what leaves the last block, before ln_f; after_attention[l] is block l's stream after its attention
+    has been added (x + attn(ln_1(x))), before the MLP. attn_out[l] / mlp_out[l] are what attention / the MLP of
+    block l add to the stream. attention[l] (B, H, T, T): row i is where query i looks, exactly 0 above the diagonal.
+    logits (B, T, V) are the model's logits.
+    """
+
+    ids: torch.Tensor
+    residual: list[torch.Tensor]
+    after_attention: list[torch.Tensor]
+    attn_out: list[torch.Tensor]
+    mlp_out: list[torch.Tensor]
+    attention: list[torch.Tensor]
+    logits: torch.Tensor
+
+    @property
+    def n_layer(self) -> int:
+        return len(self.attention)
+
+
+def check_traceable(model: torch.nn.Module) -> GPT:
+    """The model as a GPT; GptlabError for the bigram baseline, which has no attention or residual stream."""
+    if not isinstance(model, GPT):
+        raise GptlabError(f"this run's model is a {type(model).__name__}: it has no attention or residual stream to "
+                          "look inside; inspect a GPT run")
+    return model
+
+
+def check_length(model: GPT, n_tokens: int) -> None:
+    """GptlabError when n_tokens does not fit the model's context (a trace is never truncated silently)."""
+    if n_tokens == 0:
+        raise GptlabError("the prompt is empty: give some text to look at")
+    if n_tokens > model.config.block_size:
+        raise GptlabError(f"the prompt is {n_tokens} tokens but the model's context is {model.config.block_size}; "
+                          "give a shorter prompt")
+
+
+def _attention(block: torch.nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Block's attention on the normed stream x (B, T, C): (what it adds to the stream, probabilities (B, H, T, T))."""
+    attn = block.attn
+    B, T, C = x.shape
+    q, k, v = attn.c_attn(x).split(C, dim=2)
+    q = q.view(B, T, attn.n_head, attn.head_dim).transpose(1, 2)  # (B, H, T, D)
+    k = k.view(B, T, attn.n_head, attn.head_dim).transpose(1, 2)  # (B, H, T, D)
+    v = v.view(B, T, attn.n_head, attn.head_dim).transpose(1, 2)  # (B, H, T, D)
+    scores = (q * (1.0 / math.sqrt(attn.head_dim))) @ k.transpose(-2, -1)  # (B, H, T, T)
+    future = torch.ones(T, T, dtype=torch.bool, device=x.device).triu(1)  # key j hidden from query i iff j > i
+    probs = F.softmax(scores.masked_fill(future, float("-inf")), dim=-1)  # exp(-inf) = 0: exactly 0 above
+    y = (probs @ v).transpose(1, 2).contiguous().view(B, T, C)  # (B, T, C): heads side by side again
+    return attn.c_proj(y), probs
+
+
+def _mlp(block: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    mlp = block.mlp
+    return mlp.c_proj(mlp.gelu(mlp.c_fc(x)))  # C -> 4C -> C, no dropout
+
+
+@torch.no_grad()
+def trace(model: torch.nn.Module, ids: torch.Tensor | Sequence[int]) -> Trace:
+    """Run `model` (a GPT) on ids (B, T) or one sequence, keeping every layer's attention probabilities and the
+    residual stream; returns a Trace. Raises GptlabError for a model without attention (bigram), an empty input
+    or one longer than the context."""
+    gpt = check_traceable(model)
+    device = gpt.transformer.wte.weight.device
+    ids = torch.as_tensor(ids, dtype=torch.long, device=device)
+    ids = ids[None] if ids.dim() == 1 else ids  # (B, T)
+    check_length(gpt, ids.size(1))
+    if ids.numel() and not 0 <= int(ids.min()) <= int(ids.max()) < gpt.config.vocab_size:
+        raise GptlabError(f"token ids must be in [0, {gpt.config.vocab_size}): use the run's tokenizer")
+    pos = torch.arange(ids.size(1), device=device)  # (T,)
+    x = gpt.transformer.wte(ids) + gpt.transformer.wpe(pos)  # (B, T, C)
+    out = Trace(ids, [x], [], [], [], [], torch.empty(0))
+    for block in gpt.transformer.h:
+        added, probs = _attention(block, block.ln_1(x))
+        x = x + added
+        out.attn_out.append(added)
+        out.attention.append(probs)
+        out.after_attention.append(x)
+        added = _mlp(block, block.ln_2(x))
+        x = x + added
+        out.mlp_out.append(added)
+        out.residual.append(x)
+    out.logits = gpt.lm_head(gpt.transformer.ln_f(x))  # (B, T, V)
+    return out
+
+
+@torch.no_grad()
+def logit_lens(model: torch.nn.Module, tr: Trace) -> torch.Tensor:
+    """The logit lens: ln_f and the LM head applied to the residual stream at every depth. Returns logits
+    (L + 1, B, T, V): row 0 reads the embeddings, row l the stream after block l; row L equals tr.logits."""
+    gpt = check_traceable(model)
+    return torch.stack([gpt.lm_head(gpt.transformer.ln_f(x)) for x in tr.residual])
+
+
+def trace_generation(model: torch.nn.Module, prompt: Sequence[int], cfg: SampleConfig) -> Trace:
+    """Generate from `prompt` with the KV-cached engine, then trace prompt + generated ids (one row). The total must
+    fit the context: GptlabError otherwise, before anything is generated."""
+    gpt = check_traceable(model)
+    check_length(gpt, len(prompt) + cfg.max_new_tokens)
+    new = [row[0] for row in generate(gpt, list(prompt), cfg)]
+    return trace(gpt, list(prompt) + new)
+
+
+def token_label(tokenizer: Tokenizer, token: int) -> str:
+    """A token as it reads on a picture: its text with whitespace made visible (space ␣, newline ↵, tab →,
+    carriage return ␍), or its bytes as \\xNN where they are not whole UTF-8 characters (a byte-level BPE piece)."""
+    raw = tokenizer.decode_bytes([token])
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        text = "".join(f"\\x{b:02x}" for b in raw)
+    return text.replace(" ", "␣").replace("\n", "↵").replace("\t", "→").replace("\r", "␍") or "∅"
+
+
+def token_labels(tokenizer: Tokenizer, ids: Sequence[int]) -> list[str]:
+    return [token_label(tokenizer, int(i)) for i in ids]
