@@ -79,6 +79,13 @@ CASES = [
     (["prepare", "{r}/corpus.txt", "--out", "{r}/o", "--tokenizer", "bpe", "--vocab-size", "10"], "vocab_size >= 257"),
     (["prepare", "{r}/corpus.txt", "--tokenizer", "word"], "invalid choice: 'word'"),
     (["prepare", "{r}/corpus.txt", "--out", "{r}/o", "--encoding", "klingon"], "unknown text encoding"),
+    (["prepare", "{r}", "--include", "binary.bin", "--out", "{r}/o"], "is empty; give a file with text in it; 1 "
+                                                                       "unreadable file was skipped"),
+    (["prepare", "{r}", "--include", "binary.bin", "--strict", "--out", "{r}/o"], "binary.bin is not valid utf-8"),
+    (["prepare", "{r}", "--include", "*.nothing", "--out", "{r}/o"], "no files that pass --include / --exclude"),
+    (["prepare", "{r}/run/metrics.jsonl", "--out", "{r}/o"], "metrics.jsonl line 1 has no text field 'text'"),
+    (["prepare", "{r}/data/meta.json", "--out", "{r}/o"], "meta.json line 1 is not JSON"),
+    (["prepare", "{r}/corpus.txt", "--out", "{r}/o", "--text-field"], "expected one argument"),
     # train
     (["train", "--data", "{r}/nodata", "--run", "{r}/t"], "is not a prepared data folder"),
     (["train", "--data", "{r}/badmeta", "--run", "{r}/t"], "meta.json is damaged"),

@@ -83,15 +83,32 @@ def cmd_prepare(args: argparse.Namespace) -> int:
 
     out = Path(args.out) if args.out else default_data_dir(args.tokenizer)
     meta = prepare(args.paths, out, args.tokenizer, args.vocab_size, args.val_fraction, args.encoding, args.quiet,
-                   args.allow_special, args.tokenizer_from)
-    print(f"prepared {out}: {meta['train_tokens']:,} train + {meta['val_tokens']:,} val tokens, "
-          f"{meta['tokenizer']} tokenizer with {meta['vocab_size']:,} ids ({meta['dtype']})")
+                   args.allow_special, args.tokenizer_from, args.text_field, args.include, args.exclude, args.strict)
+    print(f"prepared {out}: {meta['train_tokens']:,} train + {meta['val_tokens']:,} val tokens from "
+          f"{meta['documents']:,} documents, {meta['tokenizer']} tokenizer with {meta['vocab_size']:,} ids "
+          f"({meta['dtype']})")
+    folders, files = meta["skipped_folders"], meta["skipped_files"]
+    if folders:
+        print(f"skipped {folders:,} hidden or __pycache__ folder{'s' * (folders != 1)}")
+    if files:
+        shown = ", ".join(s["path"] for s in meta["skipped"][:3]) + (f" and {files - 3:,} more" if files > 3 else "")
+        print(f"skipped {files:,} unreadable file{'s' * (files != 1)} ({shown}): binary, not {args.encoding}, or "
+              f"not the kind their names say; the reasons are in {out / 'meta.json'}, and --strict refuses them")
     return 0
 
 
 def add_prepare(p: argparse.ArgumentParser) -> None:
-    p.add_argument("paths", nargs="*", help="text files or folders, or - for standard input (default: bundled Tiny "
-                   "Shakespeare)")
+    p.add_argument("paths", nargs="*", help="files or folders (read recursively, hidden ones and __pycache__ "
+                   "skipped), or - for standard input (default: bundled Tiny Shakespeare). Text files are one "
+                   "document each; .jsonl / .json (one JSON object per line) and .parquet give a document per "
+                   "record; .gz, .zst and .bz2 files are decompressed")
+    p.add_argument("--text-field", default="text", help="the field of a JSON line or the Parquet column that holds "
+                   "the text (default text)")
+    p.add_argument("--include", action="append", metavar="GLOB", help="read only files matching GLOB (against the "
+                   "path below the folder named, or the bare name); may be repeated")
+    p.add_argument("--exclude", action="append", metavar="GLOB", help="skip files matching GLOB; may be repeated")
+    p.add_argument("--strict", action="store_true", help="refuse a file found in a folder that is not readable "
+                   "text (binary, another encoding, damaged) instead of skipping it")
     p.add_argument("--tokenizer", choices=TOKENIZERS, default="char",
                    help="char (one token per character), bpe (a byte-level BPE trained on the text) or gpt2 (GPT-2's "
                         "50,257 tokens) (default char)")

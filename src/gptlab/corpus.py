@@ -1,12 +1,15 @@
-"""The text a corpus is made of: sources (files, folders, standard input, the bundled Tiny Shakespeare) and the
-one rule by which every command reads text (a UTF-8 byte-order mark dropped, line ends made \\n), streamed in
-pieces so that corpora larger than memory work."""
+"""The text a corpus is made of: sources (files, folders, standard input, the bundled Tiny Shakespeare; gzip,
+zstd and bzip2 files decompressed on the fly) and the one rule by which every command reads text (a UTF-8
+byte-order mark dropped, line ends made \\n), streamed in pieces so that corpora larger than memory work."""
 
 from __future__ import annotations
 
+import bz2
 import codecs
+import fnmatch
 import gzip
 import io
+import os
 import shutil
 import sys
 import tempfile
@@ -20,15 +23,28 @@ from gptlab.errors import GptlabError
 
 BUNDLED = "tinyshakespeare"
 CHUNK_BYTES = 1 << 20
+COMPRESSION = {".gz": "gzip", ".zst": "zstd", ".bz2": "bz2"}
+SKIPPED_FOLDERS = {"__pycache__"}  # besides hidden ones
+
+
+class UnreadableSource(GptlabError):
+    """A file that is not what its name says: binary, not in the encoding, damaged compression, not JSON lines
+    with the text field, not Parquet. Files found inside a folder are skipped for this; files named are refused."""
 
 
 @dataclass(frozen=True)
 class Source:
-    """A text input: a display name and a way to open its bytes."""
+    """An input: a display name, a way to open its (decompressed) bytes, its size on disk, its kind ("text",
+    "jsonl" or "parquet"), its path for a file, whether it was found inside a folder rather than named, and whether
+    it is packed (compressed or Parquet, so that its size on disk is not the size of its text)."""
 
     name: str
     open: Callable[[], IO[bytes]]
     size: int
+    kind: str = "text"
+    path: Path | None = None
+    found: bool = False
+    packed: bool = False
 
 
 def bundled_source() -> Source:
@@ -50,12 +66,62 @@ def spooled_source(name: str, stream: IO[bytes]) -> Source:
     return Source(name, reopen, size)
 
 
-def collect_sources(paths: list[str]) -> list[Source]:
-    """Files named, and the files inside folders named (recursively, sorted, hidden ones skipped); "-" is standard
-    input, and pipes or devices such as /dev/stdin are read once and spooled."""
+def open_file(path: Path, compression: str | None) -> IO[bytes]:
+    """The bytes of `path`, decompressed by `compression` ("gzip", "zstd", "bz2" or None)."""
+    if compression == "gzip":
+        return gzip.open(path, "rb")
+    if compression == "bz2":
+        return bz2.open(path, "rb")
+    if compression == "zstd":
+        import zstandard
+
+        return zstandard.ZstdDecompressor().stream_reader(open(path, "rb"), read_across_frames=True, closefd=True)
+    return open(path, "rb")
+
+
+def file_source(path: Path, found: bool = False) -> Source:
+    """A file as a source, its kind and compression told by its name: NAME.jsonl / NAME.json (JSON lines),
+    NAME.parquet, anything else text; each but Parquet optionally followed by .gz, .zst or .bz2."""
+    suffixes = [s.lower() for s in path.suffixes[-2:]]
+    compression = COMPRESSION.get(suffixes[-1]) if suffixes else None
+    inner = (suffixes[-2] if len(suffixes) > 1 else "") if compression else (suffixes[-1] if suffixes else "")
+    kind = "jsonl" if inner in (".jsonl", ".json") else "parquet" if inner == ".parquet" and not compression \
+        else "text"
+    return Source(str(path), lambda: open_file(path, compression), path.stat().st_size, kind, path, found,
+                  packed=compression is not None or kind == "parquet")
+
+
+def folder_files(folder: Path, pruned: list[str] | None = None) -> list[Path]:
+    """The files inside `folder`, recursively, sorted by path; hidden files and folders and __pycache__ skipped
+    (the folders skipped appended to `pruned` when given)."""
+    found = []
+    for root, dirs, names in os.walk(folder):
+        if pruned is not None:
+            pruned += sorted(str(Path(root) / d) for d in dirs if d.startswith(".") or d in SKIPPED_FOLDERS)
+        dirs[:] = [d for d in dirs if not d.startswith(".") and d not in SKIPPED_FOLDERS]
+        found += [Path(root) / n for n in names if not n.startswith(".") and (Path(root) / n).is_file()]
+    return sorted(found)
+
+
+def _wanted(path: Path, base: Path, include: list[str], exclude: list[str]) -> bool:
+    """Whether a file passes the --include / --exclude globs, each matched against its path below the folder
+    named and against its bare name."""
+    rel = path.relative_to(base).as_posix() if base != path else path.name
+
+    def hit(pattern: str) -> bool:
+        return fnmatch.fnmatchcase(rel, pattern) or fnmatch.fnmatchcase(path.name, pattern)
+    return (not include or any(map(hit, include))) and not any(map(hit, exclude))
+
+
+def collect_sources(paths: list[str], include: list[str] | None = None, exclude: list[str] | None = None,
+                    pruned: list[str] | None = None) -> list[Source]:
+    """Files named, and the files inside folders named (see `folder_files`; the hidden and __pycache__ folders
+    skipped are appended to `pruned` when given), kept when they pass the `include` and `exclude` globs; "-" is
+    standard input, and pipes or devices such as /dev/stdin are read once and spooled."""
     if not paths:
         return [bundled_source()]
-    files: list[Path] = []
+    include, exclude = include or [], exclude or []
+    files: list[tuple[Path, bool]] = []
     spooled: list[Source] = []
     for raw in paths:
         path = Path(raw)
@@ -63,15 +129,16 @@ def collect_sources(paths: list[str]) -> list[Source]:
             with (open(sys.stdin.fileno(), "rb", closefd=False) if raw == "-" else open(path, "rb")) as stream:
                 spooled.append(spooled_source("standard input" if raw == "-" else raw, stream))
         elif path.is_dir():
-            files += sorted(p for p in path.rglob("*") if p.is_file()
-                            and not any(part.startswith(".") for part in p.relative_to(path).parts))
+            files += [(p, True) for p in folder_files(path, pruned) if _wanted(p, path, include, exclude)]
         elif path.is_file():
-            files.append(path)
+            if _wanted(path, path, include, exclude):
+                files.append((path, False))
         else:
             raise GptlabError(f"input {raw} does not exist; give text files or folders of text files")
     if not files and not spooled:
-        raise GptlabError(f"no files found in {', '.join(paths)}; give text files or folders of text files")
-    return spooled + [Source(str(p), lambda p=p: open(p, "rb"), p.stat().st_size) for p in files]
+        globs = " that pass --include / --exclude" if include or exclude else ""
+        raise GptlabError(f"no files{globs} found in {', '.join(paths)}; give text files or folders of text files")
+    return spooled + [file_source(p, found) for p, found in files]
 
 
 def text_decoder(encoding: str) -> io.IncrementalNewlineDecoder:
@@ -103,16 +170,20 @@ def read_chunks(source: Source, encoding: str = "utf-8",
     offset, carry = 0, ""
     with source.open() as f:
         while True:
-            block = f.read(CHUNK_BYTES)
+            try:
+                block = f.read(CHUNK_BYTES)
+            except (OSError, EOFError, ValueError) + _zstd_errors() as exc:
+                raise UnreadableSource(f"{source.name} could not be decompressed ({exc}); it is damaged or not "
+                                       "the kind of file its name says") from None
             if on_bytes is not None and block:
                 on_bytes(block)
             try:
                 text = carry + decoder.decode(block, final=not block)
             except UnicodeDecodeError as exc:  # its offset counts from the bytes given to this call
-                raise GptlabError(f"{source.name} is not valid {encoding}: bad byte at offset {offset + exc.start}; "
+                raise UnreadableSource(f"{source.name} is not valid {encoding}: bad byte at offset {offset + exc.start}; "
                                   "pass --encoding with the file's real encoding (e.g. latin-1)") from None
             if "\x00" in text:
-                raise GptlabError(f"{source.name} looks like a binary file (a NUL byte near offset "
+                raise UnreadableSource(f"{source.name} looks like a binary file (a NUL byte near offset "
                                   f"{offset + block.find(0) if 0 in block else offset}); give a text file")
             offset += len(block)
             if not block:
@@ -125,3 +196,11 @@ def read_chunks(source: Source, encoding: str = "utf-8",
             carry = text[cut:]
             if cut:
                 yield text[:cut]
+
+
+def _zstd_errors() -> tuple[type[Exception], ...]:
+    try:
+        import zstandard
+    except ImportError:
+        return ()
+    return (zstandard.ZstdError,)

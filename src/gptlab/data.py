@@ -24,9 +24,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from gptlab.corpus import Source, collect_sources, read_chunks
+from gptlab.corpus import Source, collect_sources
 from gptlab.errors import GptlabError
-from gptlab.tokenizer import EOT, Tokenizer, load as load_tokenizer, train_tokenizer
+from gptlab.readers import Scan, documents, scan_sources
+from gptlab.tokenizer import Tokenizer, load as load_tokenizer, train_tokenizer
 
 MAGIC = b"GPTLABTK"
 VERSION = 1
@@ -102,35 +103,12 @@ def read_tokens(path: str | Path) -> np.ndarray:
                      shape=(count,))
 
 
-def _progress(total: int, desc: str, quiet: bool) -> Any:
+def _progress(sources: list[Source], desc: str, quiet: bool) -> Any:
+    """A bar over the bytes read; with compressed or Parquet inputs their total is unknown, so it shows the rate."""
     from tqdm import tqdm
 
+    total = None if any(s.packed for s in sources) else sum(s.size for s in sources)
     return tqdm(total=total, desc=desc, unit="B", unit_scale=True, disable=True if quiet else None, leave=False)
-
-
-def _scan(sources: list[Source], encoding: str, quiet: bool,
-          refuse_special: bool) -> tuple[int, list[dict[str, Any]], set[str]]:
-    """First pass: validate the encoding, count characters, hash the bytes and collect the characters; with
-    refuse_special, refuse a file that holds the end-of-text marker as text before anything is written."""
-    total, described, chars = 0, [], set()
-    with _progress(sum(s.size for s in sources), "scan", quiet) as bar:
-        for source in sources:
-            sha, n_chars = hashlib.sha256(), 0
-
-            def seen(block: bytes, sha=sha) -> None:
-                sha.update(block)
-                bar.update(len(block))
-
-            for chunk in read_chunks(source, encoding, seen):
-                if refuse_special and EOT in chunk:
-                    raise GptlabError(f"{source.name} contains the text {EOT}, which this tokenizer reserves for "
-                                      "the end of a document; pass --allow-special to read it as that token, or "
-                                      "remove it")
-                n_chars += len(chunk)
-                chars.update(chunk)
-            described.append({"path": source.name, "chars": n_chars, "sha256": sha.hexdigest()})
-            total += n_chars
-    return total, described, chars
 
 
 def tokenizer_of(folder: str | Path) -> Tokenizer:
@@ -174,13 +152,16 @@ def _check_covers(tok: Tokenizer, chars: set[str], source: str) -> None:
 
 def prepare(paths: list[str], out_dir: str | Path, tokenizer: str = "char", vocab_size: int = 1024,
             val_fraction: float = 0.1, encoding: str = "utf-8", quiet: bool = False, allow_special: bool = False,
-            tokenizer_from: str | Path | None = None) -> dict[str, Any]:
-    """Tokenize text files (default: the bundled Tiny Shakespeare) into `out_dir`/{train,val}.bin, tokenizer.json
-    and meta.json, with a new tokenizer of kind `tokenizer` or the one of `tokenizer_from` (a run or data folder).
-    The first (1 - val_fraction) of the characters, in file order, become the training split. Everything is
-    checked before anything is written; the files are written in a hidden folder and moved into place at the end
-    (meta.json last), so a failure or Ctrl-C leaves the folder as it was. Returns the metadata; raises
-    GptlabError on bad input or a full disk."""
+            tokenizer_from: str | Path | None = None, text_field: str = "text", include: list[str] | None = None,
+            exclude: list[str] | None = None, strict: bool = False) -> dict[str, Any]:
+    """Tokenize files and folders (default: the bundled Tiny Shakespeare; see corpus.collect_sources and
+    readers.documents for what is read) into `out_dir`/{train,val}.bin, tokenizer.json and meta.json, with a new
+    tokenizer of kind `tokenizer` or the one of `tokenizer_from` (a run or data folder). Every document ends with
+    the end-of-text token where the tokenizer has one. The first (1 - val_fraction) of the characters, in file
+    order, become the training split. Files found in folders that cannot be read are skipped and listed in the
+    metadata (refused with `strict`). Everything is checked before anything is written; the files are written in
+    a hidden folder and moved into place at the end (meta.json last), so a failure or Ctrl-C leaves the folder as
+    it was. Returns the metadata; raises GptlabError on bad input or a full disk."""
     if not 0 < val_fraction < 1:
         raise GptlabError(f"val_fraction must be in (0, 1): training needs a validation split, not {val_fraction}")
     out = Path(out_dir)
@@ -189,24 +170,32 @@ def prepare(paths: list[str], out_dir: str | Path, tokenizer: str = "char", voca
                           "preparing data there would overwrite its files, so give --out a folder of its own")
     fixed = tokenizer_of(tokenizer_from) if tokenizer_from else None
     has_special = fixed.eot_id is not None if fixed else tokenizer != "char"
-    sources = collect_sources(paths)
-    total, described, chars = _scan(sources, encoding, quiet, refuse_special=has_special and not allow_special)
-    if total == 0:
-        raise GptlabError(f"the corpus ({', '.join(s.name for s in sources)}) is empty; give a file with text in it")
+    pruned: list[str] = []
+    sources = collect_sources(paths, include, exclude, pruned)
+    with _progress(sources, "scan", quiet) as bar:
+        scan = scan_sources(sources, encoding, text_field, strict, bar.update, has_special and not allow_special)
+    if scan.total == 0:
+        n = len(scan.skipped)
+        skipped = f"; {n} unreadable file{'s were' if n > 1 else ' was'} skipped, e.g. {scan.skipped[0]['reason']}" \
+            if n else ""
+        shown = ", ".join(s.name for s in sources[:5]) + (" ..." if len(sources) > 5 else "")
+        raise GptlabError(f"the corpus ({shown}) is empty; give a file with text in it{skipped}")
     if fixed:
-        _check_covers(fixed, chars, str(tokenizer_from))
+        _check_covers(fixed, scan.chars, str(tokenizer_from))
 
     def all_chunks() -> Iterator[str]:
-        for source in sources:
-            yield from read_chunks(source, encoding)
+        for source in scan.sources:
+            for doc in documents(source, encoding, text_field):
+                yield from doc
 
     tok: Tokenizer = fixed or _interruptible(lambda: train_tokenizer(
-        tokenizer, [chars] if tokenizer == "char" else all_chunks(), vocab_size))
-    return _write_prepared(out, sources, tok, total, described, val_fraction, encoding, quiet, allow_special)
+        tokenizer, [scan.chars] if tokenizer == "char" else all_chunks(), vocab_size))
+    skipped = {"skipped_folders": len(pruned), "skipped_files": len(scan.skipped), "skipped": scan.skipped[:20]}
+    return _write_prepared(out, scan, tok, val_fraction, encoding, text_field, quiet, allow_special, skipped)
 
 
-def _write_prepared(out: Path, sources: list[Source], tok: Tokenizer, total: int, described: list[dict[str, Any]],
-                    val_fraction: float, encoding: str, quiet: bool, allow_special: bool) -> dict[str, Any]:
+def _write_prepared(out: Path, scan: Scan, tok: Tokenizer, val_fraction: float, encoding: str, text_field: str,
+                    quiet: bool, allow_special: bool, skipped: dict[str, Any]) -> dict[str, Any]:
     """Second pass: encode into a hidden staging folder inside `out`, then move the files into place."""
     created = not out.exists()
     try:
@@ -217,13 +206,14 @@ def _write_prepared(out: Path, sources: list[Source], tok: Tokenizer, total: int
     committed = False
     try:
         stage.mkdir()
-        split_at = int(total * (1 - val_fraction))
-        written = _encode_split(sources, tok, stage, split_at, encoding, quiet, allow_special)
+        split_at = int(scan.total * (1 - val_fraction))
+        written = _encode_split(scan.sources, tok, stage, split_at, encoding, text_field, quiet, allow_special)
         tok.save(stage / "tokenizer.json")
         meta = {"format_version": VERSION, "tokenizer": tok.kind, "vocab_size": tok.vocab_size,
                 "dtype": "uint16" if tok.vocab_size <= 1 << 16 else "uint32", **written,
-                "train_chars": split_at, "val_chars": total - split_at,
-                "val_fraction": val_fraction, "encoding": encoding, "sources": described}
+                "train_chars": split_at, "val_chars": scan.total - split_at,
+                "val_fraction": val_fraction, "encoding": encoding, "text_field": text_field,
+                "documents": sum(d["documents"] for d in scan.described), "sources": scan.described, **skipped}
         (stage / "meta.json").write_text(json.dumps(meta, indent=2))
         (out / "meta.json").unlink(missing_ok=True)  # a half-replaced folder is never taken for a prepared one
         for name in ("train.bin", "val.bin", "tokenizer.json", "meta.json"):
@@ -239,25 +229,27 @@ def _write_prepared(out: Path, sources: list[Source], tok: Tokenizer, total: int
             shutil.rmtree(out, ignore_errors=True)
 
 
-def _encode_split(sources: list[Source], tok: Tokenizer, out: Path, split_at: int, encoding: str,
+def _encode_split(sources: list[Source], tok: Tokenizer, out: Path, split_at: int, encoding: str, text_field: str,
                   quiet: bool, allow_special: bool = False) -> dict[str, Any]:
-    """Encode everything, sending characters before `split_at` to train.bin and the rest to val.bin.
-    Documents are joined with the end-of-text token where the tokenizer has one."""
+    """Encode everything, sending characters before `split_at` to train.bin and the rest to val.bin. Every
+    document ends with the end-of-text token where the tokenizer has one (on the side its last character is)."""
     writers = [TokenWriter(out / "train.bin", tok.vocab_size), TokenWriter(out / "val.bin", tok.vocab_size)]
     position = 0
     try:
-        with _progress(sum(s.size for s in sources), "encode", quiet) as bar:
-            for n, source in enumerate(sources):
-                if n and tok.eot_id is not None:
-                    writers[position >= split_at].write([tok.eot_id])
-                for chunk in read_chunks(source, encoding, lambda block: bar.update(len(block))):
-                    end = position + len(chunk)
-                    if position < split_at < end:
-                        writers[0].write(tok.encode(chunk[:split_at - position], allow_special))
-                        writers[1].write(tok.encode(chunk[split_at - position:], allow_special))
-                    else:
-                        writers[position >= split_at].write(tok.encode(chunk, allow_special))
-                    position = end
+        with _progress(sources, "encode", quiet) as bar:
+            for source in sources:
+                for doc in documents(source, encoding, text_field, lambda block: bar.update(len(block))):
+                    start = position
+                    for chunk in doc:
+                        end = position + len(chunk)
+                        if position < split_at < end:
+                            writers[0].write(tok.encode(chunk[:split_at - position], allow_special))
+                            writers[1].write(tok.encode(chunk[split_at - position:], allow_special))
+                        else:
+                            writers[position >= split_at].write(tok.encode(chunk, allow_special))
+                        position = end
+                    if position > start and tok.eot_id is not None:
+                        writers[position > split_at].write([tok.eot_id])
     except BaseException:
         for w in writers:
             with contextlib.suppress(OSError):

@@ -1,0 +1,148 @@
+"""Documents out of sources. A text file is one document, read by the corpus's one rule; each line of a JSON-lines
+file (.jsonl / .json, optionally compressed) and each row of a Parquet file is one document, its text in the field
+`text_field` (FineWeb, OpenWebText and The Stack all call it "text"). Everything streams: a document is an
+iterator of text pieces, and a Parquet file is read one record batch at a time."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from gptlab.corpus import Source, UnreadableSource, read_chunks
+from gptlab.errors import GptlabError
+from gptlab.tokenizer import EOT
+
+PARQUET_BATCH_ROWS = 1024
+
+
+def documents(source: Source, encoding: str = "utf-8", text_field: str = "text",
+              on_bytes: Callable[[bytes], None] | None = None) -> Iterator[Iterable[str]]:
+    """The documents of `source`, each an iterable of text pieces to be read to its end before the next one;
+    `on_bytes` sees the bytes read (for Parquet, each text's UTF-8). Empty records are left out.
+
+    Raises UnreadableSource when the file is not the kind its name says (see corpus.UnreadableSource)."""
+    if source.kind == "text":
+        yield read_chunks(source, encoding, on_bytes)
+    elif source.kind == "jsonl":
+        yield from _json_lines(source, encoding, text_field, on_bytes)
+    else:
+        yield from _parquet(source, text_field, on_bytes)
+
+
+def _json_lines(source: Source, encoding: str, text_field: str,
+                on_bytes: Callable[[bytes], None] | None) -> Iterator[Iterable[str]]:
+    carry, number = "", 0
+    for chunk in read_chunks(source, encoding, on_bytes):
+        lines = (carry + chunk).split("\n")
+        carry = lines.pop()  # a line longer than a chunk continues in the next one
+        for line in lines:
+            number += 1
+            text = _record_text(source.name, number, line, text_field)
+            if text:
+                yield (text,)
+    text = _record_text(source.name, number + 1, carry, text_field)
+    if text:
+        yield (text,)
+
+
+def _record_text(name: str, number: int, line: str, text_field: str) -> str:
+    """The text field of one JSON line ("" for a blank line)."""
+    if not line.strip():
+        return ""
+    try:
+        record = json.loads(line)
+    except ValueError:
+        raise UnreadableSource(f"{name} line {number} is not JSON; a .jsonl / .json file must hold one JSON object "
+                               "per line") from None
+    text = record.get(text_field) if isinstance(record, dict) else None
+    if not isinstance(text, str):
+        fields = ", ".join(list(record)[:8]) if isinstance(record, dict) else "none: not an object"
+        raise UnreadableSource(f"{name} line {number} has no text field {text_field!r} (its fields: {fields}); "
+                               "pass --text-field with the one that holds the text")
+    return text
+
+
+def _parquet(source: Source, text_field: str, on_bytes: Callable[[bytes], None] | None) -> Iterator[Iterable[str]]:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        table = pq.ParquetFile(source.path)
+    except (pa.ArrowException, OSError, ValueError) as exc:
+        raise UnreadableSource(f"{source.name} is not a readable Parquet file ({exc})") from None
+    with table:
+        schema = table.schema_arrow
+        if text_field not in schema.names or not (pa.types.is_string(schema.field(text_field).type)
+                                                  or pa.types.is_large_string(schema.field(text_field).type)):
+            raise UnreadableSource(f"{source.name} has no text column {text_field!r} (its columns: "
+                                   f"{', '.join(schema.names[:8])}); pass --text-field with the one that holds "
+                                   "the text")
+        batches = table.iter_batches(batch_size=PARQUET_BATCH_ROWS, columns=[text_field])
+        while True:
+            try:
+                batch = next(batches, None)
+            except (pa.ArrowException, OSError, ValueError) as exc:
+                raise UnreadableSource(f"{source.name} is damaged ({exc})") from None
+            if batch is None:
+                return
+            for text in batch.column(0).to_pylist():
+                if text:
+                    if on_bytes is not None:
+                        on_bytes(text.encode("utf-8"))
+                    yield (text,)
+
+
+@dataclass
+class Scan:
+    """What the first pass found: the readable sources, their characters and descriptions, the skipped files."""
+
+    sources: list[Source]
+    total: int
+    described: list[dict[str, Any]]
+    chars: set[str]
+    skipped: list[dict[str, str]]
+
+
+def scan_sources(sources: list[Source], encoding: str, text_field: str, strict: bool,
+                 on_progress: Callable[[int], Any], refuse_special: bool) -> Scan:
+    """First pass: validate every file, count documents and characters, hash the bytes and collect the
+    characters. A file found in a folder that cannot be read (binary, another encoding, not its kind) is skipped
+    unless `strict`; a file named is refused. With refuse_special, a text holding the end-of-text marker is refused
+    before anything is written."""
+    scan = Scan([], 0, [], set(), [])
+    for source in sources:
+        try:
+            entry, chars = _scan_source(source, encoding, text_field, on_progress, refuse_special)
+        except UnreadableSource as exc:
+            if strict or not source.found:
+                raise
+            scan.skipped.append({"path": source.name, "reason": str(exc)})
+            continue
+        scan.sources.append(source)
+        scan.described.append(entry)
+        scan.chars |= chars
+        scan.total += entry["chars"]
+    return scan
+
+
+def _scan_source(source: Source, encoding: str, text_field: str, on_progress: Callable[[int], Any],
+                 refuse_special: bool) -> tuple[dict[str, Any], set[str]]:
+    sha, n_chars, n_docs, chars = hashlib.sha256(), 0, 0, set()
+
+    def seen(block: bytes) -> None:
+        sha.update(block)
+        on_progress(len(block))
+
+    for doc in documents(source, encoding, text_field, seen):
+        start = n_chars
+        for chunk in doc:
+            if refuse_special and EOT in chunk:
+                raise GptlabError(f"{source.name} contains the text {EOT}, which this tokenizer reserves for the "
+                                  "end of a document; pass --allow-special to read it as that token, or remove it")
+            n_chars += len(chunk)
+            chars.update(chunk)
+        n_docs += n_chars > start  # an empty file is no document
+    return {"path": source.name, "documents": n_docs, "chars": n_chars, "sha256": sha.hexdigest()}, chars

@@ -1,0 +1,199 @@
+"""Corpora as people have them: source trees with __pycache__, binary and foreign-encoded files, FineWeb-shaped
+JSON-lines and Parquet shards, compressed or not (corpus.py and readers.py)."""
+
+import bz2
+import email
+import gzip
+import json
+import py_compile
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import zstandard
+
+from gptlab import corpus, readers
+from gptlab.cli import main
+from gptlab.data import load_dataset, prepare
+from gptlab.errors import GptlabError
+from gptlab.tokenizer import train_tokenizer
+
+TEXTS = [f"Document {i}: the café opened at {i} o'clock.\nIt served {i * 7} cups of tea — "
+         f"{'naïve ' * (i % 4)}customers liked it.\n" for i in range(40)] + ["short", "\n\nblank lines\r\n"]
+
+
+def fineweb_records() -> list[dict]:
+    """Records in the shape of FineWeb's (text first, then metadata the reader must ignore)."""
+    return [{"text": t, "id": f"<urn:uuid:{i:08d}>", "dump": "CC-MAIN-2024-10", "url": f"https://example.com/{i}",
+             "date": "2024-02-21T00:00:00Z", "language": "en", "language_score": 0.93, "token_count": len(t)}
+            for i, t in enumerate(TEXTS)]
+
+
+def write_jsonl(path: Path, records: list[dict], opener=open) -> Path:
+    with opener(path, "wt", encoding="utf-8") as f:
+        f.writelines(json.dumps(r, ensure_ascii=False) + "\n" for r in records)
+    return path
+
+
+def expected_ids(texts: list[str], val_fraction: float, tok) -> tuple[list[int], list[int]]:
+    """Direct tokenization: each document encoded whole and closed by the end-of-text token; the one document
+    that holds the split point is encoded in two pieces at it."""
+    split_at = int(sum(map(len, texts)) * (1 - val_fraction))
+    train, val, position = [], [], 0
+    for text in texts:
+        end = position + len(text)
+        if end <= split_at:
+            train += tok.encode(text) + [tok.eot_id]
+        elif position >= split_at:
+            val += tok.encode(text) + [tok.eot_id]
+        else:
+            train += tok.encode(text[:split_at - position])
+            val += tok.encode(text[split_at - position:]) + [tok.eot_id]
+        position = end
+    return train, val
+
+
+def test_fineweb_shaped_shards_give_the_ids_of_direct_tokenization(tmp_path, monkeypatch):
+    monkeypatch.setattr(readers, "PARQUET_BATCH_ROWS", 5)  # several record batches per file
+    records = fineweb_records()
+    shards = tmp_path / "fineweb"
+    shards.mkdir()
+    write_jsonl(shards / "000.jsonl", records[:10])
+    write_jsonl(shards / "001.jsonl.gz", records[10:20], gzip.open)
+    write_jsonl(shards / "002.jsonl.bz2", records[20:25], bz2.open)
+    frames = [zstandard.ZstdCompressor().compress("".join(json.dumps(r) + "\n" for r in part).encode())
+              for part in (records[25:28], records[28:30])]
+    (shards / "003.jsonl.zst").write_bytes(b"".join(frames))  # two frames, as parallel writers make
+    blank = [{**records[0], "text": ""}, {**records[0], "text": None}]  # left out, as empty JSON lines are
+    pq.write_table(pa.Table.from_pylist(records[30:36] + blank + records[36:]), shards / "004.parquet",
+                   row_group_size=4)
+    meta = prepare([str(shards)], tmp_path / "data", "gpt2", quiet=True)
+    ds = load_dataset(tmp_path / "data")
+    train, val = expected_ids(TEXTS, 0.1, ds.tokenizer)
+    assert ds.train.tolist() == train and ds.val.tolist() == val
+    assert meta["documents"] == len(TEXTS) and [s["documents"] for s in meta["sources"]] == [10, 10, 5, 5, 12]
+    assert meta["train_tokens"] + meta["val_tokens"] == len(train) + len(val)
+
+
+def test_compressed_and_plain_forms_give_byte_identical_token_files(tmp_path, monkeypatch):
+    plain = write_jsonl(tmp_path / "a.jsonl", fineweb_records())
+    forms = {"plain": plain, "gz": tmp_path / "a.jsonl.gz", "zst": tmp_path / "a.jsonl.zst",
+             "bz2": tmp_path / "a.jsonl.bz2", "txt.gz": tmp_path / "t.txt.gz"}
+    forms["gz"].write_bytes(gzip.compress(plain.read_bytes()))
+    forms["zst"].write_bytes(zstandard.ZstdCompressor().compress(plain.read_bytes()))
+    forms["bz2"].write_bytes(bz2.compress(plain.read_bytes()))
+    forms["txt.gz"].write_bytes(gzip.compress("".join(TEXTS).encode()))
+    monkeypatch.setattr(corpus, "CHUNK_BYTES", 11)  # JSON lines longer than a chunk
+    made = {k: prepare([str(p)], tmp_path / k, "char", quiet=True) for k, p in forms.items()}
+    assert len({m["train_sha256"] for k, m in made.items() if k != "txt.gz"}) == 1
+    assert made["plain"]["documents"] == len(TEXTS) and made["txt.gz"]["documents"] == 1
+    text = load_dataset(tmp_path / "txt.gz")
+    assert text.tokenizer.decode(text.train.tolist() + text.val.tolist()) == "".join(TEXTS).replace("\r\n", "\n")
+
+
+def test_text_field_names_the_field_that_holds_the_text(tmp_path):
+    records = [{"content": t, "id": i} for i, t in enumerate(TEXTS)]
+    path = write_jsonl(tmp_path / "stack.jsonl", records)
+    with pytest.raises(GptlabError, match=r"stack.jsonl line 1 has no text field 'text' \(its fields: content, id\)"
+                                          r"; pass --text-field"):
+        prepare([str(path)], tmp_path / "out", quiet=True)
+    assert not (tmp_path / "out").exists()
+    meta = prepare([str(path)], tmp_path / "out", quiet=True, text_field="content")
+    assert meta["documents"] == len(TEXTS) and meta["text_field"] == "content"
+    pq.write_table(pa.Table.from_pylist(records), tmp_path / "stack.parquet")
+    with pytest.raises(GptlabError, match=r"no text column 'text' \(its columns: content, id\)"):
+        prepare([str(tmp_path / "stack.parquet")], tmp_path / "out2", quiet=True)
+
+
+def make_messy_folder(root: Path) -> Path:
+    """A download folder: text in several forms, and files that are not text or not UTF-8."""
+    (root / "sub" / "__pycache__").mkdir(parents=True)
+    (root / ".git").mkdir()
+    (root / "a.txt").write_text(TEXTS[0])
+    (root / "sub" / "b.md").write_text(TEXTS[1])
+    (root / "sub" / "c.py").write_text("print('hello')\n")
+    (root / "sub" / "__pycache__" / "c.cpython-311.pyc").write_bytes(b"\x00\x01binary")
+    (root / ".git" / "HEAD").write_text("ref: refs/heads/main\n")
+    (root / "photo.png").write_bytes(bytes(range(256)))
+    (root / "latin.txt").write_bytes("caf\xe9\n".encode("latin-1"))
+    (root / "broken.txt.gz").write_bytes(b"not gzip at all")
+    (root / "config.json").write_text('{\n  "name": "x"\n}\n')
+    return root
+
+
+def test_unreadable_files_in_folders_are_skipped_and_counted_unless_strict(tmp_path):
+    folder = make_messy_folder(tmp_path / "messy")
+    meta = prepare([str(folder)], tmp_path / "out", quiet=True)
+    assert [Path(s["path"]).name for s in meta["sources"]] == ["a.txt", "b.md", "c.py"]
+    assert sorted(Path(s["path"]).name for s in meta["skipped"]) == [
+        "broken.txt.gz", "config.json", "latin.txt", "photo.png"]
+    assert meta["skipped_files"] == 4 and meta["skipped_folders"] == 2
+    reasons = {Path(s["path"]).name: s["reason"] for s in meta["skipped"]}
+    assert "could not be decompressed" in reasons["broken.txt.gz"] and "not JSON" in reasons["config.json"]
+    with pytest.raises(GptlabError, match="broken.txt.gz could not be decompressed"):
+        prepare([str(folder)], tmp_path / "strict", quiet=True, strict=True)
+    assert not (tmp_path / "strict").exists()
+    with pytest.raises(GptlabError, match="latin.txt is not valid utf-8"):  # a file named is never skipped
+        prepare([str(folder / "latin.txt")], tmp_path / "named", quiet=True)
+
+
+def test_include_and_exclude_globs(tmp_path):
+    folder = make_messy_folder(tmp_path / "messy")
+    meta = prepare([str(folder)], tmp_path / "py", quiet=True, include=["*.py", "*.md"], exclude=["*.md"])
+    assert [Path(s["path"]).name for s in meta["sources"]] == ["c.py"] and meta["skipped_files"] == 0
+    meta = prepare([str(folder)], tmp_path / "nosub", quiet=True, exclude=["sub/*", "*.png", "*.gz"])
+    assert [Path(s["path"]).name for s in meta["sources"]] == ["a.txt"] and meta["skipped_files"] == 2
+    with pytest.raises(GptlabError, match="no files that pass --include / --exclude found"):
+        prepare([str(folder)], tmp_path / "none", quiet=True, include=["*.rst"])
+
+
+def test_every_document_ends_with_the_end_of_text_token(tmp_path):
+    write_jsonl(tmp_path / "docs.jsonl", [{"text": "one"}, {"text": ""}, {"text": "two"}, {"text": "three"}])
+    meta = prepare([str(tmp_path / "docs.jsonl")], tmp_path / "out", "gpt2", val_fraction=0.45, quiet=True)
+    ds = load_dataset(tmp_path / "out")
+    tok = ds.tokenizer
+    assert meta["documents"] == 3  # the empty record is left out
+    assert ds.train.tolist() == tok.encode("one") + [tok.eot_id] + tok.encode("two") + [tok.eot_id]
+    assert ds.val.tolist() == tok.encode("three") + [tok.eot_id]
+
+
+@pytest.fixture
+def email_tree(tmp_path):
+    """The standard library's email package as it lies on disk, with its __pycache__ of compiled files, plus a
+    stray binary file of the kind download folders hold."""
+    tree = tmp_path / "email"
+    shutil.copytree(Path(email.__file__).parent, tree)
+    for source in sorted(tree.glob("*.py"))[:3]:  # make sure a __pycache__ with .pyc files exists
+        py_compile.compile(str(source), cfile=str(tree / "__pycache__" / f"{source.stem}.pyc"), doraise=True)
+    shutil.copy(tree / "__pycache__" / f"{sorted(tree.glob('*.py'))[0].stem}.pyc", tree / "stray.pyc")
+    return tree
+
+
+def test_the_email_package_prepares_trains_samples_and_evaluates(tmp_path, monkeypatch, capsys, email_tree):
+    monkeypatch.chdir(tmp_path)
+    assert main(["prepare", str(email_tree), "--out", "data", "--quiet"]) == 0
+    out = capsys.readouterr().out
+    pycache = len(list(email_tree.rglob("__pycache__")))
+    assert pycache >= 1 and f"skipped {pycache} hidden or __pycache__ folder" in out
+    assert f"skipped 1 unreadable file ({email_tree / 'stray.pyc'}): binary" in out
+    meta = json.loads((tmp_path / "data" / "meta.json").read_text())
+    texts = [p for p in email_tree.rglob("*") if p.suffix in (".py", ".rst") and p.stat().st_size]
+    assert meta["documents"] == len(texts) and meta["skipped_files"] == 1
+    tiny = ["--n-layer", "1", "--n-head", "2", "--n-embd", "16", "--block-size", "16", "--batch-size", "4",
+            "--eval-interval", "5", "--eval-batches", "2", "--precision", "fp32", "--quiet"]
+    assert main(["train", "--data", "data", "--run", "runs/email", "--max-steps", "5", *tiny]) == 0
+    assert main(["sample", "--run", "runs/email", "--prompt", "def ", "--max-new-tokens", "20", "--seed", "1"]) == 0
+    assert main(["eval", "--run", "runs/email"]) == 0
+    out = capsys.readouterr().out
+    assert "def " in out and "bits/char" in out
+
+
+def test_char_vocabulary_comes_from_readable_files_only(tmp_path):
+    folder = make_messy_folder(tmp_path / "messy")
+    ds = load_dataset(tmp_path / "out") if prepare([str(folder)], tmp_path / "out", quiet=True) else None
+    expected = train_tokenizer("char", [TEXTS[0] + TEXTS[1] + "print('hello')\n"])
+    assert ds.tokenizer.to_dict() == expected.to_dict()
+    assert np.array_equal(np.concatenate([ds.train, ds.val]), expected.encode(TEXTS[0] + TEXTS[1] + "print('hello')\n"))
