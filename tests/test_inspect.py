@@ -4,13 +4,20 @@ step that tracing leaves alone."""
 
 import pytest
 import torch
+from conftest import CORPUS
+from PIL import Image
+from test_cli import TINY, run_bad, run_ok
 from test_hf import SHAPES, VOCAB, hf_folder
 from transformers import GPT2LMHeadModel
 
-from gptlab.config import ModelConfig, SampleConfig
+from gptlab.config import PRESETS, ModelConfig, SampleConfig
 from gptlab.errors import GptlabError
 from gptlab.hf import load_hf_model
-from gptlab.inspect.trace import logit_lens, token_labels, trace, trace_generation
+from gptlab.checkpoint import load_run
+from gptlab.cli import main
+from gptlab.inspect.anatomy import describe, model_for, totals
+from gptlab.inspect.pictures import panels
+from gptlab.inspect.trace import logit_lens, pairwise_cosine, token_labels, trace, trace_generation, word_representations
 from gptlab.model import GPT, Bigram
 from gptlab.tokenizer import CharTokenizer, GPT2Tokenizer
 
@@ -139,3 +146,108 @@ def test_token_labels_show_whitespace_and_bpe_pieces():
     gpt2 = GPT2Tokenizer()
     assert token_labels(gpt2, gpt2.encode("Hello world\n")) == ["Hello", "␣world", "↵"]
     assert token_labels(gpt2, gpt2.encode("😀")[:1])[0].startswith("\\x")
+
+
+# ---- anatomy -----------------------------------------------------------------------------------------------------
+
+def test_gpt2_has_124m_parameters_split_by_kind():
+    sums = totals(model_for(ModelConfig(**PRESETS["gpt2"].model)))
+    assert sums == {"embeddings": 39_383_808, "attention": 28_348_416, "MLP": 56_669_184, "LayerNorms": 38_400,
+                    "total": 124_439_808}
+
+
+def test_anatomy_counts_what_the_model_holds():
+    model = tiny_gpt(n_layer=3, bias=False)
+    text = describe(model)
+    assert text.splitlines()[-1].split() == ["total", f"{model.num_params():,}"]
+    assert "heads × d_k = 2 × 16" in text and "γ of C = 32" in text
+    assert totals(model)["total"] == sum(p.numel() for p in model.parameters())
+
+
+# ---- the commands ------------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def char_run(tmp_path_factory):
+    """A tiny char run trained for 5 steps (context 16)."""
+    root = tmp_path_factory.mktemp("inspect-run")
+    (root / "corpus.txt").write_text(CORPUS, encoding="utf-8")
+    assert main(["prepare", str(root / "corpus.txt"), "--out", str(root / "data"), "--quiet"]) == 0
+    args = ["train", "--data", str(root / "data"), "--run", str(root / "run"), "--max-steps", "5", *TINY]
+    assert main(args + ["--n-layer", "2"]) == 0
+    return root / "run"
+
+
+def looked_at(path):
+    """A PNG that is a picture: it opens, has some size and more than one colour."""
+    image = Image.open(path).convert("RGB")
+    assert image.width > 200 and image.height > 200
+    assert len(image.getcolors(1 << 24)) > 10
+    return image
+
+
+def test_inspect_attention_lens_and_model(char_run, capsys):
+    out = run_ok(capsys, "inspect", "attention", "--run", str(char_run), "--prompt", "the cat\\n sat")
+    assert out.strip() == str(char_run / "inspect" / "attention.png")
+    looked_at(char_run / "inspect" / "attention.png")
+    out = run_ok(capsys, "inspect", "attention", "--run", str(char_run), "--prompt", "the", "--layer", "1", "--head",
+                 "0", "--out", str(char_run / "pics"))
+    looked_at(out.strip())
+    assert out.strip().endswith("pics/attention-layer1-head0.png")
+    out = run_ok(capsys, "inspect", "attention", "--run", str(char_run), "--prompt", "the", "--layer", "1")
+    assert looked_at(out.strip()).width > 1.5 * Image.open(out.strip()).height  # one row: layer 1's two heads
+    out = run_ok(capsys, "inspect", "lens", "--run", str(char_run), "--prompt", "the cat", "--top", "2")
+    lines = out.splitlines()
+    assert lines[0].split() == ["pos", "token", "emb", "h.0", "h.1"] and len(lines) == 2 + 7 + 1
+    assert lines[3].split()[1] == "h" and lines[5].split()[1] == "␣"
+    looked_at(lines[-1])
+    out = run_ok(capsys, "inspect", "model", "--run", str(char_run))
+    assert "h.0 … h.1: 2 blocks" in out and "total" in out
+
+
+def test_attention_pictures_hold_the_panels_asked_for():
+    tr = trace(tiny_gpt(), [1, 2, 3])
+    assert panels(tr, None, None) == ([0, 1], [0, 1])
+    assert panels(tr, 1, None) == ([1], [0, 1]) and panels(tr, None, 0) == ([0, 1], [0])
+    assert panels(tr, 1, 0) == ([1], [0])
+
+
+def test_inspect_model_of_a_preset(capsys):
+    out = run_ok(capsys, "inspect", "model", "--preset", "gpt2")
+    assert out.splitlines()[-1].split() == ["total", "124,439,808"]
+    assert "attention       28,348,416" in out
+
+
+def test_inspect_refusals_write_nothing(char_run, capsys):
+    before = sorted(p.name for p in char_run.iterdir())
+    run = ["--run", str(char_run), "--out", str(char_run / "refused")]
+    assert "context is 16" in run_bad(capsys, "inspect", "attention", *run, "--prompt", "e" * 17)
+    assert "context is 16" in run_bad(capsys, "inspect", "lens", *run, "--prompt", "e" * 17)
+    assert "--layer must be in [0, 1]" in run_bad(capsys, "inspect", "attention", *run, "--prompt", "at", "--layer",
+                                                 "2")
+    assert "--head must be in [0, 1]" in run_bad(capsys, "inspect", "attention", *run, "--prompt", "at", "--head",
+                                                "-1")
+    assert "does not occur" in run_bad(capsys, "inspect", "embeddings", *run, "--word", "cat", "--context",
+                                       "the cat", "--context", "a hat")
+    assert "at least two" in run_bad(capsys, "inspect", "embeddings", *run, "--word", "cat", "--context", "cat")
+    assert "not both" in run_bad(capsys, "inspect", "model", "--run", str(char_run), "--preset", "gpt2")
+    assert sorted(p.name for p in char_run.iterdir()) == before
+
+
+def test_the_apple_experiment(char_run, capsys):
+    loaded = load_run(char_run)
+    contexts = ["the cat sat", "a cat ran away", "cat"]
+    reps = word_representations(loaded.model, loaded.tokenizer, "cat", contexts)
+    assert reps.shape == (2 + 2, 3, 16)
+    assert torch.equal(reps[0, 0], reps[0, 1]) and torch.equal(reps[0, 0], reps[0, 2])  # static: one vector
+    sims = pairwise_cosine(reps)
+    assert not torch.allclose(reps[-1, 0], reps[-1, 1]) and sims[-1, 0, 1] < 1 - 1e-4  # contextual: they diverge
+    tr = trace(loaded.model, loaded.tokenizer.encode("a cat ran away"))
+    assert torch.equal(reps[-1, 1], tr.residual[-1][0, 4])  # read at the word's last token, the "t"
+    out = run_ok(capsys, "inspect", "embeddings", "--run", str(char_run), "--word", "cat",
+                 *[arg for c in contexts for arg in ("--context", c)])
+    lines = out.splitlines()
+    assert lines[0].split() == ["depth", "1", "vs", "2", "1", "vs", "3", "2", "vs", "3"]
+    assert lines[2].split() == ["static", "1.0000", "1.0000", "1.0000"]
+    assert [line.split()[0] for line in lines[3:-1]] == ["tok+pos", "h.0", "h.1"]
+    looked_at(lines[-1])
+    assert lines[-1].endswith("inspect/embeddings-cat.png")

@@ -142,3 +142,43 @@ def token_label(tokenizer: Tokenizer, token: int) -> str:
 
 def token_labels(tokenizer: Tokenizer, ids: Sequence[int]) -> list[str]:
     return [token_label(tokenizer, int(i)) for i in ids]
+
+
+def find_word(tokenizer: Tokenizer, ids: Sequence[int], text: str, word: str) -> int:
+    """The position of the last token of the first occurrence of `word` in `text` (encoded as ids): the first
+    position where the model has read the whole word. GptlabError when the word is not in the text."""
+    start = text.find(word)
+    if not word or start < 0:
+        raise GptlabError(f"the word {word!r} does not occur in the context {text!r}")
+    end = start + len(word)
+    for i in range(len(ids)):
+        if len(tokenizer.decode(ids[:i + 1])) >= end:
+            return i
+    raise AssertionError("the decoded context is shorter than the text")
+
+
+def word_representations(model: torch.nn.Module, tokenizer: Tokenizer, word: str,
+                         contexts: Sequence[str]) -> torch.Tensor:
+    """The "Apple" experiment's vectors: for each context, `word`'s representation at every depth, (L + 2, N, C).
+    Row 0 is the static token embedding wte[token] (no position: the same vector in every context), row 1 the
+    residual stream entering block 0 (token + position), row l + 1 the stream after block l. The word is read at
+    its last token (see find_word). Raises GptlabError for fewer than two contexts, a context without the word,
+    or one longer than the model's context."""
+    gpt = check_traceable(model)
+    if len(contexts) < 2:
+        raise GptlabError("give at least two contexts (--context TEXT --context TEXT ...) to compare the word in")
+    rows = []
+    for text in contexts:
+        ids = tokenizer.encode(text)
+        check_length(gpt, len(ids))
+        at = find_word(tokenizer, ids, text, word)
+        tr = trace(gpt, ids)
+        static = gpt.transformer.wte.weight[ids[at]].detach()
+        rows.append(torch.stack([static] + [x[0, at] for x in tr.residual]))  # (L + 2, C)
+    return torch.stack(rows, dim=1)  # (L + 2, N, C)
+
+
+def pairwise_cosine(reps: torch.Tensor) -> torch.Tensor:
+    """(depths, N, C) -> (depths, N, N) cosine similarities between the contexts at each depth."""
+    unit = F.normalize(reps.float(), dim=-1)
+    return unit @ unit.transpose(-2, -1)
