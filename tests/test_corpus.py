@@ -38,22 +38,22 @@ def write_jsonl(path: Path, records: list[dict], opener=open) -> Path:
     return path
 
 
-def expected_ids(texts: list[str], val_fraction: float, tok) -> tuple[list[int], list[int]]:
-    """Direct tokenization: each document encoded whole and closed by the end-of-text token; the one document
-    that holds the split point is encoded in two pieces at it."""
-    split_at = int(sum(map(len, texts)) * (1 - val_fraction))
-    train, val, position = [], [], 0
-    for text in texts:
-        end = position + len(text)
-        if end <= split_at:
-            train += tok.encode(text) + [tok.eot_id]
-        elif position >= split_at:
-            val += tok.encode(text) + [tok.eot_id]
-        else:
-            train += tok.encode(text[:split_at - position])
-            val += tok.encode(text[split_at - position:]) + [tok.eot_id]
-        position = end
-    return train, val
+def split_documents(ids: list[int], eot: int) -> list[list[int]]:
+    """Token ids cut after each end-of-text token (the last id must be one)."""
+    assert ids[-1] == eot
+    cuts = [i + 1 for i, t in enumerate(ids) if t == eot]
+    return [ids[a:b - 1] for a, b in zip([0] + cuts, cuts)]
+
+
+def held_out(ds, texts: list[str]) -> tuple[list[int], list[int]]:
+    """The indices of `texts` in the train and val splits of `ds`, each split checked to be exactly the direct
+    tokenization of its documents, each closed by the end-of-text token, in reading order."""
+    tok, sides = ds.tokenizer, []
+    for ids in (ds.train.tolist(), ds.val.tolist()):
+        docs = split_documents(ids, tok.eot_id)
+        sides.append([texts.index(tok.decode(d)) for d in docs])
+        assert docs == [tok.encode(texts[i]) for i in sides[-1]] and sides[-1] == sorted(sides[-1])
+    return sides[0], sides[1]
 
 
 def test_fineweb_shaped_shards_give_the_ids_of_direct_tokenization(tmp_path, monkeypatch):
@@ -71,11 +71,24 @@ def test_fineweb_shaped_shards_give_the_ids_of_direct_tokenization(tmp_path, mon
     pq.write_table(pa.Table.from_pylist(records[30:36] + blank + records[36:]), shards / "004.parquet",
                    row_group_size=4)
     meta = prepare([str(shards)], tmp_path / "data", "gpt2", quiet=True)
-    ds = load_dataset(tmp_path / "data")
-    train, val = expected_ids(TEXTS, 0.1, ds.tokenizer)
-    assert ds.train.tolist() == train and ds.val.tolist() == val
+    train, val = held_out(load_dataset(tmp_path / "data"), TEXTS)
+    assert sorted(train + val) == list(range(len(TEXTS))) and len(val) == int(len(TEXTS) * 0.1)
     assert meta["documents"] == len(TEXTS) and [s["documents"] for s in meta["sources"]] == [10, 10, 5, 5, 12]
-    assert meta["train_tokens"] + meta["val_tokens"] == len(train) + len(val)
+    assert (meta["split"], meta["val_documents"]) == ("documents", len(val))
+    assert meta["val_chars"] == sum(len(TEXTS[i]) for i in val)
+
+
+def test_validation_holds_out_whole_documents_chosen_by_the_seed(tmp_path):
+    path = write_jsonl(tmp_path / "docs.jsonl", fineweb_records())
+    chosen = {}
+    for name, seed, fraction in (("a", 0, 0.2), ("b", 0, 0.2), ("c", 1, 0.2), ("d", 0, 0.5)):
+        prepare([str(path)], tmp_path / name, "bpe", vocab_size=300, val_fraction=fraction, seed=seed, quiet=True)
+        chosen[name] = held_out(load_dataset(tmp_path / name), TEXTS)[1]
+    assert chosen["a"] == chosen["b"] and chosen["a"] != chosen["c"]
+    assert len(chosen["a"]) == int(len(TEXTS) * 0.2) and len(chosen["d"]) == len(TEXTS) // 2
+    few = write_jsonl(tmp_path / "few.jsonl", fineweb_records()[:5])  # fewer than 1 / val_fraction documents
+    meta = prepare([str(few)], tmp_path / "few", "char", quiet=True)
+    assert meta["split"] == "characters" and meta["train_chars"] == int(sum(map(len, TEXTS[:5])) * 0.9)
 
 
 def test_compressed_and_plain_forms_give_byte_identical_token_files(tmp_path, monkeypatch):
@@ -150,14 +163,20 @@ def test_include_and_exclude_globs(tmp_path):
         prepare([str(folder)], tmp_path / "none", quiet=True, include=["*.rst"])
 
 
-def test_every_document_ends_with_the_end_of_text_token(tmp_path):
-    write_jsonl(tmp_path / "docs.jsonl", [{"text": "one"}, {"text": ""}, {"text": "two"}, {"text": "three"}])
-    meta = prepare([str(tmp_path / "docs.jsonl")], tmp_path / "out", "gpt2", val_fraction=0.45, quiet=True)
+def test_every_document_ends_with_the_end_of_text_token_and_val_names_the_validation_corpus(tmp_path):
+    write_jsonl(tmp_path / "docs.jsonl", [{"text": "one"}, {"text": ""}, {"text": "two"}])
+    (tmp_path / "val").mkdir()
+    (tmp_path / "val" / "held.txt").write_text("three")
+    meta = prepare([str(tmp_path / "docs.jsonl")], tmp_path / "out", "gpt2", quiet=True,
+                   val_paths=[str(tmp_path / "val")])
     ds = load_dataset(tmp_path / "out")
     tok = ds.tokenizer
-    assert meta["documents"] == 3  # the empty record is left out
+    assert meta["documents"] == 3 and meta["split"] == "validation files"  # the empty record is left out
     assert ds.train.tolist() == tok.encode("one") + [tok.eot_id] + tok.encode("two") + [tok.eot_id]
     assert ds.val.tolist() == tok.encode("three") + [tok.eot_id]
+    (tmp_path / "val" / "held.txt").write_text("")
+    with pytest.raises(GptlabError, match=r"the validation corpus \(.*held.txt\) is empty"):
+        prepare([str(tmp_path / "docs.jsonl")], tmp_path / "out2", quiet=True, val_paths=[str(tmp_path / "val")])
 
 
 @pytest.fixture

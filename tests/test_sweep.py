@@ -86,6 +86,10 @@ CASES = [
     (["prepare", "{r}/run/metrics.jsonl", "--out", "{r}/o"], "metrics.jsonl line 1 has no text field 'text'"),
     (["prepare", "{r}/data/meta.json", "--out", "{r}/o"], "meta.json line 1 is not JSON"),
     (["prepare", "{r}/corpus.txt", "--out", "{r}/o", "--text-field"], "expected one argument"),
+    (["prepare", "{r}/corpus.txt", "--val", "{r}/empty.txt", "--out", "{r}/o"], "the validation corpus"),
+    (["prepare", "{r}/corpus.txt", "--val", "{r}/missing.txt", "--out", "{r}/o"], "missing.txt does not exist"),
+    (["prepare", "{r}/corpus.txt", "--val", "{r}/latin1.txt", "--out", "{r}/o"], "latin1.txt is not valid utf-8"),
+    (["prepare", "{r}/corpus.txt", "--seed", "x", "--out", "{r}/o"], "invalid int value: 'x'"),
     # train
     (["train", "--data", "{r}/nodata", "--run", "{r}/t"], "is not a prepared data folder"),
     (["train", "--data", "{r}/badmeta", "--run", "{r}/t"], "meta.json is damaged"),

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import itertools
 import json
 import os
 import shutil
@@ -26,7 +27,7 @@ import torch
 
 from gptlab.corpus import Source, collect_sources
 from gptlab.errors import GptlabError
-from gptlab.readers import Scan, documents, scan_sources
+from gptlab.readers import Scan, documents, scan_sources, val_documents
 from gptlab.tokenizer import Tokenizer, load as load_tokenizer, train_tokenizer
 
 MAGIC = b"GPTLABTK"
@@ -153,16 +154,18 @@ def _check_covers(tok: Tokenizer, chars: set[str], source: str) -> None:
 def prepare(paths: list[str], out_dir: str | Path, tokenizer: str = "char", vocab_size: int = 1024,
             val_fraction: float = 0.1, encoding: str = "utf-8", quiet: bool = False, allow_special: bool = False,
             tokenizer_from: str | Path | None = None, text_field: str = "text", include: list[str] | None = None,
-            exclude: list[str] | None = None, strict: bool = False) -> dict[str, Any]:
+            exclude: list[str] | None = None, strict: bool = False, val_paths: list[str] | None = None,
+            seed: int = 0) -> dict[str, Any]:
     """Tokenize files and folders (default: the bundled Tiny Shakespeare; see corpus.collect_sources and
     readers.documents for what is read) into `out_dir`/{train,val}.bin, tokenizer.json and meta.json, with a new
     tokenizer of kind `tokenizer` or the one of `tokenizer_from` (a run or data folder). Every document ends with
-    the end-of-text token where the tokenizer has one. The first (1 - val_fraction) of the characters, in file
-    order, become the training split. Files found in folders that cannot be read are skipped and listed in the
-    metadata (refused with `strict`). Everything is checked before anything is written; the files are written in
+    the end-of-text token where the tokenizer has one. The validation split is the documents of `val_paths` when
+    given, else whole documents chosen by `seed` (see readers.val_documents), else (fewer than 1 / val_fraction
+    documents) the last val_fraction of the characters. Files found in folders that cannot be read are skipped and
+    listed in the metadata (refused with `strict`). Everything is checked before anything is written; the files are written in
     a hidden folder and moved into place at the end (meta.json last), so a failure or Ctrl-C leaves the folder as
     it was. Returns the metadata; raises GptlabError on bad input or a full disk."""
-    if not 0 < val_fraction < 1:
+    if not val_paths and not 0 < val_fraction < 1:
         raise GptlabError(f"val_fraction must be in (0, 1): training needs a validation split, not {val_fraction}")
     out = Path(out_dir)
     if folder_kind(out) in ("run", "hf"):
@@ -171,15 +174,16 @@ def prepare(paths: list[str], out_dir: str | Path, tokenizer: str = "char", voca
     fixed = tokenizer_of(tokenizer_from) if tokenizer_from else None
     has_special = fixed.eot_id is not None if fixed else tokenizer != "char"
     pruned: list[str] = []
-    sources = collect_sources(paths, include, exclude, pruned)
-    with _progress(sources, "scan", quiet) as bar:
-        scan = scan_sources(sources, encoding, text_field, strict, bar.update, has_special and not allow_special)
-    if scan.total == 0:
-        n = len(scan.skipped)
-        skipped = f"; {n} unreadable file{'s were' if n > 1 else ' was'} skipped, e.g. {scan.skipped[0]['reason']}" \
-            if n else ""
-        shown = ", ".join(s.name for s in sources[:5]) + (" ..." if len(sources) > 5 else "")
-        raise GptlabError(f"the corpus ({shown}) is empty; give a file with text in it{skipped}")
+    groups = [collect_sources(paths, include, exclude, pruned)]
+    if val_paths:
+        groups.append(collect_sources(val_paths, include, exclude, pruned))
+    scans = []
+    for sources, what in zip(groups, ("corpus", "validation corpus")):
+        with _progress(sources, "scan", quiet) as bar:
+            scans.append(scan_sources(sources, encoding, text_field, strict, bar.update,
+                                      has_special and not allow_special))
+        _check_not_empty(scans[-1], sources, what)
+    scan = scans[0].joined(scans[1]) if val_paths else scans[0]
     if fixed:
         _check_covers(fixed, scan.chars, str(tokenizer_from))
 
@@ -190,12 +194,26 @@ def prepare(paths: list[str], out_dir: str | Path, tokenizer: str = "char", voca
 
     tok: Tokenizer = fixed or _interruptible(lambda: train_tokenizer(
         tokenizer, [scan.chars] if tokenizer == "char" else all_chunks(), vocab_size))
-    skipped = {"skipped_folders": len(pruned), "skipped_files": len(scan.skipped), "skipped": scan.skipped[:20]}
-    return _write_prepared(out, scan, tok, val_fraction, encoding, text_field, quiet, allow_special, skipped)
+    held = val_documents(scan, val_fraction, seed)
+    split = {"split": "characters" if held is None else "validation files" if val_paths else "documents",
+             "val_fraction": None if val_paths else val_fraction, "seed": seed,
+             "val_documents": None if held is None else int(held.sum()),
+             "skipped_folders": len(pruned), "skipped_files": len(scan.skipped), "skipped": scan.skipped[:20]}
+    return _write_prepared(out, scan, tok, held, val_fraction, encoding, text_field, quiet, allow_special, split)
 
 
-def _write_prepared(out: Path, scan: Scan, tok: Tokenizer, val_fraction: float, encoding: str, text_field: str,
-                    quiet: bool, allow_special: bool, skipped: dict[str, Any]) -> dict[str, Any]:
+def _check_not_empty(scan: Scan, sources: list[Source], what: str) -> None:
+    if scan.total == 0:
+        n = len(scan.skipped)
+        skipped = f"; {n} unreadable file{'s were' if n > 1 else ' was'} skipped, e.g. {scan.skipped[0]['reason']}" \
+            if n else ""
+        shown = ", ".join(s.name for s in sources[:5]) + (" ..." if len(sources) > 5 else "")
+        raise GptlabError(f"the {what} ({shown}) is empty; give a file with text in it{skipped}")
+
+
+def _write_prepared(out: Path, scan: Scan, tok: Tokenizer, held: np.ndarray | None, val_fraction: float,
+                    encoding: str, text_field: str, quiet: bool, allow_special: bool,
+                    split: dict[str, Any]) -> dict[str, Any]:
     """Second pass: encode into a hidden staging folder inside `out`, then move the files into place."""
     created = not out.exists()
     try:
@@ -207,13 +225,12 @@ def _write_prepared(out: Path, scan: Scan, tok: Tokenizer, val_fraction: float, 
     try:
         stage.mkdir()
         split_at = int(scan.total * (1 - val_fraction))
-        written = _encode_split(scan.sources, tok, stage, split_at, encoding, text_field, quiet, allow_special)
+        written = _encode_split(scan.sources, tok, stage, split_at, held, encoding, text_field, quiet, allow_special)
         tok.save(stage / "tokenizer.json")
         meta = {"format_version": VERSION, "tokenizer": tok.kind, "vocab_size": tok.vocab_size,
-                "dtype": "uint16" if tok.vocab_size <= 1 << 16 else "uint32", **written,
-                "train_chars": split_at, "val_chars": scan.total - split_at,
-                "val_fraction": val_fraction, "encoding": encoding, "text_field": text_field,
-                "documents": sum(d["documents"] for d in scan.described), "sources": scan.described, **skipped}
+                "dtype": "uint16" if tok.vocab_size <= 1 << 16 else "uint32", **written, **split,
+                "encoding": encoding, "text_field": text_field,
+                "documents": sum(d["documents"] for d in scan.described), "sources": scan.described}
         (stage / "meta.json").write_text(json.dumps(meta, indent=2))
         (out / "meta.json").unlink(missing_ok=True)  # a half-replaced folder is never taken for a prepared one
         for name in ("train.bin", "val.bin", "tokenizer.json", "meta.json"):
@@ -229,27 +246,33 @@ def _write_prepared(out: Path, scan: Scan, tok: Tokenizer, val_fraction: float, 
             shutil.rmtree(out, ignore_errors=True)
 
 
-def _encode_split(sources: list[Source], tok: Tokenizer, out: Path, split_at: int, encoding: str, text_field: str,
-                  quiet: bool, allow_special: bool = False) -> dict[str, Any]:
-    """Encode everything, sending characters before `split_at` to train.bin and the rest to val.bin. Every
-    document ends with the end-of-text token where the tokenizer has one (on the side its last character is)."""
+def _encode_split(sources: list[Source], tok: Tokenizer, out: Path, split_at: int, held: np.ndarray | None,
+                  encoding: str, text_field: str, quiet: bool, allow_special: bool = False) -> dict[str, Any]:
+    """Encode everything: the documents marked in `held` go to val.bin and the rest to train.bin, or without it,
+    characters before `split_at` go to train.bin and the rest to val.bin. Every document ends with the end-of-text
+    token where the tokenizer has one (on the side its last character is)."""
     writers = [TokenWriter(out / "train.bin", tok.vocab_size), TokenWriter(out / "val.bin", tok.vocab_size)]
-    position = 0
+    position, index, chars = 0, 0, [0, 0]
     try:
         with _progress(sources, "encode", quiet) as bar:
             for source in sources:
                 for doc in documents(source, encoding, text_field, lambda block: bar.update(len(block))):
-                    start = position
-                    for chunk in doc:
+                    pieces = iter(doc)
+                    first = next(pieces, None)
+                    if first is None:  # an empty file: no document
+                        continue
+                    side = None if held is None else int(held[index])
+                    index += 1
+                    for chunk in itertools.chain([first], pieces):
                         end = position + len(chunk)
-                        if position < split_at < end:
-                            writers[0].write(tok.encode(chunk[:split_at - position], allow_special))
-                            writers[1].write(tok.encode(chunk[split_at - position:], allow_special))
-                        else:
-                            writers[position >= split_at].write(tok.encode(chunk, allow_special))
+                        cut = min(max(split_at - position, 0), len(chunk)) if side is None else len(chunk) * (1 - side)
+                        for s, piece in ((0, chunk[:cut]), (1, chunk[cut:])):
+                            if piece:
+                                writers[s].write(tok.encode(piece, allow_special))
+                                chars[s] += len(piece)
                         position = end
-                    if position > start and tok.eot_id is not None:
-                        writers[position > split_at].write([tok.eot_id])
+                    if tok.eot_id is not None:
+                        writers[position > split_at if side is None else side].write([tok.eot_id])
     except BaseException:
         for w in writers:
             with contextlib.suppress(OSError):
@@ -257,8 +280,8 @@ def _encode_split(sources: list[Source], tok: Tokenizer, out: Path, split_at: in
         raise
     for w in writers:
         w.close()
-    return {"train_tokens": writers[0].count, "val_tokens": writers[1].count,
-            "train_sha256": writers[0].sha.hexdigest(), "val_sha256": writers[1].sha.hexdigest()}
+    return {"train_tokens": writers[0].count, "val_tokens": writers[1].count, "train_chars": chars[0],
+            "val_chars": chars[1], "train_sha256": writers[0].sha.hexdigest(), "val_sha256": writers[1].sha.hexdigest()}
 
 
 @dataclass

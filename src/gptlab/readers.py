@@ -11,6 +11,8 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from gptlab.corpus import Source, UnreadableSource, read_chunks
 from gptlab.errors import GptlabError
 from gptlab.tokenizer import EOT
@@ -97,13 +99,36 @@ def _parquet(source: Source, text_field: str, on_bytes: Callable[[bytes], None] 
 
 @dataclass
 class Scan:
-    """What the first pass found: the readable sources, their characters and descriptions, the skipped files."""
+    """What the first pass found: the readable sources, their characters and descriptions, the skipped files, and
+    where the sources named as the validation corpus begin (None when there are none)."""
 
     sources: list[Source]
     total: int
     described: list[dict[str, Any]]
     chars: set[str]
     skipped: list[dict[str, str]]
+    val_from: int | None = None
+
+    def joined(self, val: Scan) -> Scan:
+        """This scan followed by the scan of the validation corpus."""
+        return Scan(self.sources + val.sources, self.total + val.total, self.described + val.described,
+                    self.chars | val.chars, self.skipped + val.skipped, len(self.sources))
+
+
+def val_documents(scan: Scan, val_fraction: float, seed: int) -> np.ndarray | None:
+    """Which documents, in reading order, form the validation split: those of the validation corpus when one was
+    named; else int(n * val_fraction) whole documents chosen at random by `seed`; None when that is none at all
+    (a corpus of fewer than 1 / val_fraction documents, one book say), which is then split by characters."""
+    counts = [d["documents"] for d in scan.described]
+    held = np.zeros(sum(counts), dtype=bool)
+    if scan.val_from is not None:
+        held[sum(counts[:scan.val_from]):] = True
+        return held
+    k = int(len(held) * val_fraction)
+    if k == 0:
+        return None
+    held[np.random.default_rng(seed).choice(len(held), k, replace=False)] = True
+    return held
 
 
 def scan_sources(sources: list[Source], encoding: str, text_field: str, strict: bool,
