@@ -216,3 +216,20 @@ def test_char_vocabulary_comes_from_readable_files_only(tmp_path):
     expected = train_tokenizer("char", [TEXTS[0] + TEXTS[1] + "print('hello')\n"])
     assert ds.tokenizer.to_dict() == expected.to_dict()
     assert np.array_equal(np.concatenate([ds.train, ds.val]), expected.encode(TEXTS[0] + TEXTS[1] + "print('hello')\n"))
+
+
+def test_workers_give_byte_identical_token_files(tmp_path, monkeypatch):
+    from gptlab import encoder
+
+    monkeypatch.setattr(encoder, "UNIT_CHARS", 500)  # many units, so that two processes share the work
+    shards = tmp_path / "shards"
+    shards.mkdir()
+    write_jsonl(shards / "a.jsonl", fineweb_records() * 3)
+    (shards / "b.txt").write_text("".join(TEXTS) * 5)  # one long document, cut into pieces by the reader
+    monkeypatch.setattr(corpus, "CHUNK_BYTES", 300)
+    made = {n: prepare([str(shards)], tmp_path / f"w{n}", "gpt2", quiet=True, workers=n) for n in (1, 2)}
+    for name in ("train.bin", "val.bin", "meta.json"):
+        assert (tmp_path / "w1" / name).read_bytes() == (tmp_path / "w2" / name).read_bytes()
+    assert made[1]["train_tokens"] > 5000
+    with pytest.raises(GptlabError, match="--workers must be at least 1, not 0"):
+        prepare([str(shards)], tmp_path / "w0", quiet=True, workers=0)

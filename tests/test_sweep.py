@@ -90,6 +90,7 @@ CASES = [
     (["prepare", "{r}/corpus.txt", "--val", "{r}/missing.txt", "--out", "{r}/o"], "missing.txt does not exist"),
     (["prepare", "{r}/corpus.txt", "--val", "{r}/latin1.txt", "--out", "{r}/o"], "latin1.txt is not valid utf-8"),
     (["prepare", "{r}/corpus.txt", "--seed", "x", "--out", "{r}/o"], "invalid int value: 'x'"),
+    (["prepare", "{r}/corpus.txt", "--workers", "0", "--out", "{r}/o"], "--workers must be at least 1, not 0"),
     # train
     (["train", "--data", "{r}/nodata", "--run", "{r}/t"], "is not a prepared data folder"),
     (["train", "--data", "{r}/badmeta", "--run", "{r}/t"], "meta.json is damaged"),

@@ -83,9 +83,11 @@ def cmd_prepare(args: argparse.Namespace) -> int:
 
     out = Path(args.out) if args.out else default_data_dir(args.tokenizer)
     meta = prepare(args.paths, out, args.tokenizer, args.vocab_size, args.val_fraction, args.encoding, args.quiet,
-                   args.allow_special, args.tokenizer_from, args.text_field, args.include, args.exclude, args.strict)
+                   args.allow_special, args.tokenizer_from, args.text_field, args.include, args.exclude, args.strict,
+                   args.val, args.seed, args.workers)
+    held = "split by characters" if meta["split"] == "characters" else f"{meta['val_documents']:,} held out"
     print(f"prepared {out}: {meta['train_tokens']:,} train + {meta['val_tokens']:,} val tokens from "
-          f"{meta['documents']:,} documents, {meta['tokenizer']} tokenizer with {meta['vocab_size']:,} ids "
+          f"{meta['documents']:,} documents ({held}), {meta['tokenizer']} tokenizer with {meta['vocab_size']:,} ids "
           f"({meta['dtype']})")
     folders, files = meta["skipped_folders"], meta["skipped_files"]
     if folders:
@@ -119,9 +121,15 @@ def add_prepare(p: argparse.ArgumentParser) -> None:
                    help=f"read {EOT} in the text as the end-of-text token (default: refuse such text)")
     p.add_argument("--vocab-size", type=int, default=1024, help="vocabulary size for --tokenizer bpe (default 1024)")
     p.add_argument("--out", help="output folder (default: data/tinyshakespeare-TOKENIZER)")
-    p.add_argument("--val-fraction", type=float, default=0.1, help="share of the text held out for validation, "
-                   "in (0, 1) (default 0.1)")
+    p.add_argument("--val-fraction", type=float, default=0.1, help="share of the documents held out for "
+                   "validation, whole documents chosen at random by --seed, in (0, 1); a corpus of fewer than "
+                   "1 / val-fraction documents (one book) is split by characters, its last val-fraction (default 0.1)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the choice of validation documents (default 0)")
+    p.add_argument("--val", action="append", metavar="PATH", help="the validation corpus: files or folders read "
+                   "like the inputs (instead of --val-fraction); may be repeated")
     p.add_argument("--encoding", default="utf-8", help="text encoding of the inputs (default utf-8)")
+    p.add_argument("--workers", type=int, metavar="N", help="processes that encode, with the same token files as "
+                   "one (default: the cores available)")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
 
 

@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from gptlab.corpus import Source, collect_sources
+from gptlab.encoder import Piece, cores, encode_units, units
 from gptlab.errors import GptlabError
 from gptlab.readers import Scan, documents, scan_sources, val_documents
 from gptlab.tokenizer import Tokenizer, load as load_tokenizer, train_tokenizer
@@ -63,8 +64,8 @@ class TokenWriter:
         self.file = open(path, "wb")
         self.file.write(HEADER.pack(MAGIC, VERSION, self.dtype.itemsize, 0))
 
-    def write(self, ids: list[int]) -> None:
-        if not ids:
+    def write(self, ids: list[int] | np.ndarray) -> None:
+        if len(ids) == 0:
             return
         array = np.asarray(ids, dtype=np.int64)
         if array.min() < 0 or array.max() >= self.vocab_size:  # a tokenizer bug, never the user's input
@@ -155,16 +156,20 @@ def prepare(paths: list[str], out_dir: str | Path, tokenizer: str = "char", voca
             val_fraction: float = 0.1, encoding: str = "utf-8", quiet: bool = False, allow_special: bool = False,
             tokenizer_from: str | Path | None = None, text_field: str = "text", include: list[str] | None = None,
             exclude: list[str] | None = None, strict: bool = False, val_paths: list[str] | None = None,
-            seed: int = 0) -> dict[str, Any]:
+            seed: int = 0, workers: int | None = None) -> dict[str, Any]:
     """Tokenize files and folders (default: the bundled Tiny Shakespeare; see corpus.collect_sources and
     readers.documents for what is read) into `out_dir`/{train,val}.bin, tokenizer.json and meta.json, with a new
     tokenizer of kind `tokenizer` or the one of `tokenizer_from` (a run or data folder). Every document ends with
     the end-of-text token where the tokenizer has one. The validation split is the documents of `val_paths` when
     given, else whole documents chosen by `seed` (see readers.val_documents), else (fewer than 1 / val_fraction
     documents) the last val_fraction of the characters. Files found in folders that cannot be read are skipped and
-    listed in the metadata (refused with `strict`). Everything is checked before anything is written; the files are written in
+    listed in the metadata (refused with `strict`). `workers` processes encode (default: the cores available),
+    with the same output as one. Everything is checked before anything is written; the files are written in
     a hidden folder and moved into place at the end (meta.json last), so a failure or Ctrl-C leaves the folder as
     it was. Returns the metadata; raises GptlabError on bad input or a full disk."""
+    workers = cores() if workers is None else workers
+    if workers < 1:
+        raise GptlabError(f"--workers must be at least 1, not {workers}")
     if not val_paths and not 0 < val_fraction < 1:
         raise GptlabError(f"val_fraction must be in (0, 1): training needs a validation split, not {val_fraction}")
     out = Path(out_dir)
@@ -199,7 +204,9 @@ def prepare(paths: list[str], out_dir: str | Path, tokenizer: str = "char", voca
              "val_fraction": None if val_paths else val_fraction, "seed": seed,
              "val_documents": None if held is None else int(held.sum()),
              "skipped_folders": len(pruned), "skipped_files": len(scan.skipped), "skipped": scan.skipped[:20]}
-    return _write_prepared(out, scan, tok, held, val_fraction, encoding, text_field, quiet, allow_special, split)
+    encode = {"held": held, "encoding": encoding, "text_field": text_field, "quiet": quiet,
+              "allow_special": allow_special, "workers": workers}
+    return _write_prepared(out, scan, tok, val_fraction, split, encode)
 
 
 def _check_not_empty(scan: Scan, sources: list[Source], what: str) -> None:
@@ -211,9 +218,8 @@ def _check_not_empty(scan: Scan, sources: list[Source], what: str) -> None:
         raise GptlabError(f"the {what} ({shown}) is empty; give a file with text in it{skipped}")
 
 
-def _write_prepared(out: Path, scan: Scan, tok: Tokenizer, held: np.ndarray | None, val_fraction: float,
-                    encoding: str, text_field: str, quiet: bool, allow_special: bool,
-                    split: dict[str, Any]) -> dict[str, Any]:
+def _write_prepared(out: Path, scan: Scan, tok: Tokenizer, val_fraction: float, split: dict[str, Any],
+                    encode: dict[str, Any]) -> dict[str, Any]:
     """Second pass: encode into a hidden staging folder inside `out`, then move the files into place."""
     created = not out.exists()
     try:
@@ -225,11 +231,11 @@ def _write_prepared(out: Path, scan: Scan, tok: Tokenizer, held: np.ndarray | No
     try:
         stage.mkdir()
         split_at = int(scan.total * (1 - val_fraction))
-        written = _encode_split(scan.sources, tok, stage, split_at, held, encoding, text_field, quiet, allow_special)
+        written = _encode_split(scan.sources, tok, stage, split_at, **encode)
         tok.save(stage / "tokenizer.json")
         meta = {"format_version": VERSION, "tokenizer": tok.kind, "vocab_size": tok.vocab_size,
                 "dtype": "uint16" if tok.vocab_size <= 1 << 16 else "uint32", **written, **split,
-                "encoding": encoding, "text_field": text_field,
+                "encoding": encode["encoding"], "text_field": encode["text_field"],
                 "documents": sum(d["documents"] for d in scan.described), "sources": scan.described}
         (stage / "meta.json").write_text(json.dumps(meta, indent=2))
         (out / "meta.json").unlink(missing_ok=True)  # a half-replaced folder is never taken for a prepared one
@@ -246,33 +252,43 @@ def _write_prepared(out: Path, scan: Scan, tok: Tokenizer, held: np.ndarray | No
             shutil.rmtree(out, ignore_errors=True)
 
 
+def _pieces(sources: list[Source], split_at: int, held: np.ndarray | None, encoding: str, text_field: str,
+            bar: Any, chars: list[int]) -> Iterator[Piece]:
+    """Every document's text in pieces, each marked with its side: the documents marked in `held` go to val and
+    the rest to train, or without it, characters before `split_at` go to train and the rest to val. Every document
+    ends with the end-of-text token (on the side its last character is). Counts the characters of each side."""
+    position, index = 0, 0
+    for source in sources:
+        for doc in documents(source, encoding, text_field, lambda block: bar.update(len(block))):
+            pieces = iter(doc)
+            first = next(pieces, None)
+            if first is None:  # an empty file: no document
+                continue
+            side = None if held is None else int(held[index])
+            index += 1
+            for chunk in itertools.chain([first], pieces):
+                cut = min(max(split_at - position, 0), len(chunk)) if side is None else len(chunk) * (1 - side)
+                for s, piece in ((0, chunk[:cut]), (1, chunk[cut:])):
+                    if piece:
+                        chars[s] += len(piece)
+                        yield s, piece, False
+                position += len(chunk)
+            yield int(position > split_at) if side is None else side, "", True
+
+
 def _encode_split(sources: list[Source], tok: Tokenizer, out: Path, split_at: int, held: np.ndarray | None,
-                  encoding: str, text_field: str, quiet: bool, allow_special: bool = False) -> dict[str, Any]:
-    """Encode everything: the documents marked in `held` go to val.bin and the rest to train.bin, or without it,
-    characters before `split_at` go to train.bin and the rest to val.bin. Every document ends with the end-of-text
-    token where the tokenizer has one (on the side its last character is)."""
+                  encoding: str, text_field: str, quiet: bool, allow_special: bool, workers: int) -> dict[str, Any]:
+    """Encode everything into train.bin and val.bin (see `_pieces`) in `workers` processes."""
     writers = [TokenWriter(out / "train.bin", tok.vocab_size), TokenWriter(out / "val.bin", tok.vocab_size)]
-    position, index, chars = 0, 0, [0, 0]
+    chars = [0, 0]
     try:
         with _progress(sources, "encode", quiet) as bar:
-            for source in sources:
-                for doc in documents(source, encoding, text_field, lambda block: bar.update(len(block))):
-                    pieces = iter(doc)
-                    first = next(pieces, None)
-                    if first is None:  # an empty file: no document
-                        continue
-                    side = None if held is None else int(held[index])
-                    index += 1
-                    for chunk in itertools.chain([first], pieces):
-                        end = position + len(chunk)
-                        cut = min(max(split_at - position, 0), len(chunk)) if side is None else len(chunk) * (1 - side)
-                        for s, piece in ((0, chunk[:cut]), (1, chunk[cut:])):
-                            if piece:
-                                writers[s].write(tok.encode(piece, allow_special))
-                                chars[s] += len(piece)
-                        position = end
-                    if tok.eot_id is not None:
-                        writers[position > split_at if side is None else side].write([tok.eot_id])
+            stream = units(_pieces(sources, split_at, held, encoding, text_field, bar, chars))
+            for ids in encode_units(tok, stream, workers, allow_special):
+                for writer, part in zip(writers, ids):
+                    writer.write(part)
+                tokens = writers[0].count + writers[1].count
+                bar.set_postfix_str(f"{tokens / max(bar.format_dict['elapsed'], 1e-9):,.0f} tokens/s", refresh=False)
     except BaseException:
         for w in writers:
             with contextlib.suppress(OSError):
