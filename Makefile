@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 TORCH := torch==2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: run test setup bigram clean
+.PHONY: run test setup browser bigram clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -21,8 +21,15 @@ run: $(STAMP)
 	$(BIN)/gptlab train
 	$(BIN)/gptlab sample --max-new-tokens 500
 
-test: $(STAMP)
+test: $(STAMP) browser
 	$(BIN)/python -m pytest
+
+# The attention page's test drives Debian's chromium with Playwright (pip's Playwright cannot fetch its own browser
+# here). Installed when missing and we are root with apt-get; otherwise that test skips and the summary says so.
+browser:
+	@command -v chromium >/dev/null 2>&1 || { test "$$(id -u)" = 0 && command -v apt-get >/dev/null && \
+	  apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium; } || \
+	  echo "make: chromium is not installed (it needs apt-get as root): the browser test will skip and say so"
 
 bigram: $(STAMP)
 	$(BIN)/gptlab train --preset bigram

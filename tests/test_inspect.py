@@ -2,6 +2,8 @@
 imported into gptlab, the invariants of attention and the logit lens, tracing the engine's output, and a training
 step that tracing leaves alone."""
 
+from pathlib import Path
+
 import pytest
 import torch
 from conftest import CORPUS
@@ -193,7 +195,10 @@ def test_inspect_attention_lens_and_model(char_run, capsys):
                  "0", "--out", str(char_run / "pics"))
     looked_at(out.strip())
     assert out.strip().endswith("pics/attention-layer1-head0.png")
-    out = run_ok(capsys, "inspect", "attention", "--run", str(char_run), "--prompt", "the", "--layer", "1")
+    out = run_ok(capsys, "inspect", "attention", "--run", str(char_run), "--prompt", "the", "--layer", "1", "--html")
+    png, page = out.split()
+    assert page == str(char_run / "inspect" / "attention.html") and "const DATA" in Path(page).read_text()
+    out = png
     assert looked_at(out.strip()).width > 1.5 * Image.open(out.strip()).height  # one row: layer 1's two heads
     out = run_ok(capsys, "inspect", "lens", "--run", str(char_run), "--prompt", "the cat", "--top", "2")
     lines = out.splitlines()

@@ -434,10 +434,13 @@ def add_inspect_attention(p: argparse.ArgumentParser) -> None:
     add_inspect_run(p)
     p.add_argument("--layer", type=int, help="only this layer (from 0)")
     p.add_argument("--head", type=int, help="only this head (from 0); with --layer: one map at full size")
+    p.add_argument("--html", action="store_true", help="also write attention.html: an interactive page (one "
+                   "self-contained file) where clicking a token shows where each head looks from it")
 
 
 @inspector("attention", "attention maps of a prompt: a layer x head grid (or one map) as a PNG", add_inspect_attention)
 def inspect_attention(args: argparse.Namespace) -> int:
+    from gptlab.inspect.page import attention_html, check_page_size
     from gptlab.inspect.pictures import attention_png
     from gptlab.inspect.trace import token_labels
 
@@ -446,8 +449,13 @@ def inspect_attention(args: argparse.Namespace) -> int:
         if value is not None and not 0 <= value < limit:
             raise GptlabError(f"--{name} must be in [0, {limit - 1}] for this model, not {value}")
     announce(loaded)
+    if args.html:
+        check_page_size(tr)
+    labels = token_labels(loaded.tokenizer, ids)
     stem = "attention" + "".join(f"-{n}{v}" for n, v in (("layer", args.layer), ("head", args.head)) if v is not None)
-    print(attention_png(tr, token_labels(loaded.tokenizer, ids), out / f"{stem}.png", args.layer, args.head))
+    print(attention_png(tr, labels, out / f"{stem}.png", args.layer, args.head))
+    if args.html:
+        print(attention_html(tr, labels, out / "attention.html", loaded.tokenizer.decode(ids)))
     return 0
 
 
