@@ -134,15 +134,18 @@ def embeddings_png(reps: torch.Tensor, word: str, contexts: Sequence[str], out: 
     names = depth_names(D - 2)
     fig = plt.figure(figsize=(max(9.0, 2.0 * D), 7.5))
     grid = fig.add_gridspec(2, D, height_ratios=[1.4, 1])
-    ax = fig.add_subplot(grid[0, :])
-    for i in range(N):
-        for j in range(i + 1, N):
-            ax.plot(range(D), sims[:, i, j].numpy(), marker="o", label=f"context {i + 1} vs {j + 1}")
-    ax.set_xticks(range(D), names)
-    ax.set_ylabel("cosine similarity")
-    ax.set_title(f"{word!r} in {N} contexts: the same static vector, then contextual ones", fontsize=10)
-    ax.legend(fontsize=7, loc="lower left")
-    ax.grid(alpha=0.3)
+    half = max(1, D // 2)
+    whole, zoom = fig.add_subplot(grid[0, :half]), fig.add_subplot(grid[0, half:])
+    for ax, first in ((whole, 0), (zoom, 2)):  # every depth; the blocks alone, on their own scale
+        for i in range(N):
+            for j in range(i + 1, N):
+                ax.plot(range(first, D), sims[first:, i, j].numpy(), marker="o", label=f"context {i + 1} vs {j + 1}")
+        ax.set_xticks(range(first, D), names[first:], fontsize=8)
+        ax.grid(alpha=0.3)
+    whole.set_ylabel("cosine similarity")
+    whole.set_title(f"{word!r} in {N} contexts: one static vector, then contextual ones", fontsize=10)
+    zoom.set_title("after each block, zoomed in", fontsize=10)
+    zoom.legend(fontsize=7, loc="lower left")
     colours = plt.get_cmap("tab10")
     for d in range(D):
         sub = fig.add_subplot(grid[1, d])
