@@ -13,6 +13,7 @@ from test_hf import SHAPES, VOCAB, hf_folder
 from transformers import GPT2LMHeadModel
 
 from gptlab.config import PRESETS, ModelConfig, SampleConfig
+from gptlab.engine import generate
 from gptlab.errors import GptlabError
 from gptlab.hf import load_hf_model
 from gptlab.checkpoint import load_run
@@ -113,7 +114,7 @@ def test_refusals_are_one_clear_line():
     model = tiny_gpt()
     with pytest.raises(GptlabError, match="context is 16"):
         trace(model, list(range(17)))
-    with pytest.raises(GptlabError, match="context is 16"):
+    with pytest.raises(GptlabError, match="prompt plus 7 new tokens is 17 tokens but the model's context is 16"):
         trace_generation(model, [1] * 10, SampleConfig(max_new_tokens=7, temperature=0))
     with pytest.raises(GptlabError, match="empty"):
         trace(model, [])
@@ -179,6 +180,11 @@ def char_run(tmp_path_factory):
     return root / "run"
 
 
+def greedy(model, prompt, n):
+    """The prompt and its greedy continuation by n tokens, from the engine."""
+    return prompt + [ids[0] for ids in generate(model, prompt, SampleConfig(max_new_tokens=n, temperature=0))]
+
+
 def looked_at(path):
     """A PNG that is a picture: it opens, has some size and more than one colour."""
     image = Image.open(path).convert("RGB")
@@ -205,6 +211,12 @@ def test_inspect_attention_lens_and_model(char_run, capsys):
     assert lines[0].split() == ["pos", "token", "emb", "h.0", "h.1"] and len(lines) == 2 + 7 + 1
     assert lines[3].split()[1] == "h" and lines[5].split()[1] == "␣"
     looked_at(lines[-1])
+    out = run_ok(capsys, "inspect", "lens", "--run", str(char_run), "--prompt", "the", "--generate", "5")
+    lines = out.splitlines()
+    assert len(lines) == 2 + 3 + 5 + 1 and [line.split()[1] for line in lines[2:5]] == ["t", "h", "e"]
+    loaded = load_run(char_run)
+    continued = loaded.tokenizer.decode(greedy(loaded.model, loaded.tokenizer.encode("the"), 5))
+    assert "".join(line.split()[1] for line in lines[2:-1]).replace("␣", " ").replace("↵", "\n") == continued
     out = run_ok(capsys, "inspect", "model", "--run", str(char_run))
     assert "h.0 … h.1: 2 blocks" in out and "total" in out
 
@@ -227,6 +239,8 @@ def test_inspect_refusals_write_nothing(char_run, capsys):
     run = ["--run", str(char_run), "--out", str(char_run / "refused")]
     assert "context is 16" in run_bad(capsys, "inspect", "attention", *run, "--prompt", "e" * 17)
     assert "context is 16" in run_bad(capsys, "inspect", "lens", *run, "--prompt", "e" * 17)
+    assert "plus 10 new tokens is 17" in run_bad(capsys, "inspect", "lens", *run, "--prompt", "e" * 7, "--generate",
+                                                 "10")
     assert "--layer must be in [0, 1]" in run_bad(capsys, "inspect", "attention", *run, "--prompt", "at", "--layer",
                                                  "2")
     assert "--head must be in [0, 1]" in run_bad(capsys, "inspect", "attention", *run, "--prompt", "at", "--head",

@@ -408,6 +408,9 @@ def add_inspect_run(p: argparse.ArgumentParser, prompt: bool = True) -> None:
         p.add_argument("--prompt", required=True, metavar="TEXT",
                        help="the text to look at (\\n, \\t, \\r and \\\\ are read as escapes); at most the "
                             "model's context")
+        p.add_argument("--generate", type=int, default=0, metavar="N",
+                       help="first continue the prompt by N tokens (greedy, with the KV-cached engine) and look at "
+                            "prompt + continuation (default 0)")
 
 
 def inspect_load(args: argparse.Namespace):
@@ -423,11 +426,15 @@ def inspect_load(args: argparse.Namespace):
 
 def inspect_trace(args: argparse.Namespace):
     """(loaded run, output folder, prompt ids, trace): refused before anything is written or announced."""
-    from gptlab.inspect.trace import trace
+    from gptlab.inspect.trace import trace, trace_generation
 
+    at_least(args, generate=0)
     loaded, out = inspect_load(args)
     ids = loaded.tokenizer.encode(unescape(args.prompt))
-    return loaded, out, ids, trace(loaded.model, ids)
+    if not args.generate:
+        return loaded, out, ids, trace(loaded.model, ids)
+    traced = trace_generation(loaded.model, ids, SampleConfig(max_new_tokens=args.generate, temperature=0))
+    return loaded, out, traced.ids[0].tolist(), traced
 
 
 def add_inspect_attention(p: argparse.ArgumentParser) -> None:

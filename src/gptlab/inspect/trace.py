@@ -54,13 +54,12 @@ def check_traceable(model: torch.nn.Module) -> GPT:
     return model
 
 
-def check_length(model: GPT, n_tokens: int) -> None:
+def check_length(model: GPT, n_tokens: int, what: str = "the prompt", fix: str = "give a shorter prompt") -> None:
     """GptlabError when n_tokens does not fit the model's context (a trace is never truncated silently)."""
     if n_tokens == 0:
         raise GptlabError("the prompt is empty: give some text to look at")
     if n_tokens > model.config.block_size:
-        raise GptlabError(f"the prompt is {n_tokens} tokens but the model's context is {model.config.block_size}; "
-                          "give a shorter prompt")
+        raise GptlabError(f"{what} is {n_tokens} tokens but the model's context is {model.config.block_size}; {fix}")
 
 
 def _attention(block: torch.nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -124,7 +123,8 @@ def trace_generation(model: torch.nn.Module, prompt: Sequence[int], cfg: SampleC
     """Generate from `prompt` with the KV-cached engine, then trace prompt + generated ids (one row). The total must
     fit the context: GptlabError otherwise, before anything is generated."""
     gpt = check_traceable(model)
-    check_length(gpt, len(prompt) + cfg.max_new_tokens)
+    check_length(gpt, len(prompt) + cfg.max_new_tokens, f"the prompt plus {cfg.max_new_tokens} new tokens",
+                 "give a shorter prompt or generate fewer tokens")
     new = [row[0] for row in generate(gpt, list(prompt), cfg)]
     return trace(gpt, list(prompt) + new)
 
