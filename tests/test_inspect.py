@@ -1,6 +1,7 @@
 """Looking inside: the trace against transformers' output_attentions / output_hidden_states on small random GPT-2s
-imported into gptlab, the invariants of attention and the logit lens, tracing the engine's output, and a training
-step that tracing leaves alone."""
+imported into gptlab, the invariants of attention and the logit lens, tracing the engine's output, a training
+step that tracing leaves alone, the anatomy's counts, and the `gptlab inspect` commands with their pictures and
+refusals (the interactive page: test_inspect_page.py)."""
 
 from pathlib import Path
 
@@ -12,17 +13,24 @@ from test_cli import TINY, run_bad, run_ok
 from test_hf import SHAPES, VOCAB, hf_folder
 from transformers import GPT2LMHeadModel
 
+from gptlab.checkpoint import load_run
+from gptlab.cli import main
 from gptlab.config import PRESETS, ModelConfig, SampleConfig
 from gptlab.engine import generate
 from gptlab.errors import GptlabError
 from gptlab.hf import load_hf_model
-from gptlab.checkpoint import load_run
-from gptlab.cli import main
 from gptlab.inspect.anatomy import describe, model_for, totals
 from gptlab.inspect.pictures import panels
-from gptlab.inspect.trace import logit_lens, pairwise_cosine, token_labels, trace, trace_generation, word_representations
+from gptlab.inspect.trace import (
+    logit_lens,
+    pairwise_cosine,
+    token_labels,
+    trace,
+    trace_generation,
+    word_representations,
+)
 from gptlab.model import GPT, Bigram
-from gptlab.tokenizer import CharTokenizer, GPT2Tokenizer
+from gptlab.tokenizer import BPETokenizer, CharTokenizer, GPT2Tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +47,7 @@ def hf_pairs(tmp_path_factory):
 
 def tiny_gpt(seed=0, **kw):
     torch.manual_seed(seed)
-    cfg = dict(vocab_size=50, block_size=16, n_layer=2, n_head=2, n_embd=32, dropout=0.0)
+    cfg = {"vocab_size": 50, "block_size": 16, "n_layer": 2, "n_head": 2, "n_embd": 32, "dropout": 0.0}
     return GPT(ModelConfig(**{**cfg, **kw})).eval()
 
 
@@ -149,6 +157,11 @@ def test_token_labels_show_whitespace_and_bpe_pieces():
     gpt2 = GPT2Tokenizer()
     assert token_labels(gpt2, gpt2.encode("Hello world\n")) == ["Hello", "␣world", "↵"]
     assert token_labels(gpt2, gpt2.encode("😀")[:1])[0].startswith("\\x")
+    bpe = BPETokenizer.train([CORPUS], 300)
+    text = "First Citizen:\nBefore we proceed"
+    labels = token_labels(bpe, bpe.encode(text))
+    assert "".join(labels) == text.replace(" ", "␣").replace("\n", "↵") and len(labels) <= len(text) / 2
+    assert "␣Citizen" in labels
 
 
 # ---- anatomy -----------------------------------------------------------------------------------------------------
@@ -165,6 +178,8 @@ def test_anatomy_counts_what_the_model_holds():
     assert text.splitlines()[-1].split() == ["total", f"{model.num_params():,}"]
     assert "heads × d_k = 2 × 16" in text and "γ of C = 32" in text
     assert totals(model)["total"] == sum(p.numel() for p in model.parameters())
+    bigram = Bigram(ModelConfig(vocab_size=10, arch="bigram"))
+    assert totals(bigram)["total"] == 100 and "V×V = 10×10" in describe(bigram)
 
 
 # ---- the commands ------------------------------------------------------------------------------------------------

@@ -7,8 +7,8 @@ from __future__ import annotations
 import html
 import json
 import re
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 from gptlab.errors import GptlabError
 from gptlab.inspect.trace import Trace
@@ -17,7 +17,8 @@ MAX_NUMBERS = 8_000_000  # probabilities a page may hold (~50 MB of JSON); beyon
 
 _PAGE = """<!DOCTYPE html>
 <html lang="en"><head><meta charset="utf-8">
-<meta http-equiv="Content-Security-Policy" content="default-src 'none'; script-src 'unsafe-inline'; style-src 'unsafe-inline'; img-src data:">
+<meta http-equiv="Content-Security-Policy"
+ content="default-src 'none'; script-src 'unsafe-inline'; style-src 'unsafe-inline'; img-src data:">
 <title>attention: __TITLE__</title>
 <style>
 body { font-family: sans-serif; margin: 1.5em; color: #222; }
@@ -119,7 +120,7 @@ def attention_html(tr: Trace, labels: Sequence[str], out: str | Path, title: str
     """Write the interactive page for the first row of the trace to `out`; returns the path. Raises GptlabError
     when the probabilities are too many for a page (a shorter prompt fits)."""
     check_page_size(tr)
-    L, H, T = tr.n_layer, tr.attention[0].size(1), tr.ids.size(1)
+    H, T = tr.attention[0].size(1), tr.ids.size(1)
     attention = [[[[round(v, 4) for v in probs[0, h, i, :i + 1].tolist()] for i in range(T)] for h in range(H)]
                  for probs in tr.attention]
     data = json.dumps({"tokens": list(labels), "attention": attention}, ensure_ascii=False, separators=(",", ":"))

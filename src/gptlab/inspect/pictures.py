@@ -4,8 +4,8 @@ matplotlib is imported inside each function, with the Agg backend: nothing here 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 import torch
 

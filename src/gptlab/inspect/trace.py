@@ -9,8 +9,8 @@ inference). Letters as in model.py: B batch, T positions, C channels, H heads, D
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import torch
 import torch.nn.functional as F
