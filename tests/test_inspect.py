@@ -285,3 +285,24 @@ def test_the_apple_experiment(char_run, capsys):
     assert [line.split()[0] for line in lines[3:-1]] == ["tok+pos", "h.0", "h.1"]
     looked_at(lines[-1])
     assert lines[-1].endswith("inspect/embeddings-cat.png")
+
+
+def test_bench_train_traced_gives_the_references_numbers(char_data, monkeypatch, capsys):
+    """`gptlab bench train --traced`: the reference traced before every step reaches the same loss (the bench line
+    beside it shows the speed)."""
+    from gptlab.bench import peak
+    from gptlab.bench.train import run_train_bench, train_variants
+    from gptlab.config import TrainConfig
+
+    monkeypatch.setattr(peak, "measure_peak", lambda device, quick: {"device": "test", "fp32": 1e10})
+    variants = train_variants(torch.device("cpu"), traced=True)[:2]
+    assert [v.traced for v in variants] == [False, True]
+    calls = []
+    monkeypatch.setattr("gptlab.inspect.trace.trace", lambda model, x, real=trace: calls.append(1) or real(model, x))
+    cfg = TrainConfig(batch_size=4, lr=3e-3, warmup_steps=1, device="cpu")
+    model = ModelConfig(vocab_size=0, block_size=16, n_layer=2, n_head=2, n_embd=32, dropout=0.1)
+    rows = run_train_bench(char_data, model, cfg, steps=2, warmup=1, variants=variants)
+    assert len(calls) == 3 and rows[1]["variant"] == "fp32 eager, traced before each step"
+    assert rows[0]["val_loss"] == rows[1]["val_loss"]
+    lines = capsys.readouterr().out.splitlines()
+    assert any(line.startswith("fp32 eager, traced") and " +0.0000" in line for line in lines)

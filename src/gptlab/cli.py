@@ -597,15 +597,19 @@ def add_bench_attention(p: argparse.ArgumentParser) -> None:
 def add_bench_train(p: argparse.ArgumentParser) -> None:
     add_bench_attention(p)
     p.add_argument("--attention", choices=("auto", "sdpa", "naive"), help="attention path (default: the preset's)")
+    p.add_argument("--traced", action="store_true", help="add the fp32 reference traced by `gptlab inspect` before "
+                   "every step: tracing leaves the step's speed and result alone")
 
 
 @bench("train", "train one model side by side: fp32 eager (the reference), bf16, bf16 + compile (+ flash attention "
        "on CUDA): tokens/s, ms/step, MFU, and the loss after the same steps", add_bench_train)
 def bench_train(args: argparse.Namespace) -> int:
-    from gptlab.bench.train import run_train_bench
+    from gptlab.bench.train import run_train_bench, train_variants
+    from gptlab.runtime import resolve_device
 
     data, model_cfg, train_cfg = _bench_train_settings(args)
-    run_train_bench(data, model_cfg, train_cfg, steps=args.steps, warmup=args.warmup)
+    variants = train_variants(resolve_device(args.device), traced=True) if args.traced else None
+    run_train_bench(data, model_cfg, train_cfg, steps=args.steps, warmup=args.warmup, variants=variants)
     return 0
 
 

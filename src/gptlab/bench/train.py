@@ -1,5 +1,6 @@
 """`gptlab bench train` and `gptlab bench attention`: one model trained with several variants (fp32 eager, the
-reference; bf16; bf16 + compile; flash attention on CUDA; or each attention path in each precision), steps
+reference; with --traced, the same traced by gptlab.inspect before every step; bf16; bf16 + compile; flash
+attention on CUDA; or each attention path in each precision), steps
 interleaved so that a busy machine slows them alike, compared by tokens/s, MFU and the loss reached. Training
 runs through gptlab.train's public functions, as a user's loop would."""
 
@@ -31,12 +32,16 @@ class Variant:
     compile: bool = False
     flash: bool = False  # CUDA: force SDPA's flash-attention kernel
     attention: str = ""  # naive / sdpa / auto; "" keeps the model's setting
+    traced: bool = False  # gptlab.inspect traces the model before each step, outside the timed region
 
 
-def train_variants(device: torch.device) -> list[Variant]:
-    """The plain fp32 eager path (the reference) first, then the fast paths this device has."""
+def train_variants(device: torch.device, traced: bool = False) -> list[Variant]:
+    """The plain fp32 eager path (the reference) first, then (traced) the same path with the model traced before
+    every step, then the fast paths this device has."""
     fast = "bf16" if bf16_supported(device) else "fp32"
     variants = [Variant("fp32 eager (reference)", "fp32")]
+    if traced:
+        variants.append(Variant("fp32 eager, traced before each step", "fp32", traced=True))
     if fast == "bf16":
         variants.append(Variant("bf16 eager", "bf16"))
     variants.append(Variant(f"{fast} + compile", fast, compile=True))
@@ -136,6 +141,8 @@ def run_train_bench(data_dir: str | Path, model_cfg: ModelConfig, cfg: TrainConf
     for step in range(total):
         for c in contenders:
             with c.running(device):
+                if c.variant.traced:
+                    _trace(c.eager, dataset, cfg.seed, step, model_cfg.block_size, device)
                 start = time.perf_counter()
                 train_step(model=c.model, optimizer=c.optimizer, dataset=dataset, cfg=cfg,
                            block_size=model_cfg.block_size, step=step, device=device, precision=c.variant.precision)
@@ -149,6 +156,15 @@ def run_train_bench(data_dir: str | Path, model_cfg: ModelConfig, cfg: TrainConf
             for c in contenders]
     _print_train_table(rows, peak, model_cfg, cfg, total, contenders[0].eager, load)
     return rows
+
+
+def _trace(model: torch.nn.Module, dataset: Any, seed: int, step: int, block_size: int, device: torch.device) -> None:
+    """What a user looking inside the model between steps does: trace one window of the training split."""
+    from gptlab.data import batch_generator, get_batch
+    from gptlab.inspect.trace import trace
+
+    x, _ = get_batch(dataset.train, 1, block_size, batch_generator(seed, step, -2))
+    trace(model, x.to(device))
 
 
 def _row(c: Contender, val_loss: float, peak: dict[str, Any], tokens_per_step: int) -> dict[str, Any]:
