@@ -87,6 +87,10 @@ def test_the_page_in_a_headless_browser(written, browser):
     view.locator(".tok").nth(7).hover()  # hovering shows a token too
     assert weights() == pytest.approx(tr.attention[1][0, 2, 7].tolist(), abs=2e-4)
     view.locator(".tok").nth(9).dispatch_event("click")
+    bars = view.locator(".bar").evaluate_all("(s) => s.map((x) => [+x.dataset.i, +x.dataset.head, +x.dataset.w])")
+    assert len(bars) == len(LABELS) * 3  # one bar per head under every token: each head of layer 1, from token 9
+    for i, head, w in bars:
+        assert w == pytest.approx(tr.attention[1][0, head, 9, i].item(), abs=2e-4)
     view.check("input[value=to]")  # which tokens look at token 9
     assert weights() == pytest.approx(tr.attention[1][0, 2, :, 9].tolist(), abs=2e-4)
     shot = Image.open(io.BytesIO(view.screenshot(full_page=True))).convert("RGB")

@@ -24,8 +24,11 @@ _PAGE = """<!DOCTYPE html>
 body { font-family: sans-serif; margin: 1.5em; color: #222; }
 #controls { margin-bottom: 1em; }
 #controls label { margin-right: 1.5em; }
-#tokens { font-family: monospace; font-size: 18px; line-height: 2.2; max-width: 70em; }
-.tok { padding: 2px 3px; margin: 1px; border: 1px solid #ccc; border-radius: 3px; cursor: pointer; }
+#tokens { display: flex; flex-wrap: wrap; font-family: monospace; font-size: 18px; max-width: 70em; }
+.cell { display: inline-flex; flex-direction: column; align-items: center; margin: 3px 1px; }
+.tok { padding: 2px 3px; border: 1px solid #ccc; border-radius: 3px; cursor: pointer; white-space: pre; }
+.heads { display: flex; gap: 1px; margin-top: 2px; }
+.bar { width: 5px; height: 10px; border: 1px solid #eee; }
 .tok.selected { outline: 2px solid #d62728; }
 #grid { display: flex; flex-wrap: wrap; gap: 12px; margin-top: 1.5em; }
 #grid figure { margin: 0; text-align: center; font-size: 12px; }
@@ -40,15 +43,18 @@ canvas { border: 1px solid #999; image-rendering: pixelated; }
 <label><input type="radio" name="dir" value="to"> which tokens look at it</label>
 </div>
 <div id="note">Click or hover a token. Shading: attention probability (the chosen head, or the mean of the
-layer's heads). Below: each head of the layer, query rows down, key columns across; the chosen token's row (or
-column) is marked in red.</div>
-<p id="tokens"></p>
+layer's heads); under each token one bar per head of the layer, in the head's colour, as dark as its weight.
+Below: each head of the layer, query rows down, key columns across; the chosen token's row (or column) is marked
+in red.</div>
+<div id="tokens"></div>
 <div id="grid"></div>
 <script>
 const DATA = __DATA__;
 const T = DATA.tokens.length, L = DATA.attention.length, H = DATA.attention[0].length;
 let selected = T - 1;
 const $ = (id) => document.getElementById(id);
+const COLOURS = ["31,119,180", "255,127,14", "44,160,44", "214,39,40", "148,103,189", "140,86,75", "227,119,194",
+                 "127,127,127", "188,189,34", "23,190,207"];
 for (let l = 0; l < L; l++) $("layer").add(new Option("layer " + l, l));
 $("head").add(new Option("all heads (mean)", -1));
 for (let h = 0; h < H; h++) $("head").add(new Option("head " + h, h));
@@ -61,12 +67,20 @@ function weight(l, h, j) {
   let s = 0; for (let hh = 0; hh < H; hh++) s += one(hh); return s / H;
 }
 DATA.tokens.forEach((text, i) => {
-  const span = document.createElement("span");
+  const cell = document.createElement("span"), span = document.createElement("span");
+  cell.className = "cell";
   span.className = "tok"; span.textContent = text; span.dataset.i = i;
   span.title = "position " + i;
   span.addEventListener("click", () => { selected = i; draw(); });
   span.addEventListener("mouseenter", () => { selected = i; draw(); });
-  $("tokens").appendChild(span);
+  const bars = document.createElement("span");
+  bars.className = "heads";
+  for (let h = 0; h < H; h++) {
+    const bar = document.createElement("span");
+    bar.className = "bar"; bar.dataset.i = i; bar.dataset.head = h; bars.appendChild(bar);
+  }
+  cell.appendChild(span); cell.appendChild(bars);
+  $("tokens").appendChild(cell);
 });
 function drawGrid(l) {
   const grid = $("grid"); grid.innerHTML = "";
@@ -84,7 +98,8 @@ function drawGrid(l) {
     if (dir() === "from") ctx.strokeRect(0.5, selected * cell + 0.5, cell * T - 1, cell - 1);
     else ctx.strokeRect(selected * cell + 0.5, 0.5, cell - 1, cell * T - 1);
     fig.appendChild(canvas);
-    const cap = document.createElement("figcaption"); cap.textContent = "head " + h; fig.appendChild(cap);
+    const cap = document.createElement("figcaption"); cap.textContent = "head " + h;
+    cap.style.color = "rgb(" + COLOURS[h % COLOURS.length] + ")"; fig.appendChild(cap);
     grid.appendChild(fig);
   }
 }
@@ -96,6 +111,11 @@ function draw() {
     span.style.background = "rgba(31, 87, 180," + Math.min(1, w) + ")";
     span.style.color = w > 0.5 ? "#fff" : "#222";
     span.classList.toggle("selected", j === selected);
+  });
+  document.querySelectorAll(".bar").forEach((bar) => {
+    const hh = +bar.dataset.head, w = weight(l, hh, +bar.dataset.i);
+    bar.dataset.w = w.toFixed(4);
+    bar.style.background = "rgba(" + COLOURS[hh % COLOURS.length] + "," + Math.min(1, w) + ")";
   });
   drawGrid(l);
 }
