@@ -19,6 +19,7 @@ from gptlab.config import PRESETS, ModelConfig, SampleConfig
 from gptlab.engine import generate
 from gptlab.errors import GptlabError
 from gptlab.hf import load_hf_model
+from gptlab.inspect import page
 from gptlab.inspect.anatomy import describe, model_for, totals
 from gptlab.inspect.pictures import panels
 from gptlab.inspect.trace import (
@@ -249,7 +250,7 @@ def test_inspect_model_of_a_preset(capsys):
     assert "attention       28,348,416" in out
 
 
-def test_inspect_refusals_write_nothing(char_run, capsys):
+def test_inspect_refusals_write_nothing(char_run, capsys, monkeypatch):
     before = sorted(p.name for p in char_run.iterdir())
     run = ["--run", str(char_run), "--out", str(char_run / "refused")]
     assert "context is 16" in run_bad(capsys, "inspect", "attention", *run, "--prompt", "e" * 17)
@@ -264,6 +265,8 @@ def test_inspect_refusals_write_nothing(char_run, capsys):
                                        "the cat", "--context", "a hat")
     assert "at least two" in run_bad(capsys, "inspect", "embeddings", *run, "--word", "cat", "--context", "cat")
     assert "not both" in run_bad(capsys, "inspect", "model", "--run", str(char_run), "--preset", "gpt2")
+    monkeypatch.setattr(page, "MAX_NUMBERS", 10)
+    assert "too many for one page" in run_bad(capsys, "inspect", "attention", *run, "--prompt", "the", "--html")
     assert sorted(p.name for p in char_run.iterdir()) == before
 
 

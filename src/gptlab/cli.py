@@ -455,9 +455,9 @@ def inspect_attention(args: argparse.Namespace) -> int:
     for name, value, limit in (("layer", args.layer, tr.n_layer), ("head", args.head, tr.attention[0].size(1))):
         if value is not None and not 0 <= value < limit:
             raise GptlabError(f"--{name} must be in [0, {limit - 1}] for this model, not {value}")
-    announce(loaded)
     if args.html:
         check_page_size(tr)
+    announce(loaded)
     labels = token_labels(loaded.tokenizer, ids)
     stem = "attention" + "".join(f"-{n}{v}" for n, v in (("layer", args.layer), ("head", args.head)) if v is not None)
     print(attention_png(tr, labels, out / f"{stem}.png", args.layer, args.head))
