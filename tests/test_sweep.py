@@ -175,6 +175,8 @@ CASES = [
     (["bench", "generate", "--new-tokens", "0"], "new"),
     (["bench", "train", "--preset", "gpt5"], "invalid choice: 'gpt5'"),
     (["bench", "nope"], "invalid choice: 'nope'"),
+    (["bench", "prepare", "--sizes-mb", "0", "1"], "--sizes-mb must be > 0"),
+    (["bench", "prepare", "--workers", "0"], "--workers >= 1"),
     (["launch"], "invalid choice: 'launch'"),
 ]
 

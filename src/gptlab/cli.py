@@ -697,6 +697,27 @@ def bench_matmul(args: argparse.Namespace) -> int:
     return 0
 
 
+def add_bench_prepare(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--sizes-mb", type=float, nargs=2, default=(50.0, 200.0), metavar=("SMALL", "LARGE"),
+                   help="the two sizes of the generated corpus, in MB of text (default 50 200)")
+    p.add_argument("--tokenizers", nargs="+", choices=TOKENIZERS, default=["gpt2", "bpe", "char"],
+                   help="tokenizers to measure (default gpt2 bpe char)")
+    p.add_argument("--workers", type=int, help="worker processes of prepare and threads of the limit (default: the "
+                   "cores available)")
+
+
+@bench("prepare", "prepare's throughput (MB/s, tokens/s) on a generated FineWeb-shaped corpus beside the tokenizer "
+       "library's own batch encoding with as many threads, and its peak memory at two corpus sizes",
+       add_bench_prepare)
+def bench_prepare(args: argparse.Namespace) -> int:
+    from gptlab.bench.prepare import run_prepare_bench
+
+    if min(args.sizes_mb) <= 0 or (args.workers is not None and args.workers < 1):
+        raise GptlabError(f"--sizes-mb must be > 0 and --workers >= 1, not {args.sizes_mb} / {args.workers}")
+    run_prepare_bench(tuple(sorted(args.sizes_mb)), args.tokenizers, args.workers)
+    return 0
+
+
 @command("bench", "benchmarks that measure variants side by side in one run and print ratios and the machine's load")
 def cmd_bench(args: argparse.Namespace) -> int:
     return BENCHES[args.bench][1](args)

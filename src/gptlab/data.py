@@ -186,7 +186,7 @@ def prepare(paths: list[str], out_dir: str | Path, tokenizer: str = "char", voca
     for sources, what in zip(groups, ("corpus", "validation corpus")):
         with _progress(sources, "scan", quiet) as bar:
             scans.append(scan_sources(sources, encoding, text_field, strict, bar.update,
-                                      has_special and not allow_special))
+                                      has_special and not allow_special, (fixed.kind if fixed else tokenizer) == "char"))
         _check_not_empty(scans[-1], sources, what)
     scan = scans[0].joined(scans[1]) if val_paths else scans[0]
     if fixed:

@@ -132,15 +132,15 @@ def val_documents(scan: Scan, val_fraction: float, seed: int) -> np.ndarray | No
 
 
 def scan_sources(sources: list[Source], encoding: str, text_field: str, strict: bool,
-                 on_progress: Callable[[int], Any], refuse_special: bool) -> Scan:
-    """First pass: validate every file, count documents and characters, hash the bytes and collect the
-    characters. A file found in a folder that cannot be read (binary, another encoding, not its kind) is skipped
+                 on_progress: Callable[[int], Any], refuse_special: bool, collect_chars: bool = True) -> Scan:
+    """First pass: validate every file, count documents and characters, hash the bytes and, with collect_chars
+    (for a char tokenizer; it is the slowest part), collect the characters. A file found in a folder that cannot be read (binary, another encoding, not its kind) is skipped
     unless `strict`; a file named is refused. With refuse_special, a text holding the end-of-text marker is refused
     before anything is written."""
     scan = Scan([], 0, [], set(), [])
     for source in sources:
         try:
-            entry, chars = _scan_source(source, encoding, text_field, on_progress, refuse_special)
+            entry, chars = _scan_source(source, encoding, text_field, on_progress, refuse_special, collect_chars)
         except UnreadableSource as exc:
             if strict or not source.found:
                 raise
@@ -154,7 +154,7 @@ def scan_sources(sources: list[Source], encoding: str, text_field: str, strict: 
 
 
 def _scan_source(source: Source, encoding: str, text_field: str, on_progress: Callable[[int], Any],
-                 refuse_special: bool) -> tuple[dict[str, Any], set[str]]:
+                 refuse_special: bool, collect_chars: bool) -> tuple[dict[str, Any], set[str]]:
     sha, n_chars, n_docs, chars = hashlib.sha256(), 0, 0, set()
 
     def seen(block: bytes) -> None:
@@ -168,6 +168,7 @@ def _scan_source(source: Source, encoding: str, text_field: str, on_progress: Ca
                 raise GptlabError(f"{source.name} contains the text {EOT}, which this tokenizer reserves for the "
                                   "end of a document; pass --allow-special to read it as that token, or remove it")
             n_chars += len(chunk)
-            chars.update(chunk)
+            if collect_chars:
+                chars.update(chunk)
         n_docs += n_chars > start  # an empty file is no document
     return {"path": source.name, "documents": n_docs, "chars": n_chars, "sha256": sha.hexdigest()}, chars
