@@ -87,8 +87,8 @@ def cmd_prepare(args: argparse.Namespace) -> int:
                    args.val, args.seed, args.workers)
     held = "split by characters" if meta["split"] == "characters" else f"{meta['val_documents']:,} held out"
     print(f"prepared {out}: {meta['train_tokens']:,} train + {meta['val_tokens']:,} val tokens from "
-          f"{meta['documents']:,} documents ({held}), {meta['tokenizer']} tokenizer with {meta['vocab_size']:,} ids "
-          f"({meta['dtype']})")
+          f"{meta['documents']:,} document{'s' * (meta['documents'] != 1)} ({held}), {meta['tokenizer']} tokenizer "
+          f"with {meta['vocab_size']:,} ids ({meta['dtype']})")
     folders, files = meta["skipped_folders"], meta["skipped_files"]
     if folders:
         print(f"skipped {folders:,} hidden or __pycache__ folder{'s' * (folders != 1)}")
