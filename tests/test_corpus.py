@@ -212,7 +212,8 @@ def test_the_email_package_prepares_trains_samples_and_evaluates(tmp_path, monke
 
 def test_char_vocabulary_comes_from_readable_files_only(tmp_path):
     folder = make_messy_folder(tmp_path / "messy")
-    ds = load_dataset(tmp_path / "out") if prepare([str(folder)], tmp_path / "out", quiet=True) else None
+    prepare([str(folder)], tmp_path / "out", quiet=True)
+    ds = load_dataset(tmp_path / "out")
     expected = train_tokenizer("char", [TEXTS[0] + TEXTS[1] + "print('hello')\n"])
     assert ds.tokenizer.to_dict() == expected.to_dict()
     assert np.array_equal(np.concatenate([ds.train, ds.val]), expected.encode(TEXTS[0] + TEXTS[1] + "print('hello')\n"))
