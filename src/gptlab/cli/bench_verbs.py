@@ -1,0 +1,187 @@
+"""`gptlab bench`: one subcommand per module of gptlab.bench, each comparing variants side by side."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+from gptlab.cli.common import Parser, at_least, command, data_dir_for
+from gptlab.config import PRESETS, TOKENIZERS, ModelConfig, TrainConfig, build, get_preset
+from gptlab.errors import GptlabError
+
+
+# ---- bench -------------------------------------------------------------------------------------------------------
+
+BENCHES: dict[str, tuple[Any, Any, str]] = {}  # name -> (add flags, run, help)
+BENCH_DEVICES = ("auto", "cpu", "cuda", "mps")
+# presets that name a GPT's shape (bigram has none; finetune only changes dropout)
+SHAPED_PRESETS = tuple(n for n, p in PRESETS.items() if "n_embd" in p.model and p.model.get("arch") != "bigram")
+
+
+def bench(name: str, help: str, add: Any):
+    def register(fn):
+        BENCHES[name] = (add, fn, help)
+        return fn
+    return register
+
+
+def add_bench_device(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--device", choices=BENCH_DEVICES, default="auto",
+                   help="where to measure; auto picks cuda, then mps, then cpu (default auto)")
+
+
+@bench("peak", "measure the device's matmul peak (fp32, bf16, tf32) and memory bandwidth, and the machine's load; "
+       "cached per device for MFU unless other work was running", add_bench_device)
+def bench_peak(args: argparse.Namespace) -> int:
+    from gptlab.bench.peak import run_peak
+
+    run_peak(device=args.device)
+    return 0
+
+
+def add_bench_attention(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--preset", choices=tuple(PRESETS), default="char-small", help="model and training settings to "
+                   "time (default char-small)")
+    p.add_argument("--data", help="prepared data folder (default: the bundled corpus for the preset's tokenizer)")
+    p.add_argument("--batch-size", type=int, default=16, help="sequences per step (default 16)")
+    p.add_argument("--steps", type=int, default=10, help="timed steps per variant (default 10)")
+    p.add_argument("--warmup", type=int, default=2, help="untimed steps per variant first (default 2)")
+    add_bench_device(p)
+
+
+def add_bench_train(p: argparse.ArgumentParser) -> None:
+    add_bench_attention(p)
+    p.add_argument("--attention", choices=("auto", "sdpa", "naive"), help="attention path (default: the preset's)")
+    p.add_argument("--traced", action="store_true", help="add the fp32 reference traced by `gptlab inspect` before "
+                   "every step: tracing leaves the step's speed and result alone")
+
+
+@bench("train", "train one model side by side: fp32 eager (the reference), bf16, bf16 + compile (+ flash attention "
+       "on CUDA): tokens/s, ms/step, MFU, and the loss after the same steps", add_bench_train)
+def bench_train(args: argparse.Namespace) -> int:
+    from gptlab.bench.train import run_train_bench, train_variants
+    from gptlab.runtime import resolve_device
+
+    data, model_cfg, train_cfg = _bench_train_settings(args)
+    variants = train_variants(resolve_device(args.device), traced=True) if args.traced else None
+    run_train_bench(data, model_cfg, train_cfg, steps=args.steps, warmup=args.warmup, variants=variants)
+    return 0
+
+
+def _bench_train_settings(args: argparse.Namespace) -> tuple[Path, ModelConfig, TrainConfig]:
+    if args.steps < 1 or args.warmup < 0 or args.batch_size < 1:
+        raise GptlabError("--steps and --batch-size must be at least 1 and --warmup at least 0")
+    preset = get_preset(args.preset)
+    attention = getattr(args, "attention", None)
+    model_cfg = build(ModelConfig, preset.model, {"attention": attention} if attention else {})
+    train_cfg = build(TrainConfig, preset.train, {"batch_size": args.batch_size, "device": args.device})
+    return data_dir_for(args.data, args.preset, quiet=True), model_cfg, train_cfg
+
+
+@bench("attention", "time a training step with each attention path (sdpa, naive) in each precision, side by side",
+       add_bench_attention)
+def bench_attention(args: argparse.Namespace) -> int:
+    from gptlab.bench.train import attention_variants, run_train_bench
+    from gptlab.runtime import resolve_device
+
+    data, model_cfg, train_cfg = _bench_train_settings(args)
+    run_train_bench(data, model_cfg, train_cfg, steps=args.steps, warmup=args.warmup,
+                    variants=attention_variants(resolve_device(args.device)))
+    return 0
+
+
+def add_bench_generate(p: argparse.ArgumentParser) -> None:
+    add_bench_device(p)
+    p.add_argument("--new-tokens", type=int, default=256, help="tokens generated per row (default 256)")
+    p.add_argument("--prompt-tokens", type=int, default=16, help="prompt length per row (default 16)")
+    p.add_argument("--char-tokens", type=int, default=1000, help="tokens for the char model (0: skip it; default "
+                   "1000)")
+    p.add_argument("--repeats", type=int, default=1, help="runs per variant; the fastest is kept (default 1)")
+    p.add_argument("--no-uncached", dest="uncached", action="store_false", help="skip the slow no-cache runs")
+    p.add_argument("--no-transformers", dest="transformers", action="store_false",
+                   help="skip transformers' generate even when it is installed")
+
+
+@bench("generate", "KV-cache generation on a GPT-2-124M-shaped model and a char model: prefill, decode, time to "
+       "first token, fp32 and bf16, beside no cache, transformers' generate and the memory-bandwidth floor",
+       add_bench_generate)
+def bench_generate(args: argparse.Namespace) -> int:
+    from gptlab.bench.generate import run_generate
+
+    at_least(args, new_tokens=1, prompt_tokens=1, repeats=1, char_tokens=0)
+    run_generate(device=args.device, new_tokens=args.new_tokens, prompt_tokens=args.prompt_tokens,
+                 char_tokens=args.char_tokens, repeats=args.repeats, uncached=args.uncached,
+                 with_transformers=args.transformers)
+    return 0
+
+
+def add_bench_decode(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--rounds", type=int, default=60, help="floor reads and decode steps per case (default 60)")
+    p.add_argument("--pages", choices=("2M", "4K", "both"), default="2M",
+                   help="weights in transparent huge pages (2M, what the engine does), in ordinary 4 KB pages (4K), "
+                        "or both, round by round (default 2M)")
+
+
+@bench("decode", "the fused decode step of a GPT-2-124M-shaped model (CPU) against the memory-bandwidth floor read "
+       "beside each step, batch 1 and batch 8, fp32 and bf16", add_bench_decode)
+def bench_decode(args: argparse.Namespace) -> int:
+    from gptlab.bench.decode import run_decode
+
+    at_least(args, rounds=1)
+    run_decode(rounds=args.rounds, pages=args.pages)
+    return 0
+
+
+def add_bench_matmul(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--preset", choices=SHAPED_PRESETS, default="char-small",
+                   help="model whose Linear products are timed (default char-small)")
+    p.add_argument("--batch-size", type=int, default=16, help="sequences per step: rows = batch size x the "
+                   "preset's context (default 16)")
+    p.add_argument("--repeats", type=int, default=10, help="timed calls per product; the fastest is kept (default 10)")
+    p.add_argument("--profile", action="store_true",
+                   help="also profile one training step per precision: matrix products against the rest")
+
+
+@bench("matmul", "a preset's own matrix products (forward, input and weight gradients) in fp32 and bf16 on the CPU: "
+       "the ceiling on bf16's training speed-up", add_bench_matmul)
+def bench_matmul(args: argparse.Namespace) -> int:
+    from gptlab.bench.matmul import run_matmul
+
+    at_least(args, batch_size=1, repeats=1)
+    run_matmul(preset=args.preset, batch_size=args.batch_size, repeats=args.repeats, profile=args.profile)
+    return 0
+
+
+def add_bench_prepare(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--sizes-mb", type=float, nargs=2, default=(50.0, 200.0), metavar=("SMALL", "LARGE"),
+                   help="the two sizes of the generated corpus, in MB of text (default 50 200)")
+    p.add_argument("--tokenizers", nargs="+", choices=TOKENIZERS, default=["gpt2", "bpe", "char"],
+                   help="tokenizers to measure (default gpt2 bpe char)")
+    p.add_argument("--workers", type=int, help="worker processes of prepare and threads of the limit (default: the "
+                   "cores available)")
+
+
+@bench("prepare", "prepare's throughput (MB/s, tokens/s) on a generated FineWeb-shaped corpus beside the tokenizer "
+       "library's own batch encoding with as many threads, and its peak memory at two corpus sizes",
+       add_bench_prepare)
+def bench_prepare(args: argparse.Namespace) -> int:
+    from gptlab.bench.prepare import run_prepare_bench
+
+    if min(args.sizes_mb) <= 0 or (args.workers is not None and args.workers < 1):
+        raise GptlabError(f"--sizes-mb must be > 0 and --workers >= 1, not {args.sizes_mb} / {args.workers}")
+    run_prepare_bench(tuple(sorted(args.sizes_mb)), args.tokenizers, args.workers)
+    return 0
+
+
+@command("bench", "benchmarks that measure variants side by side in one run and print ratios and the machine's load")
+def cmd_bench(args: argparse.Namespace) -> int:
+    return BENCHES[args.bench][1](args)
+
+
+def add_bench(p: argparse.ArgumentParser) -> None:
+    sub = p.add_subparsers(dest="bench", metavar="BENCH", required=True, parser_class=Parser)
+    for name, (add, _, help) in BENCHES.items():
+        add(sub.add_parser(name, help=help, description=help))
+
+

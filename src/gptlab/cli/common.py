@@ -1,0 +1,93 @@
+"""What every verb module of the CLI shares: the registry of verbs, the one-line-error parser, the flags generated
+from config.py's dataclasses, and small helpers."""
+
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+from gptlab.config import field_help, field_types, parse_value
+from gptlab.errors import GptlabError
+
+COMMANDS: dict[str, tuple[Any, str]] = {}  # name -> (function, help); its flags: the module's add_NAME
+DEVICES = ("auto", "cpu", "cuda", "mps")
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse that reports a usage error as one line (exit 2) instead of a usage dump."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        raise GptlabError(f"{message} (see `{self.prog} --help`)")
+
+
+def command(name: str, help: str):
+    """Register the verb `name`; its flags are added by the function add_NAME of the module that defines it."""
+    def register(fn):
+        COMMANDS[name] = (fn, help)
+        return fn
+    return register
+
+
+def add_config_flags(parser: argparse.ArgumentParser, cls: type, title: str) -> None:
+    """One --flag per dataclass field, with the field's help and choices; values stay None unless given, so the
+    preset (or the run being resumed, or a config file) fills the rest."""
+    group = parser.add_argument_group(title)
+    helps = field_help(cls)
+    for name, kind in field_types(cls).items():
+        flag, (text, choices) = "--" + name.replace("_", "-"), helps[name]
+        if kind is bool:
+            group.add_argument(flag, dest=name, nargs="?", const="true", default=None, metavar="BOOL",
+                               help=f"{text} (true / false; the flag alone: true)")
+        elif name == "stop":
+            group.add_argument(flag, dest=name, action="append", default=None, metavar="TEXT", help=text)
+        else:
+            group.add_argument(flag, dest=name, default=None, choices=choices, help=text,
+                               metavar=None if choices else kind.__name__.upper())
+
+
+def overrides(args: argparse.Namespace, cls: type) -> dict[str, Any]:
+    """The fields of `cls` that were given on the command line, parsed to their types."""
+    out = {}
+    for name in field_types(cls):
+        value = getattr(args, name, None)
+        if value is not None:
+            out[name] = value if isinstance(value, list) else parse_value(cls, name, value)
+    return out
+
+
+def data_dir_for(data: str | None, preset: str, quiet: bool = False) -> Path:
+    """--data, or the bundled corpus prepared for the preset's tokenizer (see runs.data_dir_for)."""
+    from gptlab.runs import data_dir_for as resolve_data
+
+    return resolve_data(data, preset, quiet)
+
+
+def add_device(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--device", choices=DEVICES, default="auto",
+                   help="where to run: auto picks cuda, then mps, then cpu (default auto)")
+
+
+ESCAPES = {"n": "\n", "t": "\t", "r": "\r", "\\": "\\"}
+
+
+def unescape(text: str) -> str:
+    """\\n, \\t, \\r and \\\\ as a shell passes them in `--stop "\\n\\n"` -> the characters they name."""
+    import re
+
+    return re.sub(r"\\(.)", lambda m: ESCAPES.get(m.group(1), m.group(0)), text)
+
+
+def announce(loaded) -> None:
+    """Say on stderr which run and checkpoint a command picked (stdout stays the command's output)."""
+    ckpt = loaded.checkpoint
+    print(f"gptlab: using {ckpt.path} ({ckpt.kind} checkpoint, step {ckpt.step})", file=sys.stderr)
+
+
+def at_least(args: argparse.Namespace, **minimums: int) -> None:
+    """Refuse a numeric flag below its minimum, naming the flag."""
+    for name, low in minimums.items():
+        if getattr(args, name) < low:
+            raise GptlabError(f"--{name.replace('_', '-')} must be >= {low}, not {getattr(args, name)}")

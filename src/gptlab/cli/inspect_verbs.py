@@ -1,0 +1,172 @@
+"""`gptlab inspect`: the model's anatomy, attention maps, the logit lens and contextual embeddings."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+from gptlab.cli.common import Parser, announce, at_least, command, unescape
+from gptlab.config import PRESETS, ModelConfig, SampleConfig, build, get_preset
+from gptlab.errors import GptlabError
+
+
+# ---- inspect -----------------------------------------------------------------------------------------------------
+
+INSPECTORS: dict[str, tuple[Any, Any, str]] = {}  # name -> (add flags, run, help)
+
+
+def inspector(name: str, help: str, add: Any):
+    def register(fn):
+        INSPECTORS[name] = (add, fn, help)
+        return fn
+    return register
+
+
+def add_inspect_run(p: argparse.ArgumentParser, prompt: bool = True) -> None:
+    p.add_argument("--run", help="run folder (default: the most recent under runs/)")
+    p.add_argument("--out", help="folder the pictures are written to (default: RUN/inspect)")
+    if prompt:
+        p.add_argument("--prompt", required=True, metavar="TEXT",
+                       help="the text to look at (\\n, \\t, \\r and \\\\ are read as escapes); at most the "
+                            "model's context")
+        p.add_argument("--generate", type=int, default=0, metavar="N",
+                       help="first continue the prompt by N tokens (greedy, with the KV-cached engine) and look at "
+                            "prompt + continuation (default 0)")
+
+
+def inspect_load(args: argparse.Namespace):
+    """(the loaded run, the folder pictures go to); the caller announces the checkpoint once its checks pass."""
+    from gptlab.checkpoint import load_run
+    from gptlab.runs import latest_run
+
+    run = Path(args.run) if args.run else latest_run()
+    loaded = load_run(run)
+    out = getattr(args, "out", None)
+    return loaded, Path(out) if out else run / "inspect"
+
+
+def inspect_trace(args: argparse.Namespace):
+    """(loaded run, output folder, prompt ids, trace): refused before anything is written or announced."""
+    from gptlab.inspect.trace import trace, trace_generation
+
+    at_least(args, generate=0)
+    loaded, out = inspect_load(args)
+    ids = loaded.tokenizer.encode(unescape(args.prompt))
+    if not args.generate:
+        return loaded, out, ids, trace(loaded.model, ids)
+    traced = trace_generation(loaded.model, ids, SampleConfig(max_new_tokens=args.generate, temperature=0))
+    return loaded, out, traced.ids[0].tolist(), traced
+
+
+def add_inspect_attention(p: argparse.ArgumentParser) -> None:
+    add_inspect_run(p)
+    p.add_argument("--layer", type=int, help="only this layer (from 0)")
+    p.add_argument("--head", type=int, help="only this head (from 0); with --layer: one map at full size")
+    p.add_argument("--html", action="store_true", help="also write attention.html: an interactive page (one "
+                   "self-contained file) where clicking a token shows where each head looks from it")
+
+
+@inspector("attention", "attention maps of a prompt: a layer x head grid (or one map) as a PNG", add_inspect_attention)
+def inspect_attention(args: argparse.Namespace) -> int:
+    from gptlab.inspect.page import attention_html, check_page_size
+    from gptlab.inspect.pictures import attention_png
+    from gptlab.inspect.trace import token_labels
+
+    loaded, out, ids, tr = inspect_trace(args)
+    for name, value, limit in (("layer", args.layer, tr.n_layer), ("head", args.head, tr.attention[0].size(1))):
+        if value is not None and not 0 <= value < limit:
+            raise GptlabError(f"--{name} must be in [0, {limit - 1}] for this model, not {value}")
+    if args.html:
+        check_page_size(tr)
+    announce(loaded)
+    labels = token_labels(loaded.tokenizer, ids)
+    stem = "attention" + "".join(f"-{n}{v}" for n, v in (("layer", args.layer), ("head", args.head)) if v is not None)
+    print(attention_png(tr, labels, out / f"{stem}.png", args.layer, args.head))
+    if args.html:
+        print(attention_html(tr, labels, out / "attention.html", loaded.tokenizer.decode(ids)))
+    return 0
+
+
+def add_inspect_lens(p: argparse.ArgumentParser) -> None:
+    add_inspect_run(p)
+    p.add_argument("--top", type=int, default=1, help="next tokens shown per position and depth (default 1)")
+
+
+@inspector("lens", "the logit lens: the next token read from the residual stream after each block (table + PNG)",
+           add_inspect_lens)
+def inspect_lens(args: argparse.Namespace) -> int:
+    from gptlab.inspect.pictures import lens_png, lens_table
+    from gptlab.inspect.trace import logit_lens, token_labels
+
+    at_least(args, top=1)
+    loaded, out, ids, tr = inspect_trace(args)
+    lens = logit_lens(loaded.model, tr)
+    announce(loaded)
+    print(lens_table(lens, loaded.tokenizer, ids, min(args.top, lens.size(-1))))
+    print(lens_png(lens, token_labels(loaded.tokenizer, ids), loaded.tokenizer, out / "lens.png"))
+    return 0
+
+
+def add_inspect_embeddings(p: argparse.ArgumentParser) -> None:
+    add_inspect_run(p, prompt=False)
+    p.add_argument("--word", required=True, help="the word to follow (read at its last token)")
+    p.add_argument("--context", action="append", required=True, metavar="TEXT",
+                   help="a text containing the word (repeat: at least twice)")
+
+
+@inspector("embeddings", "one word in several contexts: cosine similarity at every depth, and PCA per layer (PNG)",
+           add_inspect_embeddings)
+def inspect_embeddings(args: argparse.Namespace) -> int:
+    import re
+
+    from gptlab.inspect.pictures import embeddings_png, similarity_table
+    from gptlab.inspect.trace import word_representations
+
+    loaded, out = inspect_load(args)
+    contexts = [unescape(c) for c in args.context]
+    reps = word_representations(loaded.model, loaded.tokenizer, args.word, contexts)
+    announce(loaded)
+    print(similarity_table(reps))
+    name = re.sub(r"[^\w-]+", "_", args.word).strip("_") or "word"
+    print(embeddings_png(reps, args.word, contexts, out / f"embeddings-{name}.png"))
+    return 0
+
+
+def add_inspect_model(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--run", help="run folder (default: the most recent under runs/, unless --preset)")
+    p.add_argument("--preset", choices=tuple(PRESETS), metavar="PRESET",
+                   help=f"a preset's shape instead of a run: {', '.join(PRESETS)}")
+    p.add_argument("--vocab-size", type=int, help="with --preset: the vocabulary (default: the preset's, else 65)")
+
+
+@inspector("model", "the architecture: each component with its shape and parameters, and the total by kind",
+           add_inspect_model)
+def inspect_model(args: argparse.Namespace) -> int:
+    from gptlab.inspect.anatomy import describe, model_for
+
+    if args.preset and args.run:
+        raise GptlabError("give --run or --preset, not both")
+    if args.preset:
+        shape = {**get_preset(args.preset).model}
+        shape["vocab_size"] = args.vocab_size or shape.get("vocab_size", 65)
+        model = model_for(build(ModelConfig, shape, {}))
+    else:
+        loaded = inspect_load(args)[0]
+        announce(loaded)
+        model = loaded.model
+    print(describe(model))
+    return 0
+
+
+@command("inspect", "look inside a trained model: attention maps, the logit lens, contextual embeddings, anatomy")
+def cmd_inspect(args: argparse.Namespace) -> int:
+    return INSPECTORS[args.inspect][1](args)
+
+
+def add_inspect(p: argparse.ArgumentParser) -> None:
+    sub = p.add_subparsers(dest="inspect", metavar="WHAT", required=True, parser_class=Parser)
+    for name, (add, _, help) in INSPECTORS.items():
+        add(sub.add_parser(name, help=help, description=help))
+
+

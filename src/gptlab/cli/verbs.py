@@ -1,0 +1,308 @@
+"""The verbs of the pipeline: prepare, train, sample, eval, runs, info, import and export."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from gptlab.cli.common import add_config_flags, add_device, announce, command, overrides, unescape
+from gptlab.config import DEFAULT_PRESET, PRESETS, TOKENIZERS, ModelConfig, SampleConfig, TrainConfig, build
+from gptlab.errors import GptlabError
+from gptlab.tokenizer import EOT
+
+
+# ---- prepare -----------------------------------------------------------------------------------------------------
+
+@command("prepare", "tokenize text files (default: the bundled Tiny Shakespeare) into train/val token files")
+def cmd_prepare(args: argparse.Namespace) -> int:
+    from gptlab.data import prepare
+    from gptlab.runs import default_data_dir
+
+    out = Path(args.out) if args.out else default_data_dir(args.tokenizer)
+    meta = prepare(args.paths, out, args.tokenizer, args.vocab_size, args.val_fraction, args.encoding, args.quiet,
+                   args.allow_special, args.tokenizer_from, args.text_field, args.include, args.exclude, args.strict,
+                   args.val, args.seed, args.workers)
+    held = "split by characters" if meta["split"] == "characters" else f"{meta['val_documents']:,} held out"
+    print(f"prepared {out}: {meta['train_tokens']:,} train + {meta['val_tokens']:,} val tokens from "
+          f"{meta['documents']:,} document{'s' * (meta['documents'] != 1)} ({held}), {meta['tokenizer']} tokenizer "
+          f"with {meta['vocab_size']:,} ids ({meta['dtype']})")
+    folders, files = meta["skipped_folders"], meta["skipped_files"]
+    if folders:
+        print(f"skipped {folders:,} hidden or __pycache__ folder{'s' * (folders != 1)}")
+    if files:
+        shown = ", ".join(s["path"] for s in meta["skipped"][:3]) + (f" and {files - 3:,} more" if files > 3 else "")
+        print(f"skipped {files:,} unreadable file{'s' * (files != 1)} ({shown}): binary, not {args.encoding}, or "
+              f"not the kind their names say; the reasons are in {out / 'meta.json'}, and --strict refuses them")
+    return 0
+
+
+def add_prepare(p: argparse.ArgumentParser) -> None:
+    p.add_argument("paths", nargs="*", help="files or folders (read recursively, hidden ones and __pycache__ "
+                   "skipped), or - for standard input (default: bundled Tiny Shakespeare). Text files are one "
+                   "document each; .jsonl / .json (one JSON object per line) and .parquet give a document per "
+                   "record; .gz, .zst and .bz2 files are decompressed")
+    p.add_argument("--text-field", default="text", help="the field of a JSON line or the Parquet column that holds "
+                   "the text (default text)")
+    p.add_argument("--include", action="append", metavar="GLOB", help="read only files matching GLOB (against the "
+                   "path below the folder named, or the bare name); may be repeated")
+    p.add_argument("--exclude", action="append", metavar="GLOB", help="skip files matching GLOB; may be repeated")
+    p.add_argument("--strict", action="store_true", help="refuse a file found in a folder that is not readable "
+                   "text (binary, another encoding, damaged) instead of skipping it")
+    p.add_argument("--tokenizer", choices=TOKENIZERS, default="char",
+                   help="char (one token per character), bpe (a byte-level BPE trained on the text) or gpt2 (GPT-2's "
+                        "50,257 tokens) (default char)")
+    p.add_argument("--tokenizer-from", metavar="RUN_OR_DATA",
+                   help="encode with the tokenizer of this run or data folder instead of building one (to evaluate a "
+                        "run on new text, or fine-tune it)")
+    p.add_argument("--allow-special", action="store_true",
+                   help=f"read {EOT} in the text as the end-of-text token (default: refuse such text)")
+    p.add_argument("--vocab-size", type=int, default=1024, help="vocabulary size for --tokenizer bpe (default 1024)")
+    p.add_argument("--out", help="output folder (default: data/tinyshakespeare-TOKENIZER)")
+    p.add_argument("--val-fraction", type=float, default=0.1, help="share of the documents held out for "
+                   "validation, whole documents chosen at random by --seed, in (0, 1); a corpus of fewer than "
+                   "1 / val-fraction documents (one book) is split by characters, its last val-fraction (default 0.1)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the choice of validation documents (default 0)")
+    p.add_argument("--val", action="append", metavar="PATH", help="the validation corpus: files or folders read "
+                   "like the inputs (instead of --val-fraction); may be repeated")
+    p.add_argument("--encoding", default="utf-8", help="text encoding of the inputs (default utf-8)")
+    p.add_argument("--workers", type=int, metavar="N", help="processes that encode, with the same token files as "
+                   "one (default: the cores available)")
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
+
+
+# ---- train -------------------------------------------------------------------------------------------------------
+
+def train_spec(args: argparse.Namespace, resume: bool | str):
+    from gptlab.runs import resolve
+
+    return resolve(args.preset, overrides(args, ModelConfig), overrides(args, TrainConfig), args.run, args.data,
+                   resume, args.config, args.quiet)
+
+
+@command("train", "train a model (no arguments: the default preset on the bundled corpus, into runs/)")
+def cmd_train(args: argparse.Namespace) -> int:
+    from gptlab import distributed
+    from gptlab.runs import launch, start
+
+    if args.resume not in (None, "true", "auto"):
+        raise GptlabError(f"--resume takes no value or 'auto', not {args.resume!r}")
+    if args.nproc is not None and not distributed.launched():  # under torchrun, --nproc has done its job
+        spec = train_spec(args, {None: False, "true": True, "auto": "auto"}[args.resume])
+        return launch(spec, args.nproc, args.argv + ([] if args.run else ["--run", str(spec.run)]),
+                      args.max_restarts)
+    resume = distributed.elastic_resume(args.resume, args.run)
+    result = start(train_spec(args, {None: False, "true": True, "auto": "auto"}[resume]), quiet=args.quiet)
+    if result.rank:
+        return 0  # rank 0 speaks for all
+    print(f"run {result.run_dir}: {result.step} steps in {result.seconds:.1f} s "
+          f"({result.tokens_per_second:,.0f} tokens/s over {result.train_seconds:.1f} s of training steps), "
+          f"val loss {result.val_loss:.4f} (best {result.best_val_loss:.4f}); loss curve in "
+          f"{result.run_dir / 'loss.png'}")
+    print(f"sample it: gptlab sample --run {result.run_dir}")
+    return 0
+
+
+def add_train(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--data", help="prepared data folder (default: with --resume the run's own data, else the "
+                   "bundled corpus, prepared if needed)")
+    p.add_argument("--preset", choices=tuple(PRESETS), metavar="PRESET",
+                   help=f"starting settings: {', '.join(PRESETS)} (default {DEFAULT_PRESET}; finetune with "
+                        "--init-from)")
+    p.add_argument("--config", metavar="FILE", help="settings from a TOML or JSON file (the fields below, flat or "
+                   "in [model] / [train] tables; a run's config.json is one); flags override it")
+    p.add_argument("--run", help="run folder (default: runs/PRESET, a new one if that has checkpoints)")
+    p.add_argument("--resume", nargs="?", const="true", default=None, metavar="auto",
+                   help="continue the run from its newest valid checkpoint ('auto': only if it has one)")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--nproc", type=int, metavar="N",
+                   help="train data-parallel in N processes on this machine (launches torchrun; see README)")
+    p.add_argument("--max-restarts", type=int, default=0, metavar="K",
+                   help="with --nproc: restart all processes up to K times after a failure, resuming each time")
+    add_config_flags(p, ModelConfig, "model settings (not given: the preset's)")
+    add_config_flags(p, TrainConfig, "training settings (not given: the preset's)")
+
+
+# ---- sample ------------------------------------------------------------------------------------------------------
+
+def read_prompt(args: argparse.Namespace, tokenizer) -> list[int]:
+    from gptlab.corpus import read_text
+
+    if args.prompt_file:
+        text = read_text(args.prompt_file, args.encoding)
+    elif args.prompt is not None:
+        text = args.prompt
+    else:
+        return [tokenizer.eot_id] if tokenizer.eot_id is not None else tokenizer.encode("\n")
+    if not text and tokenizer.eot_id is not None:
+        return [tokenizer.eot_id]
+    return tokenizer.encode(text, allow_special=args.allow_special)
+
+
+@command("sample", "generate text from a trained run, streamed as it is produced")
+def cmd_sample(args: argparse.Namespace) -> int:
+    from gptlab.checkpoint import load_run
+    from gptlab.engine import TextStream
+    from gptlab.inference import prepare_for_inference
+    from gptlab.runs import latest_run
+    from gptlab.runtime import resolve_device, resolve_precision, set_threads
+
+    set_threads()
+    settings = overrides(args, SampleConfig)
+    if "stop" in settings:
+        settings["stop"] = [unescape(s) for s in settings["stop"]]
+    cfg = build(SampleConfig, {}, settings)
+    if args.num_samples < 1:  # before loading the model (the engine checks it too, for Python callers)
+        raise GptlabError(f"--num-samples must be >= 1, not {args.num_samples}")
+    device = resolve_device(args.device)
+    loaded = load_run(args.run or latest_run(), device=device)
+    prompt = read_prompt(args, loaded.tokenizer)
+    model = prepare_for_inference(loaded.model, resolve_precision(args.precision, device))
+    stream = TextStream(model, loaded.tokenizer, [prompt], cfg, args.num_samples)
+    announce(loaded)
+    echo = loaded.tokenizer.decode(prompt) if args.echo_prompt else ""
+    sys.stdout.write(echo)
+    for pieces in stream:  # the first sample streams; the others are printed once they are done
+        sys.stdout.write(pieces[0])
+        sys.stdout.flush()
+    sys.stdout.write("\n")
+    for completion in stream.completions[1:]:
+        sys.stdout.write("-" * 40 + "\n" + echo + completion.text + "\n")
+    return 0
+
+
+def add_sample(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--run", help="run folder (default: the most recent under runs/)")
+    p.add_argument("--prompt", help="text to continue (default: a newline, or end-of-text for BPE models)")
+    p.add_argument("--prompt-file", help="read the prompt from this file (see --encoding)")
+    p.add_argument("--encoding", default="utf-8", help="text encoding of --prompt-file (default utf-8)")
+    p.add_argument("--allow-special", action="store_true", help=f"encode {EOT} in the prompt as end-of-text")
+    p.add_argument("--num-samples", type=int, default=1, help="continuations of the prompt, from one prefill")
+    p.add_argument("--no-echo", dest="echo_prompt", action="store_false", help="do not print the prompt")
+    add_device(p)
+    p.add_argument("--precision", choices=("auto", "fp32", "bf16"), default="auto",
+                   help="inference weights: fp32 (the reference), bf16 (faster where the hardware computes it "
+                        "natively; see docs/benchmarks.md), or auto (bf16 where native, else fp32) (default auto)")
+    add_config_flags(p, SampleConfig, "sampling settings")
+
+
+# ---- eval --------------------------------------------------------------------------------------------------------
+
+@command("eval", "loss, perplexity and bits per character / byte on the validation split or on text files")
+def cmd_eval(args: argparse.Namespace) -> int:
+    from gptlab.checkpoint import load_run
+    from gptlab.evaluate import score_files, score_split
+    from gptlab.runs import latest_run, run_data_dir
+    from gptlab.runtime import resolve_device, set_threads
+
+    set_threads()
+    if args.batch_size < 1:
+        raise GptlabError(f"--batch-size must be >= 1, not {args.batch_size}")
+    run = args.run or latest_run()
+    loaded = load_run(run, device=resolve_device(args.device))
+    if args.files:
+        scores = score_files(loaded.model, loaded.tokenizer, args.files, args.encoding, args.batch_size)
+    else:
+        data_dir = args.data or run_data_dir(run)
+        if not data_dir:
+            raise GptlabError(f"run {run} has no data of its own (it was imported); give text files to score or "
+                              "--data")
+        scores = [score_split(loaded.model, loaded.tokenizer, data_dir, args.batch_size, source=f"run {run}")]
+    announce(loaded)
+    print(f"{'text':<40} {'tokens':>10} {'loss':>8} {'ppl':>9} {'bits/tok':>9} {'bits/char':>9} {'bits/byte':>9}")
+    for s in scores:
+        print(f"{s.name[-40:]:<40} {s.tokens:>10,} {s.loss:>8.4f} {s.perplexity:>9.3f} {s.bits_per_token:>9.4f} "
+              f"{s.bits_per_char:>9.4f} {s.bits_per_byte:>9.4f}")
+    return 0
+
+
+def add_eval(p: argparse.ArgumentParser) -> None:
+    p.add_argument("files", nargs="*", help="text files to score (default: the run's validation split)")
+    p.add_argument("--run", help="run folder (default: the most recent under runs/)")
+    p.add_argument("--data", help="prepared data folder whose val split to score (default: the run's)")
+    p.add_argument("--encoding", default="utf-8", help="text encoding of the files (default utf-8)")
+    p.add_argument("--batch-size", type=int, default=16, help="sequences scored at once (default 16)")
+    add_device(p)
+
+
+# ---- runs and info -------------------------------------------------------------------------------------------------
+
+@command("runs", "list the runs in a folder: preset, steps, best validation loss, tokens, training time, state")
+def cmd_runs(args: argparse.Namespace) -> int:
+    from gptlab.runs import list_runs
+
+    rows = list_runs(args.folder)
+    print(f"{'run':<28} {'preset':<12} {'steps':>13} {'best val':>9} {'tokens':>13} {'time':>9}  state")
+    for r in rows:
+        best = f"{r.best_val_loss:.4f}" if r.best_val_loss is not None else "-"
+        print(f"{str(r.path)[-28:]:<28} {r.preset:<12} {f'{r.step:,}/{r.max_steps:,}':>13} {best:>9} "
+              f"{r.tokens:>13,} {r.train_seconds:>8.1f}s  {r.state}")
+    if not rows:
+        print(f"(no runs in {args.folder})")
+    return 0
+
+
+def add_runs(p: argparse.ArgumentParser) -> None:
+    p.add_argument("folder", nargs="?", default="runs", help="the folder that holds the runs (default runs/)")
+
+
+@command("info", "one run's resolved settings, data, checkpoints and resumes")
+def cmd_info(args: argparse.Namespace) -> int:
+    from gptlab.runs import describe
+
+    info = describe(args.run)
+    run = info["run"]
+    print(f"run {run['path']}: {run['state']}, step {run['step']:,} of {run['max_steps']:,}, preset {run['preset']}, "
+          f"{run['tokens']:,} tokens in {run['train_seconds']:.1f} s of training")
+    print(f"data: {info['data']}")
+    for section in ("model", "train"):
+        print(f"{section}: " + ", ".join(f"{k}={v}" for k, v in info[section].items()))
+    for c in info["checkpoints"]:
+        val = f", val loss {c['val_loss']:.4f}" if isinstance(c["val_loss"], float) else ""
+        print(f"checkpoint {c['name']}: {c['valid']}{val}")
+    for r in info["resumes"]:
+        print(f"resumed at step {r['step']}" + (f" with {r['changes']}" if r.get("changes") else ""))
+    return 0
+
+
+def add_info(p: argparse.ArgumentParser) -> None:
+    p.add_argument("run", help="the run folder")
+
+
+# ---- import / export --------------------------------------------------------------------------------------------
+
+@command("import", "turn a local Hugging Face GPT-2 folder into a gptlab run (nothing is downloaded)")
+def cmd_import(args: argparse.Namespace) -> int:
+    from gptlab.hf import import_hf
+    from gptlab.runs import RUNS
+
+    run = Path(args.run) if args.run else RUNS / Path(args.path).resolve().name
+    model = import_hf(args.path, run)
+    c = model.config
+    print(f"imported {args.path} into {run}: {model.num_params():,} parameters, {c.n_layer} layers x {c.n_head} "
+          f"heads x {c.n_embd} wide, context {c.block_size}, vocabulary {c.vocab_size:,}")
+    print(f"sample it: gptlab sample --run {run}; fine-tune it: gptlab train --init-from {run} --data DATA")
+    return 0
+
+
+def add_import(p: argparse.ArgumentParser) -> None:
+    p.add_argument("path", help="a Hugging Face GPT-2 folder: config.json + model.safetensors or pytorch_model.bin")
+    p.add_argument("--run", help="run folder to create (default: runs/ + the folder's name)")
+
+
+@command("export", "write a run's model as a Hugging Face GPT-2 folder that transformers loads")
+def cmd_export(args: argparse.Namespace) -> int:
+    from gptlab.hf import export_hf
+
+    names = export_hf(args.run_dir, args.out)
+    print(f"exported {args.run_dir} to {args.out}: {', '.join(names)}")
+    print(f"load it: transformers.GPT2LMHeadModel.from_pretrained({str(args.out)!r})")
+    return 0
+
+
+def add_export(p: argparse.ArgumentParser) -> None:
+    p.add_argument("run_dir", help="the run to export (its best checkpoint, else its latest)")
+    p.add_argument("--format", choices=("hf",), default="hf", help="hf: Hugging Face GPT-2 (the only format)")
+    p.add_argument("--out", required=True, help="folder to write (created if needed; files in it are replaced)")
+
+
