@@ -63,3 +63,25 @@ def test_runs_lists_and_info_shows_a_run(tmp_path, char_data, capsys):
     out = capsys.readouterr().out
     assert "finished, step 15 of 15" in out and "n_layer=1" in out and f"data: {char_data.resolve()}" in out
     assert "checkpoint step-00000015: valid, val loss" in out and "resumed at step 10" in out
+
+
+def test_compare_plots_several_runs_against_steps_and_seconds(tmp_path, char_data, capsys):
+    from gptlab.plots import validation_curve
+
+    rows = [{"kind": "eval", "step": 5, "val_loss": 3.0, "elapsed_s": 2.0},
+            {"kind": "train", "step": 6, "loss": 2.9, "elapsed_s": 2.5},  # then the run was stopped and resumed
+            {"kind": "train", "step": 7, "loss": 2.8, "elapsed_s": 0.5},
+            {"kind": "eval", "step": 10, "val_loss": 2.7, "elapsed_s": 1.5}]
+    assert validation_curve(rows) == ([5, 10], [3.0, 2.7], [2.0, 4.0])  # the second session's clock continues
+    a, b = tmp_path / "a", tmp_path / "b"
+    assert main(["train", "--data", str(char_data), "--run", str(a), *TINY, "--max-steps", "10"]) == 0
+    assert main(["train", "--data", str(char_data), "--run", str(b), *TINY, "--max-steps", "10", "--lr", "0.01"]) == 0
+    capsys.readouterr()
+    out_png = tmp_path / "both.png"
+    assert main(["compare", str(a), str(b), "--out", str(out_png)]) == 0
+    out = capsys.readouterr().out
+    assert str(a) in out and str(b) in out and f"validation curves: {out_png}" in out
+    import matplotlib.image
+
+    pixels = matplotlib.image.imread(out_png)
+    assert pixels.shape[1] > pixels.shape[0] and len({tuple(p) for p in pixels.reshape(-1, pixels.shape[-1])}) > 10

@@ -158,6 +158,9 @@ CASES = [
     (["eval", "--run", "{r}/run", "--encoding", "bogus", "{r}/corpus.txt"], "unknown text encoding 'bogus'"),
     (["eval", "--run", "{r}/run", "--data", "{r}/otherdata"], "another tokenizer than run"),
     (["eval", "--run", "{r}/baddata"], "config.json is damaged: data must be the path"),
+    # compare
+    (["compare", "{r}/notarun"], "is not a gptlab run"),
+    (["compare", "{r}/run-empty"], "none of these runs has been evaluated yet"),
     # import / export
     (["import", "{r}/nowhere", "--run", "{r}/i"], "does not exist"),
     (["import", "{r}/notarun", "--run", "{r}/i"], "no config.json"),

@@ -1,4 +1,4 @@
-"""Pictures people would rather see than read: the loss curve of a run."""
+"""Pictures people would rather see than read: the loss curve of a run, and the validation curves of several."""
 
 from __future__ import annotations
 
@@ -42,6 +42,49 @@ def plot_loss(metrics_path: str | Path, out_png: str | Path, title: str = "") ->
     ax.set_title(title or "loss")
     ax.grid(alpha=0.3)
     ax.legend()
+    fig.tight_layout()
+    fig.savefig(out_png)
+    plt.close(fig)
+    return Path(out_png)
+
+
+def validation_curve(rows: list[dict]) -> tuple[list[int], list[float], list[float]]:
+    """(steps, validation losses, seconds of training) of the evaluations in a run's metrics rows; each resumed
+    session's clock continues where the previous one stopped."""
+    steps, losses, seconds = [], [], []
+    offset, last = 0.0, 0.0
+    for row in rows:
+        elapsed = row.get("elapsed_s")
+        if elapsed is None:
+            continue
+        if elapsed < last:  # a resumed session: its clock started again at 0
+            offset += last
+        last = elapsed
+        if row.get("kind") == "eval":
+            steps.append(row["step"])
+            losses.append(row["val_loss"])
+            seconds.append(offset + elapsed)
+    return steps, losses, seconds
+
+
+def plot_runs(curves: dict[str, tuple[list[int], list[float], list[float]]], out_png: str | Path) -> Path:
+    """The validation loss of several runs ({name: validation_curve(...)}) against steps and against seconds,
+    side by side, as one PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (by_step, by_time) = plt.subplots(1, 2, figsize=(11, 4.5), dpi=120, sharey=True)
+    for name, (steps, losses, seconds) in curves.items():
+        by_step.plot(steps, losses, "o-", ms=3, label=name)
+        by_time.plot(seconds, losses, "o-", ms=3, label=name)
+    by_step.set_xlabel("step")
+    by_time.set_xlabel("seconds of training")
+    by_step.set_ylabel("validation loss (nats / token)")
+    for ax in (by_step, by_time):
+        ax.grid(alpha=0.3)
+    by_step.legend()
     fig.tight_layout()
     fig.savefig(out_png)
     plt.close(fig)

@@ -275,3 +275,19 @@ def describe(run: str | Path) -> dict[str, Any]:
 
 def to_dict_summary(summary: RunSummary) -> dict[str, Any]:
     return {f.name: getattr(summary, f.name) for f in fields(summary)}
+
+
+def compare(runs: list[str | Path], out_png: str | Path) -> list[RunSummary]:
+    """Plot the validation loss of `runs` against steps and seconds into `out_png`; returns their summaries.
+    Raises GptlabError when a folder is not a run or none of them has been evaluated yet."""
+    from gptlab.plots import plot_runs, read_metrics, validation_curve
+
+    summaries = [summarize(run) for run in runs]
+    curves = {str(s.path): validation_curve(read_metrics(s.path / rundir.METRICS)) for s in summaries}
+    if not any(steps for steps, _, _ in curves.values()):
+        raise GptlabError("none of these runs has been evaluated yet: nothing to compare")
+    try:
+        plot_runs(curves, out_png)
+    except OSError as exc:
+        raise GptlabError(f"cannot write {out_png}: {exc.strerror}") from None
+    return summaries

@@ -246,6 +246,22 @@ def add_runs(p: argparse.ArgumentParser) -> None:
     p.add_argument("folder", nargs="?", default="runs", help="the folder that holds the runs (default runs/)")
 
 
+@command("compare", "the validation loss of several runs against steps and against seconds, in one PNG")
+def cmd_compare(args: argparse.Namespace) -> int:
+    from gptlab.runs import compare
+
+    for r in compare(args.runs, args.out):
+        best = f"{r.best_val_loss:.4f}" if r.best_val_loss is not None else "-"
+        print(f"{str(r.path):<40} step {r.step:>8,}  best val {best:>7}  {r.train_seconds:>8.1f} s of training")
+    print(f"validation curves: {args.out}")
+    return 0
+
+
+def add_compare(p: argparse.ArgumentParser) -> None:
+    p.add_argument("runs", nargs="+", help="run folders")
+    p.add_argument("--out", default="compare.png", help="the PNG to write (default compare.png)")
+
+
 @command("info", "one run's resolved settings, data, checkpoints and resumes")
 def cmd_info(args: argparse.Namespace) -> int:
     from gptlab.runs import describe
