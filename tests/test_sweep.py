@@ -113,6 +113,8 @@ CASES = [
     (["train", "--data", "{r}/data", "--run", "{r}/t", *TINY, "--nproc", "2", "--batch-size", "15"],
      "must be a multiple of the 2 processes"),
     (["train", "--data", "{r}/data", "--run", "{r}/data", *TINY], "is a prepared data folder"),
+    (["train", "--data", "{r}/data", "--run", "{r}/t", "--optimizer", "sgd"], "invalid choice: 'sgd'"),
+    (["train", "--data", "{r}/data", "--run", "{r}/t", "--optimizer", "muon", "--fsdp"], "optimizer muon"),
     (["train", "--data", "{r}/data", "--run", "{r}/textbin", *TINY], "not a gptlab run's"),
     (["train", "--data", "{r}/data", "--run", "{r}/t", "--device", "tpu"], "invalid choice: 'tpu'"),
     (["train", "--data", "{r}/data", "--run", "{r}/afile/sub", *TINY], "cannot create run folder"),

@@ -20,6 +20,7 @@ ARCHS = ("gpt", "bigram")
 PRECISIONS = ("auto", "fp32", "bf16")
 DEVICES = ("auto", "cpu", "cuda", "mps")
 TOKENIZERS = ("char", "bpe", "gpt2")
+OPTIMIZERS = ("adamw", "muon")
 
 
 def _check(ok: bool, message: str) -> None:
@@ -47,7 +48,8 @@ def _check_types(obj: Any) -> None:
         ok = isinstance(value, kind) and not (kind is int and isinstance(value, bool)) if isinstance(kind, type) \
             else isinstance(value, list) and all(isinstance(v, str) for v in value)
         if not ok:
-            what = {int: "an integer", float: "a number", bool: "true or false", str: "text"}.get(kind, "a list of text")
+            what = {int: "an integer", float: "a number", bool: "true or false", str: "text"}.get(kind,
+                                                                                                 "a list of text")
             raise GptlabError(f"{name} must be {what}, not {value!r}")
         if kind is float:
             _check(math.isfinite(value), f"{name} must be a finite number, not {value}")
@@ -138,6 +140,9 @@ class TrainConfig:
     spike_factor: float = setting(0.0, "stop when the loss stays above this multiple of its recent mean (0: off)")
     spike_patience: int = setting(3, "steps the loss must stay that high before the run stops")
     init_from: str = setting("", "start from this run's or Hugging Face GPT-2 folder's weights (fine-tuning)")
+    optimizer: str = setting("adamw", "adamw, or muon: Muon (orthogonalised momentum) for the blocks' matrices and "
+                                      "AdamW for embeddings, gains and biases", OPTIMIZERS)
+    muon_lr: float = setting(0.02, "peak learning rate of Muon's matrices (the schedule scales it like lr)")
 
     def __post_init__(self) -> None:
         _check_types(self)
@@ -158,6 +163,10 @@ class TrainConfig:
         _check(self.spike_patience >= 1, f"spike_patience must be >= 1, not {self.spike_patience}")
         _check_choice("precision", self.precision, PRECISIONS)
         _check_choice("device", self.device, DEVICES)
+        _check_choice("optimizer", self.optimizer, OPTIMIZERS)
+        _check(self.muon_lr > 0, f"muon_lr must be > 0, not {self.muon_lr}")
+        _check(not (self.optimizer == "muon" and self.fsdp), "optimizer muon orthogonalises whole matrices, which "
+               "FSDP splits across processes; use --optimizer adamw with --fsdp")
 
     @property
     def decay_steps(self) -> int:

@@ -46,7 +46,7 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, dataset
     NonFiniteLoss at once."""
     dist = dist or Parallel(device)
     for group in optimizer.param_groups:
-        group["lr"] = lr_at(step, cfg)
+        group["lr"] = lr_at(step, cfg) * group.get("lr_scale", 1.0)  # Muon's matrices: their own peak
     loss_sum = torch.zeros((), device=device)
     for micro in range(cfg.grad_accum):
         x, y = get_batch(dataset.train, cfg.batch_size, block_size, batch_generator(cfg.seed, step, micro))
