@@ -299,7 +299,8 @@ class Trainer:
                                self.precision, self.dist)
         self.val_loss = losses["val"]
         self.record({"kind": "eval", "step": self.progress.step, "train_loss": losses["train"],
-                     "val_loss": self.val_loss, "elapsed_s": round(time.perf_counter() - self.start, 3)})
+                     "val_loss": self.val_loss, "elapsed_s": round(time.perf_counter() - self.start, 3),
+                     "train_s": round(self.train_seconds, 3)})  # training steps alone, this session
         if self.dist.is_main:
             bar.write(f"step {self.progress.step}: train loss {losses['train']:.4f}, val loss {self.val_loss:.4f}")
         self.save(best=self.val_loss < self.progress.best_val_loss)

@@ -174,6 +174,23 @@ def bench_prepare(args: argparse.Namespace) -> int:
     return 0
 
 
+def add_bench_race(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--optimizers", nargs="+", choices=("adamw", "muon"), default=["adamw", "muon"],
+                   help="the default preset is raced once with each (default: adamw muon)")
+    p.add_argument("--target", type=float, help="validation loss to reach (default: the reference's final loss)")
+    p.add_argument("--eval-every", type=int, default=25, help="steps between evaluations (default 25)")
+
+
+@bench("race", "training time to reach the nanoGPT CPU recipe's final validation loss: the recipe itself (the "
+       "reference) beside the default preset with each optimizer, in one run", add_bench_race)
+def bench_race(args: argparse.Namespace) -> int:
+    from gptlab.bench.race import run_race
+
+    at_least(args, eval_every=1)
+    run_race(args.optimizers, target=args.target, eval_every=args.eval_every)
+    return 0
+
+
 @command("bench", "benchmarks that measure variants side by side in one run and print ratios and the machine's load")
 def cmd_bench(args: argparse.Namespace) -> int:
     return BENCHES[args.bench][1](args)

@@ -1,0 +1,33 @@
+"""`gptlab bench race`: the time to a target loss is read at the first evaluation under it, and the race table
+puts the reference first and names the fastest contender."""
+
+from gptlab.bench.race import run_race, time_to_target
+
+TINY_MODEL = dict(n_layer=1, n_head=2, n_embd=16, block_size=16, dropout=0.0)
+
+
+def test_time_to_target_is_the_training_time_of_the_first_evaluation_under_it():
+    history = [{"kind": "train", "step": 5, "loss": 2.0},
+               {"kind": "eval", "step": 10, "val_loss": 2.5, "train_s": 1.0},
+               {"kind": "eval", "step": 20, "val_loss": 1.9, "train_s": 2.1},
+               {"kind": "eval", "step": 30, "val_loss": 1.8, "train_s": 3.0}]
+    assert time_to_target(history, 2.0) == (20, 2.1)
+    assert time_to_target(history, 1.9) == (20, 2.1)  # at or under
+    assert time_to_target(history, 1.0) == (None, None)
+
+
+def test_a_small_race_prints_the_reference_first_and_a_headline(char_data, capsys):
+    reference = dict(model=TINY_MODEL, train=dict(batch_size=4, max_steps=30, lr=1e-3, min_lr=1e-4, warmup_steps=5,
+                                                  precision="fp32"))
+    changes = dict(model=TINY_MODEL, train=dict(batch_size=4, max_steps=30, lr=1e-2, warmup_steps=5))
+    laps = run_race(["adamw", "muon"], eval_every=5, data=char_data, reference=reference, changes=changes)
+    out = capsys.readouterr().out.splitlines()
+    assert [lap.name for lap in laps] == ["nanoGPT CPU recipe (reference)", "char-quick, adamw", "char-quick, muon"]
+    assert laps[0].steps_to_target == 30 or laps[0].steps_to_target % 5 == 0  # its own final loss: reached
+    assert out[0].startswith(f"race to validation loss {laps[0].final_val:.4f}")
+    assert out[2].startswith("nanoGPT CPU recipe (reference)") and out[2].rstrip().endswith("1.00x")
+    assert out[-1].startswith("headline: ")
+    reached = [lap for lap in laps[1:] if lap.seconds_to_target]
+    if reached:
+        fastest = min(reached, key=lambda lap: lap.seconds_to_target)
+        assert out[-1].startswith(f"headline: {fastest.name} reaches")
