@@ -26,7 +26,8 @@ import numpy as np
 import torch
 
 from gptlab.corpus import Source, collect_sources
-from gptlab.encoder import Piece, cores, encode_units, units
+from gptlab.encoder import Piece, encode_units, units
+from gptlab.machine import usable_cores
 from gptlab.errors import GptlabError
 from gptlab.readers import Scan, documents, scan_sources, val_documents
 from gptlab.tokenizer import Tokenizer, load as load_tokenizer, train_tokenizer
@@ -167,7 +168,7 @@ def prepare(paths: list[str], out_dir: str | Path, tokenizer: str = "char", voca
     with the same output as one. Everything is checked before anything is written; the files are written in
     a hidden folder and moved into place at the end (meta.json last), so a failure or Ctrl-C leaves the folder as
     it was. Returns the metadata; raises GptlabError on bad input or a full disk."""
-    workers = cores() if workers is None else workers
+    workers = usable_cores() if workers is None else workers
     if workers < 1:
         raise GptlabError(f"--workers must be at least 1, not {workers}")
     if not val_paths and not 0 < val_fraction < 1:

@@ -45,6 +45,7 @@ from gptlab import checkpoint as ck
 from gptlab import rundir
 from gptlab.config import ModelConfig
 from gptlab.errors import GptlabError
+from gptlab.machine import usable_cores
 from gptlab.fsdp import (InitRecorder, initialise_shards, local_part, named_tensors, shard_model,
                          write_shards)
 from gptlab.model import build_model
@@ -290,8 +291,7 @@ def launch(nproc: int, argv: list[str], max_restarts: int = 0, extra_env: dict[s
         raise GptlabError(f"--nproc must be at least 1, not {nproc}")
     env = {**os.environ, **(extra_env or {})}
     if "OMP_NUM_THREADS" not in env:
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-        env["OMP_NUM_THREADS"] = str(max(1, cores // nproc))
+        env["OMP_NUM_THREADS"] = str(max(1, usable_cores() // nproc))
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
                f"--max_restarts={max_restarts}", "-m", "gptlab", "--", *argv]  # "--": torchrun must not read ARGV
     return subprocess.run(command, env=env).returncode

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import itertools
 import multiprocessing
-import os
 import signal
 from collections import deque
 from collections.abc import Iterable, Iterator
@@ -21,11 +20,6 @@ Piece = tuple[int, str, bool]  # (side: 0 train / 1 val, text, end-of-text after
 Unit = list[Piece]
 
 _worker: dict[str, object] = {}
-
-
-def cores() -> int:
-    """The CPU cores this process may run on."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def units(pieces: Iterable[Piece], size: int | None = None) -> Iterator[Unit]:

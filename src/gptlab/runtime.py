@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from gptlab.errors import GptlabError
+from gptlab.machine import usable_cores
 
 log = logging.getLogger("gptlab")
 
@@ -67,10 +68,7 @@ def configure_matmul(device: torch.device, precision: str) -> None:
 def set_threads() -> None:
     """Use one intra-op thread per core this process may run on (torch's default counts hyper-threads)."""
     if "OMP_NUM_THREADS" not in os.environ:
-        try:
-            torch.set_num_threads(max(1, len(os.sched_getaffinity(0))))
-        except AttributeError:  # no sched_getaffinity on macOS
-            pass
+        torch.set_num_threads(max(1, usable_cores()))
 
 
 def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:

@@ -24,7 +24,7 @@ from pathlib import Path
 
 from gptlab.bench.timing import LoadWatch
 from gptlab.corpus import bundled_source, read_chunks
-from gptlab.encoder import cores
+from gptlab.machine import usable_cores
 from gptlab.tokenizer import load as load_tokenizer
 
 SHARD_BYTES = 64 << 20
@@ -153,7 +153,7 @@ def run_prepare_bench(sizes_mb: tuple[float, float], tokenizers: list[str], work
                       vocab_size: int = 4096) -> list[PrepareRow]:
     """Print one line per tokenizer and size, the machine's load, and last the GPT-2 tokenizer's share of the
     limit at the larger size and the peak memory at both sizes."""
-    workers = workers or cores()
+    workers = workers or usable_cores()
     os.environ["RAYON_NUM_THREADS"] = str(workers)  # tokenizers' batch encoding: as many threads as workers
     watch, rows = LoadWatch(), []
     with tempfile.TemporaryDirectory(prefix="gptlab-bench-prepare-") as tmp:

@@ -13,6 +13,8 @@ from typing import Any
 
 import torch
 
+from gptlab.machine import usable_cores
+
 BUSY_CPUS = 0.3  # other processes using more than this many CPUs' worth of time during a bench: a busy machine
 
 
@@ -116,14 +118,6 @@ def sample() -> Sample:
     return Sample(now, loadavg, busy, own, processes)
 
 
-def usable_cpus() -> int:
-    """CPUs this process may run on."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:
-        return os.cpu_count() or 1
-
-
 @dataclass
 class Load:
     """What the machine did while a bench ran, beside the bench itself."""
@@ -165,7 +159,7 @@ def load_since(start: Sample, end: Sample | None = None, top: int = 3) -> Load:
     """The machine's load from `start` to `end` (default: now)."""
     end = end or sample()
     seconds = max(end.wall - start.wall, 1e-9)
-    load = Load(end.loadavg, usable_cpus(), torch.get_num_threads(), seconds)
+    load = Load(end.loadavg, usable_cores(), torch.get_num_threads(), seconds)
     if None in (start.busy_ticks, end.busy_ticks, start.own_ticks, end.own_ticks):
         return load
     hz = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100

@@ -4,35 +4,22 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
-from typing import Any
 
-from gptlab.cli.common import Parser, at_least, command, data_dir_for
+from gptlab.cli.common import Subcommands, add_device, at_least, command, data_dir_for
 from gptlab.config import PRESETS, TOKENIZERS, ModelConfig, TrainConfig, build, get_preset
 from gptlab.errors import GptlabError
 
 
 # ---- bench -------------------------------------------------------------------------------------------------------
 
-BENCHES: dict[str, tuple[Any, Any, str]] = {}  # name -> (add flags, run, help)
-BENCH_DEVICES = ("auto", "cpu", "cuda", "mps")
+BENCHES = Subcommands("bench", "BENCH")
+bench = BENCHES  # the decorator that registers one
 # presets that name a GPT's shape (bigram has none; finetune only changes dropout)
 SHAPED_PRESETS = tuple(n for n, p in PRESETS.items() if "n_embd" in p.model and p.model.get("arch") != "bigram")
 
 
-def bench(name: str, help: str, add: Any):
-    def register(fn):
-        BENCHES[name] = (add, fn, help)
-        return fn
-    return register
-
-
-def add_bench_device(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--device", choices=BENCH_DEVICES, default="auto",
-                   help="where to measure; auto picks cuda, then mps, then cpu (default auto)")
-
-
 @bench("peak", "measure the device's matmul peak (fp32, bf16, tf32) and memory bandwidth, and the machine's load; "
-       "cached per device for MFU unless other work was running", add_bench_device)
+       "cached per device for MFU unless other work was running", add_device)
 def bench_peak(args: argparse.Namespace) -> int:
     from gptlab.bench.peak import run_peak
 
@@ -47,7 +34,7 @@ def add_bench_attention(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch-size", type=int, default=16, help="sequences per step (default 16)")
     p.add_argument("--steps", type=int, default=10, help="timed steps per variant (default 10)")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps per variant first (default 2)")
-    add_bench_device(p)
+    add_device(p)
 
 
 def add_bench_train(p: argparse.ArgumentParser) -> None:
@@ -92,7 +79,7 @@ def bench_attention(args: argparse.Namespace) -> int:
 
 
 def add_bench_generate(p: argparse.ArgumentParser) -> None:
-    add_bench_device(p)
+    add_device(p)
     p.add_argument("--new-tokens", type=int, default=256, help="tokens generated per row (default 256)")
     p.add_argument("--prompt-tokens", type=int, default=16, help="prompt length per row (default 16)")
     p.add_argument("--char-tokens", type=int, default=1000, help="tokens for the char model (0: skip it; default "
@@ -193,12 +180,10 @@ def bench_race(args: argparse.Namespace) -> int:
 
 @command("bench", "benchmarks that measure variants side by side in one run and print ratios and the machine's load")
 def cmd_bench(args: argparse.Namespace) -> int:
-    return BENCHES[args.bench][1](args)
+    return BENCHES.run(args)
 
 
 def add_bench(p: argparse.ArgumentParser) -> None:
-    sub = p.add_subparsers(dest="bench", metavar="BENCH", required=True, parser_class=Parser)
-    for name, (add, _, help) in BENCHES.items():
-        add(sub.add_parser(name, help=help, description=help))
+    BENCHES.add_to(p)
 
 

@@ -9,13 +9,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from gptlab.config import field_help, field_types, parse_value
+from gptlab.config import DEVICES, field_help, field_types, parse_value
 from gptlab.errors import GptlabError
 
 COMMANDS: dict[str, tuple[Any, str]] = {}  # name -> (function, help); its flags: the module's add_NAME
-DEVICES = ("auto", "cpu", "cuda", "mps")
-
-
 class Parser(argparse.ArgumentParser):
     """argparse that reports a usage error as one line (exit 2) instead of a usage dump."""
 
@@ -29,6 +26,29 @@ def command(name: str, help: str):
         COMMANDS[name] = (fn, help)
         return fn
     return register
+
+
+class Subcommands(dict):
+    """A verb's subcommands (`gptlab bench peak`, `gptlab inspect lens`): name -> (add its flags, run, help).
+    Used as a decorator, `@SUBCOMMANDS(name, help, add_flags)`, over the function that runs one."""
+
+    def __init__(self, dest: str, metavar: str):
+        super().__init__()
+        self.dest, self.metavar = dest, metavar
+
+    def __call__(self, name: str, help: str, add: Any):
+        def register(fn):
+            self[name] = (add, fn, help)
+            return fn
+        return register
+
+    def add_to(self, parser: argparse.ArgumentParser) -> None:
+        sub = parser.add_subparsers(dest=self.dest, metavar=self.metavar, required=True, parser_class=Parser)
+        for name, (add, _, help) in self.items():
+            add(sub.add_parser(name, help=help, description=help))
+
+    def run(self, args: argparse.Namespace) -> int:
+        return self[getattr(args, self.dest)][1](args)
 
 
 def add_config_flags(parser: argparse.ArgumentParser, cls: type, title: str) -> None:

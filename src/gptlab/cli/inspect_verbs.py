@@ -4,23 +4,16 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
-from typing import Any
 
-from gptlab.cli.common import Parser, announce, at_least, command, unescape
+from gptlab.cli.common import Subcommands, announce, at_least, command, unescape
 from gptlab.config import PRESETS, ModelConfig, SampleConfig, build, get_preset
 from gptlab.errors import GptlabError
 
 
 # ---- inspect -----------------------------------------------------------------------------------------------------
 
-INSPECTORS: dict[str, tuple[Any, Any, str]] = {}  # name -> (add flags, run, help)
-
-
-def inspector(name: str, help: str, add: Any):
-    def register(fn):
-        INSPECTORS[name] = (add, fn, help)
-        return fn
-    return register
+INSPECTORS = Subcommands("inspect", "WHAT")
+inspector = INSPECTORS  # the decorator that registers one
 
 
 def add_inspect_run(p: argparse.ArgumentParser, prompt: bool = True) -> None:
@@ -161,12 +154,10 @@ def inspect_model(args: argparse.Namespace) -> int:
 
 @command("inspect", "look inside a trained model: attention maps, the logit lens, contextual embeddings, anatomy")
 def cmd_inspect(args: argparse.Namespace) -> int:
-    return INSPECTORS[args.inspect][1](args)
+    return INSPECTORS.run(args)
 
 
 def add_inspect(p: argparse.ArgumentParser) -> None:
-    sub = p.add_subparsers(dest="inspect", metavar="WHAT", required=True, parser_class=Parser)
-    for name, (add, _, help) in INSPECTORS.items():
-        add(sub.add_parser(name, help=help, description=help))
+    INSPECTORS.add_to(p)
 
 
