@@ -19,13 +19,26 @@ def read_metrics(path: str | Path) -> list[dict]:
     return rows
 
 
-def plot_loss(metrics_path: str | Path, out_png: str | Path, title: str = "") -> Path | None:
-    """Train loss per logged step and the estimated train/val loss at each evaluation, as a PNG."""
+def pyplot():
+    """matplotlib's pyplot on the file-only backend (no display needed)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    return plt
+
+
+def _save(fig, out_png: str | Path) -> Path:
+    fig.tight_layout()
+    fig.savefig(out_png)
+    pyplot().close(fig)
+    return Path(out_png)
+
+
+def plot_loss(metrics_path: str | Path, out_png: str | Path, title: str = "") -> Path | None:
+    """Train loss per logged step and the estimated train/val loss at each evaluation, as a PNG."""
+    plt = pyplot()
     rows = read_metrics(metrics_path)
     steps = [r for r in rows if r.get("kind") == "train"]
     evals = [r for r in rows if r.get("kind") == "eval"]
@@ -42,39 +55,34 @@ def plot_loss(metrics_path: str | Path, out_png: str | Path, title: str = "") ->
     ax.set_title(title or "loss")
     ax.grid(alpha=0.3)
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(out_png)
-    plt.close(fig)
-    return Path(out_png)
+    return _save(fig, out_png)
 
 
-def validation_curve(rows: list[dict]) -> tuple[list[int], list[float], list[float]]:
-    """(steps, validation losses, seconds of training) of the evaluations in a run's metrics rows; each resumed
-    session's clock continues where the previous one stopped."""
-    steps, losses, seconds = [], [], []
-    offset, last = 0.0, 0.0
+def continued_clock(rows: list[dict]) -> list[tuple[dict, float]]:
+    """(row, seconds since the run began) for each metrics row that carries a time: each resumed session's clock
+    (elapsed_s starts again at 0) continues where the previous one stopped."""
+    out, offset, last = [], 0.0, 0.0
     for row in rows:
         elapsed = row.get("elapsed_s")
         if elapsed is None:
             continue
-        if elapsed < last:  # a resumed session: its clock started again at 0
+        if elapsed < last:  # a resumed session
             offset += last
         last = elapsed
-        if row.get("kind") == "eval":
-            steps.append(row["step"])
-            losses.append(row["val_loss"])
-            seconds.append(offset + elapsed)
-    return steps, losses, seconds
+        out.append((row, offset + elapsed))
+    return out
+
+
+def validation_curve(rows: list[dict]) -> tuple[list[int], list[float], list[float]]:
+    """(steps, validation losses, seconds since the run began) of the evaluations in a run's metrics rows."""
+    evals = [(row, seconds) for row, seconds in continued_clock(rows) if row.get("kind") == "eval"]
+    return [r["step"] for r, _ in evals], [r["val_loss"] for r, _ in evals], [s for _, s in evals]
 
 
 def plot_runs(curves: dict[str, tuple[list[int], list[float], list[float]]], out_png: str | Path) -> Path:
     """The validation loss of several runs ({name: validation_curve(...)}) against steps and against seconds,
     side by side, as one PNG."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, (by_step, by_time) = plt.subplots(1, 2, figsize=(11, 4.5), dpi=120, sharey=True)
     for name, (steps, losses, seconds) in curves.items():
         by_step.plot(steps, losses, "o-", ms=3, label=name)
@@ -85,7 +93,4 @@ def plot_runs(curves: dict[str, tuple[list[int], list[float], list[float]]], out
     for ax in (by_step, by_time):
         ax.grid(alpha=0.3)
     by_step.legend()
-    fig.tight_layout()
-    fig.savefig(out_png)
-    plt.close(fig)
-    return Path(out_png)
+    return _save(fig, out_png)

@@ -216,17 +216,11 @@ class RunSummary:
 
 
 def training_seconds(run: str | Path) -> float:
-    """Wall-clock seconds of training in metrics.jsonl, every session of the run added up (the clock restarts
-    at each resume)."""
-    from gptlab.plots import read_metrics
+    """Wall-clock seconds of training in metrics.jsonl, every session of the run added up."""
+    from gptlab.plots import continued_clock, read_metrics
 
-    total, last = 0.0, 0.0
-    for row in read_metrics(Path(run) / rundir.METRICS):
-        elapsed = row.get("elapsed_s", last)
-        if elapsed < last:  # a new session began
-            total += last
-        last = elapsed
-    return total + last
+    clock = continued_clock(read_metrics(Path(run) / rundir.METRICS))
+    return clock[-1][1] if clock else 0.0
 
 
 def summarize(run: str | Path) -> RunSummary:

@@ -1,6 +1,6 @@
 """The pictures made from a trace: attention maps (a layer × head grid or one map), the logit lens (a table for
 the terminal and a heatmap) and the contextual-embedding experiment (similarity against depth, PCA per layer).
-matplotlib is imported inside each function, with the Agg backend: nothing here needs a display."""
+matplotlib is imported when a picture is drawn (plots.pyplot, the Agg backend): nothing here needs a display."""
 
 from __future__ import annotations
 
@@ -10,22 +10,14 @@ from pathlib import Path
 import torch
 
 from gptlab.inspect.trace import Trace, pairwise_cosine, token_label
-
-
-def _pyplot():
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
+from gptlab.plots import pyplot
 
 
 def _save(fig, out: str | Path) -> Path:
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=100, bbox_inches="tight")
-    _pyplot().close(fig)
+    pyplot().close(fig)
     return out
 
 
@@ -47,7 +39,7 @@ def attention_png(tr: Trace, labels: Sequence[str], out: str | Path, layer: int 
     """Attention maps of the first row of the trace, query on the y axis, key on the x axis, as a PNG: every
     layer × head, or one layer's heads (layer), one head across layers (head), or one map at full size (both).
     Layers and heads count from 0. Returns the path."""
-    plt = _pyplot()
+    plt = pyplot()
     layers, heads = panels(tr, layer, head)
     T = tr.ids.size(1)
     cell = 6.0 if len(layers) * len(heads) == 1 else max(2.0, min(4.5, 0.11 * T))
@@ -92,7 +84,7 @@ def lens_table(lens: torch.Tensor, tokenizer, ids: Sequence[int], top: int = 1) 
 def lens_png(lens: torch.Tensor, labels: Sequence[str], tokenizer, out: str | Path) -> Path:
     """Heatmap of the probability, at every depth (rows) and position (columns), of the token the model finally
     predicts there; each cell is written with the lens's own top-1 token at that depth."""
-    plt = _pyplot()
+    plt = pyplot()
     probs = torch.softmax(lens[:, 0].float(), dim=-1)  # (depths, T, V)
     final = probs[-1].argmax(-1)  # (T,): the model's prediction at each position
     p_final = probs.gather(-1, final.expand(probs.size(0), -1)[..., None])[..., 0]  # (depths, T)
@@ -128,7 +120,7 @@ def pca_2d(x: torch.Tensor) -> torch.Tensor:
 def embeddings_png(reps: torch.Tensor, word: str, contexts: Sequence[str], out: str | Path) -> Path:
     """The contextual-embedding experiment: cosine similarity of the word's vectors between each pair of contexts
     at every depth (top), and the vectors projected on their first two principal components per depth (bottom)."""
-    plt = _pyplot()
+    plt = pyplot()
     sims = pairwise_cosine(reps)
     D, N = reps.size(0), reps.size(1)
     names = depth_names(D - 2)
