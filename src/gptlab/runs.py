@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 import sys
-from dataclasses import dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -262,13 +262,10 @@ def describe(run: str | Path) -> dict[str, Any]:
             problem = ck.verify(c.path)
             val = ck.read_state(c).get("val_loss") if problem is None else None
             checkpoints.append({"name": c.path.name, "step": c.step, "valid": problem or "valid", "val_loss": val})
-    return {"run": to_dict_summary(summarize(run)), "data": config.get("data") or config.get("imported_from"),
+    return {"run": asdict(summarize(run)), "data": config.get("data") or config.get("imported_from"),
             "model": config["model"], "train": config["train"], "checkpoints": checkpoints,
             "resumes": config.get("resumes", [])}
 
-
-def to_dict_summary(summary: RunSummary) -> dict[str, Any]:
-    return {f.name: getattr(summary, f.name) for f in fields(summary)}
 
 
 def compare(runs: list[str | Path], out_png: str | Path) -> list[RunSummary]:
