@@ -1,21 +1,17 @@
 """Text files -> token files -> batches of (x, y) windows.
 
-A token file is a 32-byte header (magic, version, bytes per token, token count) followed by the ids as uint16
-when the vocabulary fits, else uint32. `prepare` streams its inputs, so corpora larger than memory work. Batches
-are windows of block_size + 1 tokens cut at random offsets: x is the first block_size, y the same shifted by one,
+`prepare` streams its inputs, so corpora larger than memory work, into token files (see tokenfiles: shards, the
+manifest, resuming an interrupted prepare). Batches are windows of block_size + 1 tokens cut at random offsets: x is the first block_size, y the same shifted by one,
 so each window holds block_size next-token lessons. The offsets are a pure function of (seed, step, micro-step,
 rank), which makes training reproducible and resumable without storing the sampler.
 """
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import itertools
 import json
-import os
-import shutil
-import struct
+import sys
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -30,19 +26,16 @@ from gptlab.encoder import Piece, encode_units, units
 from gptlab.machine import usable_cores
 from gptlab.errors import GptlabError
 from gptlab.readers import Scan, documents, scan_sources, val_documents
+from gptlab.tokenfiles import (CHECKPOINT_UNITS, HEADER, MAGIC, SHARD_TOKENS, SPLITS, VERSION, ShardedTokens, ShardWriter,  # noqa: F401
+                               Staging, TokenWriter, read_split, read_tokens)
 from gptlab.tokenizer import Tokenizer, load as load_tokenizer, train_tokenizer
-
-MAGIC = b"GPTLABTK"
-VERSION = 1
-HEADER = struct.Struct("<8sIIQ8x")  # magic, version, bytes per token, token count, padding: 32 bytes
-
 
 def folder_kind(path: str | Path) -> str | None:
     """What a folder holds, for refusing to write one kind of thing over another: "run" (a gptlab run: its
     config.json has model and train settings), "data" (a prepared data folder), "hf" (another config.json, e.g.
     a Hugging Face model), or None."""
     path = Path(path)
-    if (path / "meta.json").is_file() and (path / "train.bin").is_file():
+    if (path / "meta.json").is_file() and ((path / "train.bin").is_file() or any(path.glob("train-*.bin"))):
         return "data"
     if (path / "config.json").is_file():
         try:
@@ -51,59 +44,6 @@ def folder_kind(path: str | Path) -> str | None:
             return "hf"
         return "run" if isinstance(config, dict) and {"model", "train"} <= set(config) else "hf"
     return None
-
-
-class TokenWriter:
-    """Appends ids to a token file: the header's count is filled in by `close`."""
-
-    def __init__(self, path: Path, vocab_size: int):
-        self.path = path
-        self.dtype = np.dtype(np.uint16 if vocab_size <= 1 << 16 else np.uint32)
-        self.vocab_size = vocab_size
-        self.count = 0
-        self.sha = hashlib.sha256()
-        self.file = open(path, "wb")
-        self.file.write(HEADER.pack(MAGIC, VERSION, self.dtype.itemsize, 0))
-
-    def write(self, ids: list[int] | np.ndarray) -> None:
-        if len(ids) == 0:
-            return
-        array = np.asarray(ids, dtype=np.int64)
-        if array.min() < 0 or array.max() >= self.vocab_size:  # a tokenizer bug, never the user's input
-            raise ValueError(f"token id outside the vocabulary of {self.vocab_size}")
-        body = array.astype(self.dtype).tobytes()
-        self.sha.update(body)
-        self.file.write(body)
-        self.count += len(ids)
-
-    def close(self) -> None:
-        self.file.seek(0)
-        self.file.write(HEADER.pack(MAGIC, VERSION, self.dtype.itemsize, self.count))
-        self.file.flush()
-        os.fsync(self.file.fileno())
-        self.file.close()
-
-
-def read_tokens(path: str | Path) -> np.ndarray:
-    """The ids in a token file, memory-mapped; raises GptlabError when the file is missing or damaged."""
-    path = Path(path)
-    if not path.is_file():
-        raise GptlabError(f"token file {path} is missing; run `gptlab prepare` first")
-    size = path.stat().st_size
-    with open(path, "rb") as f:
-        head = f.read(HEADER.size)
-    if len(head) < HEADER.size or head[:8] != MAGIC:
-        raise GptlabError(f"{path} is not a gptlab token file; run `gptlab prepare` to make one")
-    _, version, itemsize, count = HEADER.unpack(head)
-    if version != VERSION or itemsize not in (2, 4):
-        raise GptlabError(f"{path} has token-file version {version} / width {itemsize}, which this gptlab cannot read")
-    if size != HEADER.size + itemsize * count:
-        raise GptlabError(f"{path} is truncated or damaged: the header says {count} tokens but the file holds "
-                          f"{(size - HEADER.size) // itemsize}; run `gptlab prepare` again")
-    if count == 0:
-        return np.zeros(0, dtype=np.uint16)
-    return np.memmap(path, dtype=np.uint16 if itemsize == 2 else np.uint32, mode="r", offset=HEADER.size,
-                     shape=(count,))
 
 
 def _progress(sources: list[Source], desc: str, quiet: bool) -> Any:
@@ -157,7 +97,7 @@ def prepare(paths: list[str], out_dir: str | Path, tokenizer: str = "char", voca
             val_fraction: float = 0.1, encoding: str = "utf-8", quiet: bool = False, allow_special: bool = False,
             tokenizer_from: str | Path | None = None, text_field: str = "text", include: list[str] | None = None,
             exclude: list[str] | None = None, strict: bool = False, val_paths: list[str] | None = None,
-            seed: int = 0, workers: int | None = None) -> dict[str, Any]:
+            seed: int = 0, workers: int | None = None, shard_tokens: int = SHARD_TOKENS) -> dict[str, Any]:
     """Tokenize files and folders (default: the bundled Tiny Shakespeare; see corpus.collect_sources and
     readers.documents for what is read) into `out_dir`/{train,val}.bin, tokenizer.json and meta.json, with a new
     tokenizer of kind `tokenizer` or the one of `tokenizer_from` (a run or data folder). Every document ends with
@@ -165,12 +105,16 @@ def prepare(paths: list[str], out_dir: str | Path, tokenizer: str = "char", voca
     given, else whole documents chosen by `seed` (see readers.val_documents), else (fewer than 1 / val_fraction
     documents) the last val_fraction of the characters. Files found in folders that cannot be read are skipped and
     listed in the metadata (refused with `strict`). `workers` processes encode (default: the cores available),
-    with the same output as one. Everything is checked before anything is written; the files are written in
-    a hidden folder and moved into place at the end (meta.json last), so a failure or Ctrl-C leaves the folder as
-    it was. Returns the metadata; raises GptlabError on bad input or a full disk."""
+    with the same output as one. Each split is written in shards of at most `shard_tokens` ids (see tokenfiles).
+    Everything is checked before anything is written; the files are written in a hidden staging folder and moved
+    into place at the end (meta.json last), so a failure or Ctrl-C leaves the prepared folder as it was; the
+    staging folder keeps the last checkpoint, and the same call again resumes from it. Returns the metadata;
+    raises GptlabError on bad input or a full disk."""
     workers = usable_cores() if workers is None else workers
     if workers < 1:
         raise GptlabError(f"--workers must be at least 1, not {workers}")
+    if shard_tokens < 1:
+        raise GptlabError(f"--shard-tokens must be at least 1, not {shard_tokens}")
     if not val_paths and not 0 < val_fraction < 1:
         raise GptlabError(f"val_fraction must be in (0, 1): training needs a validation split, not {val_fraction}")
     out = Path(out_dir)
@@ -198,16 +142,37 @@ def prepare(paths: list[str], out_dir: str | Path, tokenizer: str = "char", voca
             for doc in documents(source, encoding, text_field):
                 yield from doc
 
-    tok: Tokenizer = fixed or _interruptible(lambda: train_tokenizer(
-        tokenizer, [scan.chars] if tokenizer == "char" else all_chunks(), vocab_size))
     held = val_documents(scan, val_fraction, seed)
     split = {"split": "characters" if held is None else "validation files" if val_paths else "documents",
              "val_fraction": None if val_paths else val_fraction, "seed": seed,
              "val_documents": None if held is None else int(held.sum()),
              "skipped_folders": len(pruned), "skipped_files": len(scan.skipped), "skipped": scan.skipped[:20]}
-    encode = {"held": held, "encoding": encoding, "text_field": text_field, "quiet": quiet,
-              "allow_special": allow_special, "workers": workers}
-    return _write_prepared(out, scan, tok, val_fraction, split, encode)
+    settings = {"tokenizer": fixed.to_dict() if fixed else [tokenizer, vocab_size], "encoding": encoding,
+                "text_field": text_field, "allow_special": allow_special, "shard_tokens": shard_tokens,
+                "val_fraction": val_fraction, "held": None if held is None else hashlib.sha256(held).hexdigest()}
+    with Staging(out, _fingerprint(scan, settings)) as stage:
+        tok: Tokenizer = fixed or stage.tokenizer() or _interruptible(lambda: train_tokenizer(
+            tokenizer, [scan.chars] if tokenizer == "char" else all_chunks(), vocab_size))
+        encode = {"held": held, "encoding": encoding, "text_field": text_field, "quiet": quiet,
+                  "allow_special": allow_special, "workers": workers}
+        try:
+            tok.save(stage.path / "tokenizer.json")
+            split_at = int(scan.total * (1 - val_fraction))
+            writers, written = _encode_split(scan.sources, tok, stage, split_at, shard_tokens, **encode)
+            meta = {"format_version": VERSION, "tokenizer": tok.kind, "vocab_size": tok.vocab_size,
+                    "dtype": "uint16" if tok.vocab_size <= 1 << 16 else "uint32", **written, **split,
+                    "shard_tokens": shard_tokens, "encoding": encoding, "text_field": text_field,
+                    "documents": sum(d["documents"] for d in scan.described), "sources": scan.described}
+            return stage.commit(writers, meta)
+        except OSError as exc:
+            raise GptlabError(f"cannot write the token files in {out}: {exc.strerror}; free some space or fix the "
+                              "permissions (the prepared folder was not changed)") from None
+
+
+def _fingerprint(scan: Scan, settings: dict[str, Any]) -> str:
+    """What makes two prepares the same, so that one may resume the other: the inputs' bytes and the settings."""
+    what = {"version": VERSION, "sources": [[d["path"], d["sha256"]] for d in scan.described], **settings}
+    return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()
 
 
 def _check_not_empty(scan: Scan, sources: list[Source], what: str) -> None:
@@ -217,40 +182,6 @@ def _check_not_empty(scan: Scan, sources: list[Source], what: str) -> None:
             if n else ""
         shown = ", ".join(s.name for s in sources[:5]) + (" ..." if len(sources) > 5 else "")
         raise GptlabError(f"the {what} ({shown}) is empty; give a file with text in it{skipped}")
-
-
-def _write_prepared(out: Path, scan: Scan, tok: Tokenizer, val_fraction: float, split: dict[str, Any],
-                    encode: dict[str, Any]) -> dict[str, Any]:
-    """Second pass: encode into a hidden staging folder inside `out`, then move the files into place."""
-    created = not out.exists()
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise GptlabError(f"cannot create output folder {out}: {exc.strerror}") from None
-    stage = out / f".prepare-{os.getpid()}"
-    committed = False
-    try:
-        stage.mkdir()
-        split_at = int(scan.total * (1 - val_fraction))
-        written = _encode_split(scan.sources, tok, stage, split_at, **encode)
-        tok.save(stage / "tokenizer.json")
-        meta = {"format_version": VERSION, "tokenizer": tok.kind, "vocab_size": tok.vocab_size,
-                "dtype": "uint16" if tok.vocab_size <= 1 << 16 else "uint32", **written, **split,
-                "encoding": encode["encoding"], "text_field": encode["text_field"],
-                "documents": sum(d["documents"] for d in scan.described), "sources": scan.described}
-        (stage / "meta.json").write_text(json.dumps(meta, indent=2))
-        (out / "meta.json").unlink(missing_ok=True)  # a half-replaced folder is never taken for a prepared one
-        for name in ("train.bin", "val.bin", "tokenizer.json", "meta.json"):
-            os.replace(stage / name, out / name)
-        committed = True
-        return meta
-    except OSError as exc:
-        raise GptlabError(f"cannot write the token files in {out}: {exc.strerror}; free some space or fix the "
-                          "permissions (nothing was changed)") from None
-    finally:
-        shutil.rmtree(stage, ignore_errors=True)
-        if created and not committed:
-            shutil.rmtree(out, ignore_errors=True)
 
 
 def _pieces(sources: list[Source], split_at: int, held: np.ndarray | None, encoding: str, text_field: str,
@@ -277,28 +208,54 @@ def _pieces(sources: list[Source], split_at: int, held: np.ndarray | None, encod
             yield int(position > split_at) if side is None else side, "", True
 
 
-def _encode_split(sources: list[Source], tok: Tokenizer, out: Path, split_at: int, held: np.ndarray | None,
-                  encoding: str, text_field: str, quiet: bool, allow_special: bool, workers: int) -> dict[str, Any]:
-    """Encode everything into train.bin and val.bin (see `_pieces`) in `workers` processes."""
-    writers = [TokenWriter(out / "train.bin", tok.vocab_size), TokenWriter(out / "val.bin", tok.vocab_size)]
+def _encode_split(sources: list[Source], tok: Tokenizer, stage: Staging, split_at: int, shard_tokens: int,
+                  held: np.ndarray | None, encoding: str, text_field: str, quiet: bool, allow_special: bool,
+                  workers: int) -> tuple[list[ShardWriter], dict[str, Any]]:
+    """Encode everything into the train and val shards (see `_pieces`) in `workers` processes, from the staging
+    folder's checkpoint when it has one: the units before it are read again (to count characters and find the
+    place) but not encoded."""
+    writers, done = _writers(stage, tok, shard_tokens, quiet)
     chars = [0, 0]
     try:
         with _progress(sources, "encode", quiet) as bar:
             stream = units(_pieces(sources, split_at, held, encoding, text_field, bar, chars))
+            for _ in itertools.islice(stream, done):
+                pass
             for ids in encode_units(tok, stream, workers, allow_special):
                 for writer, part in zip(writers, ids):
                     writer.write(part)
-                tokens = writers[0].count + writers[1].count
+                done += 1
+                if any(w.completed for w in writers) or done % CHECKPOINT_UNITS == 0:
+                    stage.checkpoint(done, writers)
+                tokens = writers[0].tokens + writers[1].tokens
                 bar.set_postfix_str(f"{tokens / max(bar.format_dict['elapsed'], 1e-9):,.0f} tokens/s", refresh=False)
     except BaseException:
         for w in writers:
-            with contextlib.suppress(OSError):
-                w.file.close()
+            w.abandon()
         raise
-    for w in writers:
-        w.close()
-    return {"train_tokens": writers[0].count, "val_tokens": writers[1].count, "train_chars": chars[0],
-            "val_chars": chars[1], "train_sha256": writers[0].sha.hexdigest(), "val_sha256": writers[1].sha.hexdigest()}
+    return writers, {"train_tokens": writers[0].tokens, "val_tokens": writers[1].tokens, "train_chars": chars[0],
+                     "val_chars": chars[1]}
+
+
+def _writers(stage: Staging, tok: Tokenizer, shard_tokens: int, quiet: bool) -> tuple[list[ShardWriter], int]:
+    """The two splits' shard writers, and the units already in them: from the checkpoint when its files are
+    whole, else new (and the staging folder emptied)."""
+    if stage.progress is not None:
+        try:
+            saved = stage.progress["splits"]
+            if not all((stage.path / e["file"]).is_file() for s in saved for e in s["closed"]):
+                raise ValueError("a complete shard is missing")
+            writers = [ShardWriter(stage.path, name, tok.vocab_size, shard_tokens, s["closed"], s["open_tokens"])
+                       for name, s in zip(SPLITS, saved)]
+            if not quiet:
+                print(f"resuming the prepare interrupted in {stage.path}: {writers[0].tokens + writers[1].tokens:,} "
+                      f"tokens already written, {sum(len(w.closed) for w in writers)} complete shards",
+                      file=sys.stderr)
+            return writers, int(stage.progress["units_done"])
+        except (OSError, ValueError, KeyError, TypeError):
+            stage.reset()
+            tok.save(stage.path / "tokenizer.json")
+    return [ShardWriter(stage.path, name, tok.vocab_size, shard_tokens) for name in SPLITS], 0
 
 
 @dataclass
@@ -306,8 +263,8 @@ class Dataset:
     """A prepared data folder: the two splits, the tokenizer and the metadata."""
 
     path: Path
-    train: np.ndarray
-    val: np.ndarray
+    train: np.ndarray | ShardedTokens
+    val: np.ndarray | ShardedTokens
     tokenizer: Tokenizer
     meta: dict[str, Any]
 
@@ -327,7 +284,7 @@ def load_dataset(data_dir: str | Path) -> Dataset:
         raise GptlabError(f"{path / 'meta.json'} is damaged; run `gptlab prepare` again") from None
     if not isinstance(meta, dict):
         raise GptlabError(f"{path / 'meta.json'} is damaged; run `gptlab prepare` again")
-    train, val = read_tokens(path / "train.bin"), read_tokens(path / "val.bin")
+    train, val = read_split(path, meta, "train"), read_split(path, meta, "val")
     if (meta.get("train_tokens"), meta.get("val_tokens")) != (len(train), len(val)):
         raise GptlabError(f"the token files in {path} do not match its meta.json ({len(train)} / {len(val)} tokens, "
                           f"meta.json says {meta.get('train_tokens')} / {meta.get('val_tokens')}); run `gptlab "
@@ -341,12 +298,15 @@ def batch_generator(seed: int, step: int, micro: int = 0, rank: int = 0) -> torc
     return torch.Generator().manual_seed(mixed & 0x7FFF_FFFF_FFFF_FFFF)
 
 
-def get_batch(tokens: np.ndarray, batch_size: int, block_size: int,
+def get_batch(tokens: np.ndarray | ShardedTokens, batch_size: int, block_size: int,
               generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
     """`batch_size` random windows: x (B, T) and y (B, T) = x shifted left by one, as int64."""
     if len(tokens) < block_size + 1:
         raise GptlabError(f"the split has {len(tokens)} tokens, fewer than block_size + 1 = {block_size + 1}; "
                           "use a longer corpus or a smaller --block-size")
     starts = torch.randint(len(tokens) - block_size, (batch_size,), generator=generator).numpy()
-    windows = torch.from_numpy(tokens[starts[:, None] + np.arange(block_size + 1)].astype(np.int64))  # (B, T+1)
+    if isinstance(tokens, ShardedTokens):  # the same windows as one file would give: shards are one stream
+        windows = torch.from_numpy(tokens.windows(starts, block_size + 1).astype(np.int64))  # (B, T+1)
+    else:
+        windows = torch.from_numpy(tokens[starts[:, None] + np.arange(block_size + 1)].astype(np.int64))  # (B, T+1)
     return windows[:, :-1], windows[:, 1:]

@@ -9,6 +9,7 @@ from pathlib import Path
 from gptlab.cli.common import add_config_flags, add_device, announce, command, overrides, unescape
 from gptlab.config import DEFAULT_PRESET, PRESETS, TOKENIZERS, ModelConfig, SampleConfig, TrainConfig, build
 from gptlab.errors import GptlabError
+from gptlab.tokenfiles import SHARD_TOKENS
 from gptlab.tokenizer import EOT
 
 
@@ -22,11 +23,15 @@ def cmd_prepare(args: argparse.Namespace) -> int:
     out = Path(args.out) if args.out else default_data_dir(args.tokenizer)
     meta = prepare(args.paths, out, args.tokenizer, args.vocab_size, args.val_fraction, args.encoding, args.quiet,
                    args.allow_special, args.tokenizer_from, args.text_field, args.include, args.exclude, args.strict,
-                   args.val, args.seed, args.workers)
+                   args.val, args.seed, args.workers, args.shard_tokens)
     held = "split by characters" if meta["split"] == "characters" else f"{meta['val_documents']:,} held out"
     print(f"prepared {out}: {meta['train_tokens']:,} train + {meta['val_tokens']:,} val tokens from "
           f"{meta['documents']:,} document{'s' * (meta['documents'] != 1)} ({held}), {meta['tokenizer']} tokenizer "
           f"with {meta['vocab_size']:,} ids ({meta['dtype']})")
+    shards = {split: len(meta["shards"][split]) for split in ("train", "val")}
+    if max(shards.values()) > 1:
+        print(f"in {shards['train']:,} train and {shards['val']:,} val shards of at most {args.shard_tokens:,} tokens, "
+              f"listed with their sha256 in {out / 'meta.json'}")
     folders, files = meta["skipped_folders"], meta["skipped_files"]
     if folders:
         print(f"skipped {folders:,} hidden or __pycache__ folder{'s' * (folders != 1)}")
@@ -68,6 +73,9 @@ def add_prepare(p: argparse.ArgumentParser) -> None:
     p.add_argument("--encoding", default="utf-8", help="text encoding of the inputs (default utf-8)")
     p.add_argument("--workers", type=int, metavar="N", help="processes that encode, with the same token files as "
                    "one (default: the cores available)")
+    p.add_argument("--shard-tokens", type=int, default=SHARD_TOKENS, metavar="N", help="token ids per token file: "
+                   "each split is written in shards of at most N, which training reads as one stream (default "
+                   f"{SHARD_TOKENS:,}); an interrupted prepare resumes from its last checkpoint when run again")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
 
 

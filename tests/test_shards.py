@@ -1,0 +1,180 @@
+"""Sharded token files (tokenfiles.py): a split in several files trains exactly as one file, the manifest is
+checked, and an interrupted prepare resumes from its last checkpoint to the same bytes as an uninterrupted one."""
+
+import fcntl
+import hashlib
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from gptlab import encoder, tokenfiles
+from gptlab.cli import main
+from gptlab.data import batch_generator, get_batch, load_dataset, prepare
+from gptlab.errors import GptlabError
+from gptlab.tokenfiles import STAGE, ShardedTokens, Staging, read_tokens
+
+DOCS = [f"Doc {i}: {'the quick brown fox ' * (3 + i % 7)}jumps {i} times.\n" for i in range(300)]
+
+
+@pytest.fixture
+def corpus(tmp_path: Path) -> Path:
+    folder = tmp_path / "corpus"
+    folder.mkdir()
+    for i, text in enumerate(DOCS):
+        (folder / f"{i:03d}.txt").write_text(text)
+    return folder
+
+
+@pytest.fixture(autouse=True)
+def small_units(monkeypatch):
+    monkeypatch.setattr(encoder, "UNIT_CHARS", 2000)  # many units, so that checkpoints fall inside the corpus
+
+
+def tree(folder: Path) -> dict[str, str]:
+    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def test_a_sharded_split_is_the_one_file_split_cut_in_pieces_and_trains_the_same(tmp_path, corpus):
+    whole = prepare([str(corpus)], tmp_path / "whole", "bpe", 300, quiet=True, workers=1)
+    cut = prepare([str(corpus)], tmp_path / "cut", "bpe", 300, quiet=True, workers=1, shard_tokens=997)
+    assert len(whole["shards"]["train"]) == 1 and whole["shards"]["train"][0]["file"] == "train.bin"
+    assert len(cut["shards"]["train"]) == -(-cut["train_tokens"] // 997) > 3
+    for entry in cut["shards"]["train"] + cut["shards"]["val"]:  # every shard full but the last, its hash listed
+        ids = read_tokens(tmp_path / "cut" / entry["file"])
+        assert len(ids) == entry["tokens"] and entry["sha256"] == hashlib.sha256(ids.tobytes()).hexdigest()
+    assert all(e["tokens"] == 997 for e in cut["shards"]["train"][:-1])
+    one, many = load_dataset(tmp_path / "whole"), load_dataset(tmp_path / "cut")
+    assert isinstance(many.train, ShardedTokens) and isinstance(one.train, np.ndarray)
+    assert np.array_equal(np.asarray(many.train), one.train) and many.val.tolist() == one.val.tolist()
+    assert many.train[990:1010].tolist() == one.train[990:1010].tolist() and many.train[-1] == one.train[-1]
+    for step in range(20):  # windows across shard boundaries included: the same batches, draw for draw
+        a = get_batch(one.train, 16, 64, batch_generator(0, step))
+        b = get_batch(many.train, 16, 64, batch_generator(0, step))
+        assert all(np.array_equal(x, y) for x, y in zip(a, b))
+
+
+def test_one_and_two_workers_write_byte_identical_shards(tmp_path, corpus):
+    prepare([str(corpus)], tmp_path / "w1", "bpe", 300, quiet=True, workers=1, shard_tokens=1500)
+    prepare([str(corpus)], tmp_path / "w2", "bpe", 300, quiet=True, workers=2, shard_tokens=1500)
+    assert tree(tmp_path / "w1") == tree(tmp_path / "w2") and len(tree(tmp_path / "w1")) > 6
+
+
+class Stop(KeyboardInterrupt):
+    pass
+
+
+def interrupt_after(monkeypatch, checkpoints: int) -> None:
+    """Ctrl-C right after the n-th checkpoint is on disk, in the middle of the next unit's writing."""
+    real, calls = Staging.checkpoint, []
+
+    def checkpoint(self, units_done, writers):
+        real(self, units_done, writers)
+        calls.append(units_done)
+        if len(calls) == checkpoints:
+            writers[0].write(np.arange(50) % 30)  # half-written work after the checkpoint: must be dropped
+            raise Stop()
+    monkeypatch.setattr(Staging, "checkpoint", checkpoint)
+
+
+def test_an_interrupted_prepare_resumes_from_its_checkpoint_to_the_same_bytes(tmp_path, corpus, monkeypatch, capsys):
+    prepare([str(corpus)], tmp_path / "straight", "bpe", 300, quiet=True, workers=1, shard_tokens=1000)
+    out = tmp_path / "resumed"
+    with monkeypatch.context() as m:
+        interrupt_after(m, 3)
+        with pytest.raises(Stop):
+            prepare([str(corpus)], out, "bpe", 300, quiet=True, workers=1, shard_tokens=1000)
+    assert not (out / "meta.json").exists() and sorted(p.name for p in out.iterdir()) == [STAGE]
+    progress = json.loads((out / STAGE / "progress.json").read_text())
+    for split in progress["splits"]:  # what looks complete is complete: its header, its count, its hash
+        for entry in split["closed"]:
+            ids = read_tokens(out / STAGE / entry["file"])
+            assert len(ids) == entry["tokens"] == 1000 and entry["sha256"] == hashlib.sha256(ids.tobytes()).hexdigest()
+    assert not [p for p in (out / STAGE).glob("*.bin") if p.name not in
+                {e["file"] for s in progress["splits"] for e in s["closed"]}]  # the open shard is still .part
+    encoded = []
+    real = encoder.encode_unit
+    monkeypatch.setattr(encoder, "encode_unit", lambda *a: encoded.append(1) or real(*a))
+    meta = prepare([str(corpus)], out, "bpe", 300, quiet=False, workers=1, shard_tokens=1000)
+    assert "resuming the prepare interrupted" in capsys.readouterr().err
+    total = len(list(encoder.units(iter([(0, d, True) for d in DOCS]))))
+    assert 0 < len(encoded) < total - progress["units_done"] + 2  # only what came after the checkpoint
+    assert tree(out) == tree(tmp_path / "straight") and meta["train_tokens"] > 3000
+
+
+def test_a_resume_over_changed_inputs_starts_over(tmp_path, corpus, monkeypatch):
+    out = tmp_path / "out"
+    with monkeypatch.context() as m:
+        interrupt_after(m, 2)
+        with pytest.raises(Stop):
+            prepare([str(corpus)], out, "char", quiet=True, workers=1, shard_tokens=1000)
+    (corpus / "000.txt").write_text("a different first document\n")
+    prepare([str(corpus)], out, "char", quiet=True, workers=1, shard_tokens=1000)
+    prepare([str(corpus)], tmp_path / "fresh", "char", quiet=True, workers=1, shard_tokens=1000)
+    assert tree(out) == tree(tmp_path / "fresh")
+
+
+def test_a_resume_whose_open_shard_was_lost_starts_over(tmp_path, corpus, monkeypatch):
+    out = tmp_path / "out"
+    with monkeypatch.context() as m:
+        interrupt_after(m, 2)
+        with pytest.raises(Stop):
+            prepare([str(corpus)], out, "char", quiet=True, workers=1, shard_tokens=1000)
+    for part in (out / STAGE).glob("*.part"):
+        part.write_bytes(b"")
+    prepare([str(corpus)], out, "char", quiet=True, workers=1, shard_tokens=1000)
+    prepare([str(corpus)], tmp_path / "fresh", "char", quiet=True, workers=1, shard_tokens=1000)
+    assert tree(out) == tree(tmp_path / "fresh")
+
+
+def test_a_second_prepare_into_the_same_folder_is_refused_while_one_writes(tmp_path, corpus):
+    out = tmp_path / "out"
+    (out / STAGE).mkdir(parents=True)
+    with open(out / STAGE / "lock", "a+") as held:
+        fcntl.flock(held.fileno(), fcntl.LOCK_EX)
+        with pytest.raises(GptlabError, match="another `gptlab prepare` is writing"):
+            prepare([str(corpus)], out, "char", quiet=True, workers=1)
+    assert sorted(p.name for p in (out / STAGE).iterdir()) == ["lock"]
+
+
+def test_preparing_again_with_fewer_shards_leaves_no_stale_shard(tmp_path, corpus):
+    out = tmp_path / "out"
+    prepare([str(corpus)], out, "char", quiet=True, workers=1, shard_tokens=800)
+    assert len(list(out.glob("train-*.bin"))) > 5
+    prepare([str(corpus)], out, "char", quiet=True, workers=1)
+    assert sorted(p.name for p in out.iterdir()) == ["meta.json", "tokenizer.json", "train.bin", "val.bin"]
+    assert len(load_dataset(out).train) == json.loads((out / "meta.json").read_text())["train_tokens"]
+
+
+def test_folders_from_before_shards_still_load(char_data):
+    meta = json.loads((char_data / "meta.json").read_text())
+    meta.pop("shards", None)
+    (char_data / "meta.json").write_text(json.dumps(meta))
+    ds = load_dataset(char_data)
+    assert len(ds.train) == meta["train_tokens"] and len(ds.val) == meta["val_tokens"]
+
+
+@pytest.mark.parametrize("entry", [{"file": "../train.bin", "tokens": 5}, {"file": "train-00000.bin", "tokens": 5},
+                                   "train.bin"])
+def test_a_damaged_manifest_is_refused_in_one_line(tmp_path, corpus, entry):
+    out = tmp_path / "out"
+    prepare([str(corpus)], out, "char", quiet=True, workers=1)
+    meta = json.loads((out / "meta.json").read_text())
+    meta["shards"]["train"] = [entry]
+    (out / "meta.json").write_text(json.dumps(meta))
+    with pytest.raises(GptlabError, match="run `gptlab prepare` again|token file .* is missing"):
+        load_dataset(out)
+
+
+def test_the_cli_reports_the_shards_and_trains_on_them(tmp_path, corpus, capsys):
+    data, run = tmp_path / "d", tmp_path / "r"
+    assert main(["prepare", str(corpus), "--out", str(data), "--shard-tokens", "3000", "--quiet"]) == 0
+    assert "train and 2 val shards of at most 3,000 tokens" in capsys.readouterr().out
+    assert main(["train", "--data", str(data), "--run", str(run), "--preset", "char-quick", "--max-steps", "3",
+                 "--n-layer", "1", "--n-embd", "32", "--n-head", "2", "--block-size", "32", "--eval-interval", "3",
+                 "--eval-batches", "2", "--quiet"]) == 0
+    assert main(["eval", "--run", str(run), "--data", str(data)]) == 0
+    assert main(["prepare", str(corpus), "--out", str(tmp_path / "x"), "--shard-tokens", "0"]) == 2
+    assert "--shard-tokens must be at least 1" in capsys.readouterr().err
