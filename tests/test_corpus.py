@@ -234,3 +234,22 @@ def test_workers_give_byte_identical_token_files(tmp_path, monkeypatch):
     assert made[1]["train_tokens"] > 5000
     with pytest.raises(GptlabError, match="--workers must be at least 1, not 0"):
         prepare([str(shards)], tmp_path / "w0", quiet=True, workers=0)
+
+
+def test_the_encoding_bar_of_compressed_inputs_knows_its_total(tmp_path, monkeypatch):
+    """A compressed file's text size is unknown until read: the scan counts it, so the encoding pass (the long one)
+    can show the time left."""
+    import tqdm
+
+    totals = {}
+    real = tqdm.tqdm
+
+    def recording(*args, **kwargs):
+        totals[kwargs.get("desc")] = kwargs.get("total")
+        return real(*args, **kwargs)
+    monkeypatch.setattr(tqdm, "tqdm", recording)
+    write_jsonl(tmp_path / "part.jsonl.gz", fineweb_records(), gzip.open)
+    meta = prepare([str(tmp_path / "part.jsonl.gz")], tmp_path / "out", "char", quiet=True, workers=1)
+    assert totals["scan"] is None  # the rate alone while scanning
+    assert totals["encode"] == meta["sources"][0]["bytes"] == len(gzip.decompress((tmp_path / "part.jsonl.gz")
+                                                                                   .read_bytes()))

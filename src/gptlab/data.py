@@ -46,11 +46,13 @@ def folder_kind(path: str | Path) -> str | None:
     return None
 
 
-def _progress(sources: list[Source], desc: str, quiet: bool) -> Any:
-    """A bar over the bytes read; with compressed or Parquet inputs their total is unknown, so it shows the rate."""
+def _progress(sources: list[Source], desc: str, quiet: bool, total: int | None = None) -> Any:
+    """A bar over the bytes read. The scan of compressed or Parquet inputs cannot know their total, so it shows the
+    rate; the encoding pass after it is given the total the scan counted, so it shows the time left too."""
     from tqdm import tqdm
 
-    total = None if any(s.packed for s in sources) else sum(s.size for s in sources)
+    if total is None and not any(s.packed for s in sources):
+        total = sum(s.size for s in sources)
     return tqdm(total=total, desc=desc, unit="B", unit_scale=True, disable=True if quiet else None, leave=False)
 
 
@@ -158,7 +160,8 @@ def prepare(paths: list[str], out_dir: str | Path, tokenizer: str = "char", voca
         try:
             tok.save(stage.path / "tokenizer.json")
             split_at = int(scan.total * (1 - val_fraction))
-            writers, written = _encode_split(scan.sources, tok, stage, split_at, shard_tokens, **encode)
+            scanned = sum(d["bytes"] for d in scan.described)  # the encoding bar's total: its time left
+            writers, written = _encode_split(scan.sources, tok, stage, split_at, shard_tokens, scanned, **encode)
             meta = {"format_version": VERSION, "tokenizer": tok.kind, "vocab_size": tok.vocab_size,
                     "dtype": "uint16" if tok.vocab_size <= 1 << 16 else "uint32", **written, **split,
                     "shard_tokens": shard_tokens, "encoding": encoding, "text_field": text_field,
@@ -209,7 +212,7 @@ def _pieces(sources: list[Source], split_at: int, held: np.ndarray | None, encod
 
 
 def _encode_split(sources: list[Source], tok: Tokenizer, stage: Staging, split_at: int, shard_tokens: int,
-                  held: np.ndarray | None, encoding: str, text_field: str, quiet: bool, allow_special: bool,
+                  scanned: int, held: np.ndarray | None, encoding: str, text_field: str, quiet: bool, allow_special: bool,
                   workers: int) -> tuple[list[ShardWriter], dict[str, Any]]:
     """Encode everything into the train and val shards (see `_pieces`) in `workers` processes, from the staging
     folder's checkpoint when it has one: the units before it are read again (to count characters and find the
@@ -217,7 +220,7 @@ def _encode_split(sources: list[Source], tok: Tokenizer, stage: Staging, split_a
     writers, done = _writers(stage, tok, shard_tokens, quiet)
     chars = [0, 0]
     try:
-        with _progress(sources, "encode", quiet) as bar:
+        with _progress(sources, "encode", quiet, scanned) as bar:
             stream = units(_pieces(sources, split_at, held, encoding, text_field, bar, chars))
             for _ in itertools.islice(stream, done):
                 pass

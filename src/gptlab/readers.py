@@ -155,10 +155,11 @@ def scan_sources(sources: list[Source], encoding: str, text_field: str, strict: 
 
 def _scan_source(source: Source, encoding: str, text_field: str, on_progress: Callable[[int], Any],
                  refuse_special: bool, collect_chars: bool) -> tuple[dict[str, Any], set[str]]:
-    sha, n_chars, n_docs, chars = hashlib.sha256(), 0, 0, set()
+    sha, n_chars, n_docs, chars, n_bytes = hashlib.sha256(), 0, 0, set(), [0]
 
     def seen(block: bytes) -> None:
         sha.update(block)
+        n_bytes[0] += len(block)
         on_progress(len(block))
 
     for doc in documents(source, encoding, text_field, seen):
@@ -171,4 +172,5 @@ def _scan_source(source: Source, encoding: str, text_field: str, on_progress: Ca
             if collect_chars:
                 chars.update(chunk)
         n_docs += n_chars > start  # an empty file is no document
-    return {"path": source.name, "documents": n_docs, "chars": n_chars, "sha256": sha.hexdigest()}, chars
+    return {"path": source.name, "documents": n_docs, "chars": n_chars, "bytes": n_bytes[0],
+            "sha256": sha.hexdigest()}, chars
