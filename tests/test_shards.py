@@ -178,3 +178,35 @@ def test_the_cli_reports_the_shards_and_trains_on_them(tmp_path, corpus, capsys)
     assert main(["eval", "--run", str(run), "--data", str(data)]) == 0
     assert main(["prepare", str(corpus), "--out", str(tmp_path / "x"), "--shard-tokens", "0"]) == 2
     assert "--shard-tokens must be at least 1" in capsys.readouterr().err
+
+
+def test_ctrl_c_in_a_real_prepare_keeps_only_whole_shards_and_the_rerun_finishes_it(tmp_path):
+    """SIGINT to a `gptlab prepare` process as soon as its first checkpoint is on disk (wherever it is then)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    folder = tmp_path / "big"
+    folder.mkdir()
+    for i in range(24):  # 24 files of ~1 MB: a few units of text each way
+        (folder / f"{i:02d}.txt").write_text("".join(DOCS) * 14)
+    argv = [sys.executable, "-m", "gptlab", "prepare", str(folder), "--tokenizer", "char", "--workers", "1",
+            "--shard-tokens", "300000", "--quiet"]
+    out = tmp_path / "out"
+    proc = subprocess.Popen(argv + ["--out", str(out)], stderr=subprocess.PIPE, text=True)
+    progress = out / STAGE / "progress.json"
+    while proc.poll() is None and not progress.exists():
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130 and "run the same command again to continue" in err, err
+    assert not (out / "meta.json").exists()
+    for shard in (out / STAGE).glob("*.bin"):  # a name without .part: complete, its header's count all there
+        assert len(read_tokens(shard)) == 300000
+    done = subprocess.run(argv[:-1] + ["--out", str(out)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and "resuming the prepare interrupted" in done.stderr, done.stderr
+    subprocess.run(argv + ["--out", str(tmp_path / "straight")], check=True, timeout=300)
+    assert tree(out) == tree(tmp_path / "straight")
+    assert not (out / STAGE).exists() and os.listdir(out)
