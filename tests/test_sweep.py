@@ -71,6 +71,8 @@ CASES = [
     (["prepare", "{r}/corpus.txt", "--out", "{r}/afile/sub"], "cannot create output folder"),
     (["prepare", "{r}/corpus.txt", "--out", "{r}/o", "--val-fraction", "1.5"], "val_fraction must be in (0, 1)"),
     (["prepare", "{r}/corpus.txt", "--out", "{r}/o", "--val-fraction", "0"], "val_fraction must be in (0, 1)"),
+    (["prepare", "{r}/corpus.txt", "--out", "{r}/o", "--shard-tokens", "0"], "--shard-tokens must be at least 1"),
+    (["prepare", "{r}/corpus.txt", "--out", "{r}/o", "--shard-tokens", "-5"], "--shard-tokens must be at least 1"),
     (["prepare", "{r}/eot.txt", "--out", "{r}/o", "--tokenizer", "gpt2"], "eot.txt contains the text <|endoftext|>"),
     (["prepare", "{r}/corpus.txt", "--out", "{r}/run"], "holds a gptlab run"),
     (["prepare", "{r}/corpus.txt", "--out", "{r}/textbin"], "holds a model"),
