@@ -104,28 +104,20 @@ def test_an_interrupted_prepare_resumes_from_its_checkpoint_to_the_same_bytes(tm
     assert tree(out) == tree(tmp_path / "straight") and meta["train_tokens"] > 3000
 
 
-def test_a_resume_over_changed_inputs_starts_over(tmp_path, corpus, monkeypatch):
-    out = tmp_path / "out"
+@pytest.mark.parametrize("damage", ["an input changed", "the open shard lost"])
+def test_a_resume_that_cannot_continue_starts_over(tmp_path, corpus, monkeypatch, damage):
+    out, char = tmp_path / "out", {"quiet": True, "workers": 1, "shard_tokens": 1000}
     with monkeypatch.context() as m:
         interrupt_after(m, 2)
         with pytest.raises(Stop):
-            prepare([str(corpus)], out, "char", quiet=True, workers=1, shard_tokens=1000)
-    (corpus / "000.txt").write_text("a different first document\n")
-    prepare([str(corpus)], out, "char", quiet=True, workers=1, shard_tokens=1000)
-    prepare([str(corpus)], tmp_path / "fresh", "char", quiet=True, workers=1, shard_tokens=1000)
-    assert tree(out) == tree(tmp_path / "fresh")
-
-
-def test_a_resume_whose_open_shard_was_lost_starts_over(tmp_path, corpus, monkeypatch):
-    out = tmp_path / "out"
-    with monkeypatch.context() as m:
-        interrupt_after(m, 2)
-        with pytest.raises(Stop):
-            prepare([str(corpus)], out, "char", quiet=True, workers=1, shard_tokens=1000)
-    for part in (out / STAGE).glob("*.part"):
-        part.write_bytes(b"")
-    prepare([str(corpus)], out, "char", quiet=True, workers=1, shard_tokens=1000)
-    prepare([str(corpus)], tmp_path / "fresh", "char", quiet=True, workers=1, shard_tokens=1000)
+            prepare([str(corpus)], out, "char", **char)
+    if damage == "an input changed":
+        (corpus / "000.txt").write_text("a different first document\n")
+    else:
+        for part in (out / STAGE).glob("*.part"):
+            part.write_bytes(b"")
+    prepare([str(corpus)], out, "char", **char)
+    prepare([str(corpus)], tmp_path / "fresh", "char", **char)
     assert tree(out) == tree(tmp_path / "fresh")
 
 
