@@ -5,6 +5,10 @@ Two layers here, each usable alone, over a model made fast to run by the inferen
 
 - `generate_batch` / `generate` see only token ids: prompts of different lengths in one batch (each row keeps its
   own position), `num_samples` continuations of each prompt from one prefill, yielding ids as they come.
+- `RunningBatch` is the server's continuous batching (gptlab.serve): rows join (each prompt prefilled alone) and
+  leave between decode steps, each drawn by its own `RowSampler` (settings, generator, penalty counts), so a row's
+  tokens do not depend on the rows beside it. `generate_batch(..., batch_invariant=True)` decodes through it: that
+  is `gptlab sample`, which therefore gives what the server gives for the same seed and settings.
 - `TextStream` turns those ids into text: UTF-8-safe streaming, the end-of-text token, stop strings.
 
 Each takes an `InferenceModel` or a plain model, which runs as it is, decoded by the torch step (`as_inference`).
@@ -24,7 +28,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn as nn
 
-from gptlab.config import SampleConfig
+from gptlab.config import SEED_LIMIT, SampleConfig
 from gptlab.errors import GptlabError
 from gptlab.inference import InferenceModel, TorchStep, as_inference
 from gptlab.model import KVCache
@@ -39,50 +43,77 @@ def window_keep(block_size: int) -> int:
 
 # ---- token ids ---------------------------------------------------------------------------------------------------
 
+def row_seed(seed: int, sample: int) -> int:
+    """The seed of sample `sample` (0, 1, ...) of a prompt drawn with `seed`: seed + sample, wrapped into [0, 2**63).
+    So sample i of n is exactly what one sample with seed + i gives, in `gptlab sample` and in the server alike."""
+    return (seed + sample) % SEED_LIMIT
+
+
+class RowSampler:
+    """One row's sampling state: its settings, its own generator (seeded with `seed`) and, when a penalty is set,
+    its token counts (1, V), started from the row's window. Every row is drawn alone, from its own (1, V) logits,
+    so what a row draws never depends on which rows are beside it (the server's continuous batching)."""
+
+    def __init__(self, cfg: SampleConfig, seed: int, window: Sequence[int], vocab_size: int, device: torch.device):
+        self.cfg = cfg
+        self.generator = torch.Generator(device).manual_seed(seed)
+        self.counts = None
+        if cfg.repetition_penalty != 1.0 or cfg.frequency_penalty or cfg.presence_penalty:
+            self.counts = torch.zeros(1, vocab_size, dtype=torch.long, device=device)
+            ids = torch.tensor(window, dtype=torch.long, device=device)
+            self.counts[0].index_add_(0, ids, torch.ones_like(ids))
+
+    def choose(self, logits: torch.Tensor) -> int:
+        """The next id drawn from this row's next-token logits (1, V); counted for the penalties."""
+        i = int(next_token(logits, self.cfg, self.generator, self.counts))
+        if self.counts is not None:
+            self.counts[0, i] += 1
+        return i
+
+
 class Generation:
-    """State shared by the cached and the reference decoder: each row's window (the tokens the model sees), the
-    penalty counts (each row's prompt, up to its last block_size tokens, and every token generated since) and the
-    generator. Rows are prompt-major: row r continues prompt r // num_samples. `model` is the torch module that
-    prompts go through, `prepared` the InferenceModel (its decoder and cache precision) it belongs to."""
+    """State shared by the cached and the reference decoder: each row's window (the tokens the model sees) and its
+    RowSampler (sample i of a prompt seeded with `row_seed(cfg.seed, i)`). Rows are prompt-major: row r continues
+    prompt r // num_samples. `model` is the torch module that prompts go through, `prepared` the InferenceModel
+    (its decoder and cache precision) it belongs to."""
 
     def __init__(self, model: InferenceModel | nn.Module, prompts: Sequence[Sequence[int]], cfg: SampleConfig,
                  num_samples: int):
         if num_samples < 1:
             raise GptlabError(f"num_samples must be >= 1, not {num_samples}")
-        if not prompts or any(len(p) == 0 for p in prompts):
-            raise GptlabError("the prompt is empty and this model has no start token; give a --prompt")
         self.prepared = as_inference(model)
         model = self.model = self.prepared.model
-        vocab = model.config.vocab_size
-        bad = next((i for p in prompts for i in p if not 0 <= i < vocab), None)
-        if bad is not None:
-            raise GptlabError(f"token id {bad} is outside the model's vocabulary of {vocab}; use the run's tokenizer")
+        check_prompts(model, prompts)
         self.cfg, self.num_samples = cfg, num_samples
         self.device = next(model.parameters()).device
         self.block_size = model.config.block_size
         self.keep = window_keep(self.block_size)
         self.windows = [list(p[-self.block_size:]) for p in prompts for _ in range(num_samples)]
-        self.generator = torch.Generator(self.device).manual_seed(cfg.seed)
-        self.counts = None
-        if cfg.repetition_penalty != 1.0 or cfg.frequency_penalty or cfg.presence_penalty:
-            self.counts = torch.zeros(len(self.windows), vocab, dtype=torch.long, device=self.device)
-            for row, window in enumerate(self.windows):
-                ids = self.tensor(window)
-                self.counts[row].index_add_(0, ids, torch.ones_like(ids))
+        vocab = model.config.vocab_size
+        self.samplers = [RowSampler(cfg, row_seed(cfg.seed, r % num_samples), w, vocab, self.device)
+                         for r, w in enumerate(self.windows)]
 
     def tensor(self, ids: Sequence) -> torch.Tensor:
         return torch.tensor(ids, dtype=torch.long, device=self.device)
 
     def choose(self, logits: torch.Tensor) -> torch.Tensor:
         """Next ids (R,) from last-position logits (R, V); appends them to the windows, sliding the full ones."""
-        ids = next_token(logits, self.cfg, self.generator, self.counts)
-        if self.counts is not None:
-            self.counts[torch.arange(len(ids), device=self.device), ids] += 1
-        for window, i in zip(self.windows, ids.tolist()):
+        ids = [s.choose(logits[r:r + 1]) for r, s in enumerate(self.samplers)]
+        for window, i in zip(self.windows, ids):
             window.append(i)
             if len(window) > self.block_size:
                 del window[:-self.keep]
-        return ids
+        return self.tensor(ids)
+
+
+def check_prompts(model: nn.Module, prompts: Sequence[Sequence[int]]) -> None:
+    """GptlabError for no prompt, an empty one, or an id outside the model's vocabulary."""
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise GptlabError("the prompt is empty and this model has no start token; give a --prompt")
+    vocab = model.config.vocab_size
+    bad = next((i for p in prompts for i in p if not 0 <= i < vocab), None)
+    if bad is not None:
+        raise GptlabError(f"token id {bad} is outside the model's vocabulary of {vocab}; use the run's tokenizer")
 
 
 def _prefill(model: nn.Module, cache: KVCache, windows: list[list[int]], device: torch.device) -> torch.Tensor:
@@ -104,27 +135,46 @@ def _prefill(model: nn.Module, cache: KVCache, windows: list[list[int]], device:
 def _slide(model: nn.Module, cache: KVCache, state: Generation, filled: list[int]) -> None:
     """Rebuild the cache rows whose window slid (their cache holds as many positions as the window has tokens)
     from all but the window's newest token, which the next decode step then adds like any other row's."""
-    rows = [r for r, (n, w) in enumerate(zip(filled, state.windows)) if n >= len(w)]
-    if not rows:
-        return
-    fresh = model.new_kv_cache(len(rows), dtype=cache.k.dtype, max_len=state.keep)
-    if state.keep > 1:
-        prefix = [state.windows[r][:-1] for r in rows]  # (len(rows), keep - 1): all full windows slide alike
-        model(state.tensor(prefix), kv_cache=fresh, last_only=True)
-    cache.replace_rows(state.tensor(rows), fresh)
-    for r in rows:
-        filled[r] = len(state.windows[r]) - 1
+    for r, (n, window) in enumerate(zip(filled, state.windows)):
+        if n >= len(window):
+            filled[r] = _rebuild_row(model, cache, r, window, state.keep)
+
+
+def _rebuild_row(model: nn.Module, cache: KVCache, row: int, window: list[int], keep: int) -> int:
+    """Refill cache row `row` from all but the newest token of its slid window; returns its filled positions. One
+    row at a time, so a row's rebuild is the same whichever rows slide beside it (a batch of rows would change the
+    products' shapes, and with them the rounding)."""
+    fresh = model.new_kv_cache(1, dtype=cache.k.dtype, max_len=keep)
+    if keep > 1:
+        device = cache.pos.device
+        model(torch.tensor([window[:-1]], dtype=torch.long, device=device), kv_cache=fresh, last_only=True)
+    cache.replace_rows(torch.tensor([row], device=cache.pos.device), fresh)
+    return len(window) - 1
 
 
 def generate_batch(model: InferenceModel | nn.Module, prompts: Sequence[Sequence[int]], cfg: SampleConfig,
-                   num_samples: int = 1) -> Iterator[list[int]]:
+                   num_samples: int = 1, batch_invariant: bool = False) -> Iterator[list[int]]:
     """Yield, for each new position, the next token id of every row: len(prompts) * num_samples ids, prompt-major
     (row r continues prompts[r // num_samples]), up to cfg.max_new_tokens positions. Each prompt is prefilled
     once and shared by its samples; prompts may differ in length, and each row gives the ids its prompt would give
     alone (exactly under greedy decoding). A prompt longer than the context keeps its last block_size tokens.
     Raises GptlabError (at the call, not at the first token) for an empty prompt, ids outside the vocabulary, or
-    num_samples < 1."""
+    num_samples < 1.
+
+    batch_invariant: decode through a `RunningBatch`, the server's path (each prompt prefilled alone, at least two
+    rows per fused step), so every row gives bitwise what the server gives it in any batch (`gptlab sample`)."""
+    if batch_invariant:
+        batch = RunningBatch(model)
+        for prompt in prompts:
+            batch.join(prompt, cfg, num_samples)
+        return _decode_running(batch, cfg.max_new_tokens)
     return _decode_cached(Generation(model, prompts, cfg, num_samples))
+
+
+def _decode_running(batch: RunningBatch, steps: int) -> Iterator[list[int]]:
+    for _ in range(steps):
+        yield [token for _, token, _ in batch.sample()]
+        batch.advance()
 
 
 @torch.inference_mode()
@@ -174,6 +224,117 @@ def _decode_uncached(state: Generation) -> Iterator[list[int]]:
         else:
             logits = torch.cat([model(state.tensor([w]), last_only=True)[0] for w in state.windows])
         yield state.choose(logits[:, -1]).tolist()
+
+
+# ---- continuous batching -----------------------------------------------------------------------------------------
+
+@dataclass(eq=False)
+class Row:
+    """One sequence of a RunningBatch: its window, its sampler, how many tokens it may still generate, the logits
+    (1, V) its next token will be drawn from, and how many cache positions hold its window."""
+
+    window: list[int]
+    sampler: RowSampler
+    left: int
+    logits: torch.Tensor
+    filled: int
+    need: int  # cache positions this row can ever use
+
+
+class RunningBatch:
+    """Rows that join and leave between decode steps (the server's continuous batching), over one KV cache.
+
+    `join` prefills a prompt alone and adds its samples; `sample` draws every row's next token (each with its own
+    settings and generator); `leave` drops rows (finished, cancelled); `advance` runs one decode step for the rest.
+    A row's logits do not depend on the rows beside it: it is prefilled alone, slides alone, is drawn alone, and
+    the fused step, whose one-row kernel rounds differently from its many-row kernels (which agree bitwise at any
+    batch size, tests/test_serve_batching.py), always runs at least two rows (a pad row at position 0 when one is
+    left). The torch step gives no such guarantee (its products' rounding varies with the batch size)."""
+
+    def __init__(self, model: InferenceModel | nn.Module):
+        self.prepared = as_inference(model)
+        self.model = self.prepared.model
+        self.device = next(self.model.parameters()).device
+        self.block_size = self.model.config.block_size
+        self.keep = window_keep(self.block_size)
+        self.min_rows = 2 if self.prepared.fused else 1
+        self.rows: list[Row] = []
+        self.cache: KVCache | None = None
+
+    @torch.inference_mode()
+    def join(self, prompt: Sequence[int], cfg: SampleConfig, num_samples: int = 1) -> list[Row]:
+        """Prefill `prompt` (its last block_size tokens) and add `num_samples` rows continuing it, sample i drawn
+        with `row_seed(cfg.seed, i)`; they take part from the next `sample`. Raises GptlabError for an empty
+        prompt, ids outside the vocabulary or num_samples < 1."""
+        if num_samples < 1:
+            raise GptlabError(f"num_samples must be >= 1, not {num_samples}")
+        check_prompts(self.model, [prompt])
+        window = list(prompt[-self.block_size:])
+        need = min(self.block_size, len(window) + cfg.max_new_tokens)
+        cache = self.prepared.new_kv_cache(1, max_len=need)
+        logits = _prefill(self.model, cache, [window], self.device).clone()  # (1, V)
+        vocab = self.model.config.vocab_size
+        rows = [Row(list(window), RowSampler(cfg, row_seed(cfg.seed, i), window, vocab, self.device),
+                    cfg.max_new_tokens, logits, len(window), need) for i in range(num_samples)]
+        self._relayout(self.rows + rows, cache)
+        return rows
+
+    @torch.inference_mode()
+    def sample(self) -> list[tuple[Row, int, torch.Tensor]]:
+        """Draw every row's next token: (row, token id, the logits (1, V) it was drawn from), in row order."""
+        out = []
+        for row in self.rows:
+            token = row.sampler.choose(row.logits)
+            out.append((row, token, row.logits))
+            row.left -= 1
+            row.window.append(token)
+            if len(row.window) > self.block_size:
+                del row.window[:-self.keep]
+        return out
+
+    def leave(self, rows: Sequence[Row]) -> None:
+        """Drop `rows` (their cache rows are freed at once)."""
+        gone = set(map(id, rows))
+        if any(id(r) in gone for r in self.rows):
+            self._relayout([r for r in self.rows if id(r) not in gone])
+
+    @torch.inference_mode()
+    def advance(self) -> None:
+        """Drop the rows with no tokens left, then run one decode step for the others (each row's newest token)."""
+        self.leave([r for r in self.rows if r.left <= 0])
+        if not self.rows:
+            return
+        for i, row in enumerate(self.rows):
+            if row.filled >= len(row.window):
+                row.filled = _rebuild_row(self.model, self.cache, i, row.window, self.keep)
+        pads = len(self.cache.pos) - len(self.rows)
+        ids = [row.window[-1] for row in self.rows] + [0] * pads
+        if pads:
+            self.cache.pos[len(self.rows):] = 0  # a pad row only ever decodes position 0
+        decoder = self.prepared.decoder
+        decoder = decoder if decoder.accepts(self.cache) else TorchStep(self.model)
+        logits = decoder.step(torch.tensor(ids, dtype=torch.long, device=self.device), self.cache)
+        for i, row in enumerate(self.rows):
+            row.logits = logits[i:i + 1].clone()  # the fused step's buffer is reused by the next step
+            row.filled += 1
+
+    def _relayout(self, rows: list[Row], joining: KVCache | None = None) -> None:
+        """Make the cache hold exactly `rows` in order (plus pad rows up to min_rows): the current rows' positions
+        copied over, new rows (not in the cache yet) copied from `joining`, a one-row prefill."""
+        old = {id(r): i for i, r in enumerate(self.rows)}
+        self.rows = rows
+        if not rows:
+            self.cache = None
+            return
+        size = max(len(rows), self.min_rows)
+        cache = self.prepared.new_kv_cache(size, max_len=max(r.need for r in rows))
+        for i, row in enumerate(rows):
+            source, j = (self.cache, old[id(row)]) if id(row) in old else (joining, 0)
+            n = row.filled
+            cache.k[:, i, :, :n] = source.k[:, j, :, :n]
+            cache.v[:, i, :, :n] = source.v[:, j, :, :n]
+            cache.pos[i] = n
+        self.cache = cache
 
 
 # ---- text --------------------------------------------------------------------------------------------------------
@@ -238,11 +399,11 @@ def _held_back(text: str, stops: Sequence[str]) -> int:
 class TextStream:
     """Generation as text. Iterating yields, per step, the newly released text of every row ("" when a row has
     nothing new or has finished) and stops once every row has finished; `completions` then holds each row's text,
-    ids and finish reason. Rows are as in `generate_batch`."""
+    ids and finish reason. Rows (and `batch_invariant`) are as in `generate_batch`."""
 
     def __init__(self, model: InferenceModel | nn.Module, tokenizer: Tokenizer, prompts: Sequence[Sequence[int]],
-                 cfg: SampleConfig, num_samples: int = 1):
-        self._ids = generate_batch(model, prompts, cfg, num_samples)
+                 cfg: SampleConfig, num_samples: int = 1, batch_invariant: bool = False):
+        self._ids = generate_batch(model, prompts, cfg, num_samples, batch_invariant)
         self.completions = [Completion(tokenizer, cfg.stop) for _ in range(len(prompts) * num_samples)]
 
     def __iter__(self) -> Iterator[list[str]]:

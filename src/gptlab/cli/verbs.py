@@ -166,7 +166,8 @@ def cmd_sample(args: argparse.Namespace) -> int:
     loaded = load_run(args.run or latest_run(), device=device)
     prompt = read_prompt(args, loaded.tokenizer)
     model = prepare_for_inference(loaded.model, resolve_precision(args.precision, device))
-    stream = TextStream(model, loaded.tokenizer, [prompt], cfg, args.num_samples)
+    # the server's path (gptlab.serve), so the same seed and settings give the same text there
+    stream = TextStream(model, loaded.tokenizer, [prompt], cfg, args.num_samples, batch_invariant=True)
     announce(loaded)
     echo = loaded.tokenizer.decode(prompt) if args.echo_prompt else ""
     sys.stdout.write(echo)

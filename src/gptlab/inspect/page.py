@@ -139,6 +139,16 @@ def check_page_size(tr: Trace) -> None:
 def attention_html(tr: Trace, labels: Sequence[str], out: str | Path, title: str = "") -> Path:
     """Write the interactive page for the first row of the trace to `out`; returns the path. Raises GptlabError
     when the probabilities are too many for a page (a shorter prompt fits)."""
+    page = attention_page(tr, labels, title)
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(page, encoding="utf-8")
+    return out
+
+
+def attention_page(tr: Trace, labels: Sequence[str], title: str = "") -> str:
+    """The interactive page for the first row of the trace, as text (`gptlab serve` answers /inspect with it).
+    Raises GptlabError when the probabilities are too many for a page."""
     check_page_size(tr)
     H, T = tr.attention[0].size(1), tr.ids.size(1)
     attention = [[[[round(v, 4) for v in probs[0, h, i, :i + 1].tolist()] for i in range(T)] for h in range(H)]
@@ -146,8 +156,4 @@ def attention_html(tr: Trace, labels: Sequence[str], out: str | Path, title: str
     data = json.dumps({"tokens": list(labels), "attention": attention}, ensure_ascii=False, separators=(",", ":"))
     values = {"TITLE": html.escape(title or "".join(labels)[:80]),
               "DATA": data.replace("</", "<\\/")}  # no "</script>" inside the script
-    page = re.sub("__(TITLE|DATA)__", lambda m: values[m.group(1)], _PAGE)  # one pass: inserted text stays as is
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(page, encoding="utf-8")
-    return out
+    return re.sub("__(TITLE|DATA)__", lambda m: values[m.group(1)], _PAGE)  # one pass: inserted text stays as is

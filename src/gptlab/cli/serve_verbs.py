@@ -1,0 +1,55 @@
+"""The `gptlab serve` verb: a run behind an OpenAI-compatible HTTP API (gptlab.serve)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from gptlab.cli.common import add_device, command
+
+LIMIT_FLAGS = {  # flag -> (Limits field, type, help)
+    "--max-tokens": ("max_tokens", int, "most tokens one request may generate (max_tokens) (default 512)"),
+    "--max-n": ("max_n", int, "most completions per prompt in one request (n) (default 8)"),
+    "--max-prompt-tokens": ("max_prompt_tokens", int, "longest prompt in tokens (default 0: the model's context)"),
+    "--max-body-bytes": ("max_body_bytes", int, "largest request body; larger ones get 413 (default 1048576)"),
+    "--max-batch": ("max_batch", int, "most sequences decoded together (continuous batching) (default 16)"),
+    "--queue": ("queue", int, "most requests waiting for a place in the batch; more get 429 (default 64)"),
+    "--grace": ("grace", float, "seconds in-flight requests get to finish after SIGTERM / Ctrl-C (default 10)"),
+}
+
+
+@command("serve", "serve a run over HTTP: OpenAI-compatible /v1/completions with continuous batching, a playground "
+                  "at /")
+def cmd_serve(args: argparse.Namespace) -> int:
+    from gptlab.runs import latest_run
+    from gptlab.runtime import resolve_device, resolve_precision, set_threads
+    from gptlab.serve import Limits, check_bind, load_served, serve_run
+
+    limits = Limits(**{name: getattr(args, name) for name, _, _ in LIMIT_FLAGS.values()})
+    check_bind(args.host, args.port, args.api_key)  # every check before the model is loaded
+    set_threads()
+    device = resolve_device(args.device)
+    run = args.run or latest_run()
+    served = load_served(run, resolve_precision(args.precision, device), device)
+    shown = "localhost" if args.host in ("127.0.0.1", "::1") else args.host
+    print(f"gptlab: serving {run} at http://{shown}:{args.port} (playground at /, API at /v1/completions); "
+          "Ctrl-C stops", file=sys.stderr)
+    serve_run(served, args.host, args.port, limits, args.api_key)
+    return 0
+
+
+def add_serve(p: argparse.ArgumentParser) -> None:
+    from gptlab.serve.api import Limits
+
+    p.add_argument("--run", help="run folder (default: the most recent under runs/)")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1, this machine "
+                   "only; any other needs --api-key)")
+    p.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000)")
+    p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on the API (needed off loopback)")
+    add_device(p)
+    p.add_argument("--precision", choices=("auto", "fp32", "bf16"), default="auto",
+                   help="inference weights, as in `gptlab sample` (default auto)")
+    defaults = Limits()
+    group = p.add_argument_group("limits")
+    for flag, (name, kind, help) in LIMIT_FLAGS.items():
+        group.add_argument(flag, dest=name, type=kind, default=getattr(defaults, name), help=help)

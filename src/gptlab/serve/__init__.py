@@ -1,0 +1,136 @@
+"""`gptlab serve`: a run behind an OpenAI-compatible HTTP API, with continuous batching and a playground page.
+
+Rooms: `api` (the request body checked into typed settings, limits, OpenAI's error shape), `scheduler` (the thread
+that owns the model: a `RunningBatch` that requests join and leave between decode steps; the metrics), `app` (the
+FastAPI routes), `playground.html` (the page at /, one self-contained file). `serve_run` checks everything, loads
+the run and serves it with uvicorn until SIGINT / SIGTERM; `start_server` runs an app in a thread on a loopback
+port (the tests and `gptlab bench serve`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ipaddress
+import signal
+import socket
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from gptlab.errors import GptlabError
+from gptlab.serve.api import Limits
+
+__all__ = ["Limits", "check_bind", "load_served", "make_app", "serve_run", "start_server"]
+
+
+def is_loopback(host: str) -> bool:
+    """Whether `host` (an address or a name) only ever means this machine."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def check_bind(host: str, port: int, api_key: str | None) -> None:
+    """GptlabError for a port out of range, or a non-loopback address without an API key."""
+    if not 0 <= port <= 65535:
+        raise GptlabError(f"--port must be in [0, 65535], not {port}")
+    if api_key is not None and not api_key.strip():
+        raise GptlabError("--api-key must not be empty")
+    if not is_loopback(host) and api_key is None:
+        raise GptlabError(f"--host {host} would let other machines in: give --api-key KEY (clients then send "
+                          "'Authorization: Bearer KEY'), or keep the default --host 127.0.0.1")
+
+
+def make_app(served, limits: Limits, api_key: str | None = None):
+    """The FastAPI app serving `served` (gptlab.serve.app.make_app; FastAPI is imported here, on first use, so that
+    the CLI's other verbs never pay for it)."""
+    from gptlab.serve.app import make_app as make
+
+    return make(served, limits, api_key)
+
+
+def load_served(run: str | Path, precision: str, device):
+    """A run's best (else latest) checkpoint, prepared for decoding, as a Served; /inspect reloads it plain."""
+    from gptlab.checkpoint import load_run
+    from gptlab.inference import prepare_for_inference
+    from gptlab.serve.app import Served
+
+    loaded = load_run(run, device=device)
+    parameters = sum(p.numel() for p in loaded.model.parameters())
+    model = prepare_for_inference(loaded.model, precision)
+    return Served(Path(run).name, model, loaded.tokenizer, parameters,
+                  lambda: load_run(run, device=device).model)
+
+
+def serve_run(served: Served, host: str, port: int, limits: Limits, api_key: str | None) -> None:
+    """Serve until SIGINT / SIGTERM: then stop accepting, give in-flight requests `limits.grace` seconds, return."""
+    import uvicorn
+
+    config = uvicorn.Config(make_app(served, limits, api_key), host=host, port=port, log_level="warning",
+                            timeout_graceful_shutdown=max(limits.grace, 0.1), access_log=False)
+    server = _quiet_server_class()(config)
+    previous = {sig: signal.signal(sig, server.on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        server.run()
+    except SystemExit as exc:  # uvicorn exits when it cannot bind
+        raise GptlabError(f"cannot listen on {host}:{port} (in use, or not an address of this machine)") from exc
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _quiet_server_class():
+    """uvicorn.Server with our signal handling (a class made on first use: uvicorn is imported only to serve)."""
+    import uvicorn
+
+    class QuietServer(uvicorn.Server):
+        """uvicorn's server with our signal handling: uvicorn re-raises SIGTERM after its graceful shutdown (the
+        process then dies by the signal); here a first SIGINT / SIGTERM shuts down gracefully and the command exits
+        0, a second one stops at once."""
+
+        @contextlib.contextmanager
+        def capture_signals(self):
+            yield
+
+        def on_signal(self, sig, frame) -> None:
+            if self.should_exit:
+                self.force_exit = True
+            self.should_exit = True
+
+    return QuietServer
+
+
+@dataclass
+class Running:
+    """A server running in a thread of this process (`start_server`)."""
+
+    url: str
+    server: object
+    thread: threading.Thread
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(30)
+
+
+def start_server(app, host: str = "127.0.0.1", port: int = 0) -> Running:
+    """Run `app` with uvicorn in a thread on host:port (0: a free port); returns once it answers."""
+    import uvicorn
+
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False,
+                                          timeout_graceful_shutdown=5))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            raise GptlabError("the server did not start")
+        time.sleep(0.02)
+    return Running(f"http://{host}:{sock.getsockname()[1]}", server, thread)

@@ -1,0 +1,166 @@
+"""The OpenAI completions API as data: a request body checked field by field into a `CompletionRequest`, errors in
+OpenAI's shape, the limits a server enforces, and the JSON of responses and stream chunks. No HTTP here (app.py)."""
+
+from __future__ import annotations
+
+import math
+import secrets
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from gptlab.config import SEED_LIMIT, SampleConfig
+from gptlab.errors import GptlabError
+
+
+@dataclass
+class Limits:
+    """What one server accepts; each has a `gptlab serve` flag. Defaults: 512 new tokens a request, n <= 8,
+    prompts up to the model's context (max_prompt_tokens 0), 1 MiB bodies, 16 rows decoded together, 64 requests
+    waiting for a place, 10 s for in-flight requests to finish on SIGTERM."""
+
+    max_tokens: int = 512
+    max_n: int = 8
+    max_prompt_tokens: int = 0  # 0: the model's context (block_size)
+    max_body_bytes: int = 1 << 20
+    max_batch: int = 16
+    queue: int = 64
+    grace: float = 10.0
+
+    def __post_init__(self) -> None:
+        for name in ("max_tokens", "max_n", "max_body_bytes", "max_batch", "queue"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise GptlabError(f"--{name.replace('_', '-')} must be a positive integer, not {value!r}")
+        if self.max_prompt_tokens < 0:
+            raise GptlabError(f"--max-prompt-tokens must be >= 0 (0: the context), not {self.max_prompt_tokens}")
+        if not (math.isfinite(self.grace) and self.grace >= 0):
+            raise GptlabError(f"--grace must be a number of seconds >= 0, not {self.grace}")
+
+
+class ApiError(Exception):
+    """A refused request: HTTP `status`, and the OpenAI error object's message, type, param and code."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 type: str = "invalid_request_error", headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.type = status, message, param, code, type
+        self.headers = headers or {}
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+@dataclass
+class CompletionRequest:
+    """A checked POST /v1/completions body: the prompts' texts, and the sampling settings every row shares
+    (`cfg.seed` is sample 0's; sample i draws with seed + i)."""
+
+    prompts: list[str]
+    cfg: SampleConfig
+    n: int = 1
+    logprobs: int | None = None
+    echo: bool = False
+    stream: bool = False
+    ids: list[list[int]] = field(default_factory=list)  # the encoded prompts, filled by `encode_prompts`
+
+
+UNSUPPORTED = {"best_of": (None, 1), "suffix": (None, ""), "logit_bias": (None, {})}
+
+
+def _number(body: dict, name: str, default: float, lo: float, hi: float) -> float:
+    value = body.get(name, default)
+    value = default if value is None else value
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+            or not lo <= value <= hi:
+        raise ApiError(400, f"{name} must be a number in [{lo}, {hi}], not {value!r}", name)
+    return float(value)
+
+
+def _integer(body: dict, name: str, default: int | None, lo: int, hi: int) -> int | None:
+    value = body.get(name, default)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
+        raise ApiError(400, f"{name} must be an integer in [{lo}, {hi}], not {value!r}", name)
+    return value
+
+
+def _flag(body: dict, name: str) -> bool:
+    value = body.get(name, False)
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        raise ApiError(400, f"{name} must be true or false, not {value!r}", name)
+    return value
+
+
+def _strings(body: dict, name: str, most: int, allow_empty: bool) -> list[str]:
+    value = body.get(name)
+    if value is None:
+        return []
+    items = [value] if isinstance(value, str) else value
+    if not isinstance(items, list) or not items or len(items) > most or not all(isinstance(s, str) for s in items) \
+            or (not allow_empty and not all(items)):
+        kind = "a string" if allow_empty else "a non-empty string"
+        raise ApiError(400, f"{name} must be {kind} or a list of 1 to {most} of them", name)
+    return items
+
+
+def parse_completion(body: Any, limits: Limits) -> CompletionRequest:
+    """Check a decoded JSON body field by field; raises ApiError (400, naming the field) for the first bad one."""
+    if not isinstance(body, dict):
+        raise ApiError(400, "the body must be a JSON object")
+    for name, defaults in UNSUPPORTED.items():
+        if body.get(name) not in defaults:
+            raise ApiError(400, f"{name} is not supported by this server", name)
+    if "prompt" not in body:
+        raise ApiError(400, "prompt is required: a string or a list of strings", "prompt")
+    prompts = _strings(body, "prompt", 64, allow_empty=True)
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise ApiError(400, "model must be a string", "model")
+    n = _integer(body, "n", 1, 1, limits.max_n)
+    if len(prompts) * n > limits.max_batch:
+        raise ApiError(400, f"{len(prompts)} prompts x n={n} are {len(prompts) * n} sequences, more than this "
+                            f"server decodes together ({limits.max_batch}, --max-batch)", "n")
+    top_k = _integer(body, "top_k", None, 1, 1 << 31)  # an extension (the playground sends it)
+    cfg = SampleConfig(
+        max_new_tokens=_integer(body, "max_tokens", 16, 1, limits.max_tokens),
+        temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
+        top_p=_number(body, "top_p", 1.0, 1e-9, 1.0), top_k=top_k,
+        frequency_penalty=_number(body, "frequency_penalty", 0.0, -2.0, 2.0),
+        presence_penalty=_number(body, "presence_penalty", 0.0, -2.0, 2.0),
+        seed=_integer(body, "seed", secrets.randbelow(SEED_LIMIT), 0, SEED_LIMIT - 1),
+        stop=_strings(body, "stop", 4, allow_empty=False))
+    request = CompletionRequest(prompts, cfg, n, _integer(body, "logprobs", None, 0, 5), _flag(body, "echo"),
+                                _flag(body, "stream"))
+    if request.echo and request.logprobs is not None:
+        raise ApiError(400, "echo with logprobs is not supported (the prompt's tokens have no logprobs here)", "echo")
+    return request
+
+
+def encode_prompts(request: CompletionRequest, tokenizer, context: int, limits: Limits) -> None:
+    """Fill request.ids; ApiError 400 for text the tokenizer cannot encode, an empty prompt on a model with no
+    start token, or a prompt longer than the context (or --max-prompt-tokens)."""
+    most = min(context, limits.max_prompt_tokens or context)
+    for text in request.prompts:
+        try:
+            ids = tokenizer.encode(text) if text else ([tokenizer.eot_id] if tokenizer.eot_id is not None else [])
+        except GptlabError as exc:
+            raise ApiError(400, str(exc), "prompt") from None
+        if not ids:
+            raise ApiError(400, "the prompt is empty and this model has no start token", "prompt")
+        if len(ids) > most:
+            raise ApiError(400, f"the prompt is {len(ids)} tokens, longer than this server accepts ({most}: the "
+                                f"model's context is {context} tokens)", "prompt", "context_length_exceeded")
+        request.ids.append(ids)
+
+
+def completion_id() -> str:
+    return "cmpl-" + secrets.token_hex(12)
+
+
+def envelope(cid: str, model: str, created: int | None = None) -> dict[str, Any]:
+    """The fields every completion response and chunk starts with."""
+    return {"id": cid, "object": "text_completion", "created": created or int(time.time()), "model": model}

@@ -1,0 +1,248 @@
+"""The HTTP side: a FastAPI app over one Scheduler. Routes: POST /v1/completions (JSON or server-sent events),
+GET /v1/models, /health, /metrics (Prometheus text), / (the playground page) and /inspect (the attention page of
+a text). Errors are OpenAI's shape; no request field ever names a file."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import secrets
+import threading
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from importlib import resources
+from typing import Any
+
+import torch
+from fastapi import FastAPI, Request
+from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response, StreamingResponse
+
+from gptlab.serve.api import (ApiError, CompletionRequest, Limits, completion_id, encode_prompts, envelope,
+                              parse_completion)
+from gptlab.serve.scheduler import Job, Scheduler
+
+
+@dataclass
+class Served:
+    """What a server serves: a name, the InferenceModel, its tokenizer, the parameter count, and how to get a plain
+    fp32 copy of the model for /inspect (loaded on first use)."""
+
+    name: str
+    model: Any
+    tokenizer: Any
+    parameters: int
+    plain_model: Callable[[], torch.nn.Module]
+
+
+def make_app(served: Served, limits: Limits, api_key: str | None = None) -> FastAPI:
+    """The app, with its scheduler started with the app and stopped (within limits.grace) with it."""
+    scheduler = Scheduler(served.model, served.tokenizer, limits.max_batch, limits.queue)
+    context = served.model.config.block_size
+    inspector = _Inspector(served)
+
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        scheduler.start()
+        yield
+        await asyncio.to_thread(scheduler.stop, limits.grace)
+
+    app = FastAPI(title="gptlab", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.scheduler = scheduler
+
+    def refuse(exc: ApiError) -> JSONResponse:
+        return JSONResponse(exc.body(), exc.status, headers=exc.headers)
+
+    def check_key(request: Request) -> None:
+        if api_key is None:
+            return
+        given = request.headers.get("authorization", "")
+        if not secrets.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
+            raise ApiError(401, "a valid API key is required: send the header 'Authorization: Bearer KEY'",
+                           code="invalid_api_key")
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        try:
+            check_key(request)
+            body = await _read_json(request, limits.max_body_bytes)
+            req = parse_completion(body, limits)
+            encode_prompts(req, served.tokenizer, context, limits)
+            job = Job(req, asyncio.get_running_loop(), asyncio.Queue())
+            if scheduler.closing:
+                raise ApiError(503, "the server is shutting down", type="server_error")
+            if not scheduler.submit(job):
+                raise ApiError(429, f"the queue is full ({limits.queue} requests waiting); retry shortly",
+                               type="rate_limit_error", code="queue_full", headers={"Retry-After": "1"})
+        except ApiError as exc:
+            scheduler.metrics.count(exc.status)
+            return refuse(exc)
+        scheduler.metrics.count(200)
+        if req.stream:
+            return StreamingResponse(_stream(job, served), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return await _collect(job, served, request)
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> Response:
+        try:
+            check_key(request)
+        except ApiError as exc:
+            return refuse(exc)
+        return JSONResponse({"object": "list", "data": [{
+            "id": served.name, "object": "model", "created": 0, "owned_by": "gptlab", "context_length": context,
+            "tokenizer": served.tokenizer.kind, "parameters": served.parameters}]})
+
+    @app.get("/health")
+    async def health() -> Response:
+        if scheduler.closing:
+            return JSONResponse({"status": "shutting down"}, 503)
+        return JSONResponse({"status": "ok", "model": served.name})
+
+    @app.get("/metrics")
+    async def metrics(request: Request) -> Response:
+        try:
+            check_key(request)
+        except ApiError as exc:
+            return refuse(exc)
+        return PlainTextResponse(scheduler.metrics.text(), media_type="text/plain; version=0.0.4")
+
+    @app.get("/")
+    async def playground() -> Response:
+        page = resources.files("gptlab.serve").joinpath("playground.html").read_text(encoding="utf-8")
+        return HTMLResponse(page.replace("__MODEL__", json.dumps(served.name).replace("</", "<\\/")))
+
+    @app.post("/inspect")
+    async def inspect(request: Request) -> Response:
+        try:
+            check_key(request)
+            body = await _read_json(request, limits.max_body_bytes)
+            text = body.get("text") if isinstance(body, dict) else None
+            if not isinstance(text, str) or not text:
+                raise ApiError(400, "text must be a non-empty string", "text")
+            page = await asyncio.to_thread(inspector.page, text)
+        except ApiError as exc:
+            return refuse(exc)
+        return HTMLResponse(page)
+
+    return app
+
+
+async def _read_json(request: Request, limit: int) -> Any:
+    """The body as JSON; ApiError 413 past `limit` bytes (read no further), 400 when it is not JSON."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise ApiError(413, f"the body is {declared} bytes, more than this server accepts ({limit}, "
+                            "--max-body-bytes)", code="body_too_large")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise ApiError(413, f"the body is more than this server accepts ({limit} bytes, --max-body-bytes)",
+                           code="body_too_large")
+        chunks.append(chunk)
+    try:
+        return json.loads(b"".join(chunks))
+    except (ValueError, UnicodeDecodeError):
+        raise ApiError(400, "the body is not valid JSON") from None
+
+
+def _logprobs_entry(info: dict | None, offset: int) -> dict | None:
+    if info is None:
+        return None
+    return {"tokens": [info["token"]], "token_logprobs": [info["logprob"]], "top_logprobs": [info["top"]],
+            "text_offset": [offset]}
+
+
+async def _stream(job: Job, served: Served) -> AsyncIterator[str]:
+    """Server-sent events in OpenAI's chunk format, a last chunk with the usage, then [DONE]. A client that leaves
+    cancels the job (its rows leave the batch at the next step)."""
+    cid, req = completion_id(), job.request
+    offsets = [0] * (len(req.ids) * req.n)
+    try:
+        if req.echo:
+            for c in range(len(offsets)):
+                text = req.prompts[c // req.n]
+                offsets[c] = len(text)
+                yield _sse({**envelope(cid, served.name), "choices": [_choice(c, text, None, None)]})
+        while True:
+            event = await job.events.get()
+            if event[0] == "token":
+                _, c, text, _, info, reason = event
+                yield _sse({**envelope(cid, served.name),
+                            "choices": [_choice(c, text, _logprobs_entry(info, offsets[c]), reason)]})
+                offsets[c] += len(text)
+            elif event[0] == "done":
+                yield _sse({**envelope(cid, served.name), "choices": [], "usage": event[1]})
+                break
+            else:
+                yield _sse({"error": {"message": event[1], "type": "server_error", "param": None, "code": None}})
+                break
+        yield "data: [DONE]\n\n"
+    finally:
+        job.cancelled.set()  # finished, or the client left (the generator is closed): either way, free the rows
+
+
+def _sse(data: dict) -> str:
+    return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
+
+
+def _choice(index: int, text: str, logprobs: dict | None, reason: str | None) -> dict:
+    return {"text": text, "index": index, "logprobs": logprobs, "finish_reason": reason}
+
+
+async def _collect(job: Job, served: Served, request: Request) -> Response:
+    """The whole completion as one JSON response; a client that leaves before the end cancels the job."""
+    req = job.request
+    size = len(req.ids) * req.n
+    texts = [req.prompts[c // req.n] if req.echo else "" for c in range(size)]
+    reasons: list[str | None] = [None] * size
+    logprobs = [{"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []} for _ in range(size)]
+    try:
+        while True:
+            try:
+                event = await asyncio.wait_for(job.events.get(), timeout=0.5)
+            except asyncio.TimeoutError:
+                if await request.is_disconnected():
+                    return Response(status_code=499)
+                continue
+            if event[0] == "token":
+                _, c, text, _, info, reason = event
+                if info is not None:
+                    for key, value in _logprobs_entry(info, len(texts[c])).items():
+                        logprobs[c][key] += value
+                texts[c] += text
+                reasons[c] = reason or reasons[c]
+            elif event[0] == "done":
+                usage = event[1]
+                break
+            else:
+                return JSONResponse(ApiError(500, event[1], type="server_error").body(), 500)
+    finally:
+        job.cancelled.set()
+    choices = [_choice(c, texts[c], logprobs[c] if req.logprobs is not None else None, reasons[c])
+               for c in range(size)]
+    return JSONResponse({**envelope(completion_id(), served.name), "choices": choices, "usage": usage})
+
+
+class _Inspector:
+    """The attention page of a text, from a plain copy of the model loaded on first use (the served one is packed
+    for decoding); one page at a time."""
+
+    def __init__(self, served: Served):
+        self.served, self._model, self._lock = served, None, threading.Lock()
+
+    def page(self, text: str) -> str:
+        from gptlab.inspect.page import attention_page
+        from gptlab.inspect.trace import token_labels, trace
+
+        from gptlab.errors import GptlabError
+
+        tokenizer = self.served.tokenizer
+        with self._lock:
+            if self._model is None:
+                self._model = self.served.plain_model()
+            try:
+                ids = tokenizer.encode(text)[-self._model.config.block_size:]
+                tr = trace(self._model, ids)
+                return attention_page(tr, token_labels(tokenizer, ids), text[-200:])
+            except GptlabError as exc:
+                raise ApiError(400, str(exc), "text") from None

@@ -1,0 +1,223 @@
+"""Continuous batching: one thread owns the model and runs a `RunningBatch`. Requests wait in a bounded queue; at
+every step the ones that fit join the batch (prefilled, then decoded with the rest from the next step on), every row
+draws its next token with its own settings and generator, and finished or cancelled rows leave at once. Each
+request's events (text, token, logprobs, finish reason) go to its own asyncio queue on the server's event loop."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from gptlab.engine import Completion, Row, RunningBatch
+from gptlab.serve.api import CompletionRequest
+
+log = logging.getLogger(__name__)
+TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+
+
+@dataclass(eq=False)
+class Job:
+    """One accepted request on its way through the scheduler. Events put on `events` (from the scheduler's thread,
+    through `loop`): ("token", choice index, text, token id, logprob info or None, finish reason or None), then
+    ("done", usage dict) or ("error", message)."""
+
+    request: CompletionRequest
+    loop: asyncio.AbstractEventLoop
+    events: asyncio.Queue
+    arrived: float = field(default_factory=time.perf_counter)
+    cancelled: threading.Event = field(default_factory=threading.Event)
+    rows: dict[int, tuple[Row, int, Completion]] = field(default_factory=dict)  # id(row) -> (row, choice, text)
+    generated: int = 0
+    first_token: float | None = None
+
+    @property
+    def size(self) -> int:
+        return len(self.request.ids) * self.request.n
+
+    def emit(self, event: tuple) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.events.put_nowait, event)
+        except RuntimeError:  # the event loop has closed (the server is gone): nobody is listening
+            self.cancelled.set()
+
+
+@dataclass
+class Metrics:
+    """What /metrics reports (the scheduler updates it; reads need no lock: each value is one Python object)."""
+
+    requests: dict[str, int] = field(default_factory=dict)  # HTTP status -> count
+    tokens: int = 0
+    cancelled: int = 0
+    queue_depth: int = 0
+    batch_rows: int = 0
+    ttft: list[int] = field(default_factory=lambda: [0] * (len(TTFT_BUCKETS) + 1))
+    ttft_sum: float = 0.0
+
+    def observe_ttft(self, seconds: float) -> None:
+        index = next((i for i, b in enumerate(TTFT_BUCKETS) if seconds <= b), len(TTFT_BUCKETS))
+        self.ttft[index] += 1
+        self.ttft_sum += seconds
+
+    def count(self, status: int) -> None:
+        self.requests[str(status)] = self.requests.get(str(status), 0) + 1
+
+    def text(self) -> str:
+        """The Prometheus text exposition format."""
+        lines = ["# HELP gptlab_requests_total Completion requests answered, by HTTP status.",
+                 "# TYPE gptlab_requests_total counter"]
+        lines += [f'gptlab_requests_total{{status="{s}"}} {n}' for s, n in sorted(self.requests.items())]
+        lines += ["# HELP gptlab_tokens_generated_total Tokens generated, all requests.",
+                  "# TYPE gptlab_tokens_generated_total counter", f"gptlab_tokens_generated_total {self.tokens}",
+                  "# HELP gptlab_requests_cancelled_total Requests whose client left before the end.",
+                  "# TYPE gptlab_requests_cancelled_total counter", f"gptlab_requests_cancelled_total {self.cancelled}",
+                  "# HELP gptlab_queue_depth Requests waiting for a place in the batch.",
+                  "# TYPE gptlab_queue_depth gauge", f"gptlab_queue_depth {self.queue_depth}",
+                  "# HELP gptlab_batch_size Sequences decoded together at the last step.",
+                  "# TYPE gptlab_batch_size gauge", f"gptlab_batch_size {self.batch_rows}",
+                  "# HELP gptlab_time_to_first_token_seconds From a request's arrival to its first token.",
+                  "# TYPE gptlab_time_to_first_token_seconds histogram"]
+        total = 0
+        for bound, n in zip([*map(str, TTFT_BUCKETS), "+Inf"], self.ttft):
+            total += n
+            lines.append(f'gptlab_time_to_first_token_seconds_bucket{{le="{bound}"}} {total}')
+        lines += [f"gptlab_time_to_first_token_seconds_sum {self.ttft_sum:.6f}",
+                  f"gptlab_time_to_first_token_seconds_count {total}"]
+        return "\n".join(lines) + "\n"
+
+
+class Scheduler:
+    """The thread that owns the model. `submit` queues a Job (False when the queue is full: the caller answers
+    429); `stop` ends it: new jobs are refused, running ones get `grace` seconds to finish, then are cancelled."""
+
+    def __init__(self, model, tokenizer, max_batch: int, queue: int):
+        self.batch = RunningBatch(model)
+        self.tokenizer, self.max_batch, self.queue_size = tokenizer, max_batch, queue
+        self.metrics = Metrics()
+        self._waiting: deque[Job] = deque()
+        self._jobs: list[Job] = []  # in the batch
+        self._wake = threading.Condition()
+        self._closing = False
+        self._deadline = float("inf")
+        self._thread = threading.Thread(target=self._run, name="gptlab-scheduler", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def submit(self, job: Job) -> bool:
+        with self._wake:
+            if self._closing or len(self._waiting) >= self.queue_size:
+                return False
+            self._waiting.append(job)
+            self.metrics.queue_depth = len(self._waiting)
+            self._wake.notify()
+        return True
+
+    def stop(self, grace: float) -> None:
+        """Refuse new jobs, let running and waiting ones finish for up to `grace` seconds, cancel the rest."""
+        with self._wake:
+            self._closing = True
+            self._deadline = time.monotonic() + grace
+            self._wake.notify()
+        self._thread.join(grace + 5)
+
+    @property
+    def closing(self) -> bool:
+        return self._closing
+
+    def _run(self) -> None:
+        torch.set_grad_enabled(False)
+        while True:
+            with self._wake:
+                while not self._waiting and not self._jobs and not self._closing:
+                    self._wake.wait()
+                if self._closing and (time.monotonic() >= self._deadline or not (self._waiting or self._jobs)):
+                    break
+                joining = self._admit()
+            try:
+                for job in joining:
+                    self._start(job)
+                self._drop_cancelled()
+                if self.batch.rows:
+                    self._step()
+                elif not joining:
+                    time.sleep(0.005)  # only cancelled or waiting jobs too big to fit yet: do not spin
+            except Exception as exc:  # a bug must not leave clients waiting forever: fail the jobs, keep serving
+                log.exception("the scheduler failed a step")
+                for job in self._jobs:
+                    job.emit(("error", f"generation failed: {exc}"))
+                self.batch.leave(list(self.batch.rows))
+                self._jobs = []
+        for job in [*self._jobs, *self._waiting]:
+            job.emit(("error", "the server is shutting down"))
+
+    def _admit(self) -> list[Job]:
+        """Waiting jobs that fit in the batch now, first come first served (under the lock)."""
+        joining, rows = [], len(self.batch.rows)
+        while self._waiting and rows + self._waiting[0].size <= self.max_batch:
+            job = self._waiting.popleft()
+            if not job.cancelled.is_set():
+                joining.append(job)
+                rows += job.size
+        self.metrics.queue_depth = len(self._waiting)
+        return joining
+
+    def _start(self, job: Job) -> None:
+        req = job.request
+        for p, ids in enumerate(req.ids):
+            for i, row in enumerate(self.batch.join(ids, req.cfg, req.n)):
+                job.rows[id(row)] = (row, p * req.n + i, Completion(self.tokenizer, req.cfg.stop))
+        self._jobs.append(job)
+
+    def _drop_cancelled(self) -> None:
+        gone = [job for job in self._jobs if job.cancelled.is_set()]
+        for job in gone:
+            self.batch.leave([row for row, _, _ in job.rows.values()])
+            self._jobs.remove(job)
+            self.metrics.cancelled += 1
+
+    def _step(self) -> None:
+        owner = {key: job for job in self._jobs for key in job.rows}
+        self.metrics.batch_rows = len(self.batch.rows)
+        finished = []
+        for row, token, logits in self.batch.sample():
+            job = owner[id(row)]
+            _, choice, completion = job.rows[id(row)]
+            text = completion.push(token)
+            if row.left <= 0 and completion.finish_reason is None:
+                text += completion.close("length")
+            reason = {"eot": "stop"}.get(completion.finish_reason, completion.finish_reason)
+            info = top_logprobs(logits, token, job.request.logprobs, self.tokenizer) \
+                if job.request.logprobs is not None else None
+            job.emit(("token", choice, text, token, info, reason))
+            job.generated += 1
+            self.metrics.tokens += 1
+            if job.first_token is None:
+                job.first_token = time.perf_counter()
+                self.metrics.observe_ttft(job.first_token - job.arrived)
+            if reason is not None:
+                finished.append(row)
+                del job.rows[id(row)]
+        self.batch.leave(finished)
+        for job in [j for j in self._jobs if not j.rows]:
+            self._jobs.remove(job)
+            prompt = sum(map(len, job.request.ids))
+            job.emit(("done", {"prompt_tokens": prompt, "completion_tokens": job.generated,
+                               "total_tokens": prompt + job.generated}))
+        self.batch.advance()
+
+
+def top_logprobs(logits: torch.Tensor, token: int, top: int, tokenizer) -> dict[str, Any]:
+    """The chosen token's log-probability under the model (temperature 1, no filters) and the `top` most likely
+    tokens' (text -> logprob)."""
+    logp = torch.log_softmax(logits[0].float(), dim=-1)
+    best = torch.topk(logp, top) if top else None
+    alternatives = {} if best is None else {
+        tokenizer.decode([int(i)]): round(float(v), 5) for v, i in zip(best.values, best.indices)}
+    return {"token": tokenizer.decode([token]), "logprob": round(float(logp[token]), 5), "top": alternatives}
