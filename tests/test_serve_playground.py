@@ -1,0 +1,88 @@
+"""The playground page of `gptlab serve` in a real headless browser (Debian's chromium driven by Playwright): it
+loads, streams a completion into the page, shows each token's probability and alternatives on hover, opens the
+attention view of the text, asks nothing of any address but the server's, and a screenshot is not blank. Where
+the browser or Playwright is missing the tests skip ("browser skipped (...)" in the summary line)."""
+
+import io
+import re
+import shutil
+from importlib import resources
+from pathlib import Path
+
+import pytest
+from PIL import Image
+
+from gptlab.cli import main
+from gptlab.serve import Limits, load_served, make_app, start_server
+
+CHROMIUM = Path("/usr/bin/chromium")
+ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+        "--disable-component-update", "--disable-sync", "--no-first-run"]
+TINY = ["--n-layer", "2", "--n-head", "2", "--n-embd", "32", "--block-size", "64", "--batch-size", "4",
+        "--eval-interval", "10", "--eval-batches", "2", "--log-interval", "10", "--precision", "fp32", "--quiet"]
+
+
+def test_the_page_is_one_file_with_no_address_in_it():
+    text = resources.files("gptlab.serve").joinpath("playground.html").read_text(encoding="utf-8")
+    assert not re.search(r"(https?:)?//[a-z]", text.replace("http-equiv", ""))  # nothing to fetch elsewhere
+    assert "<script src" not in text and "<link" not in text and text.count("</script>") == 1
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    from conftest import CORPUS
+
+    root = tmp_path_factory.mktemp("playground")
+    (root / "corpus.txt").write_text(CORPUS, encoding="utf-8")
+    assert main(["prepare", str(root / "corpus.txt"), "--out", str(root / "data"), "--quiet"]) == 0
+    assert main(["train", "--data", str(root / "data"), "--run", str(root / "run"), "--max-steps", "10", *TINY]) == 0
+    running = start_server(make_app(load_served(root / "run", "fp32", "cpu"), Limits()))
+    yield running
+    running.stop()
+
+
+@pytest.fixture(scope="module")
+def browser():
+    if not CHROMIUM.exists() or shutil.which("chromium") is None:
+        pytest.skip("no chromium (Debian's package: apt-get install chromium; make setup installs it as root)")
+    sync_api = pytest.importorskip("playwright.sync_api", reason="no playwright (pip install -e '.[test]')")
+    with sync_api.sync_playwright() as p:
+        b = p.chromium.launch(executable_path=str(CHROMIUM), args=ARGS)
+        yield b
+        b.close()
+
+
+@pytest.mark.device_path("browser")
+def test_the_playground_streams_colours_tokens_and_opens_the_attention_view(server, browser):
+    ctx = browser.new_context(viewport={"width": 1100, "height": 800})
+    requests, errors = [], []
+    ctx.on("request", lambda r: requests.append(r.url))
+    view = ctx.new_page()
+    view.on("pageerror", lambda e: errors.append(str(e)))
+    view.goto(server.url + "/")
+    assert view.locator("#model").inner_text() == "run"
+    view.fill("#prompt", "All:")
+    view.fill("#max_tokens", "40")
+    view.fill("#seed", "3")
+    view.click("#go")
+    view.wait_for_function("document.querySelector('#status').textContent.startsWith('done')", timeout=30000)
+    tokens = view.locator("#out .tok")
+    assert tokens.count() >= 30  # one span per streamed chunk (a char model: one token each)
+    probs = [float(p) for p in tokens.evaluate_all("(s) => s.map((x) => x.dataset.p)")]
+    assert all(0 < p <= 1 for p in probs)
+    assert view.locator("#status").inner_text() == "done: length, 40 tokens"
+    tokens.nth(2).hover()
+    tip = view.locator("#tip")
+    assert tip.is_visible() and "%" in tip.inner_text() and len(tip.inner_text().splitlines()) == 6  # it + top 5
+    with ctx.expect_page() as popup:
+        view.click("#attn")
+    attention = popup.value
+    attention.wait_for_load_state()
+    assert attention.locator("canvas.map").count() == 2  # one map per head of the first layer
+    assert attention.locator(".tok").count() == 44  # "All:" and the 40 generated characters
+    shot = Image.open(io.BytesIO(view.screenshot(full_page=True))).convert("RGB")
+    ctx.close()
+    assert not errors, errors
+    assert requests and all(u.startswith(server.url + "/") or u.startswith("about:") for u in requests), requests
+    colours = shot.getcolors(1 << 24)
+    assert len(colours) > 50 and max(n for n, _ in colours) < 0.95 * shot.width * shot.height  # not blank
