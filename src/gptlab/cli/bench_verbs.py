@@ -178,6 +178,45 @@ def bench_race(args: argparse.Namespace) -> int:
     return 0
 
 
+def add_bench_serve(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", choices=("gpt2-124M",), default="gpt2-124M",
+                   help="a model with random weights in this shape, and GPT-2's tokenizer (default gpt2-124M)")
+    p.add_argument("--run", help="serve this run instead of --model")
+    p.add_argument("--clients", type=int, default=8, help="concurrent clients, 1 to 256 (default 8)")
+    p.add_argument("--requests", type=int, default=2, help="requests each concurrent client sends, one after "
+                   "another (default 2)")
+    p.add_argument("--sequential", type=int, default=4, help="requests sent one at a time first, the baseline "
+                   "(default 4)")
+    p.add_argument("--max-tokens", type=int, default=64, help="new tokens per request (default 64)")
+    p.add_argument("--prompt-tokens", type=int, default=16, help="about this many prompt tokens (default 16)")
+    p.add_argument("--max-batch", type=int, default=16, help="the server's --max-batch (default 16)")
+    p.add_argument("--queue", type=int, default=64, help="the server's --queue: a small one shows 429s (default 64)")
+    p.add_argument("--precision", choices=("auto", "fp32", "bf16"), default="auto",
+                   help="inference weights, as in `gptlab serve` (default auto)")
+    p.add_argument("--time-limit", type=float, default=60.0, help="seconds after which no client starts a new "
+                   "request, per phase (default 60)")
+
+
+@bench("serve", "concurrent streaming clients against a `gptlab serve` it starts on 127.0.0.1 (continuous "
+       "batching), beside the same requests one at a time: tokens/s, p50 / p95 time to first token and latency, "
+       "429s, errors", add_bench_serve)
+def bench_serve(args: argparse.Namespace) -> int:
+    import math
+
+    from gptlab.bench.serve import run_serve_bench
+
+    at_least(args, clients=1, requests=1, sequential=1, max_tokens=1, prompt_tokens=1, max_batch=1, queue=1)
+    if args.clients > 256:
+        raise GptlabError(f"--clients must be at most 256, not {args.clients}")
+    if not (math.isfinite(args.time_limit) and 0 < args.time_limit <= 600):
+        raise GptlabError(f"--time-limit must be in (0, 600] seconds, not {args.time_limit}")
+    run_serve_bench(model=args.model, run=args.run, clients=args.clients, requests=args.requests,
+                    sequential=args.sequential, max_tokens=args.max_tokens, prompt_tokens=args.prompt_tokens,
+                    max_batch=args.max_batch, queue=args.queue, precision=args.precision,
+                    time_limit=args.time_limit)
+    return 0
+
+
 @command("bench", "benchmarks that measure variants side by side in one run and print ratios and the machine's load")
 def cmd_bench(args: argparse.Namespace) -> int:
     return BENCHES.run(args)
