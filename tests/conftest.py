@@ -54,6 +54,18 @@ def fused_kernel():
     return native.build_library()
 
 
+@pytest.fixture(scope="session")
+def vnni_kernel(fused_kernel):
+    """The fused decode kernel with its int8 VNNI product. Skips on a CPU without AVX512-VNNI; on one with it, a
+    kernel built without it (or not built: see fused_kernel) fails every test that uses it."""
+    from gptlab.inference import native
+
+    if not native.cpu_has_int8_vnni():
+        pytest.skip("no AVX512-VNNI on this CPU")
+    assert native.has_int8_vnni(fused_kernel), "this CPU has AVX512-VNNI but the kernel was built without it"
+    return fused_kernel
+
+
 @pytest.fixture(autouse=True)
 def _no_cached_peak(tmp_path_factory, monkeypatch):
     """Tests never read or write the user's measured-peak cache (~/.cache/gptlab)."""
@@ -81,7 +93,8 @@ def tiny_config(**overrides) -> ModelConfig:
 
 # ---- which device paths ran: one line at the end of the run -------------------------------------------------
 
-PATHS = ["cpu", "fused decode (AVX-512)", "bf16 native", "torch.compile", "cuda", "mps"]  # the summary's order
+PATHS = ["cpu", "fused decode (AVX-512)", "int8 native (VNNI)", "bf16 native", "torch.compile", "cuda",
+         "mps"]  # the summary's order
 _outcomes: dict[str, dict] = {}  # device path -> {"passed": n, "failed": n, "skipped": [reasons]}
 
 

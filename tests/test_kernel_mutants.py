@@ -8,6 +8,8 @@ import pytest
 
 from gptlab.inference import native
 from test_fastdecode import BF16_TOLERANCE, FP32_TOLERANCE, SHAPES, bf16_cache_errors, bf16_errors, fp32_error
+from test_int8 import FMA_TOLERANCE, VNNI_TOLERANCE, int8_error
+from test_int8 import SHAPES as INT8_SHAPES
 
 pytestmark = [pytest.mark.device_path("fused decode (AVX-512)"), pytest.mark.usefixtures("fused_kernel")]
 
@@ -23,6 +25,11 @@ MUTANTS = {
                                           "(Mask)0xFFFF : (Mask)((1u << (left - 1)) - 1)")], "fp32"),
     "attention's head tail one short": ([("(__mmask16)0 : (__mmask16)((1u << left) - 1)",
                                           "(__mmask16)0 : (__mmask16)((1u << (left - 1)) - 1)")], "fp32"),
+    "int8 FMA product ignores the row scales": ([("d * (s ? s[n] : 1.0f)", "d")], "int8 fma"),
+    "int8 VNNI product takes the next row's scale": ([("_mm_maskz_loadu_ps(m, s + n))", "_mm_maskz_loadu_ps(m, s + n + 1))")],
+                                                     "int8 vnni"),
+    "int8 VNNI product drops the u8 offset's correction": ([("_mm_slli_epi32(_mm_maskz_loadu_epi32(m, sums + n), 7)",
+                                                             "_mm_setzero_si128()")], "int8 vnni"),
 }
 
 
@@ -39,17 +46,33 @@ def bf16_cache_passes(lib) -> bool:
     return all(logits_error <= BF16_TOLERANCE and wrongly_rounded == 0 for logits_error, wrongly_rounded in errors)
 
 
-# test_fastdecode's parity checks, each over every shape there (stopping at the first that fails)
-CHECKS = {"fp32": fp32_passes, "bf16 weights": bf16_weights_pass, "bf16 cache": bf16_cache_passes}
+def int8_fma_passes(lib) -> bool:
+    return all(int8_error(shape, rows, lib, vnni=False) <= FMA_TOLERANCE for shape in INT8_SHAPES for rows in (1, 3, 5))
+
+
+def int8_vnni_passes(lib) -> bool:
+    return all(int8_error(shape, rows, lib, vnni=True) <= VNNI_TOLERANCE for shape in INT8_SHAPES for rows in (2, 8))
+
+
+# test_fastdecode's and test_int8's parity checks, each over every shape there (stopping at the first that fails)
+CHECKS = {"fp32": fp32_passes, "bf16 weights": bf16_weights_pass, "bf16 cache": bf16_cache_passes,
+          "int8 fma": int8_fma_passes, "int8 vnni": int8_vnni_passes}
+
+
+def runnable(check: str) -> bool:
+    """Whether this CPU runs `check` (the VNNI product needs AVX512-VNNI)."""
+    return check != "int8 vnni" or native.cpu_has_int8_vnni()
 
 
 def test_the_kernel_itself_passes_every_check(fused_kernel):
-    assert all(check(fused_kernel) for check in CHECKS.values())
+    assert all(check(fused_kernel) for name, check in CHECKS.items() if runnable(name))
 
 
 @pytest.mark.parametrize("name", MUTANTS)
 def test_a_broken_kernel_fails_the_parity_checks(name, tmp_path):
     edits, catcher = MUTANTS[name]
+    if not runnable(catcher):
+        pytest.skip("no AVX512-VNNI on this CPU")
     lib = native.build_library(mutated_source(edits, tmp_path), tmp_path)
     assert not CHECKS[catcher](lib), f"the {catcher} check passes a kernel with {name}"
 
@@ -64,9 +87,9 @@ ABI_MUTANTS = {
                                  r"Layer.c_attn_w is at byte 8 in .* but at byte 0 in gptlab's ctypes"),
     "a field in Model's padding": ([("    float eps;\n", "    float eps;\n    int spare;\n"),
                                     ("F(Model, eps),", "F(Model, eps), F(Model, spare),")],
-                                   r"struct Model has 16 fields in .* but 15 in gptlab's ctypes"),
-    "the layout version raised": ([("constexpr int LAYOUT_VERSION = 1;", "constexpr int LAYOUT_VERSION = 2;")],
-                                  r"layout version 2, gptlab passes version 1"),
+                                   r"struct Model has 18 fields in .* but 17 in gptlab's ctypes"),
+    "the layout version raised": ([("constexpr int LAYOUT_VERSION = 2;", "constexpr int LAYOUT_VERSION = 3;")],
+                                  r"layout version 3, gptlab passes version 2"),
     "no layout exported (an older source)": ([("gptlab_layout_version()", "gptlab_layout_version_gone()")],
                                              r"exports no struct layout"),
 }

@@ -17,7 +17,8 @@ from gptlab.errors import GptlabError
 ATTENTION_PATHS = ("auto", "sdpa", "naive")
 ACTIVATIONS = ("gelu", "gelu_tanh")
 ARCHS = ("gpt", "bigram")
-PRECISIONS = ("auto", "fp32", "bf16")
+PRECISIONS = ("auto", "fp32", "bf16")  # training
+INFERENCE_PRECISIONS = (*PRECISIONS, "int8")  # sample, eval: int8 is weight-only (gptlab.inference.int8)
 DEVICES = ("auto", "cpu", "cuda", "mps")
 TOKENIZERS = ("char", "bpe", "gpt2")
 OPTIMIZERS = ("adamw", "muon")
@@ -161,6 +162,8 @@ class TrainConfig:
         _check(self.spike_factor == 0 or self.spike_factor > 1,
                f"spike_factor must be 0 (off) or > 1, not {self.spike_factor}")
         _check(self.spike_patience >= 1, f"spike_patience must be >= 1, not {self.spike_patience}")
+        _check(self.precision != "int8", "precision int8 is for inference only (gptlab sample / eval --precision "
+                                         "int8); train in fp32, bf16 or auto")
         _check_choice("precision", self.precision, PRECISIONS)
         _check_choice("device", self.device, DEVICES)
         _check_choice("optimizer", self.optimizer, OPTIMIZERS)

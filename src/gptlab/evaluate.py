@@ -81,8 +81,9 @@ def score(model: torch.nn.Module, name: str, tokens: np.ndarray | list[int], tex
 
 
 def score_files(model: torch.nn.Module, tokenizer: Tokenizer, files: list[str], encoding: str = "utf-8",
-                batch_size: int = 16) -> list[Score]:
-    """A Score for each text file (read by corpus.read_text's rule); GptlabError for a file that cannot be read or
+                batch_size: int = 16, precision: str = "fp32") -> list[Score]:
+    """A Score for each text file (read by corpus.read_text's rule), the products in `precision` (bf16: autocast;
+    an int8 model is passed already quantized, and runs as it is); GptlabError for a file that cannot be read or
     is shorter than 2 tokens."""
     scores = []
     for name in files:
@@ -90,17 +91,18 @@ def score_files(model: torch.nn.Module, tokenizer: Tokenizer, files: list[str], 
         tokens = tokenizer.encode(text, allow_special=True)
         if len(tokens) < 2:
             raise GptlabError(f"{name} is too short to score: it needs at least 2 tokens, it has {len(tokens)}")
-        scores.append(score(model, name, tokens, len(text), len(text.encode()), batch_size))
+        scores.append(score(model, name, tokens, len(text), len(text.encode()), batch_size, precision))
     return scores
 
 
 def score_split(model: torch.nn.Module, tokenizer: Tokenizer, data_dir: str | Path, batch_size: int = 16,
-                source: str = "the model") -> Score:
-    """The Score of a prepared data folder's validation split; GptlabError when the data was made with another
-    tokenizer than `tokenizer` (its ids would mean other things to the model)."""
+                source: str = "the model", precision: str = "fp32") -> Score:
+    """The Score of a prepared data folder's validation split (products in `precision`, as score_files);
+    GptlabError when the data was made with another tokenizer than `tokenizer` (its ids would mean other things to
+    the model)."""
     data = load_dataset(data_dir)
     if data.tokenizer.to_dict() != tokenizer.to_dict():
         raise GptlabError(f"{data.path} was tokenized with another tokenizer than {source}'s, so its ids mean other "
                           f"things to the model; prepare the text with --tokenizer-from")
     text = tokenizer.decode(data.val.tolist())
-    return score(model, f"{data.path} (val)", data.val, len(text), len(text.encode()), batch_size)
+    return score(model, f"{data.path} (val)", data.val, len(text), len(text.encode()), batch_size, precision)

@@ -7,7 +7,8 @@ import sys
 from pathlib import Path
 
 from gptlab.cli.common import add_config_flags, add_device, announce, command, overrides, unescape
-from gptlab.config import DEFAULT_PRESET, PRESETS, TOKENIZERS, ModelConfig, SampleConfig, TrainConfig, build
+from gptlab.config import (DEFAULT_PRESET, INFERENCE_PRECISIONS, PRESETS, TOKENIZERS, ModelConfig, SampleConfig,
+                           TrainConfig, build)
 from gptlab.errors import GptlabError
 from gptlab.tokenfiles import SHARD_TOKENS
 from gptlab.tokenizer import EOT
@@ -189,9 +190,10 @@ def add_sample(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-samples", type=int, default=1, help="continuations of the prompt, from one prefill")
     p.add_argument("--no-echo", dest="echo_prompt", action="store_false", help="do not print the prompt")
     add_device(p)
-    p.add_argument("--precision", choices=("auto", "fp32", "bf16"), default="auto",
+    p.add_argument("--precision", choices=INFERENCE_PRECISIONS, default="auto",
                    help="inference weights: fp32 (the reference), bf16 (faster where the hardware computes it "
-                        "natively; see docs/benchmarks.md), or auto (bf16 where native, else fp32) (default auto)")
+                        "natively; see docs/benchmarks.md), int8 (weight-only, per-row scales, fp32 activations: "
+                        "half bf16's bytes to read per token), or auto (bf16 where native, else fp32) (default auto)")
     add_config_flags(p, SampleConfig, "sampling settings")
 
 
@@ -202,21 +204,28 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from gptlab.checkpoint import load_run
     from gptlab.evaluate import score_files, score_split
     from gptlab.runs import latest_run, run_data_dir
-    from gptlab.runtime import resolve_device, set_threads
+    from gptlab.inference import prepare_for_inference
+    from gptlab.runtime import resolve_device, resolve_precision, set_threads
 
     set_threads()
     if args.batch_size < 1:
         raise GptlabError(f"--batch-size must be >= 1, not {args.batch_size}")
     run = args.run or latest_run()
-    loaded = load_run(run, device=resolve_device(args.device))
+    device = resolve_device(args.device)
+    precision = resolve_precision(args.precision, device)
+    loaded = load_run(run, device=device)
+    model = loaded.model
+    if precision == "int8":  # the weights sample --precision int8 decodes with, through the torch reference path
+        model = prepare_for_inference(model, "int8", fused=False, huge_pages=False).model
     if args.files:
-        scores = score_files(loaded.model, loaded.tokenizer, args.files, args.encoding, args.batch_size)
+        scores = score_files(model, loaded.tokenizer, args.files, args.encoding, args.batch_size, precision)
     else:
         data_dir = args.data or run_data_dir(run)
         if not data_dir:
             raise GptlabError(f"run {run} has no data of its own (it was imported); give text files to score or "
                               "--data")
-        scores = [score_split(loaded.model, loaded.tokenizer, data_dir, args.batch_size, source=f"run {run}")]
+        scores = [score_split(model, loaded.tokenizer, data_dir, args.batch_size, source=f"run {run}",
+                              precision=precision)]
     announce(loaded)
     print(f"{'text':<40} {'tokens':>10} {'loss':>8} {'ppl':>9} {'bits/tok':>9} {'bits/char':>9} {'bits/byte':>9}")
     for s in scores:
@@ -232,6 +241,9 @@ def add_eval(p: argparse.ArgumentParser) -> None:
     p.add_argument("--encoding", default="utf-8", help="text encoding of the files (default utf-8)")
     p.add_argument("--batch-size", type=int, default=16, help="sequences scored at once (default 16)")
     add_device(p)
+    p.add_argument("--precision", choices=INFERENCE_PRECISIONS, default="fp32",
+                   help="fp32 (the reference), bf16 (autocast), int8 (weight-only int8 weights, as sample "
+                        "--precision int8 uses them), or auto (bf16 where native, else fp32) (default fp32)")
 
 
 # ---- runs and info -------------------------------------------------------------------------------------------------

@@ -6,7 +6,9 @@
 // (GEMV) stop well short of the bus (docs/benchmarks.md). Here the products stream each weight row once, for all
 // rows of the batch at a time, and the small work (LayerNorm, attention over the cache, GELU, residual adds) is
 // fused around them. Activations are fp32; weights fp32 or bf16 (bf16 products round x to bf16 where the CPU
-// has AVX512-BF16, as a bf16 model's activations are, and widen W to fp32 where it has not).
+// has AVX512-BF16, as a bf16 model's activations are, and widen W to fp32 where it has not), or int8 with one
+// fp32 scale per output row (gptlab/inference/int8.py): widened to fp32 for FMAs, or, where the CPU has
+// AVX512-VNNI, multiplied as bytes by vpdpbusd against x quantized per row to 8 bits (see gemv_vnni).
 //
 // The math is the model's (gptlab/model.py), step by step; tests/test_fastdecode.py holds it to the torch path
 // (gptlab/inference/fused.py calls it).
@@ -29,14 +31,22 @@ constexpr int STREAM_AHEAD = 4096;
 struct Layer {  // weights (out, in) as nn.Linear stores them, in the model's dtype; vectors fp32, NULL if absent
     const void *c_attn_w, *attn_proj_w, *c_fc_w, *mlp_proj_w;
     const float *ln_1_w, *ln_1_b, *c_attn_b, *attn_proj_b, *ln_2_w, *ln_2_b, *c_fc_b, *mlp_proj_b;
+    // int8 weights only (else NULL): each output row's scale, and its sum of int8 weights (for VNNI's offset)
+    const float *c_attn_s, *attn_proj_s, *c_fc_s, *mlp_proj_s;
+    const int32_t *c_attn_sum, *attn_proj_sum, *c_fc_sum, *mlp_proj_sum;
 };
 
+// How the matrices are stored and multiplied: Model.weights
+enum Weights { FP32 = 0, BF16 = 1, INT8_FMA = 2, INT8_VNNI = 3 };
+
 struct Model {
-    int n_layer, n_head, head_dim, n_embd, vocab_size, block_size, bf16_weights, gelu_tanh;
+    int n_layer, n_head, head_dim, n_embd, vocab_size, block_size, weights, gelu_tanh;
     float eps;
-    const void *wte, *wpe, *lm_head;  // (V, C), (block_size, C), (V, C)
+    const void *wte, *wpe, *lm_head;  // (V, C), (block_size, C), (V, C); int8 weights: wte and wpe are fp32
     const float *ln_f_w, *ln_f_b;
     const Layer* layers;
+    const float* lm_head_s;  // int8 weights only (else NULL): as Layer's
+    const int32_t* lm_head_sum;
 };
 
 struct Step {  // R rows, each one new token at its own position
@@ -49,22 +59,33 @@ struct Step {  // R rows, each one new token at its own position
 
 // ---- the ABI: Python (gptlab/inference/native.py) fills these structs with ctypes and checks, before the first
 // call, that this library's version, sizes and offsets are the ones it passes; a mismatch is never called ----
-constexpr int LAYOUT_VERSION = 1;  // raise with any change to the structs above, here and in native.py
+constexpr int LAYOUT_VERSION = 2;  // raise with any change to the structs above, here and in native.py
 struct FieldOffset { const char *s, *f; long off; };
 #define F(S, f) {#S, #f, (long)offsetof(S, f)}
 static const FieldOffset FIELDS[] = {
     F(Layer, c_attn_w), F(Layer, attn_proj_w), F(Layer, c_fc_w), F(Layer, mlp_proj_w), F(Layer, ln_1_w),
     F(Layer, ln_1_b), F(Layer, c_attn_b), F(Layer, attn_proj_b), F(Layer, ln_2_w), F(Layer, ln_2_b),
-    F(Layer, c_fc_b), F(Layer, mlp_proj_b),
+    F(Layer, c_fc_b), F(Layer, mlp_proj_b), F(Layer, c_attn_s), F(Layer, attn_proj_s), F(Layer, c_fc_s),
+    F(Layer, mlp_proj_s), F(Layer, c_attn_sum), F(Layer, attn_proj_sum), F(Layer, c_fc_sum), F(Layer, mlp_proj_sum),
     F(Model, n_layer), F(Model, n_head), F(Model, head_dim), F(Model, n_embd), F(Model, vocab_size),
-    F(Model, block_size), F(Model, bf16_weights), F(Model, gelu_tanh), F(Model, eps), F(Model, wte),
-    F(Model, wpe), F(Model, lm_head), F(Model, ln_f_w), F(Model, ln_f_b), F(Model, layers),
+    F(Model, block_size), F(Model, weights), F(Model, gelu_tanh), F(Model, eps), F(Model, wte),
+    F(Model, wpe), F(Model, lm_head), F(Model, ln_f_w), F(Model, ln_f_b), F(Model, layers), F(Model, lm_head_s),
+    F(Model, lm_head_sum),
     F(Step, R), F(Step, max_len), F(Step, n_threads), F(Step, cache_bf16), F(Step, ids), F(Step, pos), F(Step, k),
     F(Step, v), F(Step, x), F(Step, h), F(Step, qkv), F(Step, att), F(Step, fc), F(Step, logits), F(Step, scores),
 };
 #undef F
 
 extern "C" int gptlab_layout_version() { return LAYOUT_VERSION; }
+
+// Whether this build multiplies int8 weights with AVX512-VNNI (Model.weights INT8_VNNI; else it runs INT8_FMA).
+extern "C" int gptlab_int8_vnni() {
+#ifdef __AVX512VNNI__
+    return 1;
+#else
+    return 0;
+#endif
+}
 
 extern "C" long gptlab_sizeof(const char* s) {  // -1 for a struct this library does not know
     return !strcmp(s, "Layer") ? (long)sizeof(Layer) : !strcmp(s, "Model") ? (long)sizeof(Model)
@@ -94,6 +115,14 @@ static inline __m512 load16(const bf16* p, __mmask16 m) {
     __m256i h = _mm256_maskz_loadu_epi16(m, p);
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
+// int8: 16 weights sign-extended to int32, then converted to fp32 (exact: |q| <= 127); the row's scale is
+// applied once to the finished sum
+static inline __m512 load16(const int8_t* p) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p)));
+}
+static inline __m512 load16(const int8_t* p, __mmask16 m) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(m, p)));
+}
 static inline float to_f32(float x) { return x; }
 static inline float to_f32(bf16 x) { uint32_t u = (uint32_t)x << 16; float f; __builtin_memcpy(&f, &u, 4); return f; }
 
@@ -108,7 +137,7 @@ template <int E> static inline void finish(float* y, float d) {
 
 // ---- matrix-vector products ----
 // One kernel shape per case below, written once over a "dot" type: how a vector of W meets a vector of x.
-// Widen<WT>: W fp32 or bf16 widened to fp32, x fp32, 16 multiply-adds per instruction.
+// Widen<WT>: W fp32, bf16 or int8 widened to fp32, x fp32, 16 multiply-adds per instruction.
 template <typename WT> struct Widen {
     using W = WT;
     using X = float;
@@ -146,8 +175,8 @@ struct DotBF16 {
 // One row of x: four independent sums along k, one sequential stream through W, fetched STREAM_AHEAD bytes
 // ahead into L2.
 template <int E, typename D>
-static void gemv_row1(const typename D::W* W, const typename D::X* x, const float* b, float* y, int K, int n0,
-                      int n1) {
+static void gemv_row1(const typename D::W* W, const typename D::X* x, const float* s, const float* b, float* y,
+                      int K, int n0, int n1) {
     constexpr int L = D::LANES;
     for (int n = n0; n < n1; n++) {
         const typename D::W* w = W + (int64_t)n * K;
@@ -166,13 +195,13 @@ static void gemv_row1(const typename D::W* W, const typename D::X* x, const floa
             a0 = D::madd(a0, D::w(w + k, m), D::x(x + k, m));
         }
         float d = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3)));
-        finish<E>(y + n, d + (b ? b[n] : 0.0f));
+        finish<E>(y + n, d * (s ? s[n] : 1.0f) + (b ? b[n] : 0.0f));
     }
 }
 
 // The sums below are named variables, not an array: GCC keeps such an array on the stack and stores it every
 // iteration. OUT stores row j's sum a##j for output n.
-#define OUT(j) if constexpr (RB > j) finish<E>(Y + (int64_t)j * N + n, _mm512_reduce_add_ps(a##j) + bias);
+#define OUT(j) if constexpr (RB > j) finish<E>(Y + (int64_t)j * N + n, _mm512_reduce_add_ps(a##j) * scale + bias);
 #define OUTS OUT(0) OUT(1) OUT(2) OUT(3) OUT(4) OUT(5) OUT(6) OUT(7)
 
 // Two rows of x (or the last odd one): one row of W at a time, one sequential stream (two interleaved streams, or
@@ -180,8 +209,8 @@ static void gemv_row1(const typename D::W* W, const typename D::X* x, const floa
 #define MADD(j, M) if constexpr (RB > j) a##j = D::madd(a##j, w, D::x(X + (int64_t)j * K + k, M));
 #define MADDS(M) MADD(0, M) MADD(1, M) MADD(2, M) MADD(3, M) MADD(4, M) MADD(5, M) MADD(6, M) MADD(7, M)
 template <int E, int RB, typename D>
-static void gemv_rows(const typename D::W* W, const typename D::X* X, const float* b, float* Y, int N, int K,
-                      int n0, int n1) {
+static void gemv_rows(const typename D::W* W, const typename D::X* X, const float* s, const float* b, float* Y,
+                      int N, int K, int n0, int n1) {
     constexpr int L = D::LANES;
     const typename D::Mask all = D::tail(L);
     for (int n = n0; n < n1; n++) {
@@ -198,7 +227,7 @@ static void gemv_rows(const typename D::W* W, const typename D::X* X, const floa
             typename D::WV w = D::w(r + k, m);
             MADDS(m)
         }
-        float bias = b ? b[n] : 0.0f;
+        float bias = b ? b[n] : 0.0f, scale = s ? s[n] : 1.0f;
         OUTS
     }
 }
@@ -212,11 +241,12 @@ static void gemv_rows(const typename D::W* W, const typename D::X* X, const floa
 #define MADD2(j, M) if constexpr (RB > j) { typename D::XV xv = D::x(X + (int64_t)j * K + k, M); \
                                             a##j = D::madd(a##j, w0, xv); b##j = D::madd(b##j, w1, xv); }
 #define MADDS2(M) MADD2(0, M) MADD2(1, M) MADD2(2, M) MADD2(3, M) MADD2(4, M) MADD2(5, M) MADD2(6, M) MADD2(7, M)
-#define OUT2(j) if constexpr (RB > j) { finish<E>(Y + (int64_t)j * N + n, _mm512_reduce_add_ps(a##j) + bias0); \
-                                        if (!one) finish<E>(Y + (int64_t)j * N + n + 1, _mm512_reduce_add_ps(b##j) + bias1); }
+#define OUT2(j) if constexpr (RB > j) { \
+    finish<E>(Y + (int64_t)j * N + n, _mm512_reduce_add_ps(a##j) * scale0 + bias0); \
+    if (!one) finish<E>(Y + (int64_t)j * N + n + 1, _mm512_reduce_add_ps(b##j) * scale1 + bias1); }
 template <int E, int RB, typename D>
-static void gemv_pair(const typename D::W* W, const typename D::X* X, const float* b, float* Y, int N, int K, int n,
-                      bool one) {
+static void gemv_pair(const typename D::W* W, const typename D::X* X, const float* s, const float* b, float* Y, int N,
+                      int K, int n, bool one) {
     constexpr int L = D::LANES;
     const typename D::Mask all = D::tail(L);
     __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
@@ -237,6 +267,7 @@ static void gemv_pair(const typename D::W* W, const typename D::X* X, const floa
         MADDS2(m)
     }
     float bias0 = b ? b[n] : 0.0f, bias1 = b && !one ? b[n + 1] : 0.0f;
+    float scale0 = s ? s[n] : 1.0f, scale1 = s && !one ? s[n + 1] : 1.0f;
     OUT2(0) OUT2(1) OUT2(2) OUT2(3) OUT2(4) OUT2(5) OUT2(6) OUT2(7)
 }
 #undef MADD2
@@ -245,22 +276,22 @@ static void gemv_pair(const typename D::W* W, const typename D::X* X, const floa
 
 // Y (R, N) from X (R, K) and W (N, K): this thread's share [n0, n1) of the outputs, every row.
 template <int E, typename D>
-static void gemv(const typename D::W* W, const typename D::X* X, const float* b, float* Y, int R, int N, int K,
-                 int n0, int n1) {
-    if (R == 1) { gemv_row1<E, D>(W, X, b, Y, K, n0, n1); return; }
+static void gemv(const typename D::W* W, const typename D::X* X, const float* s, const float* b, float* Y, int R,
+                 int N, int K, int n0, int n1) {
+    if (R == 1) { gemv_row1<E, D>(W, X, s, b, Y, K, n0, n1); return; }
     for (int r = 0; r < R;) {
         const typename D::X* x = X + (int64_t)r * K;
         float* y = Y + (int64_t)r * N;
         int left = R - r, rows = left >= 8 ? 8 : left >= 4 ? 4 : left >= 2 ? 2 : 1;
         if (rows >= 4) {
             for (int n = n0; n < n1; n += 2) {
-                if (rows == 8) gemv_pair<E, 8, D>(W, x, b, y, N, K, n, n + 1 == n1);
-                else gemv_pair<E, 4, D>(W, x, b, y, N, K, n, n + 1 == n1);
+                if (rows == 8) gemv_pair<E, 8, D>(W, x, s, b, y, N, K, n, n + 1 == n1);
+                else gemv_pair<E, 4, D>(W, x, s, b, y, N, K, n, n + 1 == n1);
             }
         } else if (rows == 2) {
-            gemv_rows<E, 2, D>(W, x, b, y, N, K, n0, n1);
+            gemv_rows<E, 2, D>(W, x, s, b, y, N, K, n0, n1);
         } else {
-            gemv_rows<E, 1, D>(W, x, b, y, N, K, n0, n1);
+            gemv_rows<E, 1, D>(W, x, s, b, y, N, K, n0, n1);
         }
         r += rows;
     }
@@ -288,18 +319,154 @@ static const bf16* to_bf16(const float* X, int64_t count) {
 }
 #endif
 
+// Steps of fewer rows than this multiply int8 weights by FMAs even where VNNI is chosen: one row is bound by
+// reading W, and there the single sequential stream of gemv_row1 measured faster (`gptlab bench generate`); with
+// more rows the products' instructions count, and VNNI measured faster (batch 8: 1.2x). From 2 rows on every
+// batch size takes the same product, and VNNI's integer sums are exact, so a row's logits do not depend on the
+// rows beside it (the server's continuous batching runs at least 2 rows for this, gptlab.engine.RunningBatch).
+constexpr int VNNI_MIN_ROWS = 2;
+
+#ifdef __AVX512VNNI__
+// int8 weights by VNNI. vpdpbusd multiplies unsigned bytes by signed bytes, 64 per instruction, into 16 int32
+// sums: x is quantized per row to xq = round(x / sx), sx = max|x_row| / 127, stored offset as u8 = xq + 128, so
+// that sum(u8 * q) = sum(xq * q) + 128 * sum(q), and each output is (sum - 128 * sums[n]) * sx * s[n] + b[n].
+// A quarter of the instructions of widening to fp32 (INT8_FMA), at the price of rounding x to 8 bits.
+struct QuantizedX {
+    const uint8_t* q;  // (R, KP): KP = K rounded up to 64, each row's tail 128 (x = 0; its weights read as 0)
+    const float* scale;  // (R,): sx
+};
+
+// X (R, K) quantized into this thread's buffers (each thread quantizes all of X, as to_bf16 does: far fewer
+// numbers than the weights it then reads, and no barrier).
+static QuantizedX quantize_x(const float* X, int R, int K, int KP) {
+    static thread_local uint8_t* xq = nullptr;
+    static thread_local float* xs = nullptr;
+    static thread_local int64_t capacity = 0, rows = 0;
+    if (capacity < (int64_t)R * KP || rows < R) {
+        delete[] xq;
+        delete[] xs;
+        capacity = (int64_t)R * KP;
+        rows = R;
+        xq = new uint8_t[capacity];
+        xs = new float[rows];
+    }
+    for (int r = 0; r < R; r++) {
+        const float* x = X + (int64_t)r * K;
+        __m512 top = _mm512_setzero_ps();
+        for (int k = 0; k < K; k += 16) {
+            __mmask16 m = K - k >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (K - k)) - 1);
+            top = _mm512_max_ps(top, _mm512_abs_ps(_mm512_maskz_loadu_ps(m, x + k)));
+        }
+        float amax = _mm512_reduce_max_ps(top);
+        xs[r] = amax / 127.0f;
+        const __m512 inv = _mm512_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
+        const __m512i offset = _mm512_set1_epi32(128);
+        for (int k = 0; k < KP; k += 16) {  // |x * inv| <= 127: rounded to nearest even, offset, one byte each
+            __mmask16 m = K - k >= 16 ? (__mmask16)0xFFFF : K - k <= 0 ? (__mmask16)0 : (__mmask16)((1u << (K - k)) - 1);
+            __m512i v = _mm512_add_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(_mm512_maskz_loadu_ps(m, x + k), inv)), offset);
+            _mm_storeu_si128((__m128i*)(xq + (int64_t)r * KP + k), _mm512_cvtepi32_epi8(v));
+        }
+    }
+    return {xq, xs};
+}
+
+// The four int32 sums of a, b, c and d, in that order: two rounds of unpack-and-add within each 128-bit lane,
+// then the four lanes added (a quarter of the instructions of four separate reductions).
+static inline __m128i reduce4(__m512i a, __m512i b, __m512i c, __m512i d) {
+    __m512i ab = _mm512_add_epi32(_mm512_unpacklo_epi32(a, b), _mm512_unpackhi_epi32(a, b));
+    __m512i cd = _mm512_add_epi32(_mm512_unpacklo_epi32(c, d), _mm512_unpackhi_epi32(c, d));
+    __m512i abcd = _mm512_add_epi32(_mm512_unpacklo_epi64(ab, cd), _mm512_unpackhi_epi64(ab, cd));
+    __m256i half = _mm256_add_epi32(_mm512_castsi512_si256(abcd), _mm512_extracti64x4_epi64(abcd, 1));
+    return _mm_add_epi32(_mm256_castsi256_si128(half), _mm256_extracti128_si256(half, 1));
+}
+
+// Outputs n .. n + count - 1 (count <= 4) of one row of x: (sum - 128 * sums[n]) * sx * s[n] + b[n].
 template <int E>
-static void linear(const Model& m, const void* W, const float* X, const float* b, float* Y, int R, int N, int K) {
+static inline void finish4(float* y, __m128i total, float sx, const float* s, const int32_t* sums, const float* b,
+                           int n, int count) {
+    __mmask8 m = (__mmask8)((1u << count) - 1);
+    __m128i offset = _mm_slli_epi32(_mm_maskz_loadu_epi32(m, sums + n), 7);  // 128 * sums
+    __m128 scale = _mm_mul_ps(_mm_set1_ps(sx), _mm_maskz_loadu_ps(m, s + n));
+    __m128 bias = b ? _mm_maskz_loadu_ps(m, b + n) : _mm_setzero_ps();
+    float d[4];
+    _mm_storeu_ps(d, _mm_fmadd_ps(_mm_cvtepi32_ps(_mm_sub_epi32(total, offset)), scale, bias));
+    for (int i = 0; i < count; i++) finish<E>(y + i, d[i]);
+}
+
+// One or two rows of x (RB) against W's rows n .. n + count - 1 (count <= 4, adjacent in memory): up to eight
+// independent chains of vpdpbusd, each 64 bytes of W used RB times, and one reduction per four outputs; the
+// next four rows fetched ahead into L2. Rows past count re-read row n and store nothing.
+#define DP4(acc, x) acc##0 = _mm512_dpbusd_epi32(acc##0, x, w0); acc##1 = _mm512_dpbusd_epi32(acc##1, x, w1); \
+                    acc##2 = _mm512_dpbusd_epi32(acc##2, x, w2); acc##3 = _mm512_dpbusd_epi32(acc##3, x, w3);
+template <int E, int RB>
+static void vnni_block(const int8_t* W, const uint8_t* xq, const float* xs, const float* s, const int32_t* sums,
+                       const float* b, float* Y, int N, int K, int KP, int n, int count) {
+    const int8_t* r0 = W + (int64_t)n * K;
+    const int8_t *r1 = count > 1 ? r0 + K : r0, *r2 = count > 2 ? r0 + 2 * K : r0, *r3 = count > 3 ? r0 + 3 * K : r0;
+    __m512i a0 = _mm512_setzero_si512(), a1 = a0, a2 = a0, a3 = a0, c0 = a0, c1 = a0, c2 = a0, c3 = a0;
+    for (int k = 0; k < K; k += 64) {
+        _mm_prefetch((const char*)(r0 + 4 * K + k), _MM_HINT_T1);
+        _mm_prefetch((const char*)(r1 + 4 * K + k), _MM_HINT_T1);
+        _mm_prefetch((const char*)(r2 + 4 * K + k), _MM_HINT_T1);
+        _mm_prefetch((const char*)(r3 + 4 * K + k), _MM_HINT_T1);
+        __mmask64 m = K - k >= 64 ? ~(__mmask64)0 : (((__mmask64)1 << (K - k)) - 1);
+        __m512i w0 = _mm512_maskz_loadu_epi8(m, r0 + k), w1 = _mm512_maskz_loadu_epi8(m, r1 + k);
+        __m512i w2 = _mm512_maskz_loadu_epi8(m, r2 + k), w3 = _mm512_maskz_loadu_epi8(m, r3 + k);
+        __m512i x0 = _mm512_loadu_si512(xq + k);
+        DP4(a, x0)
+        if constexpr (RB > 1) {
+            __m512i x1 = _mm512_loadu_si512(xq + KP + k);
+            DP4(c, x1)
+        }
+    }
+    finish4<E>(Y + n, reduce4(a0, a1, a2, a3), xs[0], s, sums, b, n, count);
+    if constexpr (RB > 1) finish4<E>(Y + N + n, reduce4(c0, c1, c2, c3), xs[1], s, sums, b, n, count);
+}
+#undef DP4
+
+template <int E>
+static void gemv_vnni(const int8_t* W, const float* X, const float* s, const int32_t* sums, const float* b, float* Y,
+                      int R, int N, int K, int n0, int n1) {
+    const int KP = (K + 63) / 64 * 64;
+    QuantizedX x = quantize_x(X, R, K, KP);
+    for (int n = n0; n < n1; n += 4) {
+        const int count = n1 - n >= 4 ? 4 : n1 - n;
+        for (int r = 0; r < R; r += 2) {  // each block of W read from memory once, then from L1 for the other rows
+            const uint8_t* xq = x.q + (int64_t)r * KP;
+            float* y = Y + (int64_t)r * N;
+            if (R - r >= 2) vnni_block<E, 2>(W, xq, x.scale + r, s, sums, b, y, N, K, KP, n, count);
+            else vnni_block<E, 1>(W, xq, x.scale + r, s, sums, b, y, N, K, KP, n, count);
+        }
+    }
+}
+#endif
+
+// Y (R, N) = X (R, K) W^T + b, W (N, K) in the model's format (s, sums: int8's per-row scales and sums), epilogue
+// E; the outputs are split evenly over the threads, then all wait for all.
+template <int E>
+static void linear(const Model& m, const void* W, const float* s, const int32_t* sums, const float* X, const float* b,
+                   float* Y, int R, int N, int K) {
     int t = omp_get_thread_num(), T = omp_get_num_threads();
     int per = (N + T - 1) / T;
     int n0 = t * per, n1 = n0 + per < N ? n0 + per : N;
     if (n0 < n1) {
-#ifdef __AVX512BF16__
-        if (m.bf16_weights) gemv<E, DotBF16>((const bf16*)W, to_bf16(X, (int64_t)R * K), b, Y, R, N, K, n0, n1);
+        if (m.weights == INT8_VNNI && R >= VNNI_MIN_ROWS) {
+#ifdef __AVX512VNNI__
+            gemv_vnni<E>((const int8_t*)W, X, s, sums, b, Y, R, N, K, n0, n1);
 #else
-        if (m.bf16_weights) gemv<E, Widen<bf16>>((const bf16*)W, X, b, Y, R, N, K, n0, n1);
+            gemv<E, Widen<int8_t>>((const int8_t*)W, X, s, b, Y, R, N, K, n0, n1);  // never chosen: Python asks first
 #endif
-        else gemv<E, Widen<float>>((const float*)W, X, b, Y, R, N, K, n0, n1);
+        } else if (m.weights == INT8_FMA || m.weights == INT8_VNNI) {
+            gemv<E, Widen<int8_t>>((const int8_t*)W, X, s, b, Y, R, N, K, n0, n1);
+        } else if (m.weights == BF16) {
+#ifdef __AVX512BF16__
+            gemv<E, DotBF16>((const bf16*)W, to_bf16(X, (int64_t)R * K), nullptr, b, Y, R, N, K, n0, n1);
+#else
+            gemv<E, Widen<bf16>>((const bf16*)W, X, nullptr, b, Y, R, N, K, n0, n1);
+#endif
+        } else {
+            gemv<E, Widen<float>>((const float*)W, X, nullptr, b, Y, R, N, K, n0, n1);
+        }
     }
 #pragma omp barrier
 }
@@ -422,25 +589,25 @@ extern "C" int gptlab_decode_step(const Model* mp, const Step* sp) {
             return r + 1;  // the caller checks before calling; this guards memory, not the user
 #pragma omp parallel num_threads(s.n_threads)
     {
-        if (m.bf16_weights) embed<bf16>(m, s); else embed<float>(m, s);
+        if (m.weights == BF16) embed<bf16>(m, s); else embed<float>(m, s);  // int8 models embed from fp32
         for (int l = 0; l < m.n_layer; l++) {
             const Layer& L = m.layers[l];
             layer_norm_rows(m, s.x, L.ln_1_w, L.ln_1_b, s.h, R);
-            linear<STORE>(m, L.c_attn_w, s.h, L.c_attn_b, s.qkv, R, 3 * C, C);
+            linear<STORE>(m, L.c_attn_w, L.c_attn_s, L.c_attn_sum, s.h, L.c_attn_b, s.qkv, R, 3 * C, C);
             float* scores = s.scores + (int64_t)omp_get_thread_num() * s.max_len;
 #pragma omp for schedule(static)
             for (int task = 0; task < R * m.n_head; task++) {
                 if (s.cache_bf16) attend_any<bf16>(m, s, l, task / m.n_head, task % m.n_head, scores);
                 else attend_any<float>(m, s, l, task / m.n_head, task % m.n_head, scores);
             }
-            linear<ADD>(m, L.attn_proj_w, s.att, L.attn_proj_b, s.x, R, C, C);
+            linear<ADD>(m, L.attn_proj_w, L.attn_proj_s, L.attn_proj_sum, s.att, L.attn_proj_b, s.x, R, C, C);
             layer_norm_rows(m, s.x, L.ln_2_w, L.ln_2_b, s.h, R);
-            if (m.gelu_tanh) linear<GELU_TANH>(m, L.c_fc_w, s.h, L.c_fc_b, s.fc, R, 4 * C, C);
-            else linear<GELU_ERF>(m, L.c_fc_w, s.h, L.c_fc_b, s.fc, R, 4 * C, C);
-            linear<ADD>(m, L.mlp_proj_w, s.fc, L.mlp_proj_b, s.x, R, C, 4 * C);
+            if (m.gelu_tanh) linear<GELU_TANH>(m, L.c_fc_w, L.c_fc_s, L.c_fc_sum, s.h, L.c_fc_b, s.fc, R, 4 * C, C);
+            else linear<GELU_ERF>(m, L.c_fc_w, L.c_fc_s, L.c_fc_sum, s.h, L.c_fc_b, s.fc, R, 4 * C, C);
+            linear<ADD>(m, L.mlp_proj_w, L.mlp_proj_s, L.mlp_proj_sum, s.fc, L.mlp_proj_b, s.x, R, C, 4 * C);
         }
         layer_norm_rows(m, s.x, m.ln_f_w, m.ln_f_b, s.h, R);
-        linear<STORE>(m, m.lm_head, s.h, nullptr, s.logits, R, m.vocab_size, C);
+        linear<STORE>(m, m.lm_head, m.lm_head_s, m.lm_head_sum, s.h, nullptr, s.logits, R, m.vocab_size, C);
     }
     for (int r = 0; r < R; r++) s.pos[r] += 1;
     return 0;

@@ -6,8 +6,9 @@ into next-token logits: the fused native step of `fused` where the CPU and a com
 the model's own forward, which stays the reference) and the precision of its KV cache. The engine
 (gptlab.engine) takes that object, or a plain model, which `as_inference` wraps with the torch step.
 
-Rooms: `weights` (packed Linears, huge pages), `native` (building and loading csrc/decode.cpp, and checking its
-ABI), `fused` (the ctypes call of one decode step).
+Rooms: `weights` (packed Linears, huge pages), `int8` (weight-only int8 with per-row scales: the torch reference),
+`native` (building and loading csrc/decode.cpp, and checking its ABI), `fused` (the ctypes call of one decode
+step, fp32, bf16 or int8 weights).
 """
 
 from __future__ import annotations
@@ -20,13 +21,16 @@ import torch.nn as nn
 
 from gptlab.errors import GptlabError
 from gptlab.inference.fused import FusedDecoder, fused_decoder
+from gptlab.inference.int8 import Int8Linear, quantize_model
 from gptlab.inference.weights import InferenceLinear, can_pack, move_to_huge_pages, pack_linears
 from gptlab.model import KVCache
 from gptlab.runtime import bf16_supported
 
-PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16}
-__all__ = ["PRECISIONS", "Decoder", "FusedDecoder", "InferenceLinear", "InferenceModel", "TorchStep", "as_inference",
-           "cache_dtype", "can_pack", "move_to_huge_pages", "prepare_for_inference"]
+PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16}  # the float precisions, by their torch dtype
+INFERENCE_PRECISIONS = ("fp32", "bf16", "int8")  # int8: weight-only, fp32 activations (gptlab.inference.int8)
+__all__ = ["INFERENCE_PRECISIONS", "PRECISIONS", "Decoder", "FusedDecoder", "InferenceLinear", "InferenceModel",
+           "Int8Linear", "TorchStep", "as_inference", "cache_dtype", "can_pack", "move_to_huge_pages",
+           "prepare_for_inference"]
 
 
 class Decoder(Protocol):
@@ -60,7 +64,7 @@ class InferenceModel:
     model: nn.Module  # its forward contract (prompts and window rebuilds go through it)
     decoder: Decoder  # a FusedDecoder over the model's weights, or TorchStep(model)
     cache_dtype: torch.dtype  # keys and values are stored in this (see `cache_dtype`)
-    precision: str | None = None  # "fp32" or "bf16" as prepared; None for a model used as it is
+    precision: str | None = None  # "fp32", "bf16" or "int8" as prepared; None for a model used as it is
 
     @property
     def fused(self) -> bool:
@@ -99,18 +103,21 @@ def as_inference(model: InferenceModel | nn.Module) -> InferenceModel:
 def prepare_for_inference(model: nn.Module, precision: str = "fp32", fused: bool = True,
                           huge_pages: bool = True) -> InferenceModel:
     """Make `model` fast to generate with and return it as an InferenceModel. `model` is changed in place, for
-    inference only (no training, no checkpoint): eval mode, weights in `precision` ("fp32", the reference, or
-    "bf16"), dropout removed, each nn.Linear replaced by an InferenceLinear where oneDNN supports it. Its decoder
-    is the fused native step (gptlab.inference.fused) where the CPU and a compiler allow it and `fused` is true
-    (the weights moved into 2 MB pages first unless `huge_pages` is false), else the torch step.
-    Raises GptlabError for an unknown precision or bf16 on a device without it."""
-    if precision not in PRECISIONS:
-        raise GptlabError(f"precision must be one of {', '.join(PRECISIONS)}, not {precision!r}")
-    dtype = PRECISIONS[precision]
+    inference only (no training, no checkpoint): eval mode, weights in `precision` ("fp32", the reference,
+    "bf16", or "int8": every matrix, the LM head included, weight-only int8 with per-row scales over fp32
+    activations, gptlab.inference.int8), dropout removed, each float nn.Linear replaced by an InferenceLinear
+    where oneDNN supports it. Its decoder is the fused native step (gptlab.inference.fused) where the CPU and a
+    compiler allow it and `fused` is true (the weights moved into 2 MB pages first unless `huge_pages` is false),
+    else the torch step. Raises GptlabError for an unknown precision or bf16 on a device without it."""
+    if precision not in INFERENCE_PRECISIONS:
+        raise GptlabError(f"precision must be one of {', '.join(INFERENCE_PRECISIONS)}, not {precision!r}")
+    dtype = PRECISIONS.get(precision, torch.float32)  # int8's activations and vectors are fp32
     device = next(model.parameters()).device
     if dtype == torch.bfloat16 and device.type == "cpu" and not bf16_supported(device):
         raise GptlabError("this CPU has no native bf16 support; use --precision fp32")
     model.eval().to(dtype)
+    if precision == "int8":
+        quantize_model(model)
     # the fused step decodes from the plain weights (it holds them); prompts and window rebuilds, many rows at a
     # time, go through the packed copies: faster prefills (docs/benchmarks.md), for twice the weights' memory
     if fused and huge_pages:

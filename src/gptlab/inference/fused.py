@@ -4,7 +4,8 @@ Decoding reads every weight once per token, so memory bandwidth sets its pace; l
 12-layer model pays hundreds of dispatches per token, and the library kernels for a single row stop well short of
 the memory bus (docs/benchmarks.md). `FusedDecoder.step` runs embeddings, every block (LayerNorm, QKV, attention
 over the KV cache, W_O, residual adds, the GELU feed-forward) and the LM head for R rows at once, streaming each
-weight row a single time for all rows, in fp32 activations over fp32 or bf16 weights.
+weight row a single time for all rows, in fp32 activations over fp32, bf16 or int8 weights (int8: by AVX512-VNNI
+where the CPU has it, else widened to fp32; gptlab.inference.int8 is the reference).
 
 The library is built, loaded and its structs checked by gptlab.inference.native. Where it cannot run
 `fused_decoder` returns None, and where a cache is neither fp32 nor bf16 `accepts` says no: the engine then
@@ -19,7 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
-from gptlab.inference.native import Layer, Model, Step, load_library
+from gptlab.inference.int8 import Int8Linear
+from gptlab.inference.native import WEIGHTS, Layer, Model, Step, has_int8_vnni, load_library
 from gptlab.model import GPT, KVCache
 
 
@@ -30,19 +32,26 @@ def _ptr(t: torch.Tensor | None) -> int | None:
 class FusedDecoder:
     """Runs `GPT.forward(ids[:, None], kv_cache=cache, last_only=True)` for one new token per row, natively.
 
-    Holds the model's weights as they are (fp32 or bf16 matrices, shared, not copied) and fp32 copies of the small
-    vectors (LayerNorm, biases). The model must not change afterwards: this is for inference only. `lib` is the
-    library from gptlab.inference.native (`load_library` or `build_library`), whose structs it has checked."""
+    Holds the model's weights as they are (fp32, bf16 or int8 matrices, shared, not copied) and fp32 copies of the
+    small vectors (LayerNorm, biases). The model must not change afterwards: this is for inference only. `lib` is
+    the library from gptlab.inference.native (`load_library` or `build_library`), whose structs it has checked.
+    For an int8 model (its Linears are Int8Linears) `vnni` picks the product of steps of 2 rows or more: by
+    AVX512-VNNI (x quantized per row to 8 bits) or by fp32 FMAs over widened weights (x as it is; fewer rows
+    always take this one, measured faster where reading W bounds the step); None: VNNI where `lib` has it.
+    `weights` names the format and product chosen (a key of gptlab.inference.native.WEIGHTS)."""
 
-    def __init__(self, model: GPT, lib: ctypes.CDLL):
+    def __init__(self, model: GPT, lib: ctypes.CDLL, vnni: bool | None = None):
         self.config = c = model.config
-        dtype = model.transformer.wte.weight.dtype
+        self.weights = _weights_format(model, lib, vnni)
         self._keep: list[torch.Tensor] = []
 
         def matrix(linear: torch.nn.Module) -> int:
-            w = linear.weight.detach().contiguous()
+            w = (linear.q if isinstance(linear, Int8Linear) else linear.weight).detach().contiguous()
             self._keep.append(w)
             return w.data_ptr()
+
+        def int8(linear: torch.nn.Module, name: str) -> int | None:  # an Int8Linear's scales or sums; else NULL
+            return _ptr(getattr(linear, name)) if isinstance(linear, Int8Linear) else None
 
         def vector(t: torch.Tensor | None) -> int | None:
             if t is None:
@@ -57,13 +66,15 @@ class FusedDecoder:
             layers[i] = Layer(matrix(attn.c_attn), matrix(attn.c_proj), matrix(mlp.c_fc), matrix(mlp.c_proj),
                               vector(block.ln_1.weight), vector(block.ln_1.bias), vector(attn.c_attn.bias),
                               vector(attn.c_proj.bias), vector(block.ln_2.weight), vector(block.ln_2.bias),
-                              vector(mlp.c_fc.bias), vector(mlp.c_proj.bias))
+                              vector(mlp.c_fc.bias), vector(mlp.c_proj.bias),
+                              *(int8(m, "scale") for m in (attn.c_attn, attn.c_proj, mlp.c_fc, mlp.c_proj)),
+                              *(int8(m, "sums") for m in (attn.c_attn, attn.c_proj, mlp.c_fc, mlp.c_proj)))
         t = model.transformer
         self._layers = layers  # the struct below points into it
         self._model = Model(c.n_layer, c.n_head, c.head_dim, c.n_embd, c.vocab_size, c.block_size,
-                            int(dtype == torch.bfloat16), int(c.activation == "gelu_tanh"), c.layer_norm_eps,
+                            WEIGHTS[self.weights], int(c.activation == "gelu_tanh"), c.layer_norm_eps,
                             matrix(t.wte), matrix(t.wpe), matrix(model.lm_head), vector(t.ln_f.weight),
-                            vector(t.ln_f.bias), layers)
+                            vector(t.ln_f.bias), layers, int8(model.lm_head, "scale"), int8(model.lm_head, "sums"))
         self._call, self._model_ref = lib.gptlab_decode_step, ctypes.byref(self._model)
         self._plan: _Plan | None = None  # the last step's
 
@@ -103,6 +114,19 @@ class FusedDecoder:
                 or cache.v.device != cache.k.device or cache.pos.device != cache.k.device):
             raise ValueError(f"a cache of k, v {tuple(cache.k.shape)} and pos {tuple(cache.pos.shape)} does not fit "
                              f"{R} rows of this model: k and v {shape}, pos ({R},) int64, all on the CPU")
+
+
+def _weights_format(model: GPT, lib: ctypes.CDLL, vnni: bool | None) -> str:
+    """The kernel's weight format for `model` (a key of WEIGHTS); ValueError for VNNI asked of a library without
+    it, or a model whose matrices are not all of one kind."""
+    linears = [m for m in model.modules() if isinstance(m, (torch.nn.Linear, Int8Linear))]
+    if not any(isinstance(m, Int8Linear) for m in linears):
+        return "bf16" if model.transformer.wte.weight.dtype == torch.bfloat16 else "fp32"
+    if not all(isinstance(m, Int8Linear) for m in linears):
+        raise ValueError("the fused step runs a model whose matrices are all int8 or none")
+    if vnni and not has_int8_vnni(lib):
+        raise ValueError("this decode library was built without AVX512-VNNI")
+    return "int8 vnni" if (has_int8_vnni(lib) if vnni is None else vnni) else "int8 fma"
 
 
 @dataclass

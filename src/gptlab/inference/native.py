@@ -28,25 +28,30 @@ from pathlib import Path
 log = logging.getLogger("gptlab")
 SOURCE = Path(__file__).parent.parent / "csrc" / "decode.cpp"
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
-LAYOUT_VERSION = 1  # decode.cpp's LAYOUT_VERSION: raise both with any change to the structs' fields or meaning
+LAYOUT_VERSION = 2  # decode.cpp's LAYOUT_VERSION: raise both with any change to the structs' fields or meaning
 _P = ctypes.c_void_p
 
 
 class Layer(ctypes.Structure):
-    """decode.cpp's `Layer`: one block's weights (matrices in the model's dtype, vectors fp32, NULL if absent)."""
+    """decode.cpp's `Layer`: one block's weights (matrices in the model's dtype, vectors fp32, NULL if absent; int8
+    matrices' per-row scales and sums, NULL for float weights)."""
 
     _fields_ = [(name, _P) for name in (
         "c_attn_w", "attn_proj_w", "c_fc_w", "mlp_proj_w",
-        "ln_1_w", "ln_1_b", "c_attn_b", "attn_proj_b", "ln_2_w", "ln_2_b", "c_fc_b", "mlp_proj_b")]
+        "ln_1_w", "ln_1_b", "c_attn_b", "attn_proj_b", "ln_2_w", "ln_2_b", "c_fc_b", "mlp_proj_b",
+        "c_attn_s", "attn_proj_s", "c_fc_s", "mlp_proj_s", "c_attn_sum", "attn_proj_sum", "c_fc_sum", "mlp_proj_sum")]
+
+
+WEIGHTS = {"fp32": 0, "bf16": 1, "int8 fma": 2, "int8 vnni": 3}  # decode.cpp's enum Weights: Model.weights
 
 
 class Model(ctypes.Structure):
     """decode.cpp's `Model`: the shape, the embeddings, the final LayerNorm and LM head, and the layers."""
 
     _fields_ = [(name, ctypes.c_int) for name in (
-        "n_layer", "n_head", "head_dim", "n_embd", "vocab_size", "block_size", "bf16_weights", "gelu_tanh")] + [
+        "n_layer", "n_head", "head_dim", "n_embd", "vocab_size", "block_size", "weights", "gelu_tanh")] + [
         ("eps", ctypes.c_float), ("wte", _P), ("wpe", _P), ("lm_head", _P), ("ln_f_w", _P), ("ln_f_b", _P),
-        ("layers", ctypes.POINTER(Layer))]
+        ("layers", ctypes.POINTER(Layer)), ("lm_head_s", _P), ("lm_head_sum", _P)]
 
 
 class Step(ctypes.Structure):
@@ -67,15 +72,25 @@ class KernelABIError(KernelBuildError):
     """The library's structs are not the ones this module passes (a stale or mismatched build): never called."""
 
 
-def cpu_has_avx512() -> bool:
-    """Whether this CPU runs the kernel's instructions (AVX-512 F, BW and VL)."""
+def _cpu_has(*flags: str) -> bool:
+    """Whether this x86-64 CPU reports every one of `flags` in /proc/cpuinfo."""
     if platform.machine() not in ("x86_64", "AMD64"):
         return False
     try:
-        flags = Path("/proc/cpuinfo").read_text(errors="replace")
+        text = Path("/proc/cpuinfo").read_text(errors="replace")
     except OSError:
         return False
-    return all(f" {flag}" in flags for flag in ("avx512f", "avx512bw", "avx512vl"))
+    return all(f" {flag}" in text for flag in flags)
+
+
+def cpu_has_avx512() -> bool:
+    """Whether this CPU runs the kernel's instructions (AVX-512 F, BW and VL)."""
+    return _cpu_has("avx512f", "avx512bw", "avx512vl")
+
+
+def cpu_has_int8_vnni() -> bool:
+    """Whether this CPU has AVX512-VNNI (the kernel's int8 byte products, vpdpbusd), besides AVX-512."""
+    return cpu_has_avx512() and _cpu_has("avx512_vnni")
 
 
 def _compiler() -> str | None:
@@ -146,6 +161,7 @@ def build_library(source: Path = SOURCE, build_dir: Path | None = None) -> ctype
     check_layout(lib, str(target))
     lib.gptlab_decode_step.argtypes = [ctypes.POINTER(Model), ctypes.POINTER(Step)]
     lib.gptlab_decode_step.restype = ctypes.c_int
+    lib.gptlab_int8_vnni.argtypes, lib.gptlab_int8_vnni.restype = [], ctypes.c_int
     return lib
 
 
@@ -195,6 +211,11 @@ def _layout_functions(lib: ctypes.CDLL, name: str) -> tuple:
                                      ([], [ctypes.c_char_p], [ctypes.c_char_p], [ctypes.c_char_p] * 2)):
         fn.restype, fn.argtypes = restype, argtypes
     return functions
+
+
+def has_int8_vnni(lib: ctypes.CDLL) -> bool:
+    """Whether `lib` was built with AVX512-VNNI (this CPU has it): int8 products by vpdpbusd, else by fp32 FMAs."""
+    return bool(lib.gptlab_int8_vnni())
 
 
 @functools.cache

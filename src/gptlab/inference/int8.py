@@ -1,0 +1,76 @@
+"""Weight-only int8: every matrix stored as int8 with one fp32 scale per output channel (row), activations fp32.
+
+A decode step reads every weight once per token, so its time is the weights' bytes over the memory bandwidth:
+int8 reads a quarter of fp32's bytes and half of bf16's. Quantization is symmetric and per row: scale = max|w_row|
+/ 127, q = round(w / scale) in [-127, 127], so w ~ q * scale with an error of at most scale / 2 per weight.
+
+`Int8Linear` is the torch path, the reference the native kernel is held to (tests/test_int8.py) and the fallback
+where it cannot run: it dequantizes its weight and multiplies in fp32, on any device. `quantize_model` turns a
+model's nn.Linears into Int8Linears, the LM head included (the largest matrix of GPT-2: 50257 x 768); the token
+embedding it is tied to then holds the dequantized values, so embedding and head stay the same weights.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+QMAX = 127  # symmetric: -128 is never used, so -q is always representable
+
+
+def quantize_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """w (N, K) float -> (q (N, K) int8, scale (N,) fp32) with w ~ q * scale[:, None]; scale = max|w_row| / 127,
+    so each row's largest weight maps to +-127 and every weight is off by at most scale / 2. A row of zeros gets
+    scale 0 (and q 0): it dequantizes to zeros exactly."""
+    w = w.detach().float()
+    scale = w.abs().amax(dim=1) / QMAX  # (N,)
+    divisor = torch.where(scale > 0, scale, torch.ones_like(scale))  # a zero row: 0 / 1 = 0, not NaN
+    q = torch.round(w / divisor[:, None]).clamp_(-QMAX, QMAX).to(torch.int8)
+    return q, scale
+
+
+def dequantize_rows(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """q (N, K) int8 and scale (N,) -> the fp32 weights q * scale[:, None] (N, K)."""
+    return q.float() * scale[:, None]
+
+
+class Int8Linear(nn.Module):
+    """y = x (q * scale)^T + b: an nn.Linear with its weight quantized per output row (`quantize_rows`), the bias
+    kept in fp32. `q`, `scale` and `sums` (each row's sum of q, int32: the native VNNI product needs it) are
+    frozen parameters, not buffers, so that `move_to_huge_pages` moves them with the rest. Inference only."""
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        q, scale = quantize_rows(linear.weight)
+        self.q = nn.Parameter(q, requires_grad=False)
+        self.scale = nn.Parameter(scale, requires_grad=False)
+        self.sums = nn.Parameter(q.sum(dim=1, dtype=torch.int32), requires_grad=False)
+        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().float(), requires_grad=False)
+
+    def dequantized(self) -> torch.Tensor:
+        """The fp32 weight (out, in) this layer multiplies by."""
+        return dequantize_rows(self.q, self.scale)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # dequantize, then one fp32 product: simple, exact to fp32 rounding, and the reference the kernel is held to
+        return F.linear(x.float(), self.dequantized(), self.bias)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+
+
+def quantize_model(model: nn.Module) -> None:
+    """Replace, in place, every nn.Linear of `model` (fp32) by an Int8Linear. A token embedding tied to the LM
+    head (GPT's wte) is set to the head's dequantized weights, untied: the embedding and the head keep meaning the
+    same matrix, and a decoder reading either one sees the same numbers."""
+    head = getattr(model, "lm_head", None)
+    wte = getattr(getattr(model, "transformer", None), "wte", None)
+    tied = isinstance(head, nn.Linear) and wte is not None and head.weight is wte.weight
+    for module in list(model.modules()):
+        for name, child in list(module.named_children()):
+            if isinstance(child, nn.Linear):
+                setattr(module, name, Int8Linear(child))
+    if tied:
+        wte.weight = nn.Parameter(model.lm_head.dequantized(), requires_grad=False)

@@ -1,0 +1,194 @@
+"""Weight-only int8 (gptlab.inference.int8): quantization itself, the torch path against fp32, the native kernel
+(its fp32-FMA and VNNI products) against the torch int8 path, the choice between them, and the CLI end to end.
+
+Kernel comparisons run on trained-like parameters (test_fastdecode.trained_like: every vector moved off its initial
+value) at widths, head sizes and vocabularies that are not multiples of 16 or 64 (the products' masked tails).
+tests/test_kernel_mutants.py holds these checks to broken copies of the int8 kernel.
+"""
+
+import copy
+import dataclasses
+
+import pytest
+import torch
+import torch.nn as nn
+
+from conftest import tiny_config
+from gptlab.cli import main
+from gptlab.config import SampleConfig, TrainConfig
+from gptlab.engine import generate_batch
+from gptlab.errors import GptlabError
+from gptlab.inference import TorchStep, native, prepare_for_inference
+from gptlab.inference.fused import FusedDecoder
+from gptlab.inference.int8 import Int8Linear, dequantize_rows, quantize_model, quantize_rows
+from test_fastdecode import run_both, trained_like
+
+# n_embd 72 (heads of 24) and 200 (heads of 50, no biases, tanh GELU): K tails of 8 and 8 under 64, 200 = 3 x 64 + 8;
+# vocabularies 97 and 1001
+SHAPES = [dict(n_layer=2, n_head=3, n_embd=72, vocab_size=97, block_size=40),
+          dict(n_layer=2, n_head=4, n_embd=200, vocab_size=1001, block_size=40, activation="gelu_tanh", bias=False)]
+# the FMA product computes what the torch path computes, in another order: measured up to 1e-6
+FMA_TOLERANCE = 1e-5
+# VNNI rounds x to 8 bits per row as well: measured up to 0.022 on logits of magnitude ~1.8 (the int8 weights
+# themselves move these logits by up to 0.019 from fp32's); a scale or offset gone wrong moves them by far more
+VNNI_TOLERANCE = 0.06
+# the int8 torch path against fp32 on the same (trained-like) weights: measured up to 0.019
+QUANTIZATION_TOLERANCE = 0.05
+
+
+def int8_model(shape: dict) -> nn.Module:
+    model = trained_like(shape)
+    quantize_model(model)
+    return model
+
+
+def int8_error(shape: dict, rows: int, lib=None, vnni: bool | None = False) -> float:
+    """The largest difference of logits and cached keys/values between the fused int8 step (on `lib`, default the
+    package's kernel; `vnni` as FusedDecoder takes it) and the torch int8 path over 6 steps of `rows` rows; inf
+    where the positions advanced otherwise."""
+    model = int8_model(shape)
+    fused = FusedDecoder(model, lib or native.load_library(), vnni=vnni)
+    expected, got, (ref, out) = run_both(model, fused, rows, steps=6)
+    if not torch.equal(out.pos, ref.pos):
+        return float("inf")
+    return max((got - expected).abs().max(), (out.k - ref.k).abs().max(), (out.v - ref.v).abs().max()).item()
+
+
+# ---- quantization ---------------------------------------------------------------------------------------------
+
+def test_quantized_rows_round_trip_within_half_a_step():
+    w = torch.randn(37, 91) * torch.rand(37, 1) * 3  # rows of different ranges
+    w[5] = 0.0
+    q, scale = quantize_rows(w)
+    assert q.dtype == torch.int8 and scale.shape == (37,) and int(q.abs().max()) == 127
+    assert torch.equal(q.abs().amax(dim=1)[scale > 0], torch.full((36,), 127, dtype=torch.int8))  # each row's max
+    assert torch.allclose(scale, w.abs().amax(dim=1) / 127)
+    error = (dequantize_rows(q, scale) - w).abs()
+    assert (error <= scale[:, None] / 2 * (1 + 1e-5) + 1e-7).all()
+    assert scale[5] == 0 and not q[5].any() and not dequantize_rows(q, scale)[5].any()  # a zero row stays zeros
+    again, again_scale = quantize_rows(dequantize_rows(q, scale))  # quantizing the dequantized weights: a fixed point
+    assert torch.equal(again, q) and torch.allclose(again_scale, scale)
+
+
+def test_int8_linear_stays_within_its_stated_error_of_fp32():
+    """|x W^T - x W_q^T| <= sum_k |x_k| * scale_n / 2: each weight is off by at most half its row's step."""
+    linear = nn.Linear(200, 97)
+    x = torch.randn(3, 200)
+    int8 = Int8Linear(linear)
+    with torch.no_grad():
+        expected, got = linear(x), int8(x)
+        assert torch.allclose(got, x @ int8.dequantized().T + linear.bias, atol=1e-5)
+    bound = x.abs().sum(dim=1, keepdim=True) * int8.scale[None, :] / 2 + 1e-5
+    assert ((got - expected).abs() <= bound).all()
+    assert torch.equal(int8.sums, int8.q.sum(dim=1, dtype=torch.int32))
+
+
+def test_the_int8_torch_path_stays_near_fp32_and_ties_embedding_and_head():
+    shape = SHAPES[1]
+    fp32 = trained_like(shape)
+    prepared = prepare_for_inference(copy.deepcopy(fp32), "int8", fused=False)
+    model = prepared.model
+    assert isinstance(prepared.decoder, TorchStep) and prepared.precision == "int8"
+    assert prepared.cache_dtype == torch.float32
+    assert all(not isinstance(m, nn.Linear) for m in model.modules())  # every matrix, the LM head too
+    assert torch.equal(model.transformer.wte.weight, model.lm_head.dequantized())
+    x = torch.randint(0, shape["vocab_size"], (3, 30))
+    with torch.no_grad():
+        assert (model(x)[0] - fp32(x)[0]).abs().max() <= QUANTIZATION_TOLERANCE
+
+
+def test_training_in_int8_is_refused_with_a_clear_message():
+    with pytest.raises(GptlabError, match="int8 is for inference only"):
+        TrainConfig(precision="int8")
+    with pytest.raises(GptlabError, match="precision must be one of fp32, bf16, int8"):
+        prepare_for_inference(trained_like(SHAPES[0]), "int4")
+
+
+# ---- the native kernel ----------------------------------------------------------------------------------------
+
+@pytest.mark.device_path("fused decode (AVX-512)")
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("rows", [1, 3, 5])
+def test_the_fused_int8_fma_step_equals_the_torch_int8_path(fused_kernel, shape, rows):
+    assert int8_error(shape, rows, fused_kernel, vnni=False) <= FMA_TOLERANCE
+
+
+@pytest.mark.device_path("int8 native (VNNI)")
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("rows", [2, 3, 8])  # one row takes the FMA product (decode.cpp's VNNI_MIN_ROWS)
+def test_the_fused_int8_vnni_step_stays_within_its_tolerance_of_the_torch_int8_path(vnni_kernel, shape, rows):
+    assert int8_error(shape, rows, vnni_kernel, vnni=True) <= VNNI_TOLERANCE
+
+
+@pytest.mark.device_path("int8 native (VNNI)")
+def test_int8_decodes_with_vnni_where_the_cpu_has_it(vnni_kernel):
+    prepared = prepare_for_inference(trained_like(SHAPES[0]), "int8")
+    assert prepared.fused and prepared.decoder.weights == "int8 vnni"
+
+
+@pytest.mark.device_path("int8 native (VNNI)")
+def test_a_rows_vnni_logits_do_not_depend_on_the_rows_beside_it(vnni_kernel):
+    """From 2 rows on, every step takes the VNNI product, whose sums are exact integers: row 0 decoded beside 1
+    other row and beside 4 gets the same logits, bit for bit (the server's continuous batching relies on it)."""
+    model = int8_model(SHAPES[1])
+    fused = FusedDecoder(model, vnni_kernel, vnni=True)
+    ids = torch.randint(0, 1001, (5, 6))
+    logits = {}
+    for rows in (2, 5):
+        cache = model.new_kv_cache(rows)
+        logits[rows] = torch.stack([fused.step(ids[:rows, t], cache)[0].clone() for t in range(6)])
+    assert torch.equal(logits[2], logits[5])
+
+
+@pytest.mark.device_path("fused decode (AVX-512)")
+def test_a_kernel_built_without_vnni_decodes_int8_by_fma_and_refuses_vnni(fused_kernel, tmp_path):
+    """A machine with AVX-512 but no VNNI, simulated by a build whose VNNI code is compiled out: the capability
+    check picks the FMA product, which gives the reference result, and VNNI cannot be forced on it."""
+    source = native.SOURCE.read_text()
+    assert source.count("#ifdef __AVX512VNNI__") == 3  # the product, its call, and gptlab_int8_vnni()
+    (tmp_path / "decode.cpp").write_text(source.replace("#ifdef __AVX512VNNI__", "#ifdef GPTLAB_NO_SUCH_ISA"))
+    lib = native.build_library(tmp_path / "decode.cpp", tmp_path)
+    assert not native.has_int8_vnni(lib)
+    model = int8_model(SHAPES[1])
+    assert FusedDecoder(model, lib).weights == "int8 fma"
+    with pytest.raises(ValueError, match="without AVX512-VNNI"):
+        FusedDecoder(model, lib, vnni=True)
+    assert int8_error(SHAPES[1], 5, lib, vnni=None) <= FMA_TOLERANCE
+
+
+def test_without_the_kernel_int8_decodes_with_torch_and_gives_the_same_ids(monkeypatch):
+    shape = dict(n_layer=2, n_head=3, n_embd=72, vocab_size=97, block_size=24)
+    base = trained_like(shape)
+    prompts = [torch.randint(0, 97, (n,)).tolist() for n in (3, 1, 20)]  # ragged, and past the 24-token window
+    cfg = SampleConfig(max_new_tokens=40, temperature=0)
+    fast = prepare_for_inference(copy.deepcopy(base), "int8", huge_pages=False)
+    monkeypatch.setattr("gptlab.inference.fused.load_library", lambda: None)  # no kernel on this machine
+    slow = prepare_for_inference(copy.deepcopy(base), "int8")
+    assert isinstance(slow.decoder, TorchStep) and not slow.fused
+    expected = list(generate_batch(slow, prompts, cfg))
+    if fast.fused:  # the FMA product: the torch path's numbers to 1e-6
+        fma = dataclasses.replace(fast, decoder=FusedDecoder(fast.model, native.load_library(), vnni=False))
+        assert list(generate_batch(fma, prompts, cfg)) == expected
+    assert len(expected) == 40 and all(len(step) == 3 for step in expected)  # a token per row per step
+
+
+# ---- the CLI ----------------------------------------------------------------------------------------------------
+
+def test_sample_and_eval_run_in_int8_end_to_end(tmp_path, monkeypatch, capsys, corpus_file):
+    monkeypatch.chdir(tmp_path)
+    tiny = ["--n-layer", "1", "--n-head", "2", "--n-embd", "24", "--block-size", "16", "--batch-size", "4",
+            "--eval-interval", "5", "--eval-batches", "2", "--precision", "fp32", "--quiet"]
+    assert main(["prepare", str(corpus_file), "--out", "data", "--quiet"]) == 0
+    assert main(["train", "--data", "data", "--run", "runs/tiny", "--max-steps", "10", *tiny]) == 0
+    capsys.readouterr()
+    assert main(["sample", "--run", "runs/tiny", "--prompt", "All:", "--max-new-tokens", "20", "--temperature", "0",
+                 "--precision", "int8"]) == 0
+    assert capsys.readouterr().out.startswith("All:")
+    tables = {}
+    for precision in ("fp32", "int8"):
+        assert main(["eval", "--run", "runs/tiny", "--precision", precision]) == 0
+        tables[precision] = capsys.readouterr().out.strip().splitlines()[-1]
+    fp32_loss, int8_loss = (float(tables[p].split()[-5]) for p in ("fp32", "int8"))
+    assert abs(int8_loss - fp32_loss) <= 0.01 * fp32_loss
+    assert main(["train", "--data", "data", "--run", "runs/t8", "--precision", "int8"]) == 2
+    assert "invalid choice: 'int8'" in capsys.readouterr().err
