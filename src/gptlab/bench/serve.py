@@ -81,7 +81,7 @@ async def _one_request(http, body: dict) -> Outcome:
                 chunk = json.loads(line[6:])
                 if "error" in chunk:
                     out.error = chunk["error"]["message"]
-                elif chunk["choices"] and not out.tokens:
+                elif chunk["choices"] and not out.ttft:
                     out.ttft = time.perf_counter() - start
                 if chunk.get("usage"):
                     out.tokens = chunk["usage"]["completion_tokens"]

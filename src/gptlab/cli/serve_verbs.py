@@ -23,18 +23,26 @@ LIMIT_FLAGS = {  # flag -> (Limits field, type, help)
 def cmd_serve(args: argparse.Namespace) -> int:
     from gptlab.runs import latest_run
     from gptlab.runtime import resolve_device, resolve_precision, set_threads
-    from gptlab.serve import Limits, check_bind, load_served, serve_run
+    from gptlab.checkpoint import read_run_config
+    from gptlab.serve import Limits, check_bind, listen, load_served, serve_run
 
     limits = Limits(**{name: getattr(args, name) for name, _, _ in LIMIT_FLAGS.values()})
-    check_bind(args.host, args.port, args.api_key)  # every check before the model is loaded
+    check_bind(args.host, args.port, args.api_key)
     set_threads()
     device = resolve_device(args.device)
+    precision = resolve_precision(args.precision, device)
     run = args.run or latest_run()
-    served = load_served(run, resolve_precision(args.precision, device), device)
-    shown = "localhost" if args.host in ("127.0.0.1", "::1") else args.host
-    print(f"gptlab: serving {run} at http://{shown}:{args.port} (playground at /, API at /v1/completions); "
-          "Ctrl-C stops", file=sys.stderr)
-    serve_run(served, args.host, args.port, limits, args.api_key)
+    read_run_config(run)  # a folder that is not a run is refused before the port is taken
+    sock = listen(args.host, args.port)
+    try:
+        served = load_served(run, precision, device)
+        port = sock.getsockname()[1]
+        shown = "localhost" if args.host in ("127.0.0.1", "::1") else args.host
+        print(f"gptlab: serving {run} at http://{shown}:{port} (playground at /, API at /v1/completions); "
+              "Ctrl-C stops", file=sys.stderr)
+        serve_run(served, sock, limits, args.api_key)
+    finally:
+        sock.close()
     return 0
 
 

@@ -21,7 +21,7 @@ from pathlib import Path
 from gptlab.errors import GptlabError
 from gptlab.serve.api import Limits
 
-__all__ = ["Limits", "check_bind", "load_served", "make_app", "serve_run", "start_server"]
+__all__ = ["Limits", "check_bind", "listen", "load_served", "make_app", "serve_run", "start_server"]
 
 
 def is_loopback(host: str) -> bool:
@@ -66,18 +66,31 @@ def load_served(run: str | Path, precision: str, device):
                   lambda: load_run(run, device=device).model)
 
 
-def serve_run(served: Served, host: str, port: int, limits: Limits, api_key: str | None) -> None:
-    """Serve until SIGINT / SIGTERM: then stop accepting, give in-flight requests `limits.grace` seconds, return."""
+def listen(host: str, port: int) -> socket.socket:
+    """A socket bound to host:port (0: a free port), before anything is loaded; GptlabError when it cannot be."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise GptlabError(f"cannot listen on {host}:{port}: {exc.strerror or exc} (another server on that port? "
+                          "try another --port)") from None
+    return sock
+
+
+def serve_run(served, sock: socket.socket, limits: Limits, api_key: str | None) -> None:
+    """Serve on `sock` (from `listen`) until SIGINT / SIGTERM: then stop accepting, give in-flight requests
+    `limits.grace` seconds, cancel the rest and return."""
     import uvicorn
 
-    config = uvicorn.Config(make_app(served, limits, api_key), host=host, port=port, log_level="warning",
-                            timeout_graceful_shutdown=max(limits.grace, 0.1), access_log=False)
+    config = uvicorn.Config(make_app(served, limits, api_key), log_level="warning", access_log=False,
+                            timeout_graceful_shutdown=max(limits.grace, 0.1))
     server = _quiet_server_class()(config)
     previous = {sig: signal.signal(sig, server.on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
-        server.run()
-    except SystemExit as exc:  # uvicorn exits when it cannot bind
-        raise GptlabError(f"cannot listen on {host}:{port} (in use, or not an address of this machine)") from exc
+        server.run(sockets=[sock])
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
@@ -121,9 +134,7 @@ def start_server(app, host: str = "127.0.0.1", port: int = 0) -> Running:
     """Run `app` with uvicorn in a thread on host:port (0: a free port); returns once it answers."""
     import uvicorn
 
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, port))
+    sock = listen(host, port)
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False,
                                           timeout_graceful_shutdown=5))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
