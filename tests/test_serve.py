@@ -201,6 +201,15 @@ def test_a_full_queue_is_429_with_retry_after_and_a_client_that_leaves_frees_its
         assert ok.status_code == 200
 
 
+def test_a_client_that_leaves_a_plain_request_cancels_it_too(server):
+    scheduler = server.app.state.scheduler
+    before = scheduler.metrics.cancelled
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server.url + "/v1/completions", json={"prompt": "All:", "max_tokens": 3000, "temperature": 1.0,
+                                                         "n": 4}, timeout=0.3)
+    wait_for(lambda: scheduler.metrics.cancelled == before + 1 and scheduler.batch.rows == [])
+
+
 def test_curl_streams_as_the_readme_shows(server):
     if shutil.which("curl") is None:
         pytest.skip("no curl")
@@ -240,6 +249,39 @@ def test_sigterm_finishes_in_flight_requests_and_exits_0(run_dir):
     finally:
         proc.kill() if proc.poll() is None else None
         proc.stderr.close()
+
+
+def test_sigterm_cancels_what_the_grace_period_cannot_finish_and_exits_0(run_dir):
+    port = free_port()
+    proc = subprocess.Popen([GPTLAB, "serve", "--run", str(run_dir), "--port", str(port), "--precision", "fp32",
+                             "--grace", "0.5", "--max-tokens", "100000"], stderr=subprocess.PIPE, text=True)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        wait_for(lambda: _alive(url), 60)
+        with httpx.stream("POST", url + "/v1/completions", timeout=60,
+                          json={"prompt": "All:", "max_tokens": 100000, "stream": True, "n": 4}) as stream:
+            lines = stream.iter_lines()
+            assert next(lines).startswith("data: ")
+            proc.send_signal(signal.SIGTERM)
+            start = time.monotonic()
+            try:
+                rest = list(lines)
+            except httpx.HTTPError:  # the connection closed mid-stream: cancelled
+                rest = []
+        assert "data: [DONE]" not in rest
+        assert proc.wait(30) == 0 and time.monotonic() - start < 15
+    finally:
+        proc.kill() if proc.poll() is None else None
+        proc.stderr.close()
+
+
+def test_a_port_in_use_is_one_line(run_dir):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        out = subprocess.run([GPTLAB, "serve", "--run", str(run_dir), "--port", str(taken.getsockname()[1])],
+                             capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and out.stderr.count("\n") == 1 and "try another --port" in out.stderr
 
 
 def _alive(url):

@@ -263,7 +263,9 @@ class RunningBatch:
     """Rows that join and leave between decode steps (the server's continuous batching), over one KV cache.
 
     `join` prefills a prompt alone and adds its samples; `sample` draws every row's next token (each with its own
-    settings and generator); `leave` drops rows (finished, cancelled); `advance` runs one decode step for the rest.
+    settings and generator); `leave` drops rows (finished, cancelled); `advance` runs one decode step for the rest,
+    first laying the cache out afresh if rows joined or left (once per step, however many did: the fused step
+    reads a contiguous cache of exactly its rows, so each new layout copies every row's keys and values).
     A row's logits do not depend on the rows beside it: it is prefilled alone, slides alone, is drawn alone, and
     the fused step, whose one-row kernel rounds differently from its many-row kernels (which agree bitwise at any
     batch size, tests/test_serve_batching.py), always runs at least two rows (a pad row at position 0 when one is
@@ -278,6 +280,9 @@ class RunningBatch:
         self.min_rows = 2 if self.prepared.fused else 1
         self.rows: list[Row] = []
         self.cache: KVCache | None = None
+        self._slots: dict[int, int] = {}  # id(row) -> its row in self.cache
+        self._joining: dict[int, KVCache] = {}  # id(row) -> its one-row prefill, not laid out yet
+        self._moved = False  # rows left since the last layout
 
     @torch.inference_mode()
     def join(self, prompt: Sequence[int], cfg: SampleConfig, num_samples: int = 1) -> list[Row]:
@@ -294,7 +299,8 @@ class RunningBatch:
         vocab = self.model.config.vocab_size
         rows = [Row(list(window), RowSampler(cfg, row_seed(cfg.seed, i), window, vocab, self.device),
                     cfg.max_new_tokens, logits, len(window), need) for i in range(num_samples)]
-        self._relayout(self.rows + rows, cache)
+        self.rows += rows
+        self._joining.update((id(row), cache) for row in rows)
         return rows
 
     @torch.inference_mode()
@@ -312,15 +318,20 @@ class RunningBatch:
         return out
 
     def leave(self, rows: Sequence[Row]) -> None:
-        """Drop `rows` (their cache rows are freed at once)."""
+        """Drop `rows`; their cache rows are freed at the next `advance`."""
         gone = set(map(id, rows))
         if any(id(r) in gone for r in self.rows):
-            self._relayout([r for r in self.rows if id(r) not in gone])
+            self.rows = [r for r in self.rows if id(r) not in gone]
+            for key in gone:
+                self._joining.pop(key, None)
+            self._moved = True
 
     @torch.inference_mode()
     def advance(self) -> None:
         """Drop the rows with no tokens left, then run one decode step for the others (each row's newest token)."""
         self.leave([r for r in self.rows if r.left <= 0])
+        if self._moved or self._joining:
+            self._relayout()
         if not self.rows:
             return
         for i, row in enumerate(self.rows):
@@ -337,23 +348,22 @@ class RunningBatch:
             row.logits = logits[i:i + 1].clone()  # the fused step's buffer is reused by the next step
             row.filled += 1
 
-    def _relayout(self, rows: list[Row], joining: KVCache | None = None) -> None:
-        """Make the cache hold exactly `rows` in order (plus pad rows up to min_rows): the current rows' positions
-        copied over, new rows (not in the cache yet) copied from `joining`, a one-row prefill."""
-        old = {id(r): i for i, r in enumerate(self.rows)}
-        self.rows = rows
-        if not rows:
-            self.cache = None
-            return
-        size = max(len(rows), self.min_rows)
-        cache = self.prepared.new_kv_cache(size, max_len=max(r.need for r in rows))
-        for i, row in enumerate(rows):
-            source, j = (self.cache, old[id(row)]) if id(row) in old else (joining, 0)
-            n = row.filled
-            cache.k[:, i, :, :n] = source.k[:, j, :, :n]
-            cache.v[:, i, :, :n] = source.v[:, j, :, :n]
-            cache.pos[i] = n
+    def _relayout(self) -> None:
+        """Make the cache hold exactly self.rows in order (plus pad rows up to min_rows): each row's filled
+        positions copied from the old cache or from its one-row prefill."""
+        rows, cache = self.rows, None
+        if rows:
+            cache = self.prepared.new_kv_cache(max(len(rows), self.min_rows), max_len=max(r.need for r in rows))
+            for i, row in enumerate(rows):
+                source, j = (self._joining[id(row)], 0) if id(row) in self._joining else \
+                    (self.cache, self._slots[id(row)])
+                n = row.filled
+                cache.k[:, i, :, :n] = source.k[:, j, :, :n]
+                cache.v[:, i, :, :n] = source.v[:, j, :, :n]
+                cache.pos[i] = n
         self.cache = cache
+        self._slots = {id(row): i for i, row in enumerate(rows)}
+        self._joining, self._moved = {}, False
 
 
 # ---- text --------------------------------------------------------------------------------------------------------

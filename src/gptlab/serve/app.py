@@ -196,13 +196,19 @@ async def _collect(job: Job, served: Served, request: Request) -> Response:
     texts = [req.prompts[c // req.n] if req.echo else "" for c in range(size)]
     reasons: list[str | None] = [None] * size
     logprobs = [{"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []} for _ in range(size)]
+    loop = asyncio.get_running_loop()
+    checked = loop.time()
     try:
         while True:
             try:
-                event = await asyncio.wait_for(job.events.get(), timeout=0.5)
+                event = await asyncio.wait_for(job.events.get(), timeout=0.25)
             except asyncio.TimeoutError:
+                event = None
+            if loop.time() - checked >= 0.25:  # tokens may flow without a pause: look at the clock, not for a lull
+                checked = loop.time()
                 if await request.is_disconnected():
                     return Response(status_code=499)
+            if event is None:
                 continue
             if event[0] == "token":
                 _, c, text, _, info, reason = event

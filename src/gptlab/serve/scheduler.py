@@ -111,13 +111,25 @@ class Scheduler:
         self._thread.start()
 
     def submit(self, job: Job) -> bool:
+        """Queue `job`; False (the caller answers 429) when `queue` jobs already wait that the batch cannot take
+        now (jobs that arrive together and fit in the batch never count against the queue)."""
         with self._wake:
-            if self._closing or len(self._waiting) >= self.queue_size:
+            if self._closing or self._beyond_the_batch() >= self.queue_size:
                 return False
             self._waiting.append(job)
             self.metrics.queue_depth = len(self._waiting)
             self._wake.notify()
         return True
+
+    def _beyond_the_batch(self) -> int:
+        """How many waiting jobs would still wait if the batch took all it has room for now (under the lock)."""
+        rows, beyond = len(self.batch.rows), 0
+        for job in self._waiting:
+            if beyond == 0 and rows + job.size <= self.max_batch:
+                rows += job.size
+            else:
+                beyond += 1
+        return beyond
 
     def stop(self, grace: float) -> None:
         """Refuse new jobs, let running and waiting ones finish for up to `grace` seconds, cancel the rest."""
