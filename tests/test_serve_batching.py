@@ -6,8 +6,8 @@ from dataclasses import replace
 
 import pytest
 import torch
-
 from conftest import tiny_config
+
 from gptlab.config import SampleConfig
 from gptlab.engine import RunningBatch, _prefill, generate_batch, row_seed
 from gptlab.inference import prepare_for_inference

@@ -83,6 +83,6 @@ def test_the_playground_streams_colours_tokens_and_opens_the_attention_view(serv
     shot = Image.open(io.BytesIO(view.screenshot(full_page=True))).convert("RGB")
     ctx.close()
     assert not errors, errors
-    assert requests and all(u.startswith(server.url + "/") or u.startswith("about:") for u in requests), requests
+    assert requests and all(u.startswith((server.url + "/", "about:")) for u in requests), requests
     colours = shot.getcolors(1 << 24)
     assert len(colours) > 50 and max(n for n, _ in colours) < 0.95 * shot.width * shot.height  # not blank

@@ -10,7 +10,6 @@ import json
 import math
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 
@@ -147,7 +146,7 @@ def _row(phase: Phase) -> str:
 
 
 def run_serve_bench(*, model: str | None = "gpt2-124M", run: str | None = None, clients: int = 8,
-                    requests: int = 2, sequential: int = 4, max_tokens: int = 64, prompt_tokens: int = 16,
+                    requests: int = 2, sequential: int = 4, max_tokens: int = 128, prompt_tokens: int = 16,
                     max_batch: int = 16, queue: int = 64, precision: str = "auto",
                     time_limit: float = 60.0) -> list[str]:
     """Start a server on 127.0.0.1 (a free port) in this process, send `sequential` requests one at a time, then

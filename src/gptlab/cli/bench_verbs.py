@@ -187,7 +187,7 @@ def add_bench_serve(p: argparse.ArgumentParser) -> None:
                    "another (default 2)")
     p.add_argument("--sequential", type=int, default=4, help="requests sent one at a time first, the baseline "
                    "(default 4)")
-    p.add_argument("--max-tokens", type=int, default=64, help="new tokens per request (default 64)")
+    p.add_argument("--max-tokens", type=int, default=128, help="new tokens per request (default 128)")
     p.add_argument("--prompt-tokens", type=int, default=16, help="about this many prompt tokens (default 16)")
     p.add_argument("--max-batch", type=int, default=16, help="the server's --max-batch (default 16)")
     p.add_argument("--queue", type=int, default=64, help="the server's --queue: a small one shows 429s (default 64)")

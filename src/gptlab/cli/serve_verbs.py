@@ -21,9 +21,9 @@ LIMIT_FLAGS = {  # flag -> (Limits field, type, help)
 @command("serve", "serve a run over HTTP: OpenAI-compatible /v1/completions with continuous batching, a playground "
                   "at /")
 def cmd_serve(args: argparse.Namespace) -> int:
+    from gptlab.checkpoint import read_run_config
     from gptlab.runs import latest_run
     from gptlab.runtime import resolve_device, resolve_precision, set_threads
-    from gptlab.checkpoint import read_run_config
     from gptlab.serve import Limits, check_bind, listen, load_served, serve_run
 
     limits = Limits(**{name: getattr(args, name) for name, _, _ in LIMIT_FLAGS.values()})

@@ -17,8 +17,7 @@ import torch
 from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response, StreamingResponse
 
-from gptlab.serve.api import (ApiError, CompletionRequest, Limits, completion_id, encode_prompts, envelope,
-                              parse_completion)
+from gptlab.serve.api import ApiError, Limits, completion_id, encode_prompts, envelope, parse_completion
 from gptlab.serve.scheduler import Job, Scheduler
 
 
@@ -237,10 +236,9 @@ class _Inspector:
         self.served, self._model, self._lock = served, None, threading.Lock()
 
     def page(self, text: str) -> str:
+        from gptlab.errors import GptlabError
         from gptlab.inspect.page import attention_page
         from gptlab.inspect.trace import token_labels, trace
-
-        from gptlab.errors import GptlabError
 
         tokenizer = self.served.tokenizer
         with self._lock:
