@@ -52,7 +52,8 @@ def client(server):
 
 def sample(run_dir, capsys, prompt, n=1, **settings):
     """`gptlab sample`'s texts (without the prompt) for these settings."""
-    flags = [f"--{k.replace('_', '-')}={v}" for k, v in settings.items()]
+    flags = [f"--{k.replace('_', '-')}={v}" for k, values in settings.items()
+             for v in (values if isinstance(values, list) else [values])]
     capsys.readouterr()
     assert main(["sample", "--run", str(run_dir), "--prompt", prompt, "--no-echo", "--precision", "fp32",
                  "--num-samples", str(n), *flags]) == 0
@@ -94,7 +95,7 @@ def test_stop_strings_end_a_choice_and_are_cut(client, run_dir, capsys):
                                     stop=["e", "a"])
     assert got.choices[0].finish_reason == "stop" and not {"e", "a"} & set(got.choices[0].text)
     assert got.choices[0].text == sample(run_dir, capsys, "All:", max_new_tokens=200, temperature=1.0, seed=3,
-                                         stop="e")[0].split("a")[0]
+                                         stop=["e", "a"])[0]
 
 
 def test_logprobs_give_each_token_its_logprob_and_the_top_alternatives(client):
@@ -143,6 +144,8 @@ def test_a_prompt_longer_than_the_context_or_not_json_is_400(server):
     assert error["code"] == "context_length_exceeded" and "32" in error["message"]
     assert error_of(httpx.post(server.url + "/v1/completions", content=b"{nope"), 400)["param"] is None
     assert error_of(httpx.post(server.url + "/v1/completions", json={"prompt": "€"}), 400)["param"] == "prompt"
+    both = {"prompt": "All:", "echo": True, "logprobs": 2}
+    assert error_of(httpx.post(server.url + "/v1/completions", json=both), 400)["param"] == "echo"
 
 
 def test_an_oversized_body_is_413(server):
