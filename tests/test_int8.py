@@ -167,7 +167,9 @@ def test_without_the_kernel_int8_decodes_with_torch_and_gives_the_same_ids(monke
     assert isinstance(slow.decoder, TorchStep) and not slow.fused
     expected = list(generate_batch(slow, prompts, cfg))
     if fast.fused:  # the FMA product: the torch path's numbers to 1e-6
-        fma = dataclasses.replace(fast, decoder=FusedDecoder(fast.model, native.load_library(), vnni=False))
+        assert fast.cache_dtype == torch.bfloat16  # as the bf16 step's; here an fp32 one, as the torch path's
+        fma = dataclasses.replace(fast, decoder=FusedDecoder(fast.model, native.load_library(), vnni=False),
+                                  cache_dtype=torch.float32)
         assert list(generate_batch(fma, prompts, cfg)) == expected
     assert len(expected) == 40 and all(len(step) == 3 for step in expected)  # a token per row per step
 

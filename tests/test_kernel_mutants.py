@@ -25,11 +25,15 @@ MUTANTS = {
                                           "(Mask)0xFFFF : (Mask)((1u << (left - 1)) - 1)")], "fp32"),
     "attention's head tail one short": ([("(__mmask16)0 : (__mmask16)((1u << left) - 1)",
                                           "(__mmask16)0 : (__mmask16)((1u << (left - 1)) - 1)")], "fp32"),
-    "int8 FMA product ignores the row scales": ([("d * (s ? s[n] : 1.0f)", "d")], "int8 fma"),
-    "int8 VNNI product takes the next row's scale": ([("_mm_maskz_loadu_ps(m, s + n))", "_mm_maskz_loadu_ps(m, s + n + 1))")],
-                                                     "int8 vnni"),
-    "int8 VNNI product drops the u8 offset's correction": ([("_mm_slli_epi32(_mm_maskz_loadu_epi32(m, sums + n), 7)",
-                                                             "_mm_setzero_si128()")], "int8 vnni"),
+    "int8 FMA product of one row ignores the row scales": ([("_mm_maskz_loadu_ps(m, s + n), bias)",
+                                                             "_mm_set1_ps(1.0f), bias)")], "int8 fma"),
+    "int8 FMA product of many rows ignores the row scales": ([("scale = s ? s[n] : 1.0f;", "scale = 1.0f;")],
+                                                             "int8 fma"),
+    "int8 VNNI product takes the next row's scale": ([("_mm512_set1_ps(sx), _mm512_loadu_ps(s + n))",
+                                                       "_mm512_set1_ps(sx), _mm512_loadu_ps(s + n + 1))")], "int8 vnni"),
+    "int8 VNNI product drops the u8 offset's correction": ([("_mm512_slli_epi32(_mm512_loadu_si512(sums + n), 7)",
+                                                             "_mm512_setzero_si512()")], "int8 vnni"),
+    "int8 VNNI product ignores x's scale": ([("_mm512_set1_ps(sx)", "_mm512_set1_ps(1.0f)")], "int8 vnni"),
 }
 
 

@@ -274,6 +274,55 @@ static void gemv_pair(const typename D::W* W, const typename D::X* X, const floa
 #undef MADDS2
 #undef OUT2
 
+// One row of x against int8 W: as gemv_row1 (four sums along k, one sequential stream), but four outputs at a
+// time, reduced together and scaled in one vector: an int8 row is a quarter of an fp32 one, so what each output
+// costs besides its bytes (the reduction, the epilogue) counts four times as much. Outputs past n1 re-read row n.
+static inline __m128 reduce4(__m512 a, __m512 b, __m512 c, __m512 d) {
+    __m512 ab = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
+    __m512 cd = _mm512_add_ps(_mm512_unpacklo_ps(c, d), _mm512_unpackhi_ps(c, d));
+    __m512d ab64 = _mm512_castps_pd(ab), cd64 = _mm512_castps_pd(cd);
+    __m512 abcd = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(ab64, cd64)),
+                                _mm512_castpd_ps(_mm512_unpackhi_pd(ab64, cd64)));
+    __m256 half = _mm256_add_ps(_mm512_castps512_ps256(abcd),
+                                _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(abcd), 1)));
+    return _mm_add_ps(_mm256_castps256_ps128(half), _mm256_extractf128_ps(half, 1));
+}
+
+static inline __m512 dot_int8(const int8_t* w, const float* x, int K) {
+    __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    int k = 0;
+    for (; k + 64 <= K; k += 64) {
+        _mm_prefetch((const char*)(w + k) + STREAM_AHEAD, _MM_HINT_T1);
+        a0 = _mm512_fmadd_ps(load16(w + k), _mm512_loadu_ps(x + k), a0);
+        a1 = _mm512_fmadd_ps(load16(w + k + 16), _mm512_loadu_ps(x + k + 16), a1);
+        a2 = _mm512_fmadd_ps(load16(w + k + 32), _mm512_loadu_ps(x + k + 32), a2);
+        a3 = _mm512_fmadd_ps(load16(w + k + 48), _mm512_loadu_ps(x + k + 48), a3);
+    }
+    for (; k < K; k += 16) {
+        __mmask16 m = K - k >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (K - k)) - 1);
+        a0 = _mm512_fmadd_ps(load16(w + k, m), _mm512_maskz_loadu_ps(m, x + k), a0);
+    }
+    return _mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3));
+}
+
+template <int E>
+static void gemv_row1_int8(const int8_t* W, const float* x, const float* s, const float* b, float* y, int K, int n0,
+                           int n1) {
+    for (int n = n0; n < n1; n += 4) {
+        const int count = n1 - n >= 4 ? 4 : n1 - n;
+        const int8_t* w = W + (int64_t)n * K;
+        __m512 d0 = dot_int8(w, x, K);
+        __m512 d1 = count > 1 ? dot_int8(w + K, x, K) : d0;
+        __m512 d2 = count > 2 ? dot_int8(w + 2 * K, x, K) : d0;
+        __m512 d3 = count > 3 ? dot_int8(w + 3 * K, x, K) : d0;
+        __mmask8 m = (__mmask8)((1u << count) - 1);
+        __m128 bias = b ? _mm_maskz_loadu_ps(m, b + n) : _mm_setzero_ps();
+        float d[4];
+        _mm_storeu_ps(d, _mm_fmadd_ps(reduce4(d0, d1, d2, d3), _mm_maskz_loadu_ps(m, s + n), bias));
+        for (int i = 0; i < count; i++) finish<E>(y + n + i, d[i]);
+    }
+}
+
 // Y (R, N) from X (R, K) and W (N, K): this thread's share [n0, n1) of the outputs, every row.
 template <int E, typename D>
 static void gemv(const typename D::W* W, const typename D::X* X, const float* s, const float* b, float* Y, int R,
@@ -319,20 +368,21 @@ static const bf16* to_bf16(const float* X, int64_t count) {
 }
 #endif
 
-// Steps of fewer rows than this multiply int8 weights by FMAs even where VNNI is chosen: one row is bound by
-// reading W, and there the single sequential stream of gemv_row1 measured faster (`gptlab bench generate`); with
-// more rows the products' instructions count, and VNNI measured faster (batch 8: 1.2x). From 2 rows on every
-// batch size takes the same product, and VNNI's integer sums are exact, so a row's logits do not depend on the
-// rows beside it (the server's continuous batching runs at least 2 rows for this, gptlab.engine.RunningBatch).
-constexpr int VNNI_MIN_ROWS = 2;
-
 #ifdef __AVX512VNNI__
-// int8 weights by VNNI. vpdpbusd multiplies unsigned bytes by signed bytes, 64 per instruction, into 16 int32
+// int8 weights by VNNI. vpdpbusd multiplies unsigned bytes by signed bytes, 4 at a time into each of 16 int32
 // sums: x is quantized per row to xq = round(x / sx), sx = max|x_row| / 127, stored offset as u8 = xq + 128, so
 // that sum(u8 * q) = sum(xq * q) + 128 * sum(q), and each output is (sum - 128 * sums[n]) * sx * s[n] + b[n].
-// A quarter of the instructions of widening to fp32 (INT8_FMA), at the price of rounding x to 8 bits.
+//
+// W comes packed in blocks of 16 rows (gptlab/inference/fused.py, vnni_pack): for each group of 4 inputs k, the
+// 16 rows' 4 weights each, 64 bytes, one vector: [n / 16][k / 4][n % 16][k % 4], rows and inputs padded with
+// zeros to multiples of 16 and 4 (scales and sums padded likewise). One vpdpbusd then adds 4 inputs' products
+// into the 16 outputs of a block, x's 4 bytes broadcast: no reduction across lanes at all, and W is read as one
+// sequential stream. Row-major int8 rows (768 bytes in GPT-2) cost a reduction and a loop per row, which
+// measured slower than the weights' bytes (the FMA product below is what a CPU without VNNI runs).
+// The sums are exact integers and each row of x is quantized alone, so a row's logits are the same bit for bit
+// whatever the rows beside it (the server's continuous batching relies on this).
 struct QuantizedX {
-    const uint8_t* q;  // (R, KP): KP = K rounded up to 64, each row's tail 128 (x = 0; its weights read as 0)
+    const uint8_t* q;  // (R, KP): KP = K rounded up to 64, each row's tail 128 (x = 0; its weights are 0)
     const float* scale;  // (R,): sx
 };
 
@@ -370,72 +420,68 @@ static QuantizedX quantize_x(const float* X, int R, int K, int KP) {
     return {xq, xs};
 }
 
-// The four int32 sums of a, b, c and d, in that order: two rounds of unpack-and-add within each 128-bit lane,
-// then the four lanes added (a quarter of the instructions of four separate reductions).
-static inline __m128i reduce4(__m512i a, __m512i b, __m512i c, __m512i d) {
-    __m512i ab = _mm512_add_epi32(_mm512_unpacklo_epi32(a, b), _mm512_unpackhi_epi32(a, b));
-    __m512i cd = _mm512_add_epi32(_mm512_unpacklo_epi32(c, d), _mm512_unpackhi_epi32(c, d));
-    __m512i abcd = _mm512_add_epi32(_mm512_unpacklo_epi64(ab, cd), _mm512_unpackhi_epi64(ab, cd));
-    __m256i half = _mm256_add_epi32(_mm512_castsi512_si256(abcd), _mm512_extracti64x4_epi64(abcd, 1));
-    return _mm_add_epi32(_mm256_castsi256_si128(half), _mm256_extracti128_si256(half, 1));
-}
-
-// Outputs n .. n + count - 1 (count <= 4) of one row of x: (sum - 128 * sums[n]) * sx * s[n] + b[n].
+// The 16 outputs n .. n + 15 of one row of x (those below n1): (sum - 128 * sums) * sx * s + b, then E.
 template <int E>
-static inline void finish4(float* y, __m128i total, float sx, const float* s, const int32_t* sums, const float* b,
-                           int n, int count) {
-    __mmask8 m = (__mmask8)((1u << count) - 1);
-    __m128i offset = _mm_slli_epi32(_mm_maskz_loadu_epi32(m, sums + n), 7);  // 128 * sums
-    __m128 scale = _mm_mul_ps(_mm_set1_ps(sx), _mm_maskz_loadu_ps(m, s + n));
-    __m128 bias = b ? _mm_maskz_loadu_ps(m, b + n) : _mm_setzero_ps();
-    float d[4];
-    _mm_storeu_ps(d, _mm_fmadd_ps(_mm_cvtepi32_ps(_mm_sub_epi32(total, offset)), scale, bias));
-    for (int i = 0; i < count; i++) finish<E>(y + i, d[i]);
+static inline void finish16(float* y, __m512i total, float sx, const float* s, const int32_t* sums, const float* b,
+                            int n, int n1) {
+    const int count = n1 - n >= 16 ? 16 : n1 - n;
+    const __mmask16 m = count == 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << count) - 1);
+    __m512i offset = _mm512_slli_epi32(_mm512_loadu_si512(sums + n), 7);  // 128 * sums (padded to 16)
+    __m512 scale = _mm512_mul_ps(_mm512_set1_ps(sx), _mm512_loadu_ps(s + n));
+    __m512 bias = b ? _mm512_maskz_loadu_ps(m, b + n) : _mm512_setzero_ps();
+    __m512 d = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(total, offset)), scale, bias);
+    if (E == STORE) { _mm512_mask_storeu_ps(y, m, d); return; }
+    if (E == ADD) { _mm512_mask_storeu_ps(y, m, _mm512_add_ps(_mm512_maskz_loadu_ps(m, y), d)); return; }
+    float v[16];
+    _mm512_storeu_ps(v, d);
+    for (int i = 0; i < count; i++) finish<E>(y + i, v[i]);
 }
 
-// One or two rows of x (RB) against W's rows n .. n + count - 1 (count <= 4, adjacent in memory): up to eight
-// independent chains of vpdpbusd, each 64 bytes of W used RB times, and one reduction per four outputs; the
-// next four rows fetched ahead into L2. Rows past count re-read row n and store nothing.
-#define DP4(acc, x) acc##0 = _mm512_dpbusd_epi32(acc##0, x, w0); acc##1 = _mm512_dpbusd_epi32(acc##1, x, w1); \
-                    acc##2 = _mm512_dpbusd_epi32(acc##2, x, w2); acc##3 = _mm512_dpbusd_epi32(acc##3, x, w3);
+// RB rows of x against one block of 16 W rows: two sums per row (even and odd groups of 4 inputs: independent
+// chains), the block's next bytes fetched STREAM_AHEAD ahead into L2.
+#define DPX(j, acc, off) if constexpr (RB > j) { int32_t q4; memcpy(&q4, xq + (int64_t)j * KP + 4 * (g + off), 4); \
+                                                 acc##j = _mm512_dpbusd_epi32(acc##j, _mm512_set1_epi32(q4), w); }
 template <int E, int RB>
-static void vnni_block(const int8_t* W, const uint8_t* xq, const float* xs, const float* s, const int32_t* sums,
-                       const float* b, float* Y, int N, int K, int KP, int n, int count) {
-    const int8_t* r0 = W + (int64_t)n * K;
-    const int8_t *r1 = count > 1 ? r0 + K : r0, *r2 = count > 2 ? r0 + 2 * K : r0, *r3 = count > 3 ? r0 + 3 * K : r0;
+static void vnni_block(const int8_t* Wb, const uint8_t* xq, const float* xs, const float* s, const int32_t* sums,
+                       const float* b, float* Y, int N, int KG, int KP, int n, int n1) {
     __m512i a0 = _mm512_setzero_si512(), a1 = a0, a2 = a0, a3 = a0, c0 = a0, c1 = a0, c2 = a0, c3 = a0;
-    for (int k = 0; k < K; k += 64) {
-        _mm_prefetch((const char*)(r0 + 4 * K + k), _MM_HINT_T1);
-        _mm_prefetch((const char*)(r1 + 4 * K + k), _MM_HINT_T1);
-        _mm_prefetch((const char*)(r2 + 4 * K + k), _MM_HINT_T1);
-        _mm_prefetch((const char*)(r3 + 4 * K + k), _MM_HINT_T1);
-        __mmask64 m = K - k >= 64 ? ~(__mmask64)0 : (((__mmask64)1 << (K - k)) - 1);
-        __m512i w0 = _mm512_maskz_loadu_epi8(m, r0 + k), w1 = _mm512_maskz_loadu_epi8(m, r1 + k);
-        __m512i w2 = _mm512_maskz_loadu_epi8(m, r2 + k), w3 = _mm512_maskz_loadu_epi8(m, r3 + k);
-        __m512i x0 = _mm512_loadu_si512(xq + k);
-        DP4(a, x0)
-        if constexpr (RB > 1) {
-            __m512i x1 = _mm512_loadu_si512(xq + KP + k);
-            DP4(c, x1)
-        }
+    int g = 0;
+    for (; g + 2 <= KG; g += 2) {
+        _mm_prefetch((const char*)(Wb + (int64_t)g * 64) + STREAM_AHEAD, _MM_HINT_T1);
+        _mm_prefetch((const char*)(Wb + (int64_t)g * 64) + STREAM_AHEAD + 64, _MM_HINT_T1);
+        __m512i w = _mm512_loadu_si512(Wb + (int64_t)g * 64);
+        DPX(0, a, 0) DPX(1, a, 0) DPX(2, a, 0) DPX(3, a, 0)
+        w = _mm512_loadu_si512(Wb + (int64_t)(g + 1) * 64);
+        DPX(0, c, 1) DPX(1, c, 1) DPX(2, c, 1) DPX(3, c, 1)
     }
-    finish4<E>(Y + n, reduce4(a0, a1, a2, a3), xs[0], s, sums, b, n, count);
-    if constexpr (RB > 1) finish4<E>(Y + N + n, reduce4(c0, c1, c2, c3), xs[1], s, sums, b, n, count);
+    if (g < KG) {
+        __m512i w = _mm512_loadu_si512(Wb + (int64_t)g * 64);
+        DPX(0, a, 0) DPX(1, a, 0) DPX(2, a, 0) DPX(3, a, 0)
+    }
+    finish16<E>(Y + n, _mm512_add_epi32(a0, c0), xs[0], s, sums, b, n, n1);
+    if constexpr (RB > 1) finish16<E>(Y + N + n, _mm512_add_epi32(a1, c1), xs[1], s, sums, b, n, n1);
+    if constexpr (RB > 2) finish16<E>(Y + 2 * (int64_t)N + n, _mm512_add_epi32(a2, c2), xs[2], s, sums, b, n, n1);
+    if constexpr (RB > 3) finish16<E>(Y + 3 * (int64_t)N + n, _mm512_add_epi32(a3, c3), xs[3], s, sums, b, n, n1);
 }
-#undef DP4
+#undef DPX
 
+// Y (R, N) from X (R, K) and the packed W: this thread's share [n0, n1) of the outputs (n0 a multiple of 16).
 template <int E>
 static void gemv_vnni(const int8_t* W, const float* X, const float* s, const int32_t* sums, const float* b, float* Y,
                       int R, int N, int K, int n0, int n1) {
-    const int KP = (K + 63) / 64 * 64;
+    const int KP = (K + 63) / 64 * 64, KG = (K + 3) / 4;
     QuantizedX x = quantize_x(X, R, K, KP);
-    for (int n = n0; n < n1; n += 4) {
-        const int count = n1 - n >= 4 ? 4 : n1 - n;
-        for (int r = 0; r < R; r += 2) {  // each block of W read from memory once, then from L1 for the other rows
+    for (int n = n0; n < n1; n += 16) {
+        const int8_t* Wb = W + (int64_t)(n / 16) * KG * 64;
+        for (int r = 0; r < R; r += 4) {  // a block (16 x K bytes) is read from memory once, then from L1
             const uint8_t* xq = x.q + (int64_t)r * KP;
             float* y = Y + (int64_t)r * N;
-            if (R - r >= 2) vnni_block<E, 2>(W, xq, x.scale + r, s, sums, b, y, N, K, KP, n, count);
-            else vnni_block<E, 1>(W, xq, x.scale + r, s, sums, b, y, N, K, KP, n, count);
+            switch (R - r >= 4 ? 4 : R - r) {
+                case 4: vnni_block<E, 4>(Wb, xq, x.scale + r, s, sums, b, y, N, KG, KP, n, n1); break;
+                case 3: vnni_block<E, 3>(Wb, xq, x.scale + r, s, sums, b, y, N, KG, KP, n, n1); break;
+                case 2: vnni_block<E, 2>(Wb, xq, x.scale + r, s, sums, b, y, N, KG, KP, n, n1); break;
+                default: vnni_block<E, 1>(Wb, xq, x.scale + r, s, sums, b, y, N, KG, KP, n, n1); break;
+            }
         }
     }
 }
@@ -448,14 +494,17 @@ static void linear(const Model& m, const void* W, const float* s, const int32_t*
                    float* Y, int R, int N, int K) {
     int t = omp_get_thread_num(), T = omp_get_num_threads();
     int per = (N + T - 1) / T;
-    int n0 = t * per, n1 = n0 + per < N ? n0 + per : N;
+    if (m.weights == INT8_VNNI) per = (per + 15) / 16 * 16;  // whole blocks of 16 rows
+    int n0 = t * per < N ? t * per : N, n1 = n0 + per < N ? n0 + per : N;
     if (n0 < n1) {
-        if (m.weights == INT8_VNNI && R >= VNNI_MIN_ROWS) {
+        if (m.weights == INT8_VNNI) {
 #ifdef __AVX512VNNI__
             gemv_vnni<E>((const int8_t*)W, X, s, sums, b, Y, R, N, K, n0, n1);
 #else
             gemv<E, Widen<int8_t>>((const int8_t*)W, X, s, b, Y, R, N, K, n0, n1);  // never chosen: Python asks first
 #endif
+        } else if (R == 1 && (m.weights == INT8_FMA || m.weights == INT8_VNNI)) {
+            gemv_row1_int8<E>((const int8_t*)W, X, s, b, Y, K, n0, n1);
         } else if (m.weights == INT8_FMA || m.weights == INT8_VNNI) {
             gemv<E, Widen<int8_t>>((const int8_t*)W, X, s, b, Y, R, N, K, n0, n1);
         } else if (m.weights == BF16) {

@@ -125,4 +125,7 @@ def prepare_for_inference(model: nn.Module, precision: str = "fp32", fused: bool
     native = fused_decoder(model) if fused else None
     pack_linears(model)
     decoder = native if native is not None else TorchStep(model)
-    return InferenceModel(model, decoder, cache_dtype(device, dtype, native is not None), precision)
+    # the fused int8 step keeps keys and values in bf16, as the bf16 one does: at a few hundred positions the fp32
+    # cache's bytes are several percent of int8 weights' (and keys and values are activations, not weights)
+    kv_dtype = torch.bfloat16 if precision == "int8" and native is not None else dtype
+    return InferenceModel(model, decoder, cache_dtype(device, kv_dtype, native is not None), precision)

@@ -19,9 +19,11 @@ import ctypes
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from gptlab.inference.int8 import Int8Linear
 from gptlab.inference.native import WEIGHTS, Layer, Model, Step, has_int8_vnni, load_library
+from gptlab.inference.weights import move_to_huge_pages
 from gptlab.model import GPT, KVCache
 
 
@@ -35,23 +37,25 @@ class FusedDecoder:
     Holds the model's weights as they are (fp32, bf16 or int8 matrices, shared, not copied) and fp32 copies of the
     small vectors (LayerNorm, biases). The model must not change afterwards: this is for inference only. `lib` is
     the library from gptlab.inference.native (`load_library` or `build_library`), whose structs it has checked.
-    For an int8 model (its Linears are Int8Linears) `vnni` picks the product of steps of 2 rows or more: by
-    AVX512-VNNI (x quantized per row to 8 bits) or by fp32 FMAs over widened weights (x as it is; fewer rows
-    always take this one, measured faster where reading W bounds the step); None: VNNI where `lib` has it.
-    `weights` names the format and product chosen (a key of gptlab.inference.native.WEIGHTS)."""
+    For an int8 model (its Linears are Int8Linears) `vnni` picks the product: by AVX512-VNNI (x quantized per row
+    to 8 bits; the weights copied into the kernel's blocked layout, `vnni_pack`, in 2 MB pages) or by fp32 FMAs
+    over the weights widened as they are (x as it is); None: VNNI where `lib` has it. `weights` names the format
+    and product chosen (a key of gptlab.inference.native.WEIGHTS)."""
 
     def __init__(self, model: GPT, lib: ctypes.CDLL, vnni: bool | None = None):
         self.config = c = model.config
         self.weights = _weights_format(model, lib, vnni)
         self._keep: list[torch.Tensor] = []
+        int8_operands = _int8_operands(model, self.weights == "int8 vnni")  # Int8Linear -> (w, scale, sums)
+        self._int8_operands = int8_operands  # the kernel points into these
 
         def matrix(linear: torch.nn.Module) -> int:
-            w = (linear.q if isinstance(linear, Int8Linear) else linear.weight).detach().contiguous()
+            w = int8_operands[linear][0] if linear in int8_operands else linear.weight.detach().contiguous()
             self._keep.append(w)
             return w.data_ptr()
 
         def int8(linear: torch.nn.Module, name: str) -> int | None:  # an Int8Linear's scales or sums; else NULL
-            return _ptr(getattr(linear, name)) if isinstance(linear, Int8Linear) else None
+            return _ptr(int8_operands[linear][1 if name == "scale" else 2]) if linear in int8_operands else None
 
         def vector(t: torch.Tensor | None) -> int | None:
             if t is None:
@@ -114,6 +118,32 @@ class FusedDecoder:
                 or cache.v.device != cache.k.device or cache.pos.device != cache.k.device):
             raise ValueError(f"a cache of k, v {tuple(cache.k.shape)} and pos {tuple(cache.pos.shape)} does not fit "
                              f"{R} rows of this model: k and v {shape}, pos ({R},) int64, all on the CPU")
+
+
+def vnni_pack(linear: Int8Linear) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """decode.cpp's VNNI operands of `linear`: q (N, K) laid out as [N/16][K/4][16][4] int8 (each 64 bytes: 16 rows'
+    weights for 4 inputs), rows and inputs padded with zeros to multiples of 16 and 4; its scales and sums padded
+    with zeros to the same rows."""
+    N, K = linear.q.shape
+    NP, KP = -(-N // 16) * 16, -(-K // 4) * 4
+    q = torch.zeros(NP, KP, dtype=torch.int8)
+    q[:N, :K] = linear.q
+    packed = q.view(NP // 16, 16, KP // 4, 4).permute(0, 2, 1, 3).contiguous()  # (NP/16, KP/4, 16, 4)
+    return packed, F.pad(linear.scale.detach(), (0, NP - N)), F.pad(linear.sums.detach(), (0, NP - N))
+
+
+def _int8_operands(model: GPT, vnni: bool) -> dict:
+    """Each Int8Linear of `model` -> the (weights, scales, sums) the kernel reads: as they are for the FMA product;
+    for VNNI, copies in its layout (`vnni_pack`), moved into 2 MB pages as the model's own weights are."""
+    linears = [m for m in model.modules() if isinstance(m, Int8Linear)]
+    if not vnni:
+        return {m: (m.q.detach(), m.scale.detach(), m.sums.detach()) for m in linears}
+    holder = torch.nn.Module()  # the copies as parameters, so that move_to_huge_pages moves them
+    for i, m in enumerate(linears):
+        for name, t in zip(("w", "scale", "sums"), vnni_pack(m)):
+            holder.register_parameter(f"{name}{i}", torch.nn.Parameter(t, requires_grad=False))
+    move_to_huge_pages(holder)
+    return {m: tuple(getattr(holder, f"{name}{i}") for name in ("w", "scale", "sums")) for i, m in enumerate(linears)}
 
 
 def _weights_format(model: GPT, lib: ctypes.CDLL, vnni: bool | None) -> str:
