@@ -187,7 +187,8 @@ def add_sample(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt-file", help="read the prompt from this file (see --encoding)")
     p.add_argument("--encoding", default="utf-8", help="text encoding of --prompt-file (default utf-8)")
     p.add_argument("--allow-special", action="store_true", help=f"encode {EOT} in the prompt as end-of-text")
-    p.add_argument("--num-samples", type=int, default=1, help="continuations of the prompt, from one prefill")
+    p.add_argument("--num-samples", type=int, default=1, help="continuations of the prompt, from one prefill; "
+                   "sample i draws with --seed + i (as `gptlab serve` does for n)")
     p.add_argument("--no-echo", dest="echo_prompt", action="store_false", help="do not print the prompt")
     add_device(p)
     p.add_argument("--precision", choices=INFERENCE_PRECISIONS, default="auto",

@@ -5,6 +5,7 @@ a text). Errors are OpenAI's shape; no request field ever names a file."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import secrets
 import threading
@@ -39,6 +40,7 @@ def make_app(served: Served, limits: Limits, api_key: str | None = None) -> Fast
     context = served.model.config.block_size
     inspector = _Inspector(served)
 
+    @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         scheduler.start()
         yield

@@ -16,7 +16,9 @@ from typing import Any
 import torch
 
 from gptlab.engine import Completion, Row, RunningBatch
+from gptlab.inference import InferenceModel
 from gptlab.serve.api import CompletionRequest
+from gptlab.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
@@ -96,7 +98,7 @@ class Scheduler:
     """The thread that owns the model. `submit` queues a Job (False when the queue is full: the caller answers
     429); `stop` ends it: new jobs are refused, running ones get `grace` seconds to finish, then are cancelled."""
 
-    def __init__(self, model, tokenizer, max_batch: int, queue: int):
+    def __init__(self, model: InferenceModel | torch.nn.Module, tokenizer: Tokenizer, max_batch: int, queue: int):
         self.batch = RunningBatch(model)
         self.tokenizer, self.max_batch, self.queue_size = tokenizer, max_batch, queue
         self.metrics = Metrics()
@@ -225,7 +227,7 @@ class Scheduler:
         self.batch.advance()
 
 
-def top_logprobs(logits: torch.Tensor, token: int, top: int, tokenizer) -> dict[str, Any]:
+def top_logprobs(logits: torch.Tensor, token: int, top: int, tokenizer: Tokenizer) -> dict[str, Any]:
     """The chosen token's log-probability under the model (temperature 1, no filters) and the `top` most likely
     tokens' (text -> logprob)."""
     logp = torch.log_softmax(logits[0].float(), dim=-1)
