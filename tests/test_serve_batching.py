@@ -68,11 +68,13 @@ def test_the_fused_steps_many_row_kernels_agree_bitwise_at_any_batch_size(fused_
 
 
 @pytest.mark.device_path("fused decode (AVX-512)")
-@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "int8"])
 def test_a_seeded_row_gives_the_same_tokens_alone_or_joining_a_running_batch(fused_kernel, precision):
     if precision == "bf16" and not bf16_supported(torch.device("cpu")):
         pytest.skip("no native bf16 on this CPU")
     model = prepared(precision)
+    if not model.fused:
+        pytest.skip(f"no fused {precision} step on this CPU")
     mine = SampleConfig(max_new_tokens=60, temperature=0.9, top_p=0.9, seed=7)  # 60 > 32: the window slides
     others = [SampleConfig(max_new_tokens=k, temperature=t, top_k=5, presence_penalty=0.5, seed=s)
               for k, t, s in ((10, 1.0, 1), (40, 0.0, 2), (25, 1.3, 3))]

@@ -6,7 +6,7 @@ import argparse
 from pathlib import Path
 
 from gptlab.cli.common import Subcommands, add_device, at_least, command, data_dir_for
-from gptlab.config import PRESETS, TOKENIZERS, ModelConfig, TrainConfig, build, get_preset
+from gptlab.config import INFERENCE_PRECISIONS, PRESETS, TOKENIZERS, ModelConfig, TrainConfig, build, get_preset
 from gptlab.errors import GptlabError
 
 
@@ -88,10 +88,12 @@ def add_bench_generate(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-uncached", dest="uncached", action="store_false", help="skip the slow no-cache runs")
     p.add_argument("--no-transformers", dest="transformers", action="store_false",
                    help="skip transformers' generate even when it is installed")
+    p.add_argument("--quality", metavar="RUN", help="also compare int8 with bf16 on this trained run: validation "
+                   "perplexity and greedy agreement on validation prompts")
 
 
 @bench("generate", "KV-cache generation on a GPT-2-124M-shaped model and a char model: prefill, decode, time to "
-       "first token, fp32 and bf16, beside no cache, transformers' generate and the memory-bandwidth floor",
+       "first token, fp32, bf16 and int8, beside no cache, transformers' generate and the memory-bandwidth floor",
        add_bench_generate)
 def bench_generate(args: argparse.Namespace) -> int:
     from gptlab.bench.generate import run_generate
@@ -99,7 +101,7 @@ def bench_generate(args: argparse.Namespace) -> int:
     at_least(args, new_tokens=1, prompt_tokens=1, repeats=1, char_tokens=0)
     run_generate(device=args.device, new_tokens=args.new_tokens, prompt_tokens=args.prompt_tokens,
                  char_tokens=args.char_tokens, repeats=args.repeats, uncached=args.uncached,
-                 with_transformers=args.transformers)
+                 with_transformers=args.transformers, quality_run=args.quality)
     return 0
 
 
@@ -191,7 +193,7 @@ def add_bench_serve(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt-tokens", type=int, default=16, help="about this many prompt tokens (default 16)")
     p.add_argument("--max-batch", type=int, default=16, help="the server's --max-batch (default 16)")
     p.add_argument("--queue", type=int, default=64, help="the server's --queue: a small one shows 429s (default 64)")
-    p.add_argument("--precision", choices=("auto", "fp32", "bf16"), default="auto",
+    p.add_argument("--precision", choices=INFERENCE_PRECISIONS, default="auto",
                    help="inference weights, as in `gptlab serve` (default auto)")
     p.add_argument("--time-limit", type=float, default=60.0, help="seconds after which no client starts a new "
                    "request, per phase (default 60)")

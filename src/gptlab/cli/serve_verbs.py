@@ -6,6 +6,7 @@ import argparse
 import sys
 
 from gptlab.cli.common import add_device, command
+from gptlab.config import INFERENCE_PRECISIONS
 
 LIMIT_FLAGS = {  # flag -> (Limits field, type, help)
     "--max-tokens": ("max_tokens", int, "most tokens one request may generate (max_tokens) (default 512)"),
@@ -55,7 +56,7 @@ def add_serve(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000)")
     p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on the API (needed off loopback)")
     add_device(p)
-    p.add_argument("--precision", choices=("auto", "fp32", "bf16"), default="auto",
+    p.add_argument("--precision", choices=INFERENCE_PRECISIONS, default="auto",
                    help="inference weights, as in `gptlab sample` (default auto)")
     defaults = Limits()
     group = p.add_argument_group("limits")
