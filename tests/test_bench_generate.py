@@ -6,7 +6,7 @@ import torch
 
 from conftest import tiny_config
 from gptlab.bench.decode import run_decode
-from gptlab.bench.generate import (GEN_MODELS, bench_model, generation_ratios, print_generation_table,
+from gptlab.bench.generate import (GEN_MODELS, bench_model, generation_ratios, headline, print_generation_table,
                                    transformers_twin, weight_bytes_per_token)
 from gptlab.config import ModelConfig, build
 from gptlab.inference.native import load_library
@@ -58,6 +58,25 @@ def test_bytes_read_per_token_count_the_tied_embedding_once():
         model = GPT(build(ModelConfig, GEN_MODELS["gpt2-124M"], {}))
     assert weight_bytes_per_token(model, "fp32") == (124_439_808 - 1024 * 768) * 4
     assert weight_bytes_per_token(model, "bf16") == (124_439_808 - 1024 * 768) * 2
+    # int8: 123,532,032 matrix weights (LM head included) at a byte, 133,201 rows at 8 (scale, sum), 121,344 vector
+    # numbers at 4
+    assert weight_bytes_per_token(model, "int8") == 123_532_032 + 8 * 133_201 + 4 * 121_344
+
+
+def test_bench_model_times_int8_beside_the_float_step(capsys):
+    base = "bf16" if bf16_supported(torch.device("cpu")) else "fp32"
+    config = tiny_config(block_size=32)
+    results = bench_model(config, torch.device("cpu"), [base, "int8"], [1], prompt_tokens=5, new_tokens=6,
+                          bandwidth_mb=16, with_transformers=False)
+    engines = {(r.engine, r.precision) for r in results}
+    assert ("gptlab (KV cache)", "int8") in engines and ("gptlab, no cache", "int8") not in engines
+    bytes_per_token = {p: weight_bytes_per_token(GPT(config), p) for p in (base, "int8")}
+    lines = generation_ratios(results, bytes_per_token)
+    int8 = next(line for line in lines if line.startswith("int8 batch 1 decode: "))
+    assert "of the bandwidth floor" in int8 and " ms/step, " in int8 and f"x the {base} step (" in int8
+    assert "greedy ids agree for the first " in int8
+    assert "; int8 " in headline(results, [base, "int8"], bytes_per_token)
+    assert f"x the {base} step at " in headline(results, [base, "int8"], bytes_per_token)
 
 
 @pytest.mark.device_path("fused decode (AVX-512)")

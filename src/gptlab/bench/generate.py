@@ -1,6 +1,7 @@
 """`gptlab bench generate`: the KV-cache engine timed beside the same model without the cache, transformers'
 generate() on the same weights, and the memory-bandwidth floor (decoding one token reads every weight once);
-prefill, decode and time to first token, fp32 and bf16, batch 1 and 8."""
+prefill, decode and time to first token, fp32, bf16 and int8 (weight-only, gptlab.inference.int8), batch 1 and 8.
+With a trained run (`--quality RUN`), int8's quality beside bf16's: validation perplexity and greedy agreement."""
 
 from __future__ import annotations
 
@@ -15,9 +16,11 @@ import torch.nn.functional as F
 
 from gptlab.bench.timing import Clock, LoadWatch, median, read_bandwidth, time_it
 from gptlab.config import ModelConfig, SampleConfig, build, get_preset
+from gptlab.data import load_dataset
 from gptlab.engine import generate_batch, generate_uncached
+from gptlab.errors import GptlabError
 from gptlab.inference import PRECISIONS, InferenceModel, prepare_for_inference
-from gptlab.inference.native import load_library
+from gptlab.inference.native import has_int8_vnni, load_library
 from gptlab.inference.weights import InferenceLinear, can_pack
 from gptlab.model import GPT
 from gptlab.runtime import bf16_supported, device_name, resolve_device, set_threads
@@ -100,9 +103,15 @@ def transformers_twin(model: GPT) -> Any:
 
 def weight_bytes_per_token(model: torch.nn.Module, precision: str) -> int:
     """Bytes of weights one decode step reads: every parameter once (the tied embedding once, as the LM head),
-    except the position table, of which it reads one row."""
+    except the position table, of which it reads one row. int8: a byte per matrix weight, and 8 per matrix row
+    (its fp32 scale and int32 sum), the vectors (LayerNorm, biases) in fp32."""
     wpe = model.transformer.wpe.weight.numel()
-    return (model.num_params() - wpe) * (2 if precision == "bf16" else 4)
+    if precision != "int8":
+        return (model.num_params() - wpe) * (2 if precision == "bf16" else 4)
+    matrices = [m.weight for m in model.modules() if isinstance(m, torch.nn.Linear)]  # the LM head among them
+    weights, rows = sum(w.numel() for w in matrices), sum(w.shape[0] for w in matrices)
+    vectors = sum(p.numel() for p in model.parameters() if p.dim() == 1)
+    return weights + 8 * rows + 4 * vectors
 
 
 def agreeing_prefix(a: list[int], b: list[int]) -> int:
@@ -125,15 +134,16 @@ def bench_model(config: ModelConfig, device: torch.device, precisions: list[str]
         model = prepare_for_inference(copy.deepcopy(base), precision)
         # the same engine with the decode step as torch ops (oneDNN-packed weights), beside the fused native step
         ops = prepare_for_inference(copy.deepcopy(base), precision, fused=False) if model.fused else None
-        if hf is not None:
-            hf.to(PRECISIONS[precision])
+        twin = hf if precision in PRECISIONS else None  # transformers has no weight-only int8 of its own on a CPU
+        if twin is not None:
+            twin.to(PRECISIONS[precision])
         for batch in batch_sizes:
             prompts = torch.randint(0, config.vocab_size, (batch, prompt_tokens)).tolist()
             variants: dict[str, Callable[[int], Clock]] = {ENGINE: lambda n: run_gptlab(model, prompts, n)}
             if ops is not None:
                 variants["gptlab, torch-op step"] = lambda n: run_gptlab(ops, prompts, n)
-            if hf is not None:
-                variants["transformers generate"] = lambda n: run_transformers(hf, prompts, n)
+            if twin is not None:
+                variants["transformers generate"] = lambda n: run_transformers(twin, prompts, n)
             runs: dict[str, list[GenResult]] = {name: [] for name in variants}
             for name, run in variants.items():
                 run(2)  # warm-up: first-call allocations and kernel selection
@@ -148,7 +158,7 @@ def bench_model(config: ModelConfig, device: torch.device, precisions: list[str]
             if batch == 1 and device.type == "cpu":
                 engine, weights = find(results, ENGINE, precision, 1), weight_bytes_per_token(base, precision)
                 engine.paired_floor = paired_floor(model, prompts, new_tokens, weights, bandwidth_mb)
-            if uncached and batch == 1:
+            if uncached and batch == 1 and precision != "int8":  # the reference path: fp32 and bf16 show it
                 clock = run_gptlab(model, prompts, new_tokens, cached=False)
                 results.append(GenResult.of(clock, "gptlab, no cache", precision, batch, prompt_tokens))
     return results
@@ -211,11 +221,54 @@ def generation_ratios(results: list[GenResult], bytes_per_token: dict[str, int])
                             f"agree for the first {same}/{len(ours.ids[0])})")
         if uncached is not None:
             parts.append(f"{ours.decode_tok_s / uncached.decode_tok_s:.1f}x no cache")
+        if precision == "int8":
+            parts += int8_parts(results, ours)
         lines.append(f"{precision} batch 1 decode: " + ", ".join(parts))
         if batch8 is not None:
             lines.append(f"{precision} batch 8 aggregate decode: {batch8.decode_tok_s / ours.decode_tok_s:.2f}x "
                          "batch 1")
     return lines
+
+
+def int8_parts(results: list[GenResult], int8: GenResult) -> list[str]:
+    """int8's batch-1 step in ms and beside bf16's (or fp32's), with how long their greedy ids agree."""
+    base = find(results, ENGINE, "bf16", 1) or find(results, ENGINE, "fp32", 1)
+    parts = [f"{1e3 / int8.decode_tok_s:.2f} ms/step"]
+    if base is not None:
+        same = agreeing_prefix(int8.ids[0], base.ids[0])
+        parts.append(f"{int8.decode_tok_s / base.decode_tok_s:.2f}x the {base.precision} step "
+                     f"({1e3 / base.decode_tok_s:.2f} ms; greedy ids agree for the first {same}/{len(int8.ids[0])})")
+    return parts
+
+
+def int8_quality(run: str, prompts: int = 8, prompt_tokens: int = 16, new_tokens: int = 32) -> list[str]:
+    """int8 beside bf16 (fp32 where the CPU has no native bf16) on a trained run: the validation perplexity of
+    each (the weights each decodes with), and greedy continuations of `prompts` windows of the validation split,
+    how many agree for all `new_tokens` tokens and the shortest agreeing prefix. Returns the two lines."""
+    from gptlab.checkpoint import load_run
+    from gptlab.evaluate import score_split
+    from gptlab.runs import run_data_dir
+
+    loaded = load_run(run)
+    data_dir = run_data_dir(run)
+    if data_dir is None:
+        raise GptlabError(f"run {run} has no data of its own to score int8 on (it was imported)")
+    base = "bf16" if bf16_supported(torch.device("cpu")) else "fp32"
+    val = load_dataset(data_dir).val
+    step = max(1, (len(val) - prompt_tokens) // prompts)
+    windows = [val[i * step:i * step + prompt_tokens].tolist() for i in range(prompts)]
+    scores, ids = {}, {}
+    for precision in (base, "int8"):
+        model = prepare_for_inference(copy.deepcopy(loaded.model), precision)
+        scores[precision] = score_split(model.model, loaded.tokenizer, data_dir, source=f"run {run}").perplexity
+        cfg = SampleConfig(max_new_tokens=new_tokens, temperature=0)
+        ids[precision] = [list(row) for row in zip(*generate_batch(model, windows, cfg))]
+    agree = [agreeing_prefix(a, b) for a, b in zip(ids[base], ids["int8"])]
+    change = scores["int8"] / scores[base] - 1
+    return [f"int8 vs {base} on {run}: validation perplexity {scores['int8']:.3f} vs {scores[base]:.3f} "
+            f"({change:+.2%})",
+            f"int8 vs {base} greedy: {sum(a == new_tokens for a in agree)}/{prompts} validation prompts agree for "
+            f"all {new_tokens} new tokens (shortest agreement {min(agree)})"]
 
 
 def linear_kernel_times(model: torch.nn.Module, precision: str, device: torch.device) -> dict[str, float]:
@@ -280,24 +333,29 @@ def char_model_speedup(device: torch.device, new_tokens: int, prompt_tokens: int
 
 
 def run_generate(*, device: str = "auto", new_tokens: int = 256, prompt_tokens: int = 16, char_tokens: int = 1000,
-                 repeats: int = 1, uncached: bool = True, with_transformers: bool = True) -> list[str]:
+                 repeats: int = 1, uncached: bool = True, with_transformers: bool = True,
+                 quality_run: str | None = None) -> list[str]:
     """`gptlab bench generate`: prints the table, the machine's load and the ratios; returns the ratio lines (the
-    last: the headline). char_tokens 0 skips the char model; uncached / with_transformers False skip those rows."""
+    last: the headline). char_tokens 0 skips the char model; uncached / with_transformers False skip those rows;
+    quality_run, a trained run, adds int8's quality beside bf16's on it (`int8_quality`)."""
     set_threads()
     watch = LoadWatch()
     dev = resolve_device(device)
     precisions = ["fp32", "bf16"] if dev.type != "cpu" or bf16_supported(dev) else ["fp32"]
+    precisions.append("int8")
     name, config = "gpt2-124M", build(ModelConfig, GEN_MODELS["gpt2-124M"], {})
     bandwidth = read_bandwidth(dev)
     print(f"gptlab bench generate: {name} shape (random weights), prompt {prompt_tokens} tokens, {new_tokens} new "
           f"tokens, greedy; best of {repeats}")
     print(f"device: {device_name(dev)}; memory read {bandwidth / 1e9:.1f} GB/s now (each engine run's floor: "
           "the read measured just before it)")
-    step = "fused native step (gptlab.inference.fused)" if dev.type == "cpu" and load_library() else "torch ops"
-    print(f"gptlab (KV cache) decodes with: {step}")
+    lib = load_library() if dev.type == "cpu" else None
+    step = "fused native step (gptlab.inference.fused)" if lib else "torch ops"
+    int8 = ("VNNI" if has_int8_vnni(lib) else "fp32 FMAs") if lib else "torch ops (dequantized, fp32)"
+    print(f"gptlab (KV cache) decodes with: {step}; int8 products by {int8}")
     model = GPT(config).to(dev)
     if can_pack(dev, torch.float32):
-        print_kernel_lines(model, precisions, dev)
+        print_kernel_lines(model, [p for p in precisions if p in PRECISIONS], dev)
     bytes_per_token = {p: weight_bytes_per_token(model, p) for p in precisions}
     del model
     results = bench_model(config, dev, precisions, [1, 8], prompt_tokens, new_tokens, repeats, uncached,
@@ -310,6 +368,8 @@ def run_generate(*, device: str = "auto", new_tokens: int = 256, prompt_tokens: 
               f"{uncached_s:.1f} s")
         lines.append(f"char-small: {char_tokens} tokens at context 256 {uncached_s / cached_s:.1f}x faster with the "
                      "KV cache")
+    if quality_run:
+        lines += int8_quality(quality_run)
     lines.append(headline(results, precisions, bytes_per_token))
     print(watch.stop().report())
     print("\n".join(lines))
@@ -317,12 +377,26 @@ def run_generate(*, device: str = "auto", new_tokens: int = 256, prompt_tokens: 
 
 
 def headline(results: list[GenResult], precisions: list[str], bytes_per_token: dict[str, int]) -> str:
-    """Batch-1 decode against transformers' generate, or (without transformers) against the bandwidth floor."""
+    """Batch-1 decode against transformers' generate, or (without transformers) against the bandwidth floor; and
+    int8's step against bf16's (or fp32's) with its share of its own floor."""
+    floats = [p for p in precisions if p in PRECISIONS]
     ours = {p: find(results, ENGINE, p, 1) for p in precisions}
-    theirs = {p: find(results, "transformers generate", p, 1) for p in precisions}
+    theirs = {p: find(results, "transformers generate", p, 1) for p in floats}
     if all(theirs.values()):
-        return "headline: batch-1 decode vs transformers' generate: " + ", ".join(
-            f"{p} {ours[p].decode_tok_s / theirs[p].decode_tok_s:.2f}x" for p in precisions)
-    return "headline: batch-1 decode at " + ", ".join(
-        f"{p} {ours[p].decode_tok_s / ours[p].floor_tok_s(bytes_per_token[p]):.0%}" for p in precisions) \
-        + " of the bandwidth floor"
+        line = "headline: batch-1 decode vs transformers' generate: " + ", ".join(
+            f"{p} {ours[p].decode_tok_s / theirs[p].decode_tok_s:.2f}x" for p in floats)
+    else:
+        line = "headline: batch-1 decode at " + ", ".join(
+            f"{p} {floor_share(ours[p], bytes_per_token[p]):.0%}" for p in floats) + " of the bandwidth floor"
+    base = ours.get("bf16") or ours.get("fp32")
+    if ours.get("int8") is not None and base is not None:
+        line += (f"; int8 {ours['int8'].decode_tok_s / base.decode_tok_s:.2f}x the {base.precision} step at "
+                 f"{floor_share(ours['int8'], bytes_per_token['int8']):.0%} of its floor")
+    return line
+
+
+def floor_share(result: GenResult, bytes_per_token: int) -> float:
+    """A batch-1 engine run's share of the bandwidth floor: token by token where measured, else from the run."""
+    if result.paired_floor == result.paired_floor:  # not NaN
+        return result.paired_floor
+    return result.decode_tok_s / result.floor_tok_s(bytes_per_token)
