@@ -83,14 +83,15 @@ def test_bench_model_times_int8_beside_the_float_step(capsys):
 def test_bench_decode_holds_each_step_to_the_floor_read_beside_it(fused_kernel, capsys):
     rows = run_decode(rounds=3, pages="both", config=tiny_config(block_size=64), positions=16, buffer_mb=8)
     lines = capsys.readouterr().out.strip().splitlines()
-    assert [(r.precision, r.pages) for r in rows] == [("fp32", "2M"), ("fp32", "4K"), ("bf16", "2M"), ("bf16", "4K")]
+    assert [(r.precision, r.pages) for r in rows] == [("fp32", "2M"), ("fp32", "4K"), ("bf16", "2M"), ("bf16", "4K"),
+                                                      ("int8", "2M"), ("int8", "4K")]
     for r in rows:
         assert len(r.shares) == 3 and min(r.shares) > 0 and r.batch1_s > 0 and r.bare8_s > 0
         assert r.batch8_gain == pytest.approx(8 * r.batch1_s / r.batch8_s) and r.batch8_gain > 0
     assert lines[0].startswith("machine load: ")
     table = [line for line in lines if " batch 1: " in line]
     assert [line.split(" batch 1:")[0] for line in table] == ["fp32 2M pages", "fp32 4K pages", "bf16 2M pages",
-                                                               "bf16 4K pages"]
+                                                               "bf16 4K pages", "int8 2M pages", "int8 4K pages"]
     assert all("of the floor (median of 3; " in line and "x batch 1's tokens/s (" in line for line in table)
     with pytest.raises(ValueError, match="pages"):
         run_decode(pages="1G")

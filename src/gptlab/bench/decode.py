@@ -1,5 +1,5 @@
 """`gptlab bench decode`: how close one fused decode step comes to the memory-bandwidth floor, with the floor
-measured beside each step.
+measured beside each step, fp32, bf16 and int8 weights (int8's floor: its own bytes, gptlab.bench.generate).
 
 A shared machine's read bandwidth drifts by tens of percent within seconds, so this alternates, `rounds` times: a
 read of a 512 MB buffer (its rate is the floor of the moment), then one batch-1 decode step of a
@@ -99,7 +99,7 @@ def run_decode(*, rounds: int = 60, pages: str = "2M", config: ModelConfig | Non
     buffer = torch.ones(buffer_mb * (1 << 20) // 4)
     layouts = ["2M", "4K"] if pages == "both" else [pages]
     rows, lines = [], []
-    for precision in ("fp32", "bf16"):
+    for precision in ("fp32", "bf16", "int8"):
         measured = measure(base, precision, layouts, rounds, positions, buffer)
         if measured is None:
             lines.append(f"{precision}: no fused decode step on this machine")

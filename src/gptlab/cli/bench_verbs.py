@@ -113,7 +113,7 @@ def add_bench_decode(p: argparse.ArgumentParser) -> None:
 
 
 @bench("decode", "the fused decode step of a GPT-2-124M-shaped model (CPU) against the memory-bandwidth floor read "
-       "beside each step, batch 1 and batch 8, fp32 and bf16", add_bench_decode)
+       "beside each step, batch 1 and batch 8, fp32, bf16 and int8", add_bench_decode)
 def bench_decode(args: argparse.Namespace) -> int:
     from gptlab.bench.decode import run_decode
 

@@ -122,7 +122,7 @@ def prepare_for_inference(model: nn.Module, precision: str = "fp32", fused: bool
     # time, go through the packed copies: faster prefills (docs/benchmarks.md), for twice the weights' memory
     if fused and huge_pages:
         move_to_huge_pages(model)  # before the decoder takes its pointers
-    native = fused_decoder(model) if fused else None
+    native = fused_decoder(model, huge_pages) if fused else None
     pack_linears(model)
     decoder = native if native is not None else TorchStep(model)
     # the fused int8 step keeps keys and values in bf16, as the bf16 one does: at a few hundred positions the fp32

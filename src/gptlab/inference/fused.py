@@ -42,11 +42,11 @@ class FusedDecoder:
     over the weights widened as they are (x as it is); None: VNNI where `lib` has it. `weights` names the format
     and product chosen (a key of gptlab.inference.native.WEIGHTS)."""
 
-    def __init__(self, model: GPT, lib: ctypes.CDLL, vnni: bool | None = None):
+    def __init__(self, model: GPT, lib: ctypes.CDLL, vnni: bool | None = None, huge_pages: bool = True):
         self.config = c = model.config
         self.weights = _weights_format(model, lib, vnni)
         self._keep: list[torch.Tensor] = []
-        int8_operands = _int8_operands(model, self.weights == "int8 vnni")  # Int8Linear -> (w, scale, sums)
+        int8_operands = _int8_operands(model, self.weights == "int8 vnni", huge_pages)  # Int8Linear -> (w, s, sums)
         self._int8_operands = int8_operands  # the kernel points into these
 
         def matrix(linear: torch.nn.Module) -> int:
@@ -132,9 +132,10 @@ def vnni_pack(linear: Int8Linear) -> tuple[torch.Tensor, torch.Tensor, torch.Ten
     return packed, F.pad(linear.scale.detach(), (0, NP - N)), F.pad(linear.sums.detach(), (0, NP - N))
 
 
-def _int8_operands(model: GPT, vnni: bool) -> dict:
+def _int8_operands(model: GPT, vnni: bool, huge_pages: bool = True) -> dict:
     """Each Int8Linear of `model` -> the (weights, scales, sums) the kernel reads: as they are for the FMA product;
-    for VNNI, copies in its layout (`vnni_pack`), moved into 2 MB pages as the model's own weights are."""
+    for VNNI, copies in its layout (`vnni_pack`), moved into 2 MB pages (unless `huge_pages` is false) as the
+    model's own weights are."""
     linears = [m for m in model.modules() if isinstance(m, Int8Linear)]
     if not vnni:
         return {m: (m.q.detach(), m.scale.detach(), m.sums.detach()) for m in linears}
@@ -142,7 +143,8 @@ def _int8_operands(model: GPT, vnni: bool) -> dict:
     for i, m in enumerate(linears):
         for name, t in zip(("w", "scale", "sums"), vnni_pack(m)):
             holder.register_parameter(f"{name}{i}", torch.nn.Parameter(t, requires_grad=False))
-    move_to_huge_pages(holder)
+    if huge_pages:
+        move_to_huge_pages(holder)
     return {m: tuple(getattr(holder, f"{name}{i}") for name in ("w", "scale", "sums")) for i, m in enumerate(linears)}
 
 
@@ -186,7 +188,7 @@ class _Plan:
         return cls((cache.k, cache.v, cache.pos), ids, logits, threads, args, scratch)
 
 
-def fused_decoder(model: torch.nn.Module) -> FusedDecoder | None:
+def fused_decoder(model: torch.nn.Module, huge_pages: bool = True) -> FusedDecoder | None:
     """A FusedDecoder for `model`, or None where the native step cannot run it (not a GPT, not on a CPU with
     AVX-512, weights neither fp32 nor bf16, heads wider than 256, no compiler)."""
     if not isinstance(model, GPT):
@@ -197,4 +199,4 @@ def fused_decoder(model: torch.nn.Module) -> FusedDecoder | None:
     if model.config.head_dim > 256:  # the kernel holds a head's query and output in registers
         return None
     lib = load_library()
-    return None if lib is None else FusedDecoder(model, lib)
+    return None if lib is None else FusedDecoder(model, lib, huge_pages=huge_pages)
