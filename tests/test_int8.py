@@ -157,7 +157,7 @@ def test_a_kernel_built_without_vnni_decodes_int8_by_fma_and_refuses_vnni(fused_
     assert int8_error(SHAPES[1], 5, lib, vnni=None) <= FMA_TOLERANCE
 
 
-def test_without_the_kernel_int8_decodes_with_torch_and_gives_the_same_ids(monkeypatch):
+def test_without_the_kernel_int8_decodes_with_torch_and_gives_the_same_ids(monkeypatch, caplog):
     shape = dict(n_layer=2, n_head=3, n_embd=72, vocab_size=97, block_size=24)
     base = trained_like(shape)
     prompts = [torch.randint(0, 97, (n,)).tolist() for n in (3, 1, 20)]  # ragged, and past the 24-token window
@@ -166,6 +166,7 @@ def test_without_the_kernel_int8_decodes_with_torch_and_gives_the_same_ids(monke
     monkeypatch.setattr("gptlab.inference.fused.load_library", lambda: None)  # no kernel on this machine
     slow = prepare_for_inference(copy.deepcopy(base), "int8")
     assert isinstance(slow.decoder, TorchStep) and not slow.fused
+    assert "int8 without the fused decode step" in caplog.text  # slower than fp32 there: said, not hidden
     expected = list(generate_batch(slow, prompts, cfg))
     if fast.fused:  # the FMA product: the torch path's numbers to 1e-6
         assert fast.cache_dtype == torch.bfloat16  # as the bf16 step's; here an fp32 one, as the torch path's

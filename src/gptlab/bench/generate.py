@@ -130,15 +130,19 @@ def bench_model(config: ModelConfig, device: torch.device, precisions: list[str]
     base = GPT(config).to(device).eval()
     hf = transformers_twin(base) if with_transformers else None
     results = []
+    # the same prompts for every precision, so that their greedy ids can be compared
+    prompts_of = {batch: torch.randint(0, config.vocab_size, (batch, prompt_tokens)).tolist() for batch in batch_sizes}
     for precision in precisions:
         model = prepare_for_inference(copy.deepcopy(base), precision)
-        # the same engine with the decode step as torch ops (oneDNN-packed weights), beside the fused native step
-        ops = prepare_for_inference(copy.deepcopy(base), precision, fused=False) if model.fused else None
+        # the same engine with the decode step as torch ops (oneDNN-packed weights), beside the fused native step;
+        # not for int8, whose torch path (the reference) dequantizes every weight at every step
+        torch_ops = model.fused and precision != "int8"
+        ops = prepare_for_inference(copy.deepcopy(base), precision, fused=False) if torch_ops else None
         twin = hf if precision in PRECISIONS else None  # transformers has no weight-only int8 of its own on a CPU
         if twin is not None:
             twin.to(PRECISIONS[precision])
         for batch in batch_sizes:
-            prompts = torch.randint(0, config.vocab_size, (batch, prompt_tokens)).tolist()
+            prompts = prompts_of[batch]
             variants: dict[str, Callable[[int], Clock]] = {ENGINE: lambda n: run_gptlab(model, prompts, n)}
             if ops is not None:
                 variants["gptlab, torch-op step"] = lambda n: run_gptlab(ops, prompts, n)

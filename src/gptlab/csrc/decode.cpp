@@ -395,8 +395,8 @@ static QuantizedX quantize_x(const float* X, int R, int K, int KP) {
     if (capacity < (int64_t)R * KP || rows < R) {
         delete[] xq;
         delete[] xs;
-        capacity = (int64_t)R * KP;
-        rows = R;
+        capacity = capacity > (int64_t)R * KP ? capacity : (int64_t)R * KP;  // never shrinks: no reallocation
+        rows = rows > R ? rows : R;                                               // between layers' widths
         xq = new uint8_t[capacity];
         xs = new float[rows];
     }

@@ -13,6 +13,7 @@ step, fp32, bf16 or int8 weights).
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -26,6 +27,7 @@ from gptlab.inference.weights import InferenceLinear, can_pack, move_to_huge_pag
 from gptlab.model import KVCache
 from gptlab.runtime import bf16_supported
 
+log = logging.getLogger("gptlab")
 PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16}  # the float precisions, by their torch dtype
 INFERENCE_PRECISIONS = ("fp32", "bf16", "int8")  # int8: weight-only, fp32 activations (gptlab.inference.int8)
 __all__ = ["INFERENCE_PRECISIONS", "PRECISIONS", "Decoder", "FusedDecoder", "InferenceLinear", "InferenceModel",
@@ -125,6 +127,9 @@ def prepare_for_inference(model: nn.Module, precision: str = "fp32", fused: bool
     native = fused_decoder(model, huge_pages) if fused else None
     pack_linears(model)
     decoder = native if native is not None else TorchStep(model)
+    if precision == "int8" and native is None and fused:
+        log.warning("int8 without the fused decode step (it needs an x86-64 CPU with AVX-512 and g++): the torch "
+                    "path dequantizes every weight at every step, slower than fp32; it is the reference")
     # the fused int8 step keeps keys and values in bf16, as the bf16 one does: at a few hundred positions the fp32
     # cache's bytes are several percent of int8 weights' (and keys and values are activations, not weights)
     kv_dtype = torch.bfloat16 if precision == "int8" and native is not None else dtype
