@@ -177,19 +177,20 @@ def run_serve_bench(*, model: str | None = "gpt2-124M", run: str | None = None, 
     print(_row(alone))
     print(_row(together))
     print(watch.stop().report())
-    lines = _summary(alone, together, clients * requests, max_batch + queue)
+    lines = _summary(alone, together, clients * requests, max_batch, queue)
     print("\n".join(lines))
     return lines
 
 
-def _summary(alone: Phase, together: Phase, sent: int, room: int) -> list[str]:
+def _summary(alone: Phase, together: Phase, sent: int, max_batch: int, queue: int) -> list[str]:
     lost = sent - len(together.outcomes)
     lines = [f"not sent (time limit): {lost}" if lost else "every request was sent",
              f"errors (not 429): {together.errors + alone.errors}"]
     if together.refused:
-        lines.append(f"{together.refused} of {len(together.outcomes)} requests refused with 429 (Retry-After) "
-                     f"beyond the {room} places (batch + queue); {len(together.ok)} accepted, "
-                     f"{len(together.ok)} completed")
+        accepted = len(together.outcomes) - together.refused
+        lines.append(f"{together.refused} of {len(together.outcomes)} requests refused with 429 (Retry-After): "
+                     f"they came while the batch ({max_batch} rows) and the queue ({queue}) were full; {accepted} "
+                     f"accepted, {len(together.ok)} completed")
     ratio = together.tokens_per_s / alone.tokens_per_s if alone.tokens_per_s else float("nan")
     p95 = percentile([o.latency for o in together.ok], 95)
     lines.append(f"{together.clients} concurrent clients: {together.tokens_per_s:.1f} tokens/s, {ratio:.1f}x one "
