@@ -176,7 +176,9 @@ class Scheduler:
         joining, rows = [], len(self.batch.rows)
         while self._waiting and rows + self._waiting[0].size <= self.max_batch:
             job = self._waiting.popleft()
-            if not job.cancelled.is_set():
+            if job.cancelled.is_set():  # its client left while it waited
+                self.metrics.cancelled += 1
+            else:
                 joining.append(job)
                 rows += job.size
         self.metrics.queue_depth = len(self._waiting)
