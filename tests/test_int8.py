@@ -93,6 +93,7 @@ def test_the_int8_torch_path_stays_near_fp32_and_ties_embedding_and_head():
     assert prepared.cache_dtype == torch.float32
     assert all(not isinstance(m, nn.Linear) for m in model.modules())  # every matrix, the LM head too
     assert torch.equal(model.transformer.wte.weight, model.lm_head.dequantized())
+    assert model.lm_head.dense is model.transformer.wte.weight  # the head's torch products read the embedding
     x = torch.randint(0, shape["vocab_size"], (3, 30))
     with torch.no_grad():
         assert (model(x)[0] - fp32(x)[0]).abs().max() <= QUANTIZATION_TOLERANCE

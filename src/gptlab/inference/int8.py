@@ -7,7 +7,8 @@ int8 reads a quarter of fp32's bytes and half of bf16's. Quantization is symmetr
 `Int8Linear` is the torch path, the reference the native kernel is held to (tests/test_int8.py) and the fallback
 where it cannot run: it dequantizes its weight and multiplies in fp32, on any device. `quantize_model` turns a
 model's nn.Linears into Int8Linears, the LM head included (the largest matrix of GPT-2: 50257 x 768); the token
-embedding it is tied to then holds the dequantized values, so embedding and head stay the same weights.
+embedding it is tied to then holds the dequantized values, so embedding and head stay the same weights (and the
+head's torch products read them rather than dequantize the largest matrix at every call).
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ class Int8Linear(nn.Module):
         self.scale = nn.Parameter(scale, requires_grad=False)
         self.sums = nn.Parameter(q.sum(dim=1, dtype=torch.int32), requires_grad=False)
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().float(), requires_grad=False)
+        self.dense: nn.Parameter | None = None  # the dequantized weight where it is kept anyway (a tied embedding)
 
     def dequantized(self) -> torch.Tensor:
         """The fp32 weight (out, in) this layer multiplies by."""
@@ -55,7 +57,8 @@ class Int8Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # dequantize, then one fp32 product: simple, exact to fp32 rounding, and the reference the kernel is held to
-        return F.linear(x.float(), self.dequantized(), self.bias)
+        weight = self.dense if self.dense is not None else self.dequantized()
+        return F.linear(x.float(), weight, self.bias)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
@@ -74,3 +77,4 @@ def quantize_model(model: nn.Module) -> None:
                 setattr(module, name, Int8Linear(child))
     if tied:
         wte.weight = nn.Parameter(model.lm_head.dequantized(), requires_grad=False)
+        model.lm_head.dense = wte.weight  # the head's products read it: no 50257 x 768 dequantization per prompt
