@@ -9,11 +9,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from gptlab import encoder, tokenfiles
+from gptlab import encoder
 from gptlab.cli import main
 from gptlab.data import batch_generator, get_batch, load_dataset, prepare
 from gptlab.errors import GptlabError
-from gptlab.tokenfiles import STAGE, ShardedTokens, Staging, read_tokens
+from gptlab.staging import STAGE, Staging
+from gptlab.tokenfiles import ShardedTokens, read_tokens
 
 DOCS = [f"Doc {i}: {'the quick brown fox ' * (3 + i % 7)}jumps {i} times.\n" for i in range(300)]
 

@@ -23,11 +23,12 @@ import torch
 
 from gptlab.corpus import Source, collect_sources
 from gptlab.encoder import Piece, encode_units, units
-from gptlab.machine import usable_cores
 from gptlab.errors import GptlabError
+from gptlab.machine import usable_cores
 from gptlab.readers import Scan, documents, scan_sources, val_documents
-from gptlab.tokenfiles import (CHECKPOINT_UNITS, HEADER, MAGIC, SHARD_TOKENS, SPLITS, VERSION, ShardedTokens, ShardWriter,  # noqa: F401
-                               Staging, TokenWriter, read_split, read_tokens)
+from gptlab.staging import CHECKPOINT_UNITS, ShardWriter, Staging
+from gptlab.tokenfiles import (HEADER, MAGIC, SHARD_TOKENS, SPLITS, VERSION, ShardedTokens,  # noqa: F401
+                               TokenWriter, read_split, read_tokens)
 from gptlab.tokenizer import Tokenizer, load as load_tokenizer, train_tokenizer
 
 def folder_kind(path: str | Path) -> str | None:
