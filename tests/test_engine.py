@@ -5,7 +5,8 @@ import torch
 
 from conftest import tiny_config
 from gptlab.config import SampleConfig
-from gptlab.engine import TextStream, complete, generate, generate_batch, generate_uncached, window_keep
+from gptlab.engine import generate, generate_batch, generate_uncached, window_keep
+from gptlab.textstream import TextStream, complete
 from gptlab.inference import InferenceModel, TorchStep, as_inference, prepare_for_inference
 from gptlab.inference.weights import InferenceLinear, can_pack
 from gptlab.errors import GptlabError

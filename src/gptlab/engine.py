@@ -1,6 +1,6 @@
 """Autoregressive generation: prefill the prompts once, then decode one token at a time from the KV cache.
 
-Two layers here, each usable alone, over a model made fast to run by the inference wing
+Generation over token ids, over a model made fast to run by the inference wing
 (`gptlab.inference.prepare_for_inference`: packed weights, the decode step, the KV cache's precision):
 
 - `generate_batch` / `generate` see only token ids: prompts of different lengths in one batch (each row keeps its
@@ -9,7 +9,9 @@ Two layers here, each usable alone, over a model made fast to run by the inferen
   leave between decode steps, each drawn by its own `RowSampler` (settings, generator, penalty counts), so a row's
   tokens do not depend on the rows beside it. `generate_batch(..., batch_invariant=True)` decodes through it: that
   is `gptlab sample`, which therefore gives what the server gives for the same seed and settings.
-- `TextStream` turns those ids into text: UTF-8-safe streaming, the end-of-text token, stop strings.
+
+Text is textstream.py's: `TextStream` turns these ids into text (UTF-8-safe streaming, the end-of-text token,
+stop strings).
 
 Each takes an `InferenceModel` or a plain model, which runs as it is, decoded by the torch step (`as_inference`).
 
@@ -24,7 +26,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
@@ -34,7 +36,6 @@ from gptlab.errors import GptlabError
 from gptlab.inference import InferenceModel, TorchStep, as_inference
 from gptlab.model import KVCache
 from gptlab.sampling import next_token
-from gptlab.tokenizer import StreamDecoder, Tokenizer
 
 
 def window_keep(block_size: int) -> int:
@@ -364,90 +365,3 @@ class RunningBatch:
         self.cache = cache
         self._slots = {id(row): i for i, row in enumerate(rows)}
         self._joining, self._moved = {}, False
-
-
-# ---- text --------------------------------------------------------------------------------------------------------
-
-@dataclass
-class Completion:
-    """One row's generated text as it grows. `text` is what has been released (never a stop string, never half a
-    character), `ids` the tokens generated before the end (the end-of-text token not included), `finish_reason`
-    None while generating, then "stop" (a stop string appeared; it and everything after it is cut), "eot" (the
-    end-of-text token) or "length" (max_new_tokens)."""
-
-    tokenizer: Tokenizer = field(repr=False)
-    stop: Sequence[str] = ()
-    text: str = ""
-    ids: list[int] = field(default_factory=list)
-    finish_reason: str | None = None
-
-    def __post_init__(self) -> None:
-        self._decoder = StreamDecoder(self.tokenizer)
-        self._pending = ""  # decoded but held back: it may be the start of a stop string
-
-    def push(self, token: int) -> str:
-        """Take one generated token; return the text that is now safe to show ("" once finished)."""
-        if self.finish_reason is not None:
-            return ""
-        if token == self.tokenizer.eot_id:
-            return self.close("eot")
-        self.ids.append(token)
-        return self._release(self._decoder.push([token]), final=False)
-
-    def close(self, reason: str = "length") -> str:
-        """End the row (if it has not ended); return the rest of its text."""
-        if self.finish_reason is not None:
-            return ""
-        out = self._release(self._decoder.flush(), final=True)
-        self.finish_reason = self.finish_reason or reason
-        return out
-
-    def _release(self, new: str, final: bool) -> str:
-        pending = self._pending + new
-        hits = [i for i in (pending.find(s) for s in self.stop) if i >= 0]
-        if hits:
-            out, self._pending, self.finish_reason = pending[:min(hits)], "", "stop"
-        else:
-            held = 0 if final else _held_back(pending, self.stop)
-            out, self._pending = pending[:len(pending) - held], pending[len(pending) - held:]
-        self.text += out
-        return out
-
-
-def _held_back(text: str, stops: Sequence[str]) -> int:
-    """Length of the longest end of `text` that is the beginning of a stop string (it cannot be shown yet)."""
-    longest = 0
-    for stop in stops:
-        for n in range(min(len(stop) - 1, len(text)), longest, -1):
-            if text.endswith(stop[:n]):
-                longest = n
-                break
-    return longest
-
-
-class TextStream:
-    """Generation as text. Iterating yields, per step, the newly released text of every row ("" when a row has
-    nothing new or has finished) and stops once every row has finished; `completions` then holds each row's text,
-    ids and finish reason. Rows (and `batch_invariant`) are as in `generate_batch`."""
-
-    def __init__(self, model: InferenceModel | nn.Module, tokenizer: Tokenizer, prompts: Sequence[Sequence[int]],
-                 cfg: SampleConfig, num_samples: int = 1, batch_invariant: bool = False):
-        self._ids = generate_batch(model, prompts, cfg, num_samples, batch_invariant)
-        self.completions = [Completion(tokenizer, cfg.stop) for _ in range(len(prompts) * num_samples)]
-
-    def __iter__(self) -> Iterator[list[str]]:
-        for ids in self._ids:
-            yield [row.push(i) for row, i in zip(self.completions, ids)]
-            if all(row.finish_reason is not None for row in self.completions):
-                self._ids.close()
-                return
-        yield [row.close("length") for row in self.completions]
-
-
-def complete(model: InferenceModel | nn.Module, tokenizer: Tokenizer, prompts: Sequence[Sequence[int]],
-             cfg: SampleConfig, num_samples: int = 1) -> list[Completion]:
-    """Generate to the end and return every row's Completion."""
-    stream = TextStream(model, tokenizer, prompts, cfg, num_samples)
-    for _ in stream:
-        pass
-    return stream.completions

@@ -151,7 +151,7 @@ def read_prompt(args: argparse.Namespace, tokenizer) -> list[int]:
 @command("sample", "generate text from a trained run, streamed as it is produced")
 def cmd_sample(args: argparse.Namespace) -> int:
     from gptlab.checkpoint import load_run
-    from gptlab.engine import TextStream
+    from gptlab.textstream import TextStream
     from gptlab.inference import prepare_for_inference
     from gptlab.runs import latest_run
     from gptlab.runtime import resolve_device, resolve_precision, set_threads

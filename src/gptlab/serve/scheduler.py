@@ -15,9 +15,10 @@ from typing import Any
 
 import torch
 
-from gptlab.engine import Completion, Row, RunningBatch
+from gptlab.engine import Row, RunningBatch
 from gptlab.inference import InferenceModel
 from gptlab.serve.api import CompletionRequest
+from gptlab.textstream import Completion
 from gptlab.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
