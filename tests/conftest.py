@@ -1,6 +1,7 @@
 import os
 import shutil
 import tempfile
+from pathlib import Path
 
 import pytest
 import torch
@@ -14,6 +15,34 @@ CORPUS = (
     "First Citizen:\nYou are all resolved rather to die than to famish?\n\n"
     "All:\nResolved. resolved.\n\n"
 ) * 40
+
+
+CHROMIUM = Path("/usr/bin/chromium")  # Debian's package: Playwright's own browser download cannot reach its host
+CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+                 "--disable-component-update", "--disable-sync", "--no-first-run"]
+
+
+@pytest.fixture(scope="session")
+def browser():
+    """Headless Chromium through Playwright (the attention page and the playground are checked in it)."""
+    if not CHROMIUM.exists() or shutil.which("chromium") is None:
+        pytest.skip("no chromium (Debian's package: apt-get install chromium; make setup installs it as root)")
+    sync_api = pytest.importorskip("playwright.sync_api", reason="no playwright (pip install -e '.[test]')")
+    with sync_api.sync_playwright() as p:
+        b = p.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
+        yield b
+        b.close()
+
+
+def tiny_run(root, steps: int, flags: list[str]):
+    """A run trained for `steps` steps on CORPUS in `root`/run (its data in `root`/data), with `flags`."""
+    from gptlab.cli import main
+
+    (root / "corpus.txt").write_text(CORPUS, encoding="utf-8")
+    assert main(["prepare", str(root / "corpus.txt"), "--out", str(root / "data"), "--quiet"]) == 0
+    assert main(["train", "--data", str(root / "data"), "--run", str(root / "run"), "--max-steps", str(steps),
+                 *flags]) == 0
+    return root / "run"
 _kernels = pytest.StashKey[tuple]()  # GPTLAB_KERNELS before the session, and the session's kernel folder
 
 

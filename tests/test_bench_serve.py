@@ -14,13 +14,9 @@ TINY = ["--n-layer", "1", "--n-head", "2", "--n-embd", "16", "--block-size", "32
 
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory):
-    from conftest import CORPUS
+    from conftest import tiny_run
 
-    root = tmp_path_factory.mktemp("bench-serve")
-    (root / "corpus.txt").write_text(CORPUS, encoding="utf-8")
-    assert main(["prepare", str(root / "corpus.txt"), "--out", str(root / "data"), "--quiet"]) == 0
-    assert main(["train", "--data", str(root / "data"), "--run", str(root / "run"), "--max-steps", "5", *TINY]) == 0
-    return root / "run"
+    return tiny_run(tmp_path_factory.mktemp("bench-serve"), 5, TINY)
 
 
 def bench(capsys, run_dir, *flags):

@@ -5,8 +5,6 @@ browser or Playwright is missing the tests skip, and the summary line says "brow
 
 import io
 import re
-import shutil
-from pathlib import Path
 
 import pytest
 import torch
@@ -19,9 +17,6 @@ from gptlab.inspect.page import attention_html
 from gptlab.inspect.trace import trace
 from gptlab.model import GPT
 
-CHROMIUM = Path("/usr/bin/chromium")
-ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-        "--disable-component-update", "--disable-sync", "--no-first-run"]
 LABELS = ["T", "o", "␣", "b", "e", "↵", "o", "r", "</script>", "s", ">", "!"]  # must not end the script early
 
 
@@ -46,16 +41,6 @@ def test_a_page_too_big_is_refused(written, monkeypatch):
         attention_html(written[0], LABELS, written[1].with_name("big.html"))
     assert not written[1].with_name("big.html").exists()
 
-
-@pytest.fixture(scope="module")
-def browser():
-    if not CHROMIUM.exists() or shutil.which("chromium") is None:
-        pytest.skip("no chromium (Debian's package: apt-get install chromium; make setup installs it as root)")
-    sync_api = pytest.importorskip("playwright.sync_api", reason="no playwright (pip install -e '.[test]')")
-    with sync_api.sync_playwright() as p:
-        b = p.chromium.launch(executable_path=str(CHROMIUM), args=ARGS)
-        yield b
-        b.close()
 
 
 @pytest.mark.device_path("browser")

@@ -26,13 +26,9 @@ GPTLAB = str(Path(sys.executable).parent / "gptlab")
 
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory):
-    from conftest import CORPUS
+    from conftest import tiny_run
 
-    root = tmp_path_factory.mktemp("serve")
-    (root / "corpus.txt").write_text(CORPUS, encoding="utf-8")
-    assert main(["prepare", str(root / "corpus.txt"), "--out", str(root / "data"), "--quiet"]) == 0
-    assert main(["train", "--data", str(root / "data"), "--run", str(root / "run"), "--max-steps", "20", *TINY]) == 0
-    return root / "run"
+    return tiny_run(tmp_path_factory.mktemp("serve"), 20, TINY)
 
 
 @pytest.fixture(scope="module")

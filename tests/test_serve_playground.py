@@ -5,20 +5,14 @@ the browser or Playwright is missing the tests skip ("browser skipped (...)" in 
 
 import io
 import re
-import shutil
 import time
 from importlib import resources
-from pathlib import Path
 
 import pytest
 from PIL import Image
 
-from gptlab.cli import main
 from gptlab.serve import Limits, load_served, make_app, start_server
 
-CHROMIUM = Path("/usr/bin/chromium")
-ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-        "--disable-component-update", "--disable-sync", "--no-first-run"]
 TINY = ["--n-layer", "2", "--n-head", "2", "--n-embd", "32", "--block-size", "64", "--batch-size", "4",
         "--eval-interval", "10", "--eval-batches", "2", "--log-interval", "10", "--precision", "fp32", "--quiet"]
 
@@ -31,26 +25,13 @@ def test_the_page_is_one_file_with_no_address_in_it():
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    from conftest import CORPUS
+    from conftest import tiny_run
 
-    root = tmp_path_factory.mktemp("playground")
-    (root / "corpus.txt").write_text(CORPUS, encoding="utf-8")
-    assert main(["prepare", str(root / "corpus.txt"), "--out", str(root / "data"), "--quiet"]) == 0
-    assert main(["train", "--data", str(root / "data"), "--run", str(root / "run"), "--max-steps", "10", *TINY]) == 0
-    running = start_server(make_app(load_served(root / "run", "fp32", "cpu"), Limits()))
+    run = tiny_run(tmp_path_factory.mktemp("playground"), 10, TINY)
+    running = start_server(make_app(load_served(run, "fp32", "cpu"), Limits()))
     yield running
     running.stop()
 
-
-@pytest.fixture(scope="module")
-def browser():
-    if not CHROMIUM.exists() or shutil.which("chromium") is None:
-        pytest.skip("no chromium (Debian's package: apt-get install chromium; make setup installs it as root)")
-    sync_api = pytest.importorskip("playwright.sync_api", reason="no playwright (pip install -e '.[test]')")
-    with sync_api.sync_playwright() as p:
-        b = p.chromium.launch(executable_path=str(CHROMIUM), args=ARGS)
-        yield b
-        b.close()
 
 
 @pytest.mark.device_path("browser")
