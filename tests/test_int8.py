@@ -12,6 +12,7 @@ import dataclasses
 import pytest
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 from conftest import tiny_config
 from gptlab.bench.generate import int8_quality
@@ -21,7 +22,8 @@ from gptlab.engine import generate_batch
 from gptlab.errors import GptlabError
 from gptlab.inference import TorchStep, native, prepare_for_inference
 from gptlab.inference.fused import FusedDecoder
-from gptlab.inference.int8 import Int8Linear, dequantize_rows, quantize_model, quantize_rows
+from gptlab.inference.int8 import BF16_ROWS, Int8Linear, dequantize_rows, quantize_model, quantize_rows
+from gptlab.runtime import bf16_supported
 from test_fastdecode import run_both, trained_like
 
 # n_embd 72 (heads of 24) and 200 (heads of 50, no biases, tanh GELU): K tails of 8 and 8 under 64, 200 = 3 x 64 + 8;
@@ -82,6 +84,36 @@ def test_int8_linear_stays_within_its_stated_error_of_fp32():
     bound = x.abs().sum(dim=1, keepdim=True) * int8.scale[None, :] / 2 + 1e-5
     assert ((got - expected).abs() <= bound).all()
     assert torch.equal(int8.sums, int8.q.sum(dim=1, dtype=torch.int32))
+
+
+@pytest.mark.parametrize("rows, K, N, bias", [(16, 200, 97, True), (37, 72, 1001, False)])
+def test_the_bf16_product_of_prompts_stays_within_its_bound_of_the_fp32_reference(rows, K, N, bias):
+    """Prompts multiply in bf16 (q is exact there, only x is rounded): |error| <= 2^-8 |x| |q * scale|^T."""
+    torch.manual_seed(rows)
+    linear = nn.Linear(K, N, bias=bias)
+    with torch.no_grad():
+        linear.weight.mul_(3).add_(0.01)  # away from the initial values
+        if bias:
+            linear.bias.normal_()
+    layer = Int8Linear(linear)
+    x = torch.randn(1, rows, K) * 2
+    with torch.no_grad():
+        reference, fast = layer(x), layer.forward_bf16(x)
+        bound = x.abs() @ layer.dequantized().abs().T * 2 ** -8 + 1e-5
+    assert fast.shape == reference.shape == (1, rows, N) and fast.dtype == torch.float32
+    assert ((fast - reference).abs() <= bound).all() and not torch.equal(fast, reference)
+
+
+def test_prompts_take_the_bf16_product_where_the_cpu_computes_bf16_and_decode_steps_never():
+    layer = Int8Linear(nn.Linear(72, 97))
+    layer.bf16_rows = 16
+    with torch.no_grad():
+        few, many = torch.randn(15, 72), torch.randn(2, 8, 72)
+        assert torch.equal(layer(few), F.linear(few, layer.dequantized(), layer.bias))
+        assert torch.equal(layer(many), layer.forward_bf16(many))
+    model = prepare_for_inference(trained_like(SHAPES[0]), "int8", fused=False).model
+    expected = BF16_ROWS if bf16_supported(torch.device("cpu")) else None
+    assert {m.bf16_rows for m in model.modules() if isinstance(m, Int8Linear)} == {expected}
 
 
 def test_the_int8_torch_path_stays_near_fp32_and_ties_embedding_and_head():

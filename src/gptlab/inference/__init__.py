@@ -22,7 +22,7 @@ import torch.nn as nn
 
 from gptlab.errors import GptlabError
 from gptlab.inference.fused import FusedDecoder, fused_decoder
-from gptlab.inference.int8 import Int8Linear, quantize_model
+from gptlab.inference.int8 import BF16_ROWS, Int8Linear, quantize_model
 from gptlab.inference.weights import InferenceLinear, can_pack, move_to_huge_pages, pack_linears
 from gptlab.model import KVCache
 from gptlab.runtime import bf16_supported
@@ -118,8 +118,8 @@ def prepare_for_inference(model: nn.Module, precision: str = "fp32", fused: bool
     if dtype == torch.bfloat16 and device.type == "cpu" and not bf16_supported(device):
         raise GptlabError("this CPU has no native bf16 support; use --precision fp32")
     model.eval().to(dtype)
-    if precision == "int8":
-        quantize_model(model)
+    if precision == "int8":  # prompts multiply in bf16 where the CPU computes it natively (int8.BF16_ROWS)
+        quantize_model(model, BF16_ROWS if bf16_supported(device) else None)
     # the fused step decodes from the plain weights (it holds them); prompts and window rebuilds, many rows at a
     # time, go through the packed copies: faster prefills (docs/benchmarks.md), for twice the weights' memory
     if fused and huge_pages:

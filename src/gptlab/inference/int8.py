@@ -5,7 +5,9 @@ int8 reads a quarter of fp32's bytes and half of bf16's. Quantization is symmetr
 / 127, q = round(w / scale) in [-127, 127], so w ~ q * scale with an error of at most scale / 2 per weight.
 
 `Int8Linear` is the torch path, the reference the native kernel is held to (tests/test_int8.py) and the fallback
-where it cannot run: it dequantizes its weight and multiplies in fp32, on any device. `quantize_model` turns a
+where it cannot run: it dequantizes its weight and multiplies in fp32, on any device. Prompts (many rows at once)
+take a faster product where the CPU computes bf16 natively: q is exact in bf16 (|q| <= 127 needs 7 of its 8
+significant bits), so only x is rounded, as under autocast, and the scales are applied after (`bf16_rows`). `quantize_model` turns a
 model's nn.Linears into Int8Linears, the LM head included (the largest matrix of GPT-2: 50257 x 768); the token
 embedding it is tied to then holds the dequantized values, so embedding and head stay the same weights (and the
 head's torch products read them rather than dequantize the largest matrix at every call).
@@ -18,6 +20,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 QMAX = 127  # symmetric: -128 is never used, so -q is always representable
+BF16_ROWS = 16  # from this many rows on (a prompt, not a decode step) the bf16 product pays for its conversion
 
 
 def quantize_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -50,24 +53,35 @@ class Int8Linear(nn.Module):
         self.sums = nn.Parameter(q.sum(dim=1, dtype=torch.int32), requires_grad=False)
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().float(), requires_grad=False)
         self.dense: nn.Parameter | None = None  # the dequantized weight where it is kept anyway (a tied embedding)
+        self.bf16_rows: int | None = None  # inputs of this many rows or more multiply in bf16 (None: never)
 
     def dequantized(self) -> torch.Tensor:
         """The fp32 weight (out, in) this layer multiplies by."""
         return dequantize_rows(self.q, self.scale)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.bf16_rows is not None and self.dense is None and x.numel() >= self.bf16_rows * self.in_features:
+            return self.forward_bf16(x)
         # dequantize, then one fp32 product: simple, exact to fp32 rounding, and the reference the kernel is held to
         weight = self.dense if self.dense is not None else self.dequantized()
         return F.linear(x.float(), weight, self.bias)
+
+    def forward_bf16(self, x: torch.Tensor) -> torch.Tensor:
+        """x (q^T) in bf16 with fp32 accumulation, then the scales and the bias in fp32: the reference's result up
+        to x rounded to bf16 (|error| <= 2^-8 |x| |q * scale|^T), and 3-4x faster on a 16-token prompt of the
+        GPT-2-124M shape (no fp32 copy of every weight)."""
+        y = F.linear(x.to(torch.bfloat16), self.q.to(torch.bfloat16)).float() * self.scale
+        return y if self.bias is None else y + self.bias
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
 
 
-def quantize_model(model: nn.Module) -> None:
-    """Replace, in place, every nn.Linear of `model` (fp32) by an Int8Linear. A token embedding tied to the LM
-    head (GPT's wte) is set to the head's dequantized weights, untied: the embedding and the head keep meaning the
-    same matrix, and a decoder reading either one sees the same numbers."""
+def quantize_model(model: nn.Module, bf16_rows: int | None = None) -> None:
+    """Replace, in place, every nn.Linear of `model` (fp32) by an Int8Linear, multiplying inputs of `bf16_rows`
+    rows or more in bf16 (None: always fp32). A token embedding tied to the LM head (GPT's wte) is set to the
+    head's dequantized weights, untied: the embedding and the head keep meaning the same matrix, and a decoder
+    reading either one sees the same numbers."""
     head = getattr(model, "lm_head", None)
     wte = getattr(getattr(model, "transformer", None), "wte", None)
     tied = isinstance(head, nn.Linear) and wte is not None and head.weight is wte.weight
@@ -75,6 +89,7 @@ def quantize_model(model: nn.Module) -> None:
         for name, child in list(module.named_children()):
             if isinstance(child, nn.Linear):
                 setattr(module, name, Int8Linear(child))
+                getattr(module, name).bf16_rows = bf16_rows
     if tied:
         wte.weight = nn.Parameter(model.lm_head.dequantized(), requires_grad=False)
         model.lm_head.dense = wte.weight  # the head's products read it: no 50257 x 768 dequantization per prompt
