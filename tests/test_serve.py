@@ -227,6 +227,20 @@ def free_port():
         return s.getsockname()[1]
 
 
+def test_a_server_shutting_down_answers_503(run_dir):
+    app = make_app(load_served(run_dir, "fp32", "cpu"), Limits(**LIMITS))
+    running = start_server(app)
+    try:
+        app.state.scheduler.stop(0)  # what SIGTERM starts: no new work while in-flight requests drain
+        reply = httpx.post(running.url + "/v1/completions", json={"prompt": "All:", "max_tokens": 2}, timeout=30)
+        assert reply.status_code == 503 and reply.json()["error"]["type"] == "server_error"
+        assert "shutting down" in reply.json()["error"]["message"]
+        health = httpx.get(running.url + "/health", timeout=30)
+        assert health.status_code == 503 and health.json()["status"] == "shutting down"
+    finally:
+        running.stop()
+
+
 def test_sigterm_finishes_in_flight_requests_and_exits_0(run_dir):
     port = free_port()
     proc = subprocess.Popen([GPTLAB, "serve", "--run", str(run_dir), "--port", str(port), "--precision", "fp32",
