@@ -48,8 +48,12 @@ def make_app(served: Served, limits: Limits, api_key: str | None = None) -> Fast
 
     app = FastAPI(title="gptlab", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.scheduler = scheduler
+    page = resources.files("gptlab.serve").joinpath("playground.html").read_text(encoding="utf-8")
+    playground_page = page.replace("__MODEL__", json.dumps(served.name).replace("</", "<\\/"))
 
-    def refuse(exc: ApiError) -> JSONResponse:
+    @app.exception_handler(ApiError)
+    async def refuse(request: Request, exc: ApiError) -> JSONResponse:
+        """Every route's refusal, in OpenAI's error shape (completions counts its own in the metrics first)."""
         return JSONResponse(exc.body(), exc.status, headers=exc.headers)
 
     def check_key(request: Request) -> None:
@@ -75,7 +79,7 @@ def make_app(served: Served, limits: Limits, api_key: str | None = None) -> Fast
                                type="rate_limit_error", code="queue_full", headers={"Retry-After": "1"})
         except ApiError as exc:
             scheduler.metrics.count(exc.status)
-            return refuse(exc)
+            raise
         scheduler.metrics.count(200)
         if req.stream:
             return StreamingResponse(_stream(job, served), media_type="text/event-stream",
@@ -84,10 +88,7 @@ def make_app(served: Served, limits: Limits, api_key: str | None = None) -> Fast
 
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
-        try:
-            check_key(request)
-        except ApiError as exc:
-            return refuse(exc)
+        check_key(request)
         return JSONResponse({"object": "list", "data": [{
             "id": served.name, "object": "model", "created": 0, "owned_by": "gptlab", "context_length": context,
             "tokenizer": served.tokenizer.kind, "parameters": served.parameters}]})
@@ -100,29 +101,21 @@ def make_app(served: Served, limits: Limits, api_key: str | None = None) -> Fast
 
     @app.get("/metrics")
     async def metrics(request: Request) -> Response:
-        try:
-            check_key(request)
-        except ApiError as exc:
-            return refuse(exc)
+        check_key(request)
         return PlainTextResponse(scheduler.metrics.text(), media_type="text/plain; version=0.0.4")
 
     @app.get("/")
     async def playground() -> Response:
-        page = resources.files("gptlab.serve").joinpath("playground.html").read_text(encoding="utf-8")
-        return HTMLResponse(page.replace("__MODEL__", json.dumps(served.name).replace("</", "<\\/")))
+        return HTMLResponse(playground_page)
 
     @app.post("/inspect")
     async def inspect(request: Request) -> Response:
-        try:
-            check_key(request)
-            body = await _read_json(request, limits.max_body_bytes)
-            text = body.get("text") if isinstance(body, dict) else None
-            if not isinstance(text, str) or not text:
-                raise ApiError(400, "text must be a non-empty string", "text")
-            page = await asyncio.to_thread(inspector.page, text)
-        except ApiError as exc:
-            return refuse(exc)
-        return HTMLResponse(page)
+        check_key(request)
+        body = await _read_json(request, limits.max_body_bytes)
+        text = body.get("text") if isinstance(body, dict) else None
+        if not isinstance(text, str) or not text:
+            raise ApiError(400, "text must be a non-empty string", "text")
+        return HTMLResponse(await asyncio.to_thread(inspector.page, text))
 
     return app
 
