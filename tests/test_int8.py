@@ -190,23 +190,34 @@ def test_a_kernel_built_without_vnni_decodes_int8_by_fma_and_refuses_vnni(fused_
     assert int8_error(SHAPES[1], 5, lib, vnni=None) <= FMA_TOLERANCE
 
 
-def test_without_the_kernel_int8_decodes_with_torch_and_gives_the_same_ids(monkeypatch, caplog):
+def int8_fallback_case():
+    """A trained-like model, ragged prompts (one past the 24-token window), greedy settings."""
     shape = dict(n_layer=2, n_head=3, n_embd=72, vocab_size=97, block_size=24)
-    base = trained_like(shape)
-    prompts = [torch.randint(0, 97, (n,)).tolist() for n in (3, 1, 20)]  # ragged, and past the 24-token window
-    cfg = SampleConfig(max_new_tokens=40, temperature=0)
-    fast = prepare_for_inference(copy.deepcopy(base), "int8", huge_pages=False)
+    prompts = [torch.randint(0, 97, (n,)).tolist() for n in (3, 1, 20)]
+    return trained_like(shape), prompts, SampleConfig(max_new_tokens=40, temperature=0)
+
+
+def test_without_the_kernel_int8_decodes_with_torch_and_says_so(monkeypatch, caplog):
+    base, prompts, cfg = int8_fallback_case()
     monkeypatch.setattr("gptlab.inference.fused.load_library", lambda: None)  # no kernel on this machine
-    slow = prepare_for_inference(copy.deepcopy(base), "int8")
+    slow = prepare_for_inference(base, "int8")
     assert isinstance(slow.decoder, TorchStep) and not slow.fused
     assert "int8 without the fused decode step" in caplog.text  # slower than fp32 there: said, not hidden
     expected = list(generate_batch(slow, prompts, cfg))
-    if fast.fused:  # the FMA product: the torch path's numbers to 1e-6
-        assert fast.cache_dtype == torch.bfloat16  # as the bf16 step's; here an fp32 one, as the torch path's
-        fma = dataclasses.replace(fast, decoder=FusedDecoder(fast.model, native.load_library(), vnni=False),
-                                  cache_dtype=torch.float32)
-        assert list(generate_batch(fma, prompts, cfg)) == expected
     assert len(expected) == 40 and all(len(step) == 3 for step in expected)  # a token per row per step
+
+
+@pytest.mark.device_path("fused decode (AVX-512)")
+def test_the_fused_int8_fma_step_gives_the_torch_fallbacks_ids(fused_kernel, monkeypatch):
+    base, prompts, cfg = int8_fallback_case()
+    fast = prepare_for_inference(copy.deepcopy(base), "int8", huge_pages=False)
+    assert fast.fused and fast.cache_dtype == torch.bfloat16  # as the bf16 step's
+    monkeypatch.setattr("gptlab.inference.fused.load_library", lambda: None)
+    slow = prepare_for_inference(base, "int8")
+    # the FMA product computes the torch path's numbers to 1e-6; over an fp32 cache, as the torch path keeps
+    fma = dataclasses.replace(fast, decoder=FusedDecoder(fast.model, fused_kernel, vnni=False),
+                              cache_dtype=torch.float32)
+    assert list(generate_batch(fma, prompts, cfg)) == list(generate_batch(slow, prompts, cfg))
 
 
 # ---- the CLI ----------------------------------------------------------------------------------------------------

@@ -501,11 +501,11 @@ static void linear(const Model& m, const void* W, const float* s, const int32_t*
 #ifdef __AVX512VNNI__
             gemv_vnni<E>((const int8_t*)W, X, s, sums, b, Y, R, N, K, n0, n1);
 #else
-            gemv<E, Widen<int8_t>>((const int8_t*)W, X, s, b, Y, R, N, K, n0, n1);  // never chosen: Python asks first
+            __builtin_trap();  // unreachable: Python never asks a library built without VNNI for the VNNI layout
 #endif
-        } else if (R == 1 && (m.weights == INT8_FMA || m.weights == INT8_VNNI)) {
+        } else if (R == 1 && m.weights == INT8_FMA) {
             gemv_row1_int8<E>((const int8_t*)W, X, s, b, Y, K, n0, n1);
-        } else if (m.weights == INT8_FMA || m.weights == INT8_VNNI) {
+        } else if (m.weights == INT8_FMA) {
             gemv<E, Widen<int8_t>>((const int8_t*)W, X, s, b, Y, R, N, K, n0, n1);
         } else if (m.weights == BF16) {
 #ifdef __AVX512BF16__
