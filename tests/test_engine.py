@@ -295,3 +295,31 @@ def test_same_seed_same_text():
     texts = [c.text for c in complete(model, CHARS, [char_ids("ab")], cfg, 2)]
     assert texts == [c.text for c in complete(model, CHARS, [char_ids("ab")], cfg, 2)]
     assert texts[0] != texts[1]
+
+
+def test_the_readmes_python_example_runs(tmp_path):
+    """The README's engine example, as written, on a tiny run (a moved name fails here, not in a user's hands)."""
+    import re
+    from pathlib import Path
+
+    from conftest import CORPUS
+    from gptlab.cli import main
+    from gptlab.runtime import bf16_supported
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8")
+    blocks = re.findall(r"```python\n(.*?)```", readme, re.S)
+    assert blocks, "the README has no Python example"
+    (tmp_path / "corpus.txt").write_text(CORPUS, encoding="utf-8")  # byte-level BPE: any prompt encodes
+    data, run = tmp_path / "data", tmp_path / "run"
+    assert main(["prepare", str(tmp_path / "corpus.txt"), "--out", str(data), "--tokenizer", "bpe", "--vocab-size",
+                 "300", "--quiet"]) == 0
+    assert main(["train", "--data", str(data), "--run", str(run), "--max-steps", "3", "--n-layer", "1", "--n-head",
+                 "2", "--n-embd", "16", "--block-size", "16", "--batch-size", "4", "--eval-interval", "3",
+                 "--eval-batches", "1", "--quiet"]) == 0
+    for code in blocks:
+        code = code.replace('"runs/char-quick"', repr(str(run)))
+        if not bf16_supported(torch.device("cpu")):
+            code = code.replace('"bf16"', '"fp32"')
+        namespace: dict = {}
+        exec(compile(code, "README.md", "exec"), namespace)
+        assert namespace["texts"] and all(isinstance(t, str) for t in namespace["texts"])
