@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from gptlab import corpus
-from gptlab.data import (HEADER, TokenWriter, batch_generator, get_batch, load_dataset, prepare, read_tokens)
+from gptlab.data import batch_generator, get_batch, load_dataset, prepare
+from gptlab.tokenfiles import HEADER, TokenWriter, read_tokens
 from gptlab.errors import GptlabError
 
 

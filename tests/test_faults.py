@@ -187,7 +187,7 @@ def test_damaged_weights_fall_back_to_the_previous_checkpoint(straight, how, cap
     damage(newest.path / "model.safetensors", how)
     assert ck.find_checkpoint(straight).step == 8
     assert "unusable" in caplog.text and ("truncated" in caplog.text or "checksum" in caplog.text)
-    for ckpt in ck._list(straight, "step") + ck._list(straight, "best"):
+    for ckpt in ck.list_checkpoints(straight, "step") + ck.list_checkpoints(straight, "best"):
         if ckpt.path != newest.path:
             damage(ckpt.path / "model.safetensors", how)
     with pytest.raises(ck.GptlabError, match="no usable checkpoint.*damaged"):

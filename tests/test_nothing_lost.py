@@ -17,6 +17,7 @@ from safetensors import SafetensorError
 import gptlab.checkpoint as ck
 import gptlab.rundir as rundir
 import gptlab.data
+import gptlab.tokenfiles
 import gptlab.hf
 from gptlab.cli import main
 from test_sweep import TINY, tree
@@ -33,7 +34,7 @@ def trained(tmp_path, char_data):
 
 
 def steps(run):
-    return sorted(c.step for c in ck._list(run, "step"))
+    return sorted(c.step for c in ck.list_checkpoints(run, "step"))
 
 
 def test_a_refused_resume_leaves_the_run_resumable(trained, char_data, tmp_path, capsys):
@@ -77,12 +78,12 @@ def test_pruning_keeps_valid_checkpoints_not_damaged_ones(trained, caplog):
     newest.write_bytes(newest.read_bytes()[:100])  # truncated: the resume falls back to step 5
     assert main(["train", "--run", str(trained), "--resume", "--max-steps", "7", "--eval-interval", "3"]) == 0
     assert "falling back to an older one" in caplog.text
-    valid = [c.step for c in ck._list(trained, "step") if ck.verify(c.path) is None]
+    valid = [c.step for c in ck.list_checkpoints(trained, "step") if ck.verify(c.path) is None]
     assert valid == [7, 6]  # --keep-last 2 valid ones; the damaged step 10 never counted
 
 
 def test_no_older_checkpoint_left_is_said_so(trained, caplog):
-    for ckpt in ck._list(trained, "step"):
+    for ckpt in ck.list_checkpoints(trained, "step"):
         (ckpt.path / "manifest.json").unlink()
     assert ck.find_checkpoint(trained, "step") is None
     assert "falling back to an older one" in caplog.text  # step 10 -> step 5
@@ -136,7 +137,7 @@ def test_a_full_disk_during_prepare_changes_nothing(char_data, corpus_file, tmp_
     def no_space(self, ids):
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(gptlab.data.TokenWriter, "write", no_space)
+    monkeypatch.setattr(gptlab.tokenfiles.TokenWriter, "write", no_space)
     before = tree(char_data)
     assert main(["prepare", str(corpus_file), "--out", str(char_data), "--quiet"]) == 2  # over a prepared folder
     assert main(["prepare", str(corpus_file), "--out", str(tmp_path / "new"), "--quiet"]) == 2

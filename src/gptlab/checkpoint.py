@@ -121,7 +121,7 @@ class Checkpoint:
     step: int
 
 
-def _list(run_dir: Path, kind: str) -> list[Checkpoint]:
+def list_checkpoints(run_dir: Path, kind: str) -> list[Checkpoint]:
     found = []
     for p in (run_dir / CKPTS).glob(f"{kind}-*"):
         try:
@@ -152,7 +152,7 @@ def verify(path: Path) -> str | None:
 
 def find_checkpoint(run_dir: str | Path, kind: str = "step") -> Checkpoint | None:
     """The newest checkpoint of `kind` that passes verification; skipped damaged ones are logged as warnings."""
-    found = _list(Path(run_dir), kind)
+    found = list_checkpoints(Path(run_dir), kind)
     for i, ckpt in enumerate(found):
         problem = verify_cached(ckpt.path)
         if problem is None:
@@ -234,7 +234,7 @@ def prune(run_dir: Path, kind: str, keep: int, newest: Path) -> None:
     older than them. Damaged ones never count: after a resume that fell back past a damaged checkpoint, the
     valid one it fell back to is kept."""
     valid = 0
-    for ckpt in _list(run_dir, kind):
+    for ckpt in list_checkpoints(run_dir, kind):
         if valid >= keep:
             _discard(ckpt.path)
         elif ckpt.path == newest or verify_cached(ckpt.path) is None:
@@ -294,7 +294,7 @@ def load_run(run_dir: str | Path, which: str = "best", device: torch.device | st
     for attempt in range(3):
         ckpt = (find_checkpoint(run_dir, "best") if which == "best" else None) or find_checkpoint(run_dir, "step")
         if ckpt is None:
-            found = _list(Path(run_dir), "step") + _list(Path(run_dir), "best")
+            found = list_checkpoints(Path(run_dir), "step") + list_checkpoints(Path(run_dir), "best")
             if found:
                 raise GptlabError(f"run {run_dir} has no usable checkpoint: the newest, {found[0].path.name}, is "
                                   f"damaged ({verify(found[0].path)})")

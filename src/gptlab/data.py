@@ -27,8 +27,7 @@ from gptlab.errors import GptlabError
 from gptlab.machine import usable_cores
 from gptlab.readers import Scan, documents, scan_sources, val_documents
 from gptlab.staging import CHECKPOINT_UNITS, ShardWriter, Staging
-from gptlab.tokenfiles import (HEADER, MAGIC, SHARD_TOKENS, SPLITS, VERSION, ShardedTokens,  # noqa: F401
-                               TokenWriter, read_split, read_tokens)
+from gptlab.tokenfiles import SHARD_TOKENS, SPLITS, VERSION, ShardedTokens, read_split, token_dtype
 from gptlab.tokenizer import Tokenizer, load as load_tokenizer, train_tokenizer
 
 def folder_kind(path: str | Path) -> str | None:
@@ -121,8 +120,9 @@ def prepare(paths: list[str], out_dir: str | Path, tokenizer: str = "char", voca
     if not val_paths and not 0 < val_fraction < 1:
         raise GptlabError(f"val_fraction must be in (0, 1): training needs a validation split, not {val_fraction}")
     out = Path(out_dir)
-    if folder_kind(out) in ("run", "hf"):
-        raise GptlabError(f"{out} holds a {'gptlab run' if folder_kind(out) == 'run' else 'model (config.json)'}; "
+    kind = folder_kind(out)
+    if kind in ("run", "hf"):
+        raise GptlabError(f"{out} holds a {'gptlab run' if kind == 'run' else 'model (config.json)'}; "
                           "preparing data there would overwrite its files, so give --out a folder of its own")
     fixed = tokenizer_of(tokenizer_from) if tokenizer_from else None
     has_special = fixed.eot_id is not None if fixed else tokenizer != "char"
@@ -164,7 +164,7 @@ def prepare(paths: list[str], out_dir: str | Path, tokenizer: str = "char", voca
             scanned = sum(d["bytes"] for d in scan.described)  # the encoding bar's total: its time left
             writers, written = _encode_split(scan.sources, tok, stage, split_at, shard_tokens, scanned, **encode)
             meta = {"format_version": VERSION, "tokenizer": tok.kind, "vocab_size": tok.vocab_size,
-                    "dtype": "uint16" if tok.vocab_size <= 1 << 16 else "uint32", **written, **split,
+                    "dtype": token_dtype(tok.vocab_size).name, **written, **split,
                     "shard_tokens": shard_tokens, "encoding": encoding, "text_field": text_field,
                     "documents": sum(d["documents"] for d in scan.described), "sources": scan.described}
             return stage.commit(writers, meta)

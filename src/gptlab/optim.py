@@ -31,7 +31,8 @@ def zeropower(g: torch.Tensor, steps: int = 5) -> torch.Tensor:
     """An approximate orthogonalisation of the matrix g (U V^T of its SVD, singular values pushed towards 1) by a
     quintic Newton-Schulz iteration, in fp32; Muon's coefficients, tuned for speed over exactness."""
     a, b, c = 3.4445, -4.7750, 2.0315
-    x = g.float() / (g.float().norm() + 1e-7)
+    x = g.float()
+    x = x / (x.norm() + 1e-7)
     wide = x.size(0) > x.size(1)
     if wide:
         x = x.T
@@ -59,7 +60,10 @@ class Muon(torch.optim.Optimizer):
                     (self._muon if group["muon"] else self._adamw)(p, group)
 
     def _muon(self, p: torch.Tensor, group: dict) -> None:
-        buf = self.state[p].setdefault("momentum_buffer", torch.zeros_like(p))
+        state = self.state[p]
+        if "momentum_buffer" not in state:
+            state["momentum_buffer"] = torch.zeros_like(p)
+        buf = state["momentum_buffer"]
         buf.mul_(group["momentum"]).add_(p.grad)
         update = zeropower(p.grad.add(buf, alpha=group["momentum"]))  # Nesterov
         p.mul_(1 - group["lr"] * group["weight_decay"])

@@ -258,8 +258,8 @@ def describe(run: str | Path) -> dict[str, Any]:
     config = rundir.read_run_config(run)
     checkpoints = []
     for kind in ("step", "best"):
-        for c in ck._list(Path(run), kind):
-            problem = ck.verify(c.path)
+        for c in ck.list_checkpoints(Path(run), kind):
+            problem = ck.verify_cached(c.path)  # summarize() has just hashed the newest
             val = ck.read_state(c).get("val_loss") if problem is None else None
             checkpoints.append({"name": c.path.name, "step": c.step, "valid": problem or "valid", "val_loss": val})
     return {"run": asdict(summarize(run)), "data": config.get("data") or config.get("imported_from"),

@@ -82,6 +82,9 @@ def add_prepare(p: argparse.ArgumentParser) -> None:
 
 # ---- train -------------------------------------------------------------------------------------------------------
 
+RESUME_VALUES = {None: False, "true": True, "auto": "auto"}  # --resume's spellings -> resolve()'s resume
+
+
 def train_spec(args: argparse.Namespace, resume: bool | str):
     from gptlab.runs import resolve
 
@@ -97,11 +100,11 @@ def cmd_train(args: argparse.Namespace) -> int:
     if args.resume not in (None, "true", "auto"):
         raise GptlabError(f"--resume takes no value or 'auto', not {args.resume!r}")
     if args.nproc is not None and not distributed.launched():  # under torchrun, --nproc has done its job
-        spec = train_spec(args, {None: False, "true": True, "auto": "auto"}[args.resume])
+        spec = train_spec(args, RESUME_VALUES[args.resume])
         return launch(spec, args.nproc, args.argv + ([] if args.run else ["--run", str(spec.run)]),
                       args.max_restarts)
     resume = distributed.elastic_resume(args.resume, args.run)
-    result = start(train_spec(args, {None: False, "true": True, "auto": "auto"}[resume]), quiet=args.quiet)
+    result = start(train_spec(args, RESUME_VALUES[resume]), quiet=args.quiet)
     if result.rank:
         return 0  # rank 0 speaks for all
     print(f"run {result.run_dir}: {result.step} steps in {result.seconds:.1f} s "
