@@ -145,8 +145,19 @@ class ShardedTokens:
         return self[:].astype(dtype)
 
     def windows(self, starts: np.ndarray, length: int) -> np.ndarray:
-        """(len(starts), length): the ids from each start on, across shard boundaries where a window crosses one."""
-        return np.stack([self[int(s):int(s) + length] for s in starts])
+        """(len(starts), length): the ids from each start on, across shard boundaries where a window crosses one.
+        Windows inside one shard are gathered from it in one indexing, as from a single file; only the few that
+        cross a boundary are sliced one by one."""
+        starts = np.asarray(starts, dtype=np.int64)
+        shard = np.searchsorted(self.offsets, starts, "right") - 1
+        out = np.empty((len(starts), length), dtype=self.dtype)
+        inside = starts + length <= self.offsets[shard + 1]
+        for i in np.unique(shard[inside]):
+            rows = np.flatnonzero(inside & (shard == i))
+            out[rows] = self.shards[i][(starts[rows] - self.offsets[i])[:, None] + np.arange(length)]
+        for row in np.flatnonzero(~inside):
+            out[row] = self[int(starts[row]):int(starts[row]) + length]
+        return out
 
 
 def read_split(folder: Path, meta: dict[str, Any], split: str) -> np.ndarray | ShardedTokens:
