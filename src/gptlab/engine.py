@@ -33,7 +33,7 @@ import torch.nn as nn
 
 from gptlab.config import SEED_LIMIT, SampleConfig
 from gptlab.errors import GptlabError
-from gptlab.inference import InferenceModel, TorchStep, as_inference
+from gptlab.inference import InferenceModel, as_inference
 from gptlab.model import KVCache
 from gptlab.sampling import next_token
 
@@ -114,15 +114,15 @@ class Generation:
     def tensor(self, ids: Sequence) -> torch.Tensor:
         return torch.tensor(ids, dtype=torch.long, device=self.device)
 
-    def choose(self, logits: torch.Tensor) -> torch.Tensor:
-        """Next ids (R,) from last-position logits (R, V); appends them to the windows, sliding the full ones."""
+    def choose(self, logits: torch.Tensor) -> list[int]:
+        """Next ids (R) from last-position logits (R, V); appends them to the windows, sliding the full ones."""
         with one_thread():
             ids = [s.choose(logits[r:r + 1]) for r, s in enumerate(self.samplers)]
         for window, i in zip(self.windows, ids):
             window.append(i)
             if len(window) > self.block_size:
                 del window[:-self.keep]
-        return self.tensor(ids)
+        return ids
 
 
 def check_prompts(model: nn.Module, prompts: Sequence[Sequence[int]]) -> None:
@@ -208,15 +208,14 @@ def _decode_cached(state: Generation) -> Iterator[list[int]]:
         cache = cache.repeat_rows(n)
         logits = logits.repeat_interleave(n, dim=0)
     filled = [len(w) for w in state.windows]  # cache positions of each row, tracked here to avoid host syncs
-    decoder = state.prepared.decoder
-    decoder = decoder if decoder.accepts(cache) else TorchStep(model)
+    decoder = state.prepared.decoder_for(cache)
     for step in range(state.cfg.max_new_tokens):
         ids = state.choose(logits)
-        yield ids.tolist()
+        yield ids
         if step + 1 == state.cfg.max_new_tokens:
             break  # no logits needed after the last token
         _slide(model, cache, state, filled)
-        logits = decoder.step(ids, cache)  # (R, V)
+        logits = decoder.step(state.tensor(ids), cache)  # (R, V)
         filled = [k + 1 for k in filled]
 
 
@@ -242,7 +241,7 @@ def _decode_uncached(state: Generation) -> Iterator[list[int]]:
             logits, _ = model(state.tensor(state.windows), last_only=True)
         else:
             logits = torch.cat([model(state.tensor([w]), last_only=True)[0] for w in state.windows])
-        yield state.choose(logits[:, -1]).tolist()
+        yield state.choose(logits[:, -1])
 
 
 # ---- continuous batching -----------------------------------------------------------------------------------------
@@ -342,11 +341,11 @@ class RunningBatch:
         ids = [row.window[-1] for row in self.rows] + [0] * pads
         if pads:
             self.cache.pos[len(self.rows):] = 0  # a pad row only ever decodes position 0
-        decoder = self.prepared.decoder
-        decoder = decoder if decoder.accepts(self.cache) else TorchStep(self.model)
-        logits = decoder.step(torch.tensor(ids, dtype=torch.long, device=self.device), self.cache)
+        decoder = self.prepared.decoder_for(self.cache)
+        # one copy of all rows' logits: the fused step's buffer is reused by the next step
+        logits = decoder.step(torch.tensor(ids, dtype=torch.long, device=self.device), self.cache).clone()
         for i, row in enumerate(self.rows):
-            row.logits = logits[i:i + 1].clone()  # the fused step's buffer is reused by the next step
+            row.logits = logits[i:i + 1]
             row.filled += 1
 
     def _relayout(self) -> None:

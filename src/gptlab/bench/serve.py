@@ -123,7 +123,7 @@ def _model(model: str | None, run: str | None, precision: str):
         raise GptlabError(f"--model must be gpt2-124M (or give --run), not {model!r}")
     torch.manual_seed(0)
     gpt = GPT(build(ModelConfig, {**get_preset("gpt2").model, "dropout": 0.0}, {}))
-    parameters = sum(p.numel() for p in gpt.parameters())
+    parameters = gpt.num_params()
     return Served("gpt2-124M-random", prepare_for_inference(gpt, precision), GPT2Tokenizer(), parameters,
                   lambda: gpt)  # /inspect's model: the bench never asks for it
 

@@ -81,15 +81,20 @@ class InferenceModel:
         """An empty cache for `rows` rows, in this model's cache dtype, of `max_len` positions (block_size)."""
         return self.model.new_kv_cache(rows, dtype=self.cache_dtype, max_len=max_len)
 
+    def decoder_for(self, cache: KVCache) -> Decoder:
+        """The step that decodes over `cache`: this model's decoder where it reads that cache, else the torch step."""
+        return self.decoder if self.decoder.accepts(cache) else TorchStep(self.model)
 
-def cache_dtype(device: torch.device, weights: torch.dtype, fused: bool) -> torch.dtype:
+
+def cache_dtype(device: torch.device, weights: torch.dtype, fused: bool, int8: bool = False) -> torch.dtype:
     """The precision keys and values are stored in, for a model with `weights` of this dtype on `device`: the
     weights' dtype, except fp32 for a bf16 model on a CPU decoded by torch ops (bf16 attention there is several times
     slower, measured in docs/benchmarks.md); the fused step reads a bf16 cache at half the bytes (at batch 8 and a
-    few hundred positions, the cache's bytes rival the weights')."""
+    few hundred positions, the cache's bytes rival the weights'), and so does the fused int8 step (`int8`, over fp32
+    activations: at a few hundred positions an fp32 cache's bytes are several percent of int8 weights')."""
     if device.type == "cpu" and not fused:
         return torch.float32
-    return weights
+    return torch.bfloat16 if int8 else weights
 
 
 def as_inference(model: InferenceModel | nn.Module) -> InferenceModel:
@@ -130,7 +135,5 @@ def prepare_for_inference(model: nn.Module, precision: str = "fp32", fused: bool
     if precision == "int8" and native is None and fused:
         log.warning("int8 without the fused decode step (it needs an x86-64 CPU with AVX-512 and g++): the torch "
                     "path dequantizes every weight at every step, slower than fp32; it is the reference")
-    # the fused int8 step keeps keys and values in bf16, as the bf16 one does: at a few hundred positions the fp32
-    # cache's bytes are several percent of int8 weights' (and keys and values are activations, not weights)
-    kv_dtype = torch.bfloat16 if precision == "int8" and native is not None else dtype
-    return InferenceModel(model, decoder, cache_dtype(device, kv_dtype, native is not None), precision)
+    return InferenceModel(model, decoder, cache_dtype(device, dtype, native is not None, precision == "int8"),
+                          precision)

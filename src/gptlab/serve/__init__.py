@@ -60,7 +60,7 @@ def load_served(run: str | Path, precision: str, device):
     from gptlab.serve.app import Served
 
     loaded = load_run(run, device=device)
-    parameters = sum(p.numel() for p in loaded.model.parameters())
+    parameters = loaded.model.num_params()
     model = prepare_for_inference(loaded.model, precision)
     return Served(Path(run).name, model, loaded.tokenizer, parameters,
                   lambda: load_run(run, device=device).model)
