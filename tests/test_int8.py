@@ -238,8 +238,11 @@ def test_sample_and_eval_run_in_int8_end_to_end(tmp_path, monkeypatch, capsys, c
         tables[precision] = capsys.readouterr().out.strip().splitlines()[-1]
     fp32_loss, int8_loss = (float(tables[p].split()[-5]) for p in ("fp32", "int8"))
     assert abs(int8_loss - fp32_loss) <= 0.01 * fp32_loss
-    perplexity, greedy = int8_quality("runs/tiny", prompts=2, new_tokens=4)  # bench generate --quality
+    perplexity, *greedy = int8_quality("runs/tiny", prompts=2, new_tokens=4)  # bench generate --quality
     assert perplexity.startswith("int8 vs ") and "validation perplexity" in perplexity and "%)" in perplexity
-    assert "/2 validation prompts agree for all 4 new tokens (shortest agreement " in greedy
+    pairs = ["int8 vs bf16", "bf16 vs fp32", "int8 vs fp32"] if bf16_supported(torch.device("cpu")) else \
+        ["int8 vs fp32"]
+    assert [line.split(" greedy: ")[0] for line in greedy] == pairs
+    assert all("/2 validation prompts agree for all 4 new tokens (shortest agreement " in line for line in greedy)
     assert main(["train", "--data", "data", "--run", "runs/t8", "--precision", "int8"]) == 2
     assert "invalid choice: 'int8'" in capsys.readouterr().err

@@ -248,31 +248,39 @@ def int8_parts(results: list[GenResult], int8: GenResult) -> list[str]:
 def int8_quality(run: str, prompts: int = 8, prompt_tokens: int = 16, new_tokens: int = 32) -> list[str]:
     """int8 beside bf16 (fp32 where the CPU has no native bf16) on a trained run: the validation perplexity of
     each (the weights each decodes with), and greedy continuations of `prompts` windows of the validation split,
-    how many agree for all `new_tokens` tokens and the shortest agreeing prefix. Returns the two lines."""
+    how many agree for all `new_tokens` tokens and the shortest agreeing prefix; where the base is bf16, fp32 beside
+    both too, the yardstick of what bf16's own rounding changes. Returns the lines."""
+    import math
+
     from gptlab.checkpoint import load_run
-    from gptlab.evaluate import score_split
+    from gptlab.evaluate import total_nats
     from gptlab.runs import run_data_dir
 
     loaded = load_run(run)
     data_dir = run_data_dir(run)
     if data_dir is None:
         raise GptlabError(f"run {run} has no data of its own to score int8 on (it was imported)")
-    base = "bf16" if bf16_supported(torch.device("cpu")) else "fp32"
     val = load_dataset(data_dir).val
+    base = "bf16" if bf16_supported(torch.device("cpu")) else "fp32"
+    precisions = ["fp32", "bf16", "int8"] if base == "bf16" else ["fp32", "int8"]
     step = max(1, (len(val) - prompt_tokens) // prompts)
     windows = [val[i * step:i * step + prompt_tokens].tolist() for i in range(prompts)]
-    scores, ids = {}, {}
-    for precision in (base, "int8"):
+    perplexity, ids = {}, {}
+    for precision in precisions:
         model = prepare_for_inference(copy.deepcopy(loaded.model), precision)
-        scores[precision] = score_split(model.model, loaded.tokenizer, data_dir, source=f"run {run}").perplexity
+        nats, count = total_nats(model.model, val)
+        perplexity[precision] = math.exp(nats / max(count, 1))
         cfg = SampleConfig(max_new_tokens=new_tokens, temperature=0)
         ids[precision] = [list(row) for row in zip(*generate_batch(model, windows, cfg))]
-    agree = [agreeing_prefix(a, b) for a, b in zip(ids[base], ids["int8"])]
-    change = scores["int8"] / scores[base] - 1
-    return [f"int8 vs {base} on {run}: validation perplexity {scores['int8']:.3f} vs {scores[base]:.3f} "
-            f"({change:+.2%})",
-            f"int8 vs {base} greedy: {sum(a == new_tokens for a in agree)}/{prompts} validation prompts agree for "
-            f"all {new_tokens} new tokens (shortest agreement {min(agree)})"]
+    change = perplexity["int8"] / perplexity[base] - 1
+    lines = [f"int8 vs {base} on {run}: validation perplexity {perplexity['int8']:.3f} vs {perplexity[base]:.3f} "
+             f"({change:+.2%})"]
+    pairs = [(base, "int8")] + ([("fp32", "bf16"), ("fp32", "int8")] if base == "bf16" else [])
+    for a, b in pairs:
+        agree = [agreeing_prefix(x, y) for x, y in zip(ids[a], ids[b])]
+        lines.append(f"{b} vs {a} greedy: {sum(n == new_tokens for n in agree)}/{prompts} validation prompts agree "
+                     f"for all {new_tokens} new tokens (shortest agreement {min(agree)})")
+    return lines
 
 
 def linear_kernel_times(model: torch.nn.Module, precision: str, device: torch.device) -> dict[str, float]:
@@ -338,7 +346,7 @@ def char_model_speedup(device: torch.device, new_tokens: int, prompt_tokens: int
 
 def run_generate(*, device: str = "auto", new_tokens: int = 256, prompt_tokens: int = 16, char_tokens: int = 1000,
                  repeats: int = 1, uncached: bool = True, with_transformers: bool = True,
-                 quality_run: str | None = None) -> list[str]:
+                 quality_run: str | None = None, quality_prompts: int = 8) -> list[str]:
     """`gptlab bench generate`: prints the table, the machine's load and the ratios; returns the ratio lines (the
     last: the headline). char_tokens 0 skips the char model; uncached / with_transformers False skip those rows;
     quality_run, a trained run, adds int8's quality beside bf16's on it (`int8_quality`)."""
@@ -373,7 +381,7 @@ def run_generate(*, device: str = "auto", new_tokens: int = 256, prompt_tokens: 
         lines.append(f"char-small: {char_tokens} tokens at context 256 {uncached_s / cached_s:.1f}x faster with the "
                      "KV cache")
     if quality_run:
-        lines += int8_quality(quality_run)
+        lines += int8_quality(quality_run, quality_prompts)
     lines.append(headline(results, precisions, bytes_per_token))
     print(watch.stop().report())
     print("\n".join(lines))

@@ -90,6 +90,8 @@ def add_bench_generate(p: argparse.ArgumentParser) -> None:
                    help="skip transformers' generate even when it is installed")
     p.add_argument("--quality", metavar="RUN", help="also compare int8 with bf16 on this trained run: validation "
                    "perplexity and greedy agreement on validation prompts")
+    p.add_argument("--quality-prompts", type=int, default=8, metavar="N", help="validation prompts of the greedy "
+                   "comparison of --quality (default 8)")
 
 
 @bench("generate", "KV-cache generation on a GPT-2-124M-shaped model and a char model: prefill, decode, time to "
@@ -98,10 +100,11 @@ def add_bench_generate(p: argparse.ArgumentParser) -> None:
 def bench_generate(args: argparse.Namespace) -> int:
     from gptlab.bench.generate import run_generate
 
-    at_least(args, new_tokens=1, prompt_tokens=1, repeats=1, char_tokens=0)
+    at_least(args, new_tokens=1, prompt_tokens=1, repeats=1, char_tokens=0, quality_prompts=1)
     run_generate(device=args.device, new_tokens=args.new_tokens, prompt_tokens=args.prompt_tokens,
                  char_tokens=args.char_tokens, repeats=args.repeats, uncached=args.uncached,
-                 with_transformers=args.transformers, quality_run=args.quality)
+                 with_transformers=args.transformers, quality_run=args.quality,
+                 quality_prompts=args.quality_prompts)
     return 0
 
 
