@@ -34,7 +34,7 @@ def test_lr_schedule_warms_up_then_decays_to_min():
 def test_weight_decay_only_on_matrices():
     from gptlab.model import GPT
 
-    decay, no_decay = param_groups(GPT(tiny_config()), 0.1)
+    decay, no_decay = param_groups(GPT(tiny_config()).parameters(), 0.1)
     assert all(p.dim() == 2 for p in decay["params"]) and all(p.dim() == 1 for p in no_decay["params"])
     assert no_decay["weight_decay"] == 0.0
 

@@ -3,16 +3,19 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 
 import torch
 
 from gptlab.config import TrainConfig
 
 
-def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
-    """Two AdamW groups: matrices (embeddings and linear weights) decay; biases and LayerNorm gains do not."""
-    decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
-    no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
+def param_groups(params: Iterable[torch.nn.Parameter], weight_decay: float) -> list[dict]:
+    """Two AdamW groups of `params` (a model's parameters()): matrices (embeddings and linear weights) decay;
+    biases and LayerNorm gains do not."""
+    params = [p for p in params if p.requires_grad]
+    decay = [p for p in params if p.dim() >= 2]
+    no_decay = [p for p in params if p.dim() < 2]
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
@@ -23,7 +26,7 @@ def make_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.Opti
         return muon_optimizer(model, cfg)
     device = next(model.parameters()).device
     fused = device.type in ("cpu", "cuda")
-    return torch.optim.AdamW(param_groups(model, cfg.weight_decay), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
+    return torch.optim.AdamW(param_groups(model.parameters(), cfg.weight_decay), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
                              fused=fused)
 
 
@@ -89,10 +92,9 @@ def muon_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> Muon:
     blocks = getattr(getattr(model, "transformer", None), "h", None)
     matrices = [p for p in blocks.parameters() if p.requires_grad and p.dim() == 2] if blocks is not None else []
     ids = {id(p) for p in matrices}
-    rest = [p for p in model.parameters() if p.requires_grad and id(p) not in ids]
+    rest = [p for p in model.parameters() if id(p) not in ids]
     groups = [{"params": matrices, "muon": True, "lr_scale": cfg.muon_lr / cfg.lr, "weight_decay": cfg.weight_decay},
-              {"params": [p for p in rest if p.dim() >= 2], "weight_decay": cfg.weight_decay},
-              {"params": [p for p in rest if p.dim() < 2], "weight_decay": 0.0}]
+              *param_groups(rest, cfg.weight_decay)]
     return Muon([g for g in groups if g["params"]], lr=cfg.lr, betas=(cfg.beta1, cfg.beta2))
 
 

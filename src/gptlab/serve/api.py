@@ -161,6 +161,6 @@ def completion_id() -> str:
     return "cmpl-" + secrets.token_hex(12)
 
 
-def envelope(cid: str, model: str, created: int | None = None) -> dict[str, Any]:
+def envelope(cid: str, model: str) -> dict[str, Any]:
     """The fields every completion response and chunk starts with."""
-    return {"id": cid, "object": "text_completion", "created": created or int(time.time()), "model": model}
+    return {"id": cid, "object": "text_completion", "created": int(time.time()), "model": model}

@@ -150,7 +150,7 @@ async def _stream(job: Job, served: Served) -> AsyncIterator[str]:
     """Server-sent events in OpenAI's chunk format, a last chunk with the usage, then [DONE]. A client that leaves
     cancels the job (its rows leave the batch at the next step)."""
     cid, req = completion_id(), job.request
-    offsets = [0] * (len(req.ids) * req.n)
+    offsets = [0] * job.size
     try:
         if req.echo:
             for c in range(len(offsets)):
@@ -186,7 +186,7 @@ def _choice(index: int, text: str, logprobs: dict | None, reason: str | None) ->
 async def _collect(job: Job, served: Served, request: Request) -> Response:
     """The whole completion as one JSON response; a client that leaves before the end cancels the job."""
     req = job.request
-    size = len(req.ids) * req.n
+    size = job.size
     texts = [req.prompts[c // req.n] if req.echo else "" for c in range(size)]
     reasons: list[str | None] = [None] * size
     logprobs = [{"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []} for _ in range(size)]
