@@ -280,8 +280,8 @@ class RunningBatch:
         self.min_rows = 2 if self.prepared.fused else 1
         self.rows: list[Row] = []
         self.cache: KVCache | None = None
-        self._slots: dict[int, int] = {}  # id(row) -> its row in self.cache
-        self._joining: dict[int, KVCache] = {}  # id(row) -> its one-row prefill, not laid out yet
+        self._slots: dict[Row, int] = {}  # row -> its row in self.cache (a Row hashes by identity)
+        self._joining: dict[Row, KVCache] = {}  # row -> its one-row prefill, not laid out yet
         self._moved = False  # rows left since the last layout
 
     @torch.inference_mode()
@@ -300,7 +300,7 @@ class RunningBatch:
         rows = [Row(list(window), RowSampler(cfg, row_seed(cfg.seed, i), window, vocab, self.device),
                     cfg.max_new_tokens, logits, len(window), need) for i in range(num_samples)]
         self.rows += rows
-        self._joining.update((id(row), cache) for row in rows)
+        self._joining.update((row, cache) for row in rows)
         return rows
 
     @torch.inference_mode()
@@ -319,11 +319,11 @@ class RunningBatch:
 
     def leave(self, rows: Sequence[Row]) -> None:
         """Drop `rows`; their cache rows are freed at the next `advance`."""
-        gone = set(map(id, rows))
-        if any(id(r) in gone for r in self.rows):
-            self.rows = [r for r in self.rows if id(r) not in gone]
-            for key in gone:
-                self._joining.pop(key, None)
+        gone = set(rows)
+        if any(r in gone for r in self.rows):
+            self.rows = [r for r in self.rows if r not in gone]
+            for row in gone:
+                self._joining.pop(row, None)
             self._moved = True
 
     @torch.inference_mode()
@@ -355,12 +355,11 @@ class RunningBatch:
         if rows:
             cache = self.prepared.new_kv_cache(max(len(rows), self.min_rows), max_len=max(r.need for r in rows))
             for i, row in enumerate(rows):
-                source, j = (self._joining[id(row)], 0) if id(row) in self._joining else \
-                    (self.cache, self._slots[id(row)])
+                source, j = (self._joining[row], 0) if row in self._joining else (self.cache, self._slots[row])
                 n = row.filled
                 cache.k[:, i, :, :n] = source.k[:, j, :, :n]
                 cache.v[:, i, :, :n] = source.v[:, j, :, :n]
                 cache.pos[i] = n
         self.cache = cache
-        self._slots = {id(row): i for i, row in enumerate(rows)}
+        self._slots = {row: i for i, row in enumerate(rows)}
         self._joining, self._moved = {}, False

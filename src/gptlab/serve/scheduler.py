@@ -36,7 +36,7 @@ class Job:
     events: asyncio.Queue
     arrived: float = field(default_factory=time.perf_counter)
     cancelled: threading.Event = field(default_factory=threading.Event)
-    rows: dict[int, tuple[Row, int, Completion]] = field(default_factory=dict)  # id(row) -> (row, choice, text)
+    rows: dict[Row, tuple[int, Completion]] = field(default_factory=dict)  # its rows -> (choice index, text)
     generated: int = 0
     first_token: float | None = None
 
@@ -105,6 +105,7 @@ class Scheduler:
         self.metrics = Metrics()
         self._waiting: deque[Job] = deque()
         self._jobs: list[Job] = []  # in the batch
+        self._owner: dict[Row, Job] = {}  # each row in the batch -> its job
         self._wake = threading.Condition()
         self._closing = False
         self._deadline = float("inf")
@@ -168,7 +169,7 @@ class Scheduler:
                 for job in self._jobs:
                     job.emit(("error", f"generation failed: {exc}"))
                 self.batch.leave(list(self.batch.rows))
-                self._jobs = []
+                self._jobs, self._owner = [], {}
         for job in [*self._jobs, *self._waiting]:
             job.emit(("error", "the server is shutting down"))
 
@@ -189,23 +190,25 @@ class Scheduler:
         req = job.request
         for p, ids in enumerate(req.ids):
             for i, row in enumerate(self.batch.join(ids, req.cfg, req.n)):
-                job.rows[id(row)] = (row, p * req.n + i, Completion(self.tokenizer, req.cfg.stop))
+                job.rows[row] = (p * req.n + i, Completion(self.tokenizer, req.cfg.stop))
+                self._owner[row] = job
         self._jobs.append(job)
 
     def _drop_cancelled(self) -> None:
         gone = [job for job in self._jobs if job.cancelled.is_set()]
         for job in gone:
-            self.batch.leave([row for row, _, _ in job.rows.values()])
+            self.batch.leave(list(job.rows))
+            for row in job.rows:
+                del self._owner[row]
             self._jobs.remove(job)
             self.metrics.cancelled += 1
 
     def _step(self) -> None:
-        owner = {key: job for job in self._jobs for key in job.rows}
         self.metrics.batch_rows = len(self.batch.rows)
         finished = []
         for row, token, logits in self.batch.sample():
-            job = owner[id(row)]
-            _, choice, completion = job.rows[id(row)]
+            job = self._owner[row]
+            choice, completion = job.rows[row]
             text = completion.push(token)
             if row.left <= 0 and completion.finish_reason is None:
                 text += completion.close("length")
@@ -220,7 +223,7 @@ class Scheduler:
                 self.metrics.observe_ttft(job.first_token - job.arrived)
             if reason is not None:
                 finished.append(row)
-                del job.rows[id(row)]
+                del job.rows[row], self._owner[row]
         self.batch.leave(finished)
         for job in [j for j in self._jobs if not j.rows]:
             self._jobs.remove(job)
