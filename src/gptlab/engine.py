@@ -119,9 +119,7 @@ class Generation:
         with one_thread():
             ids = [s.choose(logits[r:r + 1]) for r, s in enumerate(self.samplers)]
         for window, i in zip(self.windows, ids):
-            window.append(i)
-            if len(window) > self.block_size:
-                del window[:-self.keep]
+            push(window, i, self.block_size, self.keep)
         return ids
 
 
@@ -149,6 +147,13 @@ def _prefill(model: nn.Module, cache: KVCache, windows: list[list[int]], device:
     cache.pos.copy_(torch.tensor(lengths, device=device) - 1)
     logits, _ = model(torch.tensor([w[-1:] for w in windows], device=device), kv_cache=cache, last_only=True)
     return logits[:, -1]
+
+
+def push(window: list[int], token: int, block_size: int, keep: int) -> None:
+    """Append a new token to a row's window; a window past block_size slides to its last `keep` tokens."""
+    window.append(token)
+    if len(window) > block_size:
+        del window[:-keep]
 
 
 def _slide(model: nn.Module, cache: KVCache, state: Generation, filled: list[int]) -> None:
@@ -312,9 +317,7 @@ class RunningBatch:
         for row, token in zip(self.rows, tokens):
             out.append((row, token, row.logits))
             row.left -= 1
-            row.window.append(token)
-            if len(row.window) > self.block_size:
-                del row.window[:-self.keep]
+            push(row.window, token, self.block_size, self.keep)
         return out
 
     def leave(self, rows: Sequence[Row]) -> None:
