@@ -8,14 +8,14 @@ import sys
 from gptlab.cli.common import add_device, command
 from gptlab.config import INFERENCE_PRECISIONS
 
-LIMIT_FLAGS = {  # flag -> (Limits field, type, help)
-    "--max-tokens": ("max_tokens", int, "most tokens one request may generate (max_tokens) (default 512)"),
-    "--max-n": ("max_n", int, "most completions per prompt in one request (n) (default 8)"),
-    "--max-prompt-tokens": ("max_prompt_tokens", int, "longest prompt in tokens (default 0: the model's context)"),
-    "--max-body-bytes": ("max_body_bytes", int, "largest request body; larger ones get 413 (default 1048576)"),
-    "--max-batch": ("max_batch", int, "most sequences decoded together (continuous batching) (default 16)"),
-    "--queue": ("queue", int, "most requests waiting for a place in the batch; more get 429 (default 64)"),
-    "--grace": ("grace", float, "seconds in-flight requests get to finish after SIGTERM / Ctrl-C (default 10)"),
+LIMIT_FLAGS = {  # flag -> (Limits field, type, help); the defaults come from Limits itself
+    "--max-tokens": ("max_tokens", int, "most tokens one request may generate (max_tokens) (default %(default)s)"),
+    "--max-n": ("max_n", int, "most completions per prompt in one request (n) (default %(default)s)"),
+    "--max-prompt-tokens": ("max_prompt_tokens", int, "longest prompt in tokens (default %(default)s: the model's context)"),
+    "--max-body-bytes": ("max_body_bytes", int, "largest request body; larger ones get 413 (default %(default)s)"),
+    "--max-batch": ("max_batch", int, "most sequences decoded together (continuous batching) (default %(default)s)"),
+    "--queue": ("queue", int, "most requests waiting for a place in the batch; more get 429 (default %(default)s)"),
+    "--grace": ("grace", float, "seconds in-flight requests get to finish after SIGTERM / Ctrl-C (default %(default)s)"),
 }
 
 
