@@ -34,6 +34,8 @@ MUTANTS = {
     "int8 VNNI product drops the u8 offset's correction": ([("_mm512_slli_epi32(_mm512_loadu_si512(sums + n), 7)",
                                                              "_mm512_setzero_si512()")], "int8 vnni"),
     "int8 VNNI product ignores x's scale": ([("_mm512_set1_ps(sx)", "_mm512_set1_ps(1.0f)")], "int8 vnni"),
+    "int8 VNNI product drops x's low byte (8-bit x)": ([("_mm512_cvtepi32_ps(lo));", "_mm512_setzero_ps());")],
+                                                       "int8 vnni"),
 }
 
 

@@ -8,7 +8,8 @@
 // fused around them. Activations are fp32; weights fp32 or bf16 (bf16 products round x to bf16 where the CPU
 // has AVX512-BF16, as a bf16 model's activations are, and widen W to fp32 where it has not), or int8 with one
 // fp32 scale per output row (gptlab/inference/int8.py): widened to fp32 for FMAs, or, where the CPU has
-// AVX512-VNNI, multiplied as bytes by vpdpbusd against x quantized per row to 8 bits (see gemv_vnni).
+// AVX512-VNNI, multiplied as bytes by vpdpbusd against x quantized per row to 16 bits, in two bytes
+// (see gemv_vnni).
 //
 // The math is the model's (gptlab/model.py), step by step; tests/test_fastdecode.py holds it to the torch path
 // (gptlab/inference/fused.py calls it).
@@ -370,8 +371,14 @@ static const bf16* to_bf16(const float* X, int64_t count) {
 
 #ifdef __AVX512VNNI__
 // int8 weights by VNNI. vpdpbusd multiplies unsigned bytes by signed bytes, 4 at a time into each of 16 int32
-// sums: x is quantized per row to xq = round(x / sx), sx = max|x_row| / 127, stored offset as u8 = xq + 128, so
-// that sum(u8 * q) = sum(xq * q) + 128 * sum(q), and each output is (sum - 128 * sums[n]) * sx * s[n] + b[n].
+// sums. x keeps 16 bits (the weights are what int8 is about; x rounded to 8 bits per row, tried first, changed
+// the greedy text of trained models several times as often as the weights' own rounding): it is quantized per
+// row to xq = round(x / sx), sx = max|x_row| / 32767, and split into two bytes, xq = 256 * hi + lo with lo in
+// [0, 255] and hi in [-128, 127], stored as lo and hi + 128 (both unsigned). Two vpdpbusd per group of 4 inputs
+// give sum(lo * q) and sum((hi + 128) * q) = sum(hi * q) + 128 * sum(q), so that
+//     sum(xq * q) = 256 * (sum((hi + 128) * q) - 128 * sums[n]) + sum(lo * q)
+// and each output is that times sx * s[n], plus b[n]. The two int32 sums are exact (|sum| < 2^31 up to
+// K = 65,000); they are combined in fp32.
 //
 // W comes packed in blocks of 16 rows (gptlab/inference/fused.py, vnni_pack): for each group of 4 inputs k, the
 // 16 rows' 4 weights each, 64 bytes, one vector: [n / 16][k / 4][n % 16][k % 4], rows and inputs padded with
@@ -382,7 +389,8 @@ static const bf16* to_bf16(const float* X, int64_t count) {
 // The sums are exact integers and each row of x is quantized alone, so a row's logits are the same bit for bit
 // whatever the rows beside it (the server's continuous batching relies on this).
 struct QuantizedX {
-    const uint8_t* q;  // (R, KP): KP = K rounded up to 64, each row's tail 128 (x = 0; its weights are 0)
+    const uint8_t* q;  // (R, 2, KP): each row's hi + 128 bytes, then its lo bytes; KP = K rounded up to 64, the
+                       // tail x = 0 (hi + 128 = 128, lo = 0; its weights are 0)
     const float* scale;  // (R,): sx
 };
 
@@ -392,11 +400,11 @@ static QuantizedX quantize_x(const float* X, int R, int K, int KP) {
     static thread_local uint8_t* xq = nullptr;
     static thread_local float* xs = nullptr;
     static thread_local int64_t capacity = 0, rows = 0;
-    if (capacity < (int64_t)R * KP || rows < R) {
+    if (capacity < (int64_t)R * 2 * KP || rows < R) {
         delete[] xq;
         delete[] xs;
-        capacity = capacity > (int64_t)R * KP ? capacity : (int64_t)R * KP;  // never shrinks: no reallocation
-        rows = rows > R ? rows : R;                                               // between layers' widths
+        capacity = capacity > (int64_t)R * 2 * KP ? capacity : (int64_t)R * 2 * KP;  // never shrinks: no
+        rows = rows > R ? rows : R;                                                     // reallocation between widths
         xq = new uint8_t[capacity];
         xs = new float[rows];
     }
@@ -408,28 +416,34 @@ static QuantizedX quantize_x(const float* X, int R, int K, int KP) {
             top = _mm512_max_ps(top, _mm512_abs_ps(_mm512_maskz_loadu_ps(m, x + k)));
         }
         float amax = _mm512_reduce_max_ps(top);
-        xs[r] = amax / 127.0f;
-        const __m512 inv = _mm512_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
+        xs[r] = amax / 32767.0f;
+        const __m512 inv = _mm512_set1_ps(amax > 0.0f ? 32767.0f / amax : 0.0f);
         const __m512i offset = _mm512_set1_epi32(128);
-        for (int k = 0; k < KP; k += 16) {  // |x * inv| <= 127: rounded to nearest even, offset, one byte each
+        uint8_t* hi = xq + (int64_t)r * 2 * KP;
+        uint8_t* lo = hi + KP;
+        for (int k = 0; k < KP; k += 16) {  // |x * inv| <= 32767: rounded to nearest even, split into two bytes
             __mmask16 m = K - k >= 16 ? (__mmask16)0xFFFF : K - k <= 0 ? (__mmask16)0 : (__mmask16)((1u << (K - k)) - 1);
-            __m512i v = _mm512_add_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(_mm512_maskz_loadu_ps(m, x + k), inv)), offset);
-            _mm_storeu_si128((__m128i*)(xq + (int64_t)r * KP + k), _mm512_cvtepi32_epi8(v));
+            __m512i v = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_maskz_loadu_ps(m, x + k), inv));
+            _mm_storeu_si128((__m128i*)(hi + k), _mm512_cvtepi32_epi8(_mm512_add_epi32(_mm512_srai_epi32(v, 8), offset)));
+            _mm_storeu_si128((__m128i*)(lo + k), _mm512_cvtepi32_epi8(v));  // the low byte: xq - 256 * hi
         }
     }
     return {xq, xs};
 }
 
-// The 16 outputs n .. n + 15 of one row of x (those below n1): (sum - 128 * sums) * sx * s + b, then E.
+// The 16 outputs n .. n + 15 of one row of x (those below n1), from its sums of (hi + 128) * q and lo * q:
+// (256 * (hi - 128 * sums) + lo) * sx * s + b, then E.
 template <int E>
-static inline void finish16(float* y, __m512i total, float sx, const float* s, const int32_t* sums, const float* b,
-                            int n, int n1) {
+static inline void finish16(float* y, __m512i hi, __m512i lo, float sx, const float* s, const int32_t* sums,
+                            const float* b, int n, int n1) {
     const int count = n1 - n >= 16 ? 16 : n1 - n;
     const __mmask16 m = count == 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << count) - 1);
     __m512i offset = _mm512_slli_epi32(_mm512_loadu_si512(sums + n), 7);  // 128 * sums (padded to 16)
+    __m512 dot = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(hi, offset)), _mm512_set1_ps(256.0f),
+                                 _mm512_cvtepi32_ps(lo));
     __m512 scale = _mm512_mul_ps(_mm512_set1_ps(sx), _mm512_loadu_ps(s + n));
     __m512 bias = b ? _mm512_maskz_loadu_ps(m, b + n) : _mm512_setzero_ps();
-    __m512 d = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(total, offset)), scale, bias);
+    __m512 d = _mm512_fmadd_ps(dot, scale, bias);
     if (E == STORE) { _mm512_mask_storeu_ps(y, m, d); return; }
     if (E == ADD) { _mm512_mask_storeu_ps(y, m, _mm512_add_ps(_mm512_maskz_loadu_ps(m, y), d)); return; }
     float v[16];
@@ -437,31 +451,25 @@ static inline void finish16(float* y, __m512i total, float sx, const float* s, c
     for (int i = 0; i < count; i++) finish<E>(y + i, v[i]);
 }
 
-// RB rows of x against one block of 16 W rows: two sums per row (even and odd groups of 4 inputs: independent
-// chains), the block's next bytes fetched STREAM_AHEAD ahead into L2.
-#define DPX(j, acc, off) if constexpr (RB > j) { int32_t q4; memcpy(&q4, xq + (int64_t)j * KP + 4 * (g + off), 4); \
-                                                 acc##j = _mm512_dpbusd_epi32(acc##j, _mm512_set1_epi32(q4), w); }
+// RB rows of x against one block of 16 W rows: per row, a sum of the hi bytes' products and one of the lo bytes'
+// (independent chains), the block's next bytes fetched STREAM_AHEAD ahead into L2.
+#define DPX(j) if constexpr (RB > j) { int32_t h4, l4; const uint8_t* xj = xq + (int64_t)j * 2 * KP + 4 * g; \
+                                       memcpy(&h4, xj, 4); memcpy(&l4, xj + KP, 4);                          \
+                                       h##j = _mm512_dpbusd_epi32(h##j, _mm512_set1_epi32(h4), w);           \
+                                       l##j = _mm512_dpbusd_epi32(l##j, _mm512_set1_epi32(l4), w); }
 template <int E, int RB>
 static void vnni_block(const int8_t* Wb, const uint8_t* xq, const float* xs, const float* s, const int32_t* sums,
                        const float* b, float* Y, int N, int KG, int KP, int n, int n1) {
-    __m512i a0 = _mm512_setzero_si512(), a1 = a0, a2 = a0, a3 = a0, c0 = a0, c1 = a0, c2 = a0, c3 = a0;
-    int g = 0;
-    for (; g + 2 <= KG; g += 2) {
+    __m512i h0 = _mm512_setzero_si512(), h1 = h0, h2 = h0, h3 = h0, l0 = h0, l1 = h0, l2 = h0, l3 = h0;
+    for (int g = 0; g < KG; g++) {
         _mm_prefetch((const char*)(Wb + (int64_t)g * 64) + STREAM_AHEAD, _MM_HINT_T1);
-        _mm_prefetch((const char*)(Wb + (int64_t)g * 64) + STREAM_AHEAD + 64, _MM_HINT_T1);
         __m512i w = _mm512_loadu_si512(Wb + (int64_t)g * 64);
-        DPX(0, a, 0) DPX(1, a, 0) DPX(2, a, 0) DPX(3, a, 0)
-        w = _mm512_loadu_si512(Wb + (int64_t)(g + 1) * 64);
-        DPX(0, c, 1) DPX(1, c, 1) DPX(2, c, 1) DPX(3, c, 1)
+        DPX(0) DPX(1) DPX(2) DPX(3)
     }
-    if (g < KG) {
-        __m512i w = _mm512_loadu_si512(Wb + (int64_t)g * 64);
-        DPX(0, a, 0) DPX(1, a, 0) DPX(2, a, 0) DPX(3, a, 0)
-    }
-    finish16<E>(Y + n, _mm512_add_epi32(a0, c0), xs[0], s, sums, b, n, n1);
-    if constexpr (RB > 1) finish16<E>(Y + N + n, _mm512_add_epi32(a1, c1), xs[1], s, sums, b, n, n1);
-    if constexpr (RB > 2) finish16<E>(Y + 2 * (int64_t)N + n, _mm512_add_epi32(a2, c2), xs[2], s, sums, b, n, n1);
-    if constexpr (RB > 3) finish16<E>(Y + 3 * (int64_t)N + n, _mm512_add_epi32(a3, c3), xs[3], s, sums, b, n, n1);
+    finish16<E>(Y + n, h0, l0, xs[0], s, sums, b, n, n1);
+    if constexpr (RB > 1) finish16<E>(Y + N + n, h1, l1, xs[1], s, sums, b, n, n1);
+    if constexpr (RB > 2) finish16<E>(Y + 2 * (int64_t)N + n, h2, l2, xs[2], s, sums, b, n, n1);
+    if constexpr (RB > 3) finish16<E>(Y + 3 * (int64_t)N + n, h3, l3, xs[3], s, sums, b, n, n1);
 }
 #undef DPX
 
@@ -474,7 +482,7 @@ static void gemv_vnni(const int8_t* W, const float* X, const float* s, const int
     for (int n = n0; n < n1; n += 16) {
         const int8_t* Wb = W + (int64_t)(n / 16) * KG * 64;
         for (int r = 0; r < R; r += 4) {  // a block (16 x K bytes) is read from memory once, then from L1
-            const uint8_t* xq = x.q + (int64_t)r * KP;
+            const uint8_t* xq = x.q + (int64_t)r * 2 * KP;
             float* y = Y + (int64_t)r * N;
             switch (R - r >= 4 ? 4 : R - r) {
                 case 4: vnni_block<E, 4>(Wb, xq, x.scale + r, s, sums, b, y, N, KG, KP, n, n1); break;

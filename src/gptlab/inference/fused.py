@@ -38,8 +38,8 @@ class FusedDecoder:
     small vectors (LayerNorm, biases). The model must not change afterwards: this is for inference only. `lib` is
     the library from gptlab.inference.native (`load_library` or `build_library`), whose structs it has checked.
     For an int8 model (its Linears are Int8Linears) `vnni` picks the product: by AVX512-VNNI (x quantized per row
-    to 8 bits; the weights copied into the kernel's blocked layout, `vnni_pack`, in 2 MB pages) or by fp32 FMAs
-    over the weights widened as they are (x as it is); None: VNNI where `lib` has it. `weights` names the format
+    to 16 bits, two bytes of products each; the weights copied into the kernel's blocked layout, `vnni_pack`, in
+    2 MB pages) or by fp32 FMAs over the weights widened as they are (x as it is); None: VNNI where `lib` has it. `weights` names the format
     and product chosen (a key of gptlab.inference.native.WEIGHTS)."""
 
     def __init__(self, model: GPT, lib: ctypes.CDLL, vnni: bool | None = None, huge_pages: bool = True):
