@@ -12,15 +12,14 @@ generate` measures the same share through the whole engine (sampling and Python 
 from __future__ import annotations
 
 import copy
-import time
 from dataclasses import dataclass
 
 import torch
 
 from gptlab.bench.generate import GEN_MODELS, weight_bytes_per_token
-from gptlab.bench.timing import LoadWatch, median
+from gptlab.bench.timing import LoadWatch, median, read_then
 from gptlab.config import ModelConfig, build
-from gptlab.inference import InferenceModel, prepare_for_inference
+from gptlab.inference import prepare_for_inference
 from gptlab.model import GPT
 from gptlab.runtime import set_threads
 
@@ -44,18 +43,6 @@ class DecodeRow:
         return 8 * self.batch1_s / self.batch8_s
 
 
-def timed_step(model: InferenceModel, cache, ids: torch.Tensor, buffer: torch.Tensor) -> tuple[float, float]:
-    """One read of `buffer`, then one fused decode step: (read bytes/s, step seconds). The cache position is put
-    back, so every round decodes at the same position."""
-    t0 = time.perf_counter()
-    buffer.sum()
-    t1 = time.perf_counter()
-    model.decoder.step(ids, cache)
-    t2 = time.perf_counter()
-    cache.pos -= 1
-    return buffer.numel() * 4 / (t1 - t0), t2 - t1
-
-
 def measure(base: torch.nn.Module, precision: str, layouts: list[str], rounds: int, positions: int,
             buffer: torch.Tensor) -> list[DecodeRow] | None:
     """The rows of one precision, layouts alternating round by round (the same moments of the machine); None
@@ -76,7 +63,8 @@ def measure(base: torch.nn.Module, precision: str, layouts: list[str], rounds: i
             caches[pages].pos.fill_(at)
         for _ in range(rounds):
             for pages, model in models.items():
-                bandwidth, seconds = timed_step(model, caches[pages], ids, buffer)
+                bandwidth, seconds, _ = read_then(buffer, lambda: model.decoder.step(ids, caches[pages]))
+                caches[pages].pos -= 1  # every round decodes at the same position
                 steps[pages, (rows, at)].append(seconds)
                 if rows == 1:
                     shares[pages].append(weights / bandwidth / seconds)

@@ -6,7 +6,6 @@ With a trained run (`--quality RUN`), int8's quality beside bf16's: validation p
 from __future__ import annotations
 
 import copy
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -14,7 +13,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from gptlab.bench.timing import Clock, LoadWatch, median, read_bandwidth, time_it
+from gptlab.bench.timing import Clock, LoadWatch, median, read_bandwidth, read_then, time_it
 from gptlab.config import ModelConfig, SampleConfig, build, get_preset
 from gptlab.data import load_dataset
 from gptlab.engine import generate_batch, generate_uncached
@@ -180,13 +179,10 @@ def paired_floor(model: InferenceModel, prompts: list[list[int]], new_tokens: in
     shares = []
     with torch.inference_mode():
         while True:
-            t0 = time.perf_counter()
-            x.sum()
-            t1 = time.perf_counter()
-            if next(steps, None) is None:
+            bandwidth, seconds, ids = read_then(x, lambda: next(steps, None))
+            if ids is None:
                 break
-            floor_s = bytes_per_token / (x.numel() * 4 / (t1 - t0))
-            shares.append(floor_s / (time.perf_counter() - t1))
+            shares.append(bytes_per_token / bandwidth / seconds)
     return median(shares)
 
 

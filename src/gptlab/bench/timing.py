@@ -48,6 +48,18 @@ def median(values: list[float]) -> float:
     return sorted(values)[len(values) // 2] if values else float("nan")
 
 
+def read_then(buffer: torch.Tensor, fn: Callable[[], Any]) -> tuple[float, float, Any]:
+    """One read of `buffer` (a CPU tensor much larger than the caches), then fn(): (the read's bytes/s, fn's
+    seconds, fn's result). A shared machine's read bandwidth drifts by tens of percent within seconds, so the
+    benches hold each decode step to the floor of its own moment, read just before it."""
+    t0 = time.perf_counter()
+    buffer.sum()
+    t1 = time.perf_counter()
+    result = fn()
+    t2 = time.perf_counter()
+    return buffer.numel() * buffer.element_size() / (t1 - t0), t2 - t1, result
+
+
 def read_bandwidth(device: torch.device, megabytes: int = 512, seconds: float = 1.0) -> float:
     """Memory read bandwidth in bytes/s: summing a buffer much larger than the caches, fastest call."""
     x = torch.ones(megabytes * (1 << 20) // 4, device=device, dtype=torch.float32)
