@@ -1,7 +1,7 @@
 """`gptlab bench race`: the time to a target loss is read at the first evaluation under it, and the race table
 puts the reference first and names the fastest contender."""
 
-from gptlab.bench.race import run_race, time_to_target
+from gptlab.bench.race import contenders, run_race, time_to_target
 
 TINY_MODEL = dict(n_layer=1, n_head=2, n_embd=16, block_size=16, dropout=0.0)
 
@@ -34,3 +34,12 @@ def test_a_small_race_prints_the_reference_first_and_names_the_fastest(char_data
     fastest = min(laps[1:], key=lambda lap: lap.seconds_to_target)
     ratio = laps[0].seconds_to_target / fastest.seconds_to_target
     assert headline == f"headline: {fastest.name} reaches the reference's 100.0000 {ratio:.2f}x faster than the reference"
+
+
+def test_contenders_are_each_optimizer_in_each_precision_and_auto_is_the_presets_own_choice():
+    got = contenders(["adamw", "muon"], ["auto", "fp32"], dict(train=dict(max_steps=7)))
+    assert [name for name, _, _ in got] == ["char-quick, adamw", "char-quick, muon", "char-quick, adamw, fp32",
+                                            "char-quick, muon, fp32"]
+    assert [(t["optimizer"], t["precision"], t["max_steps"]) for _, _, t in got] == [
+        ("adamw", "auto", 7), ("muon", "auto", 7), ("adamw", "fp32", 7), ("muon", "fp32", 7)]
+    assert [name for name, _, _ in contenders(["adamw"])] == ["char-quick, adamw"]

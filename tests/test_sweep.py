@@ -203,6 +203,8 @@ CASES = [
     # bench and the command itself
     (["bench", "generate", "--new-tokens", "0"], "new"),
     (["bench", "train", "--preset", "gpt5"], "invalid choice: 'gpt5'"),
+    (["bench", "race", "--precisions", "int8"], "invalid choice: 'int8'"),
+    (["bench", "race", "--eval-every", "0"], "--eval-every must be >= 1"),
     (["bench", "nope"], "invalid choice: 'nope'"),
     (["bench", "prepare", "--sizes-mb", "0", "1"], "--sizes-mb must be > 0"),
     (["bench", "prepare", "--workers", "0"], "--workers >= 1"),

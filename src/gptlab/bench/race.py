@@ -43,12 +43,15 @@ def time_to_target(history: list[dict[str, Any]], target: float) -> tuple[int | 
     return None, None
 
 
-def contenders(optimizers: list[str], changes: dict | None = None) -> list[tuple[str, dict, dict]]:
-    """(name, model overrides, train overrides) of the default preset with each optimizer (plus `changes`:
-    {"model": ..., "train": ...}, which tests use to shrink the race)."""
-    changes = changes or {}
-    return [(f"char-quick, {opt}", dict(changes.get("model", {})), {**changes.get("train", {}), "optimizer": opt})
-            for opt in optimizers]
+def contenders(optimizers: list[str], precisions: list[str] | None = None,
+               changes: dict | None = None) -> list[tuple[str, dict, dict]]:
+    """(name, model overrides, train overrides) of the default preset with each optimizer in each precision
+    (default ["auto"]: the preset's own choice, bf16 where the CPU computes it natively; "fp32" shows what a CPU
+    without native bf16 gets), plus `changes` ({"model": ..., "train": ...}, which tests use to shrink the race)."""
+    changes, precisions = changes or {}, precisions or ["auto"]
+    return [(f"char-quick, {opt}" + ("" if precision == "auto" else f", {precision}"), dict(changes.get("model", {})),
+             {**changes.get("train", {}), "optimizer": opt, "precision": precision})
+            for precision in precisions for opt in optimizers]
 
 
 def run_lap(name: str, data: Path, model: dict, train: dict, folder: Path, eval_every: int, target: float | None,
@@ -65,7 +68,8 @@ def run_lap(name: str, data: Path, model: dict, train: dict, folder: Path, eval_
 
 
 def run_race(optimizers: list[str], target: float | None = None, eval_every: int = 25, data: Path | None = None,
-             reference: dict | None = None, changes: dict | None = None) -> list[Lap]:
+             reference: dict | None = None, changes: dict | None = None,
+             precisions: list[str] | None = None) -> list[Lap]:
     """The race, printed as a table whose last line is the headline; returns the laps (the reference first)."""
     from gptlab.runs import data_dir_for
 
@@ -78,7 +82,7 @@ def run_race(optimizers: list[str], target: float | None = None, eval_every: int
         target = ref_lap.final_val if target is None else target
         ref_lap.steps_to_target, ref_lap.seconds_to_target = time_to_target(ref_history, target)
         laps.append(ref_lap)
-        for name, model, train in contenders(optimizers, changes):
+        for name, model, train in contenders(optimizers, precisions, changes):
             laps.append(run_lap(name, data, model, train, Path(tmp) / name.replace(", ", "-"), eval_every,
                                 target)[0])
     print_race(laps, target, watch.stop().report())

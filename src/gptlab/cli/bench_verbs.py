@@ -169,6 +169,9 @@ def bench_prepare(args: argparse.Namespace) -> int:
 def add_bench_race(p: argparse.ArgumentParser) -> None:
     p.add_argument("--optimizers", nargs="+", choices=("adamw", "muon"), default=["adamw", "muon"],
                    help="the default preset is raced once with each (default: adamw muon)")
+    p.add_argument("--precisions", nargs="+", choices=("auto", "fp32", "bf16"), default=["auto"],
+                   help="... in each of these precisions (default auto: bf16 where the CPU computes it natively; "
+                        "fp32 shows what a CPU without native bf16 gets)")
     p.add_argument("--target", type=float, help="validation loss to reach (default: the reference's final loss)")
     p.add_argument("--eval-every", type=int, default=25, help="steps between evaluations (default 25)")
 
@@ -179,7 +182,7 @@ def bench_race(args: argparse.Namespace) -> int:
     from gptlab.bench.race import run_race
 
     at_least(args, eval_every=1)
-    run_race(args.optimizers, target=args.target, eval_every=args.eval_every)
+    run_race(args.optimizers, target=args.target, eval_every=args.eval_every, precisions=args.precisions)
     return 0
 
 
