@@ -4,10 +4,12 @@ measured peak that MFU is reported against."""
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import json
 import logging
 import os
 import platform
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -69,6 +71,26 @@ def set_threads() -> None:
     """Use one intra-op thread per core this process may run on (torch's default counts hyper-threads)."""
     if "OMP_NUM_THREADS" not in os.environ:
         torch.set_num_threads(max(1, usable_cores()))
+
+
+def reuse_freed_memory() -> bool:
+    """Keep the memory a training step frees for the next step instead of handing it back to the OS. glibc serves
+    large blocks (32 MB and up always; smaller ones by a sliding threshold) with a fresh mmap and unmaps them on
+    free, so every step page-faults its largest tensors anew: the bf16 copies autocast makes of the weights, their
+    gradients, the logits. Measured in issue 16 on GPT-2 124M (bf16, batch 4 x 256): a step 29% faster, half its
+    casts' time was first-touch page faults. Process-wide; the numbers computed do not change. Returns whether the
+    allocator took the settings (glibc on Linux; elsewhere nothing changes)."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):
+        return False
+    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4  # glibc's malloc.h
+    # no block from mmap (every one from the heap, which falls back to mmap itself when it cannot grow), and up to
+    # 1 GiB free at the heap's top kept rather than trimmed
+    return bool(mallopt(M_MMAP_MAX, 0)) and bool(mallopt(M_TRIM_THRESHOLD, 1 << 30))
 
 
 def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:

@@ -30,7 +30,7 @@ from gptlab.faults import GracefulStop, Interrupted, LossSpike, NonFiniteLoss, S
 from gptlab.optim import lr_at, make_optimizer
 from gptlab.plots import plot_loss, read_metrics
 from gptlab.runtime import (Speed, cached_speed, compile_model, configure_matmul, resolve_precision,
-                            set_threads)
+                            reuse_freed_memory, set_threads)
 
 log = logging.getLogger("gptlab")
 
@@ -87,6 +87,7 @@ def train(data_dir: str | Path, run_dir: str | Path, model_cfg: ModelConfig, cfg
     Everything is checked before the run folder is written, and the folder has one writer at a time (RunLock).
     Under torchrun, every process runs this and trains its share of each batch (see distributed.py)."""
     set_threads()
+    reuse_freed_memory()
     dist = distributed.setup(cfg.device)
     device = dist.device
     precision = resolve_precision(cfg.precision, device)

@@ -20,7 +20,7 @@ from gptlab.bench.peak import cached_peak
 from gptlab.bench.timing import Load, LoadWatch, median, sync
 from gptlab.config import ModelConfig, TrainConfig
 from gptlab.runtime import (Speed, bf16_supported, compile_model, configure_matmul, peak_key, read_peak,
-                            resolve_device, set_threads)
+                            resolve_device, reuse_freed_memory, set_threads)
 
 
 @dataclass(frozen=True)
@@ -127,6 +127,7 @@ def run_train_bench(data_dir: str | Path, model_cfg: ModelConfig, cfg: TrainConf
     from gptlab.step import estimate_loss, train_step
 
     set_threads()
+    reuse_freed_memory()
     device = resolve_device(cfg.device)
     if read_peak(device) is None:
         print("measuring this device's matmul peak first (cached for later runs on a quiet machine) ...", flush=True)
