@@ -1,11 +1,14 @@
+import math
+
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 
 from conftest import tiny_config
 from gptlab.config import ModelConfig, build, get_preset
 from gptlab.data import load_dataset
-from gptlab.model import GPT, Bigram, build_model
+from gptlab.model import GPT, Bigram, _attention_mask, build_model
 
 SHAPES = [  # (n_layer, n_head, n_embd, block_size, batch, T)
     (1, 1, 8, 8, 1, 8),
@@ -28,6 +31,32 @@ def test_naive_and_sdpa_attention_agree(n_layer, n_head, n_embd, block_size, B, 
     idx = torch.randint(0, 50, (B, T))
     a, b = naive(idx)[0], sdpa(idx)[0]
     assert (a - b).abs().max().item() <= 1e-5
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("causal", [True, False])
+def test_written_out_attention_masks_by_adding_minus_infinity_exactly_as_masked_fill_would(dtype, causal):
+    """The mask is added as a bias (0 / -inf) rather than filled in: the same output and the same gradients of
+    q, k and v, bit for bit, in fp32 and bf16, on odd shapes, with the causal mask and with a cache's ragged one."""
+    torch.manual_seed(0)
+    attn = GPT(tiny_config(n_head=3, n_embd=48, attention="naive")).transformer.h[0].attn
+    B, H, T, S, D = 3, 3, 7, 7 if causal else 11, 16
+    q, k, v = (torch.randn(B, H, n, D, dtype=dtype, requires_grad=True) for n in (T, S, S))
+    mask = None if causal else _attention_mask(torch.tensor([4, 0, 2]), T, S)  # rows cached to ragged lengths
+    g = torch.randn(B, H, T, D, dtype=dtype)
+
+    def written_with_masked_fill():
+        att = (q * (1.0 / math.sqrt(D))) @ k.transpose(-2, -1)
+        visible = torch.ones(T, S, dtype=torch.bool).tril() if causal else mask
+        return F.softmax(att.masked_fill(~visible, float("-inf")), dim=-1) @ v
+
+    outs, grads = [], []
+    for attend in (lambda: attn._naive(q, k, v, mask, causal), written_with_masked_fill):
+        y = attend()
+        outs.append(y)
+        grads.append(torch.autograd.grad(y, (q, k, v), g))
+    assert torch.equal(outs[0], outs[1])
+    assert all(torch.equal(a, b) for a, b in zip(*grads))
 
 
 @pytest.mark.parametrize("attention", ["naive", "sdpa"])
