@@ -125,6 +125,21 @@ def test_cpu_dropout_keeps_1_minus_p_of_the_elements_and_scales_them_like_torch(
     assert torch.equal(Dropout(p).eval()(x), x)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_dropout_draws_the_mask_it_always_has(dtype):
+    """The mask and scaling, bit for bit, as first written (16-bit slices of 64-bit words from torch's generator,
+    kept where >= p * 65536 - 32768, times 1 / (1 - p) in x's dtype): faster conversions must not change them."""
+    from gptlab.model import Dropout
+
+    p, x = 0.2, torch.randn(64, 1000, 33).to(dtype)  # odd size: words cut mid-way
+    torch.manual_seed(5)
+    y = Dropout(p)(x)
+    torch.manual_seed(5)
+    words = torch.randint(-2**63, 2**63 - 1, ((x.numel() + 3) // 4,), dtype=torch.int64)
+    keep = words.view(torch.int16)[:x.numel()].view(x.shape) >= round(p * 65536) - 32768
+    assert torch.equal(y, x * keep.to(dtype).mul_(1.0 / (1.0 - p)))
+
+
 def test_lm_head_is_tied_and_residual_projections_are_scaled():
     model = GPT(tiny_config(n_layer=8, n_embd=256, n_head=4))
     assert model.lm_head.weight is model.transformer.wte.weight
