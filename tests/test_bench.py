@@ -128,6 +128,22 @@ def test_every_bench_flag_says_what_it_does():
     assert {"peak", "train", "attention", "generate", "decode", "matmul"} <= set(BENCHES)
 
 
+def test_bench_train_times_finetune_on_gpt2_124m_at_context_256(monkeypatch, tmp_path):
+    """finetune's shape comes from --init-from, which a bench has not: it times GPT-2 124M at context 256 with the
+    preset's dropout, not the default model config with GPT-2's vocabulary."""
+    import argparse
+
+    from gptlab.cli import bench_verbs
+
+    monkeypatch.setattr(bench_verbs, "data_dir_for", lambda data, preset, quiet: tmp_path)
+    args = argparse.Namespace(preset="finetune", batch_size=4, steps=1, warmup=0, device="cpu", data=None)
+    _, model, train = bench_verbs._bench_train_settings(args)
+    assert (model.n_layer, model.n_head, model.n_embd, model.block_size, model.vocab_size) == (12, 12, 768, 256, 50257)
+    assert model.dropout == 0.1 and train.batch_size == 4
+    args.preset = "char-small"
+    assert bench_verbs._bench_train_settings(args)[1].n_embd == 384  # other presets keep their own shape
+
+
 def test_variants_put_the_fp32_reference_first():
     cpu = torch.device("cpu")
     assert train_variants(cpu)[0] == Variant("fp32 eager (reference)", "fp32")

@@ -6,7 +6,8 @@ import argparse
 from pathlib import Path
 
 from gptlab.cli.common import Subcommands, add_device, at_least, command, data_dir_for
-from gptlab.config import INFERENCE_PRECISIONS, PRESETS, TOKENIZERS, ModelConfig, TrainConfig, build, get_preset
+from gptlab.config import (FINETUNE_PRESET, INFERENCE_PRECISIONS, PRESETS, TOKENIZERS, ModelConfig, TrainConfig,
+                           build, get_preset)
 from gptlab.errors import GptlabError
 
 
@@ -29,7 +30,7 @@ def bench_peak(args: argparse.Namespace) -> int:
 
 def add_bench_attention(p: argparse.ArgumentParser) -> None:
     p.add_argument("--preset", choices=tuple(PRESETS), default="char-small", help="model and training settings to "
-                   "time (default char-small)")
+                   "time (default char-small; finetune: GPT-2 124M at context 256; try --batch-size 4)")
     p.add_argument("--data", help="prepared data folder (default: the bundled corpus for the preset's tokenizer)")
     p.add_argument("--batch-size", type=int, default=16, help="sequences per step (default 16)")
     p.add_argument("--steps", type=int, default=10, help="timed steps per variant (default 10)")
@@ -56,12 +57,18 @@ def bench_train(args: argparse.Namespace) -> int:
     return 0
 
 
+FINETUNE_SHAPE = {**get_preset("gpt2").model, "block_size": 256}
+
+
 def _bench_train_settings(args: argparse.Namespace) -> tuple[Path, ModelConfig, TrainConfig]:
     if args.steps < 1 or args.warmup < 0 or args.batch_size < 1:
         raise GptlabError("--steps and --batch-size must be at least 1 and --warmup at least 0")
     preset = get_preset(args.preset)
     attention = getattr(args, "attention", None)
-    model_cfg = build(ModelConfig, preset.model, {"attention": attention} if attention else {})
+    # finetune's shape comes from --init-from, which a bench has not: it times what is fine-tuned most, GPT-2 124M
+    # at context 256 (FINETUNE_SHAPE), with the preset's dropout
+    shape = FINETUNE_SHAPE if args.preset == FINETUNE_PRESET else {}
+    model_cfg = build(ModelConfig, {**shape, **preset.model}, {"attention": attention} if attention else {})
     train_cfg = build(TrainConfig, preset.train, {"batch_size": args.batch_size, "device": args.device})
     return data_dir_for(args.data, args.preset, quiet=True), model_cfg, train_cfg
 
