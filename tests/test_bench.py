@@ -166,4 +166,13 @@ def test_bench_matmul_times_every_product_of_the_preset(capsys):
     for precision in ("fp32", "bf16"):
         seconds, products, rest = result.steps[precision]
         assert seconds > 0 and products > 0 and rest > 0
-    assert lines[-2].startswith("fp32 step ") and lines[-1].startswith("bf16 step ") and "the rest" in lines[-1]
+    assert lines[-4].startswith("fp32 step ") and lines[-2].startswith("bf16 step ") and "the rest" in lines[-2]
+    assert lines[-1].startswith("  the rest: ") and lines[-1].endswith(" ms")
+
+
+def test_the_profiled_rest_is_told_by_kind_and_a_dropout_owns_its_mask_and_cast():
+    steps, rest = matmul.profile_steps(tiny_config(dropout=0.2), batch_size=2)
+    for precision in ("fp32", "bf16"):
+        assert abs(sum(rest[precision].values()) - steps[precision][2]) < 1e-9  # the kinds add up to the rest
+        assert {"dropout", "LayerNorm", "GELU", "optimizer (AdamW)", "cross-entropy"} <= set(rest[precision])
+        assert "products" not in rest[precision] and rest[precision]["dropout"] > 0
