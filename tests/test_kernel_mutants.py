@@ -23,6 +23,9 @@ MUTANTS = {
                                    "bf16 cache"),
     "products' masked tail one short": ([("(Mask)0xFFFF : (Mask)((1u << left) - 1)",
                                           "(Mask)0xFFFF : (Mask)((1u << (left - 1)) - 1)")], "fp32"),
+    "attention's scores, four at a time, lose the fourth's tail of q": (
+        [("            a3 = _mm512_fmadd_ps(qv[c], load16(K + (j + 3) * D + 16 * c, mask[c]), a3);\n", "")], "fp32"),
+    "attention's sum over V drops the odd positions": ([("y[c] = _mm512_add_ps(y[c], z[c]);", "y[c] = y[c];")], "fp32"),
     "attention's head tail one short": ([("(__mmask16)0 : (__mmask16)((1u << left) - 1)",
                                           "(__mmask16)0 : (__mmask16)((1u << (left - 1)) - 1)")], "fp32"),
     "int8 FMA product of one row ignores the row scales": ([("_mm_maskz_loadu_ps(m, s + n), bias)",
