@@ -243,6 +243,7 @@ def test_sample_and_eval_run_in_int8_end_to_end(tmp_path, monkeypatch, capsys, c
     assert perplexity.startswith("int8 vs ") and "validation perplexity" in perplexity and "%)" in perplexity
     pairs = ["int8 vs bf16", "bf16 vs fp32", "int8 vs fp32"] if bf16_supported(torch.device("cpu")) else \
         ["int8 vs fp32"]
+    pairs += ["int8 (torch step) vs fp32"] if native.load_library() is not None else []
     assert [line.split(" greedy: ")[0] for line in greedy] == pairs
     assert all("/2 validation prompts agree for all 4 new tokens (shortest agreement " in line for line in greedy)
     assert main(["train", "--data", "data", "--run", "runs/t8", "--precision", "int8"]) == 2

@@ -241,11 +241,15 @@ def int8_parts(results: list[GenResult], int8: GenResult) -> list[str]:
     return parts
 
 
+TORCH_INT8 = "int8 (torch step)"
+
+
 def int8_quality(run: str, prompts: int = 8, prompt_tokens: int = 16, new_tokens: int = 32) -> list[str]:
     """int8 beside bf16 (fp32 where the CPU has no native bf16) on a trained run: the validation perplexity of
     each (the weights each decodes with), and greedy continuations of `prompts` windows of the validation split,
     how many agree for all `new_tokens` tokens and the shortest agreeing prefix; where the base is bf16, fp32 beside
-    both too, the yardstick of what bf16's own rounding changes. Returns the lines."""
+    both too, the yardstick of what bf16's own rounding changes; where int8 decodes natively, the torch int8 path's
+    text beside fp32's too, what the int8 weights alone change. Returns the lines."""
     import math
 
     from gptlab.checkpoint import load_run
@@ -262,16 +266,20 @@ def int8_quality(run: str, prompts: int = 8, prompt_tokens: int = 16, new_tokens
     step = max(1, (len(val) - prompt_tokens) // prompts)
     windows = [val[i * step:i * step + prompt_tokens].tolist() for i in range(prompts)]
     perplexity, ids = {}, {}
+    cfg = SampleConfig(max_new_tokens=new_tokens, temperature=0)
     for precision in precisions:
         model = prepare_for_inference(copy.deepcopy(loaded.model), precision)
         nats, count = total_nats(model.model, val)
         perplexity[precision] = math.exp(nats / max(count, 1))
-        cfg = SampleConfig(max_new_tokens=new_tokens, temperature=0)
         ids[precision] = [list(row) for row in zip(*generate_batch(model, windows, cfg))]
+        if precision == "int8" and model.fused:  # the torch path's steps (fp32 x over the same int8 weights)
+            torch_step = prepare_for_inference(copy.deepcopy(loaded.model), "int8", fused=False)
+            ids[TORCH_INT8] = [list(row) for row in zip(*generate_batch(torch_step, windows, cfg))]
     change = perplexity["int8"] / perplexity[base] - 1
     lines = [f"int8 vs {base} on {run}: validation perplexity {perplexity['int8']:.3f} vs {perplexity[base]:.3f} "
              f"({change:+.2%})"]
     pairs = [(base, "int8")] + ([("fp32", "bf16"), ("fp32", "int8")] if base == "bf16" else [])
+    pairs += [("fp32", TORCH_INT8)] if TORCH_INT8 in ids else []  # what weight-only int8 gives without the kernel
     for a, b in pairs:
         agree = [agreeing_prefix(x, y) for x, y in zip(ids[a], ids[b])]
         lines.append(f"{b} vs {a} greedy: {sum(n == new_tokens for n in agree)}/{prompts} validation prompts agree "
