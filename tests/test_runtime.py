@@ -2,6 +2,7 @@
 a GPU (CUDA, MPS) follows the CPU where there is one, and MFU is reported against the cached, measured peak."""
 
 import json
+import platform
 import shutil
 import sys
 import time
@@ -150,7 +151,7 @@ print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
 """
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's allocator only")
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc's allocator only")
 def test_reuse_freed_memory_stops_page_faulting_each_large_tensor_afresh():
     """A 64 MiB tensor allocated, filled and freed four times: 4 x 16384 first-touch page faults with glibc's
     defaults (its blocks of 32 MiB and up come from mmap and go back on free), under 1,000 once training has set
@@ -160,5 +161,7 @@ def test_reuse_freed_memory_stops_page_faulting_each_large_tensor_afresh():
     def faults(mode: str) -> int:
         out = subprocess.run([sys.executable, "-c", REUSE, mode], capture_output=True, text=True, check=True)
         return int(out.stdout.split()[-1])
-    assert faults("default") > 4 * 16384 * 0.9
+    default = faults("default")
+    if default < 4 * 16384 * 0.9:  # transparent huge pages "always": a fresh 64 MiB costs 32 faults, not 16384
+        pytest.skip(f"this kernel maps large blocks in huge pages ({default} faults): nothing to save here")
     assert faults("reuse") < 1000
