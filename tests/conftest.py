@@ -1,5 +1,6 @@
 import os
 import shutil
+import signal
 import tempfile
 from pathlib import Path
 
@@ -32,6 +33,13 @@ def browser():
         b = p.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
         yield b
         b.close()
+
+
+def interruptible() -> None:
+    """preexec_fn of a child process a test interrupts with SIGINT: SIGINT back to its default action, so that
+    Python turns it into KeyboardInterrupt even where the test run itself ignores SIGINT (a shell starts background
+    jobs, `make test &`, with SIGINT ignored, children inherit that, and Python then leaves it ignored)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def tiny_run(root, steps: int, flags: list[str]):

@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 import torch
 
+from conftest import interruptible
 from gptlab import corpus
 from gptlab.data import batch_generator, get_batch, load_dataset, prepare
 from gptlab.tokenfiles import HEADER, TokenWriter, read_tokens
@@ -163,7 +164,8 @@ def test_ctrl_c_stops_long_native_work_at_once():
     script = ("import hashlib, sys\nfrom gptlab.data import _interruptible\nprint('started', flush=True)\n"
               "try:\n    _interruptible(lambda: hashlib.pbkdf2_hmac('sha256', b'k', b's', 500_000_000))\n"
               "except KeyboardInterrupt:\n    sys.exit(130)")
-    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True,
+                            preexec_fn=interruptible)
     try:
         assert proc.stdout.readline() == "started\n"
         time.sleep(0.5)  # inside the native call

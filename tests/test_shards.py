@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from conftest import interruptible
 from gptlab import encoder
 from gptlab.cli import main
 from gptlab.data import batch_generator, get_batch, load_dataset, prepare
@@ -188,7 +189,7 @@ def test_ctrl_c_in_a_real_prepare_keeps_only_whole_shards_and_the_rerun_finishes
     argv = [sys.executable, "-m", "gptlab", "prepare", str(folder), "--tokenizer", "char", "--workers", "1",
             "--shard-tokens", "300000", "--quiet"]
     out = tmp_path / "out"
-    proc = subprocess.Popen(argv + ["--out", str(out)], stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(argv + ["--out", str(out)], stderr=subprocess.PIPE, text=True, preexec_fn=interruptible)
     progress = out / STAGE / "progress.json"
     while proc.poll() is None and not progress.exists():
         time.sleep(0.01)
