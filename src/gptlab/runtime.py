@@ -77,10 +77,10 @@ def reuse_freed_memory() -> bool:
     """Keep the memory a training step frees for the next step instead of handing it back to the OS. glibc serves
     large blocks (32 MB and up always; smaller ones by a sliding threshold) with a fresh mmap and unmaps them on
     free, so every step page-faults its largest tensors anew: the bf16 copies autocast makes of the weights, their
-    gradients, the logits. Measured in issue 16 on GPT-2 124M (bf16, batch 4 x 256): a step 29% faster, half its
-    casts' time was first-touch page faults. Process-wide, and the process keeps its peak memory until it ends;
-    the numbers computed do not change. Returns whether the allocator took the settings (glibc on Linux; elsewhere
-    nothing changes)."""
+    gradients, the logits (`gptlab bench train --preset finetune`, docs/benchmarks.md, with the other changes of
+    issue 16: GPT-2 124M's bf16 step 1513 -> 1361 ms). Process-wide, and the process keeps its peak memory until
+    it ends; the numbers computed do not change. Returns whether the allocator took the settings (glibc on Linux;
+    elsewhere nothing changes)."""
     if not sys.platform.startswith("linux"):
         return False
     try:
@@ -90,8 +90,8 @@ def reuse_freed_memory() -> bool:
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
     M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4  # glibc's malloc.h
     # no block from mmap (every one from the heap, which falls back to mmap itself when it cannot grow), and the
-    # heap never trimmed (-1): a step's peak comes back every step. A 1 GiB threshold still trimmed between the
-    # variants of `gptlab bench train --preset gpt2`, its bf16 step 1909 ms against 1483 ms untrimmed.
+    # heap never trimmed (-1): a step's peak comes back every step (a 1 GiB threshold still trimmed between the
+    # variants of `gptlab bench train`, and their steps page-faulted again)
     return bool(mallopt(M_MMAP_MAX, 0)) and bool(mallopt(M_TRIM_THRESHOLD, -1))
 
 
