@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from conftest import interruptible
+from test_sweep import tree
 from gptlab import encoder
 from gptlab.cli import main
 from gptlab.data import batch_generator, get_batch, load_dataset, prepare
@@ -32,11 +33,6 @@ def corpus(tmp_path: Path) -> Path:
 @pytest.fixture(autouse=True)
 def small_units(monkeypatch):
     monkeypatch.setattr(encoder, "UNIT_CHARS", 2000)  # many units, so that checkpoints fall inside the corpus
-
-
-def tree(folder: Path) -> dict[str, str]:
-    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(folder.rglob("*")) if p.is_file()}
 
 
 def test_a_sharded_split_is_the_one_file_split_cut_in_pieces_and_trains_the_same(tmp_path, corpus):
@@ -126,11 +122,14 @@ def test_a_resume_that_cannot_continue_starts_over(tmp_path, corpus, monkeypatch
 def test_a_second_prepare_into_the_same_folder_is_refused_while_one_writes(tmp_path, corpus):
     out = tmp_path / "out"
     (out / STAGE).mkdir(parents=True)
+    (out / STAGE / "progress.json").write_text('{"fingerprint": "the other prepare"}')  # the writer's files
+    (out / STAGE / "train-00000.bin").write_bytes(b"ids")
     with open(out / STAGE / "lock", "a+") as held:
         fcntl.flock(held.fileno(), fcntl.LOCK_EX)
+        before = tree(out)
         with pytest.raises(GptlabError, match="another `gptlab prepare` is writing"):
             prepare([str(corpus)], out, "char", quiet=True, workers=1)
-    assert sorted(p.name for p in (out / STAGE).iterdir()) == ["lock"]
+        assert tree(out) == before  # nothing of the other writer's touched
 
 
 def test_preparing_again_with_fewer_shards_leaves_no_stale_shard(tmp_path, corpus):
@@ -197,7 +196,9 @@ def test_ctrl_c_in_a_real_prepare_keeps_only_whole_shards_and_the_rerun_finishes
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 130 and "run the same command again to continue" in err, err
     assert not (out / "meta.json").exists()
-    for shard in (out / STAGE).glob("*.bin"):  # a name without .part: complete, its header's count all there
+    shards = list((out / STAGE).glob("*.bin"))
+    assert shards  # the first checkpoint follows the first complete shard
+    for shard in shards:  # a name without .part: complete, its header's count all there
         assert len(read_tokens(shard)) == 300000
     done = subprocess.run(argv[:-1] + ["--out", str(out)], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0 and "resuming the prepare interrupted" in done.stderr, done.stderr

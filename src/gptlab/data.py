@@ -159,7 +159,6 @@ def prepare(paths: list[str], out_dir: str | Path, tokenizer: str = "char", voca
         encode = {"held": held, "encoding": encoding, "text_field": text_field, "quiet": quiet,
                   "allow_special": allow_special, "workers": workers}
         try:
-            tok.save(stage.path / "tokenizer.json")
             split_at = int(scan.total * (1 - val_fraction))
             scanned = sum(d["bytes"] for d in scan.described)  # the encoding bar's total: its time left
             writers, written = _encode_split(scan.sources, tok, stage, split_at, shard_tokens, scanned, **encode)
@@ -242,13 +241,16 @@ def _encode_split(sources: list[Source], tok: Tokenizer, stage: Staging, split_a
 
 
 def _writers(stage: Staging, tok: Tokenizer, shard_tokens: int, quiet: bool) -> tuple[list[ShardWriter], int]:
-    """The two splits' shard writers, and the units already in them: from the checkpoint when its files are
-    whole, else new (and the staging folder emptied)."""
+    """The two splits' shard writers, and the units already in them: from the checkpoint when its files (the
+    shards and the tokenizer they were encoded with) are whole, else new (the staging folder emptied, the tokenizer
+    saved into it)."""
     if stage.progress is not None:
         try:
             saved = stage.progress["splits"]
             if not all((stage.path / e["file"]).is_file() for s in saved for e in s["closed"]):
                 raise ValueError("a complete shard is missing")
+            if not (stage.path / "tokenizer.json").is_file():
+                raise ValueError("the tokenizer is missing")
             writers = [ShardWriter(stage.path, name, tok.vocab_size, shard_tokens, s["closed"], s["open_tokens"])
                        for name, s in zip(SPLITS, saved)]
             if not quiet:
@@ -258,7 +260,7 @@ def _writers(stage: Staging, tok: Tokenizer, shard_tokens: int, quiet: bool) -> 
             return writers, int(stage.progress["units_done"])
         except (OSError, ValueError, KeyError, TypeError):
             stage.reset()
-            tok.save(stage.path / "tokenizer.json")
+    tok.save(stage.path / "tokenizer.json")
     return [ShardWriter(stage.path, name, tok.vocab_size, shard_tokens) for name in SPLITS], 0
 
 

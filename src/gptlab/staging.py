@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 
 from gptlab.errors import GptlabError
+from gptlab.rundir import write_atomic
 from gptlab.tokenfiles import SPLITS, TokenWriter, data_files
 from gptlab.tokenizer import Tokenizer, load as load_tokenizer
 
@@ -82,14 +83,10 @@ class ShardWriter:
 
     def finish(self) -> list[dict[str, Any]]:
         """Close the open shard (a split with no ids at all still gets one, empty) and return the manifest."""
-        if self.writer is not None and self.writer.count or not self.closed:
+        if self.writer is not None or not self.closed:  # a writer is only ever opened to write ids into it
             if self.writer is None:
                 self.writer = TokenWriter(self._part(), self.vocab_size)
             self._close_shard()
-        elif self.writer is not None:  # opened and empty: not a shard
-            self.writer.file.close()
-            self._part().unlink()
-            self.writer = None
         return self.closed
 
     def abandon(self) -> None:
@@ -104,7 +101,7 @@ class Staging:
     otherwise: the folder is emptied). `commit` moves the result into OUT; leaving without a commit keeps the
     folder when it holds a checkpoint (to resume from) and removes it otherwise, with OUT itself if it was new."""
 
-    def __init__(self, out: Path, fingerprint: str | None):
+    def __init__(self, out: Path, fingerprint: str):
         self.out, self.path, self.fingerprint = out, out / STAGE, fingerprint
         self.progress: dict[str, Any] | None = None
         self.created = not out.exists()
@@ -143,7 +140,7 @@ class Staging:
             progress = json.loads((self.path / "progress.json").read_text(encoding="utf-8"))
         except (OSError, ValueError):
             return None
-        if not isinstance(progress, dict) or self.fingerprint is None or progress.get("fingerprint") != self.fingerprint:
+        if not isinstance(progress, dict) or progress.get("fingerprint") != self.fingerprint:
             return None
         return progress
 
@@ -162,23 +159,17 @@ class Staging:
 
     def checkpoint(self, units_done: int, writers: list[ShardWriter]) -> None:
         """Record that the first `units_done` units of the input are in the shards: flushed to disk first."""
-        if self.fingerprint is None:
-            return
         for w in writers:
             w.sync()
         state = {"fingerprint": self.fingerprint, "units_done": units_done, "splits": [w.state() for w in writers]}
-        tmp = self.path / "progress.json.tmp"
-        with open(tmp, "w", encoding="utf-8") as f:
-            json.dump(state, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, self.path / "progress.json")
+        write_atomic(self.path / "progress.json", json.dumps(state).encode())  # fsynced, renamed, folder fsynced
         self.progress = state
 
     def commit(self, writers: list[ShardWriter], meta: dict[str, Any]) -> dict[str, Any]:
         """Close the shards and move them, tokenizer.json and meta.json (with the manifest, last) into OUT; old
         token files that the new manifest does not name are removed. Returns the metadata written."""
         (self.path / "progress.json").unlink(missing_ok=True)  # from here a crash starts over, never half-resumes
+        self.progress = None  # ... and a failure below does not say "run it again to continue"
         shards: dict[str, list[dict[str, Any]]] = {}
         for w in writers:
             entries = w.finish()

@@ -165,9 +165,8 @@ def read_split(folder: Path, meta: dict[str, Any], split: str) -> np.ndarray | S
     listed = meta.get("shards", {}).get(split) if isinstance(meta.get("shards"), dict) else None
     if listed is None:
         return read_tokens(folder / f"{split}.bin")
-    if not isinstance(listed, list) or not listed or not all(
-            isinstance(e, dict) and isinstance(e.get("file"), str) and Path(e["file"]).name == e["file"]
-            and e["file"] not in ("", ".", "..") for e in listed):
+    if not isinstance(listed, list) or not listed or not all(isinstance(e, dict) and _bare(e.get("file"))
+                                                             for e in listed):
         raise GptlabError(f"{folder / 'meta.json'} is damaged (its {split} shards); run `gptlab prepare` again")
     arrays = [read_tokens(folder / e["file"]) for e in listed]
     for array, entry in zip(arrays, listed):
@@ -188,4 +187,9 @@ def data_files(folder: Path) -> list[str]:
     shards = meta.get("shards") if isinstance(meta.get("shards"), dict) else {}
     names = [e.get("file") for split in SPLITS for e in (shards.get(split) or []) if isinstance(e, dict)] \
         if shards else [f"{split}.bin" for split in SPLITS]
-    return [n for n in names if isinstance(n, str) and n and Path(n).name == n and n not in (".", "..")]
+    return [n for n in names if _bare(n)]
+
+
+def _bare(name: Any) -> bool:
+    """Whether a manifest's file entry is a plain file name in the folder (no path, nothing to climb out by)."""
+    return isinstance(name, str) and name not in ("", ".", "..") and Path(name).name == name

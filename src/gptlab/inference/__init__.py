@@ -20,6 +20,7 @@ from typing import Protocol
 import torch
 import torch.nn as nn
 
+from gptlab import config
 from gptlab.errors import GptlabError
 from gptlab.inference.fused import FusedDecoder, fused_decoder
 from gptlab.inference.int8 import BF16_ROWS, Int8Linear, quantize_model
@@ -29,7 +30,8 @@ from gptlab.runtime import bf16_supported
 
 log = logging.getLogger("gptlab")
 PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16}  # the float precisions, by their torch dtype
-INFERENCE_PRECISIONS = ("fp32", "bf16", "int8")  # int8: weight-only, fp32 activations (gptlab.inference.int8)
+# what a model is prepared in: the CLI's choices (gptlab.config) once "auto" is resolved; int8: weight-only
+INFERENCE_PRECISIONS = tuple(p for p in config.INFERENCE_PRECISIONS if p != "auto")
 __all__ = ["INFERENCE_PRECISIONS", "PRECISIONS", "Decoder", "FusedDecoder", "InferenceLinear", "InferenceModel",
            "Int8Linear", "TorchStep", "as_inference", "cache_dtype", "can_pack", "move_to_huge_pages",
            "prepare_for_inference"]
