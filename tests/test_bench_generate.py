@@ -87,7 +87,7 @@ def test_bench_decode_holds_each_step_to_the_floor_read_beside_it(fused_kernel, 
                                                       ("int8", "2M"), ("int8", "4K")]
     for r in rows:
         assert len(r.shares) == 3 and min(r.shares) > 0 and r.batch1_s > 0 and r.bare8_s > 0
-        assert r.batch8_s > 0 and r.batch8_gain > 0
+        assert r.batch8_s > 0
     assert lines[0].startswith("machine load: ")
     table = [line for line in lines if " batch 1: " in line]
     assert [line.split(" batch 1:")[0] for line in table] == ["fp32 2M pages", "fp32 4K pages", "bf16 2M pages",

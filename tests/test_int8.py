@@ -20,15 +20,15 @@ from gptlab.cli import main
 from gptlab.config import SampleConfig, TrainConfig
 from gptlab.engine import generate_batch
 from gptlab.errors import GptlabError
-from gptlab.inference import TorchStep, native, prepare_for_inference
+from gptlab.inference import TorchStep, cache_dtype, native, prepare_for_inference
 from gptlab.inference.fused import FusedDecoder
 from gptlab.inference.int8 import BF16_ROWS, Int8Linear, dequantize_rows, quantize_model, quantize_rows
 from gptlab.runtime import bf16_supported
 from test_fastdecode import run_both, trained_like
 
-# n_embd 72 (heads of 24) and 200 (heads of 50, no biases, tanh GELU): K tails of 8 and 8 under 64, 200 = 3 x 64 + 8;
-# vocabularies 97 and 1001
-SHAPES = [dict(n_layer=2, n_head=3, n_embd=72, vocab_size=97, block_size=40),
+# n_embd 75 (heads of 25) and 200 (heads of 50, no biases, tanh GELU): K tails of 11 and 8 under 64 (75 is not a
+# multiple of 4 either: VNNI's packing pads the inputs of each group of 4), 200 = 3 x 64 + 8; vocabularies 97 and 1001
+SHAPES = [dict(n_layer=2, n_head=3, n_embd=75, vocab_size=97, block_size=40),
           dict(n_layer=2, n_head=4, n_embd=200, vocab_size=1001, block_size=40, activation="gelu_tanh", bias=False)]
 # the FMA product computes what the torch path computes, in another order: measured up to 1e-6
 FMA_TOLERANCE = 1e-5
@@ -132,6 +132,13 @@ def test_the_int8_torch_path_stays_near_fp32_and_ties_embedding_and_head():
         assert (model(x)[0] - fp32(x)[0]).abs().max() <= QUANTIZATION_TOLERANCE
 
 
+def test_only_the_fused_step_keeps_an_int8_models_cache_in_bf16():
+    cpu, gpu = torch.device("cpu"), torch.device("cuda")  # a device named, none needed
+    assert cache_dtype(cpu, torch.float32, fused=True, int8=True) == torch.bfloat16  # the kernel reads bf16
+    assert cache_dtype(cpu, torch.float32, fused=False, int8=True) == torch.float32  # the torch path's activations
+    assert cache_dtype(gpu, torch.float32, fused=False, int8=True) == torch.float32
+
+
 def test_training_in_int8_is_refused_with_a_clear_message():
     with pytest.raises(GptlabError, match="int8 is for inference only"):
         TrainConfig(precision="int8")
@@ -163,16 +170,17 @@ def test_int8_decodes_with_vnni_where_the_cpu_has_it(vnni_kernel):
 
 @pytest.mark.device_path("int8 native (VNNI)")
 def test_a_rows_vnni_logits_do_not_depend_on_the_rows_beside_it(vnni_kernel):
-    """From 2 rows on, every step takes the VNNI product, whose sums are exact integers: row 0 decoded beside 1
-    other row and beside 4 gets the same logits, bit for bit (the server's continuous batching relies on it)."""
+    """Every step takes the VNNI product, whose sums are exact integers, and the rest of the step works row by row:
+    row 0 decoded alone, beside 1 other row and beside 4 gets the same logits, bit for bit (the server's
+    continuous batching relies on it)."""
     model = int8_model(SHAPES[1])
     fused = FusedDecoder(model, vnni_kernel, vnni=True)
     ids = torch.randint(0, 1001, (5, 6))
     logits = {}
-    for rows in (2, 5):
+    for rows in (1, 2, 5):
         cache = model.new_kv_cache(rows)
         logits[rows] = torch.stack([fused.step(ids[:rows, t], cache)[0].clone() for t in range(6)])
-    assert torch.equal(logits[2], logits[5])
+    assert torch.equal(logits[1], logits[2]) and torch.equal(logits[2], logits[5])
 
 
 @pytest.mark.device_path("fused decode (AVX-512)")

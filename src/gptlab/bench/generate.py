@@ -211,10 +211,8 @@ def generation_ratios(results: list[GenResult], bytes_per_token: dict[str, int])
         uncached, batch8 = find(results, "gptlab, no cache", precision, 1), find(results, ENGINE, precision, 8)
         if ours is None:
             continue
-        if ours.paired_floor == ours.paired_floor:  # measured (not NaN): the floor of each step's own moment
-            parts = [f"{ours.paired_floor:.0%} of the bandwidth floor (token by token)"]
-        else:
-            parts = [f"{ours.decode_tok_s / ours.floor_tok_s(bytes_per_token[precision]):.0%} of the bandwidth floor"]
+        token_by_token = " (token by token)" if ours.paired_floor == ours.paired_floor else ""  # measured: not NaN
+        parts = [f"{floor_share(ours, bytes_per_token[precision]):.0%} of the bandwidth floor{token_by_token}"]
         if theirs is not None:
             same = agreeing_prefix(ours.ids[0], theirs.ids[0])
             parts.insert(0, f"{ours.decode_tok_s / theirs.decode_tok_s:.2f}x transformers' generate (greedy ids "
@@ -230,9 +228,14 @@ def generation_ratios(results: list[GenResult], bytes_per_token: dict[str, int])
     return lines
 
 
+def int8_base(results: list[GenResult]) -> GenResult | None:
+    """The batch-1 engine run int8's is compared with: bf16's, else fp32's."""
+    return find(results, ENGINE, "bf16", 1) or find(results, ENGINE, "fp32", 1)
+
+
 def int8_parts(results: list[GenResult], int8: GenResult) -> list[str]:
     """int8's batch-1 step in ms and beside bf16's (or fp32's), with how long their greedy ids agree."""
-    base = find(results, ENGINE, "bf16", 1) or find(results, ENGINE, "fp32", 1)
+    base = int8_base(results)
     parts = [f"{1e3 / int8.decode_tok_s:.2f} ms/step"]
     if base is not None:
         same = agreeing_prefix(int8.ids[0], base.ids[0])
@@ -404,7 +407,7 @@ def headline(results: list[GenResult], precisions: list[str], bytes_per_token: d
     else:
         line = "headline: batch-1 decode at " + ", ".join(
             f"{p} {floor_share(ours[p], bytes_per_token[p]):.0%}" for p in floats) + " of the bandwidth floor"
-    base = ours.get("bf16") or ours.get("fp32")
+    base = int8_base(results)
     if ours.get("int8") is not None and base is not None:
         line += (f"; int8 {ours['int8'].decode_tok_s / base.decode_tok_s:.2f}x the {base.precision} step at "
                  f"{floor_share(ours['int8'], bytes_per_token['int8']):.0%} of its floor")

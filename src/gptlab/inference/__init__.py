@@ -96,7 +96,7 @@ def cache_dtype(device: torch.device, weights: torch.dtype, fused: bool, int8: b
     activations: at a few hundred positions an fp32 cache's bytes are several percent of int8 weights')."""
     if device.type == "cpu" and not fused:
         return torch.float32
-    return torch.bfloat16 if int8 else weights
+    return torch.bfloat16 if int8 and fused else weights  # int8 decoded by torch ops (a GPU): its fp32 activations
 
 
 def as_inference(model: InferenceModel | nn.Module) -> InferenceModel:

@@ -34,13 +34,14 @@ def _ptr(t: torch.Tensor | None) -> int | None:
 class FusedDecoder:
     """Runs `GPT.forward(ids[:, None], kv_cache=cache, last_only=True)` for one new token per row, natively.
 
-    Holds the model's weights as they are (fp32, bf16 or int8 matrices, shared, not copied) and fp32 copies of the
-    small vectors (LayerNorm, biases). The model must not change afterwards: this is for inference only. `lib` is
-    the library from gptlab.inference.native (`load_library` or `build_library`), whose structs it has checked.
-    For an int8 model (its Linears are Int8Linears) `vnni` picks the product: by AVX512-VNNI (x quantized per row
-    to 16 bits, two bytes of products each; the weights copied into the kernel's blocked layout, `vnni_pack`, in
-    2 MB pages) or by fp32 FMAs over the weights widened as they are (x as it is); None: VNNI where `lib` has it. `weights` names the format
-    and product chosen (a key of gptlab.inference.native.WEIGHTS)."""
+    Holds the model's weights as they are (fp32, bf16 or int8 matrices, shared, not copied; int8 ones for VNNI are
+    copied into its layout, see below) and fp32 copies of the small vectors (LayerNorm, biases). The model must not
+    change afterwards: this is for inference only. `lib` is the library from gptlab.inference.native
+    (`load_library` or `build_library`), whose structs it has checked. For an int8 model (its Linears are
+    Int8Linears) `vnni` picks the product: by AVX512-VNNI (x quantized per row to 16 bits, two bytes of products
+    each; the weights copied into the kernel's blocked layout, `vnni_pack`, in 2 MB pages) or by fp32 FMAs over
+    the weights widened as they are (x as it is); None: VNNI where `lib` has it. `weights` names the format and
+    product chosen (a key of gptlab.inference.native.WEIGHTS)."""
 
     def __init__(self, model: GPT, lib: ctypes.CDLL, vnni: bool | None = None, huge_pages: bool = True):
         self.config = c = model.config
@@ -190,7 +191,8 @@ class _Plan:
 
 def fused_decoder(model: torch.nn.Module, huge_pages: bool = True) -> FusedDecoder | None:
     """A FusedDecoder for `model`, or None where the native step cannot run it (not a GPT, not on a CPU with
-    AVX-512, weights neither fp32 nor bf16, heads wider than 256, no compiler)."""
+    AVX-512, embeddings neither fp32 nor bf16 (an int8 model keeps its own in fp32), heads wider than 256, no
+    compiler)."""
     if not isinstance(model, GPT):
         return None
     weight = model.transformer.wte.weight
