@@ -5,7 +5,7 @@ import torch
 
 from conftest import tiny_config
 from gptlab.config import SampleConfig
-from gptlab.engine import generate, generate_batch, generate_uncached, window_keep
+from gptlab.engine import generate, generate_batch, generate_uncached, one_thread, window_keep
 from gptlab.textstream import TextStream, complete
 from gptlab.inference import InferenceModel, TorchStep, as_inference, prepare_for_inference
 from gptlab.inference.weights import InferenceLinear, can_pack
@@ -18,10 +18,8 @@ def _one_thread():
     """Tiny models gain nothing from a second thread, and on a busy 2-core machine every parallel region of a
     decode step can wait for a descheduled thread (measured: 0.5 s tests taking 70 s). The paths compared here
     run under the same setting, so correctness is unaffected."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+    with one_thread():
+        yield
 
 
 GREEDY_200 = SampleConfig(max_new_tokens=200, temperature=0)

@@ -82,8 +82,10 @@ def test_a_streamed_completion_with_n_3_equals_gptlab_sample(client, run_dir, ca
 
 def test_n_and_a_list_of_prompts_index_choices_prompt_major(client):
     got = client.completions.create(model="run", prompt=["All:", "First"], max_tokens=5, temperature=0, n=2)
-    assert [c.index for c in got.choices] == [0, 1, 2, 3]
-    assert got.choices[0].text == got.choices[1].text and got.choices[2].text == got.choices[3].text  # greedy
+    alone = [client.completions.create(model="run", prompt=p, max_tokens=5, temperature=0).choices[0].text
+             for p in ("All:", "First")]
+    assert alone[0] != alone[1]  # so that the order below shows
+    assert [c.text for c in sorted(got.choices, key=lambda c: c.index)] == [alone[0], alone[0], alone[1], alone[1]]
 
 
 def test_stop_strings_end_a_choice_and_are_cut(client, run_dir, capsys):
@@ -301,9 +303,3 @@ def _alive(url):
         return httpx.get(url + "/health", timeout=1).status_code == 200
     except httpx.HTTPError:
         return False
-
-
-def test_serve_refuses_an_open_address_without_a_key():
-    out = subprocess.run([GPTLAB, "serve", "--host", "0.0.0.0"], capture_output=True, text=True, timeout=60,
-                         check=False)
-    assert out.returncode == 2 and out.stderr.count("\n") == 1 and "--api-key" in out.stderr

@@ -9,7 +9,7 @@ import torch
 from conftest import tiny_config
 
 from gptlab.config import SampleConfig
-from gptlab.engine import RunningBatch, _prefill, generate_batch, row_seed
+from gptlab.engine import RunningBatch, _prefill, generate_batch, one_thread, row_seed
 from gptlab.inference import prepare_for_inference
 from gptlab.model import GPT
 from gptlab.runtime import bf16_supported
@@ -18,11 +18,9 @@ SHAPE = dict(n_layer=2, n_head=4, n_embd=64, vocab_size=65, block_size=32)
 
 
 @pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+def _one_thread():  # as test_engine's
+    with one_thread():
+        yield
 
 
 def prepared(precision="fp32"):

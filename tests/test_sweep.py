@@ -178,7 +178,7 @@ CASES = [
     (["export", "{r}/run", "--out", "{r}/run"], "is the run itself"),
     (["export", "{r}/run", "--out", "{r}/badtype"], "is a gptlab run"),
     (["export", "{r}/run", "--out", "{r}/data"], "is a prepared data folder"),
-    # serve (each refused before a port is taken or a model loaded)
+    # serve (each refused before a model is loaded; all but run-empty's before a port is taken)
     (["serve", "--run", "{r}/run", "--host", "0.0.0.0"], "give --api-key KEY"),
     (["serve", "--run", "{r}/run", "--host", "192.168.1.5"], "give --api-key KEY"),
     (["serve", "--run", "{r}/run", "--host", "0.0.0.0", "--api-key", " "], "--api-key must not be empty"),

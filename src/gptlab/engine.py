@@ -158,10 +158,18 @@ def push(window: list[int], token: int, block_size: int, keep: int) -> None:
 
 def _slide(model: nn.Module, cache: KVCache, state: Generation, filled: list[int]) -> None:
     """Rebuild the cache rows whose window slid (their cache holds as many positions as the window has tokens)
-    from all but the window's newest token, which the next decode step then adds like any other row's."""
-    for r, (n, window) in enumerate(zip(filled, state.windows)):
-        if n >= len(window):
-            filled[r] = _rebuild_row(model, cache, r, window, state.keep)
+    from all but the window's newest token, which the next decode step then adds like any other row's: every row
+    that slid this step in one forward (a full window slides to `keep` tokens, so they have one length; the
+    server's rows, which must not depend on their neighbours, go one by one: `_rebuild_row`)."""
+    rows = [r for r, (n, w) in enumerate(zip(filled, state.windows)) if n >= len(w)]
+    if not rows:
+        return
+    fresh = model.new_kv_cache(len(rows), dtype=cache.k.dtype, max_len=state.keep)
+    if state.keep > 1:
+        model(state.tensor([state.windows[r][:-1] for r in rows]), kv_cache=fresh, last_only=True)
+    cache.replace_rows(state.tensor(rows), fresh)
+    for r in rows:
+        filled[r] = len(state.windows[r]) - 1
 
 
 def _rebuild_row(model: nn.Module, cache: KVCache, row: int, window: list[int], keep: int) -> int:

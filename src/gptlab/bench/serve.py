@@ -130,10 +130,12 @@ def _model(model: str | None, run: str | None, precision: str):
 
 def _prompt(tokenizer, tokens: int) -> str:
     """A prompt of about `tokens` tokens that any tokenizer can encode (its own decoded ids)."""
-    text = tokenizer.decode(list(range(min(tokens, tokenizer.vocab_size))) * tokens)
-    while len(tokenizer.encode(text)) > tokens and len(text) > 1:
-        text = text[:-1]
-    return text
+    text = tokenizer.decode([i % tokenizer.vocab_size for i in range(2 * tokens)])  # ids may merge when re-encoded
+    lo, hi = 1, len(text)  # the longest prefix of at most `tokens` tokens (one character at least), by bisection
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if len(tokenizer.encode(text[:mid])) <= tokens else (lo, mid - 1)
+    return text[:lo]
 
 
 def _row(phase: Phase) -> str:

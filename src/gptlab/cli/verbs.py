@@ -97,7 +97,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     from gptlab import distributed
     from gptlab.runs import launch, start
 
-    if args.resume not in (None, "true", "auto"):
+    if args.resume not in RESUME_VALUES:
         raise GptlabError(f"--resume takes no value or 'auto', not {args.resume!r}")
     if args.nproc is not None and not distributed.launched():  # under torchrun, --nproc has done its job
         spec = train_spec(args, RESUME_VALUES[args.resume])

@@ -127,13 +127,18 @@ class Scheduler:
 
     def _beyond_the_batch(self) -> int:
         """How many waiting jobs would still wait if the batch took all it has room for now (under the lock)."""
-        rows, beyond = len(self.batch.rows), 0
+        return len(self._waiting) - self._fitting()
+
+    def _fitting(self) -> int:
+        """How many waiting jobs, first come first served, the batch has room for now (a cancelled one takes none;
+        under the lock)."""
+        rows, count = len(self.batch.rows), 0
         for job in self._waiting:
-            if beyond == 0 and rows + job.size <= self.max_batch:
-                rows += job.size
-            else:
-                beyond += 1
-        return beyond
+            size = 0 if job.cancelled.is_set() else job.size
+            if rows + size > self.max_batch:
+                break
+            rows, count = rows + size, count + 1
+        return count
 
     def stop(self, grace: float) -> None:
         """Refuse new jobs, let running and waiting ones finish for up to `grace` seconds, cancel the rest."""
@@ -163,7 +168,7 @@ class Scheduler:
                 if self.batch.rows:
                     self._step()
                 elif not joining:
-                    time.sleep(0.005)  # only cancelled or waiting jobs too big to fit yet: do not spin
+                    time.sleep(0.005)  # nothing to decode (what was waiting had been cancelled): do not spin
             except Exception as exc:  # a bug must not leave clients waiting forever: fail the jobs, keep serving
                 log.exception("the scheduler failed a step")
                 for job in self._jobs:
@@ -175,14 +180,13 @@ class Scheduler:
 
     def _admit(self) -> list[Job]:
         """Waiting jobs that fit in the batch now, first come first served (under the lock)."""
-        joining, rows = [], len(self.batch.rows)
-        while self._waiting and rows + self._waiting[0].size <= self.max_batch:
+        joining = []
+        for _ in range(self._fitting()):
             job = self._waiting.popleft()
             if job.cancelled.is_set():  # its client left while it waited
                 self.metrics.cancelled += 1
             else:
                 joining.append(job)
-                rows += job.size
         self.metrics.queue_depth = len(self._waiting)
         return joining
 
