@@ -85,9 +85,12 @@ def serve_run(served, sock: socket.socket, limits: Limits, api_key: str | None) 
     `limits.grace` seconds, cancel the rest and return."""
     import uvicorn
 
-    config = uvicorn.Config(make_app(served, limits, api_key), log_level="warning", access_log=False,
-                            timeout_graceful_shutdown=max(limits.grace, 0.1))
+    app = make_app(served, limits, api_key)
+    # the grace starts at the signal: the scheduler then refuses new work (503, and /health says so) and at the
+    # deadline cancels what is left, telling each client why; uvicorn closes any connection left a second later
+    config = uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=limits.grace + 1)
     server = _quiet_server_class()(config)
+    server.on_shutdown = lambda: app.state.scheduler.close(limits.grace)
     previous = {sig: signal.signal(sig, server.on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         server.run(sockets=[sock])
@@ -109,9 +112,13 @@ def _quiet_server_class():
         def capture_signals(self):
             yield
 
+        on_shutdown = staticmethod(lambda: None)  # called at the first signal
+
         def on_signal(self, sig, frame) -> None:
             if self.should_exit:
                 self.force_exit = True
+            else:
+                self.on_shutdown()
             self.should_exit = True
 
     return QuietServer

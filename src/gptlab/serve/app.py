@@ -72,9 +72,9 @@ def make_app(served: Served, limits: Limits, api_key: str | None = None) -> Fast
             req = parse_completion(body, limits)
             encode_prompts(req, served.tokenizer, context, limits)
             job = Job(req, asyncio.get_running_loop(), asyncio.Queue())
-            if scheduler.closing:
-                raise ApiError(503, "the server is shutting down", type="server_error")
             if not scheduler.submit(job):
+                if scheduler.closing:
+                    raise ApiError(503, "the server is shutting down", type="server_error")
                 raise ApiError(429, f"the queue is full ({limits.queue} requests waiting); retry shortly",
                                type="rate_limit_error", code="queue_full", headers={"Retry-After": "1"})
         except ApiError as exc:

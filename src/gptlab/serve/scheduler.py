@@ -140,13 +140,19 @@ class Scheduler:
             rows, count = rows + size, count + 1
         return count
 
-    def stop(self, grace: float) -> None:
-        """Refuse new jobs, let running and waiting ones finish for up to `grace` seconds, cancel the rest."""
+    def close(self, grace: float) -> None:
+        """Refuse new jobs from now on and give running and waiting ones `grace` seconds to finish; the first call
+        sets the deadline (a shutdown signal's, before the server stops: `gptlab.serve.serve_run`)."""
         with self._wake:
-            self._closing = True
-            self._deadline = time.monotonic() + grace
+            if not self._closing:
+                self._closing = True
+                self._deadline = time.monotonic() + grace
             self._wake.notify()
-        self._thread.join(grace + 5)
+
+    def stop(self, grace: float) -> None:
+        """`close(grace)`, then wait for the jobs to finish or be cancelled at the deadline."""
+        self.close(grace)
+        self._thread.join(max(self._deadline - time.monotonic(), 0) + 5)
 
     @property
     def closing(self) -> bool:
