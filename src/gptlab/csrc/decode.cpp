@@ -175,29 +175,34 @@ struct DotBF16 {
 };
 #endif
 
-// One row of x: four independent sums along k, one sequential stream through W, fetched STREAM_AHEAD bytes
-// ahead into L2.
+// One row of W against one row of x: four independent sums along k (added into one vector at the end), one
+// sequential stream through W, fetched STREAM_AHEAD bytes ahead into L2.
+template <typename D>
+static inline __m512 dot_row(const typename D::W* w, const typename D::X* x, int K) {
+    constexpr int L = D::LANES;
+    __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    int k = 0;
+    for (; k + 4 * L <= K; k += 4 * L) {
+        for (int line = 0; line < 4 * L * (int)sizeof(*w); line += 64)
+            _mm_prefetch((const char*)(w + k) + STREAM_AHEAD + line, _MM_HINT_T1);
+        a0 = D::madd(a0, D::w(w + k), D::x(x + k));
+        a1 = D::madd(a1, D::w(w + k + L), D::x(x + k + L));
+        a2 = D::madd(a2, D::w(w + k + 2 * L), D::x(x + k + 2 * L));
+        a3 = D::madd(a3, D::w(w + k + 3 * L), D::x(x + k + 3 * L));
+    }
+    for (; k < K; k += L) {
+        typename D::Mask m = D::tail(K - k);
+        a0 = D::madd(a0, D::w(w + k, m), D::x(x + k, m));
+    }
+    return _mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3));
+}
+
+// One row of x, one output at a time (`dot_row`).
 template <int E, typename D>
 static void gemv_row1(const typename D::W* W, const typename D::X* x, const float* s, const float* b, float* y,
                       int K, int n0, int n1) {
-    constexpr int L = D::LANES;
     for (int n = n0; n < n1; n++) {
-        const typename D::W* w = W + (int64_t)n * K;
-        __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-        int k = 0;
-        for (; k + 4 * L <= K; k += 4 * L) {
-            for (int line = 0; line < 4 * L * (int)sizeof(*w); line += 64)
-                _mm_prefetch((const char*)(w + k) + STREAM_AHEAD + line, _MM_HINT_T1);
-            a0 = D::madd(a0, D::w(w + k), D::x(x + k));
-            a1 = D::madd(a1, D::w(w + k + L), D::x(x + k + L));
-            a2 = D::madd(a2, D::w(w + k + 2 * L), D::x(x + k + 2 * L));
-            a3 = D::madd(a3, D::w(w + k + 3 * L), D::x(x + k + 3 * L));
-        }
-        for (; k < K; k += L) {
-            typename D::Mask m = D::tail(K - k);
-            a0 = D::madd(a0, D::w(w + k, m), D::x(x + k, m));
-        }
-        float d = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3)));
+        float d = _mm512_reduce_add_ps(dot_row<D>(W + (int64_t)n * K, x, K));
         finish<E>(y + n, d * (s ? s[n] : 1.0f) + (b ? b[n] : 0.0f));
     }
 }
@@ -277,10 +282,10 @@ static void gemv_pair(const typename D::W* W, const typename D::X* X, const floa
 #undef MADDS2
 #undef OUT2
 
-// One row of x against int8 W: as gemv_row1 (four sums along k, one sequential stream), but four outputs at a
-// time, reduced together and scaled in one vector: an int8 row is a quarter of an fp32 one, so what each output
-// costs besides its bytes (the reduction, the epilogue) counts four times as much. Outputs past n1 take row n's
-// sums (d0, nothing read again) and are not stored.
+// One row of x against int8 W: as gemv_row1 (`dot_row`), but four outputs at a time, reduced together and
+// scaled in one vector: an int8 row is a quarter of an fp32 one, so what each output costs besides its bytes (the
+// reduction, the epilogue) counts four times as much. Outputs past n1 take row n's sums (d0, nothing read again)
+// and are not stored.
 static inline __m128 reduce4(__m512 a, __m512 b, __m512 c, __m512 d) {
     __m512 ab = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
     __m512 cd = _mm512_add_ps(_mm512_unpacklo_ps(c, d), _mm512_unpackhi_ps(c, d));
@@ -292,33 +297,16 @@ static inline __m128 reduce4(__m512 a, __m512 b, __m512 c, __m512 d) {
     return _mm_add_ps(_mm256_castps256_ps128(half), _mm256_extractf128_ps(half, 1));
 }
 
-static inline __m512 dot_int8(const int8_t* w, const float* x, int K) {
-    __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-    int k = 0;
-    for (; k + 64 <= K; k += 64) {
-        _mm_prefetch((const char*)(w + k) + STREAM_AHEAD, _MM_HINT_T1);
-        a0 = _mm512_fmadd_ps(load16(w + k), _mm512_loadu_ps(x + k), a0);
-        a1 = _mm512_fmadd_ps(load16(w + k + 16), _mm512_loadu_ps(x + k + 16), a1);
-        a2 = _mm512_fmadd_ps(load16(w + k + 32), _mm512_loadu_ps(x + k + 32), a2);
-        a3 = _mm512_fmadd_ps(load16(w + k + 48), _mm512_loadu_ps(x + k + 48), a3);
-    }
-    for (; k < K; k += 16) {
-        __mmask16 m = K - k >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (K - k)) - 1);
-        a0 = _mm512_fmadd_ps(load16(w + k, m), _mm512_maskz_loadu_ps(m, x + k), a0);
-    }
-    return _mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3));
-}
-
 template <int E>
 static void gemv_row1_int8(const int8_t* W, const float* x, const float* s, const float* b, float* y, int K, int n0,
                            int n1) {
     for (int n = n0; n < n1; n += 4) {
         const int count = n1 - n >= 4 ? 4 : n1 - n;
         const int8_t* w = W + (int64_t)n * K;
-        __m512 d0 = dot_int8(w, x, K);
-        __m512 d1 = count > 1 ? dot_int8(w + K, x, K) : d0;
-        __m512 d2 = count > 2 ? dot_int8(w + 2 * K, x, K) : d0;
-        __m512 d3 = count > 3 ? dot_int8(w + 3 * K, x, K) : d0;
+        __m512 d0 = dot_row<Widen<int8_t>>(w, x, K);
+        __m512 d1 = count > 1 ? dot_row<Widen<int8_t>>(w + K, x, K) : d0;
+        __m512 d2 = count > 2 ? dot_row<Widen<int8_t>>(w + 2 * K, x, K) : d0;
+        __m512 d3 = count > 3 ? dot_row<Widen<int8_t>>(w + 3 * K, x, K) : d0;
         __mmask8 m = (__mmask8)((1u << count) - 1);
         __m128 bias = b ? _mm_maskz_loadu_ps(m, b + n) : _mm_setzero_ps();
         float d[4];
@@ -425,9 +413,11 @@ static QuantizedX quantize_x(const float* X, int R, int K, int KP) {
         uint8_t* hi = xq + (int64_t)r * 2 * KP;
         uint8_t* lo = hi + KP;
         for (int k = 0; k < KP; k += 16) {  // |x * inv| <= 32767: rounded to nearest even, split into two bytes
-            __mmask16 m = K - k >= 16 ? (__mmask16)0xFFFF : K - k <= 0 ? (__mmask16)0 : (__mmask16)((1u << (K - k)) - 1);
+            const int left = K - k;
+            __mmask16 m = left >= 16 ? (__mmask16)0xFFFF : left > 0 ? (__mmask16)((1u << left) - 1) : (__mmask16)0;
             __m512i v = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_maskz_loadu_ps(m, x + k), inv));
-            _mm_storeu_si128((__m128i*)(hi + k), _mm512_cvtepi32_epi8(_mm512_add_epi32(_mm512_srai_epi32(v, 8), offset)));
+            __m512i high = _mm512_add_epi32(_mm512_srai_epi32(v, 8), offset);
+            _mm_storeu_si128((__m128i*)(hi + k), _mm512_cvtepi32_epi8(high));
             _mm_storeu_si128((__m128i*)(lo + k), _mm512_cvtepi32_epi8(v));  // the low byte: xq - 256 * hi
         }
     }
