@@ -97,11 +97,9 @@ class Generation:
 
     def __init__(self, model: InferenceModel | nn.Module, prompts: Sequence[Sequence[int]], cfg: SampleConfig,
                  num_samples: int):
-        if num_samples < 1:
-            raise GptlabError(f"num_samples must be >= 1, not {num_samples}")
         self.prepared = as_inference(model)
         model = self.model = self.prepared.model
-        check_prompts(model, prompts)
+        check_prompts(model, prompts, num_samples)
         self.cfg, self.num_samples = cfg, num_samples
         self.device = next(model.parameters()).device
         self.block_size = model.config.block_size
@@ -123,8 +121,10 @@ class Generation:
         return ids
 
 
-def check_prompts(model: nn.Module, prompts: Sequence[Sequence[int]]) -> None:
-    """GptlabError for no prompt, an empty one, or an id outside the model's vocabulary."""
+def check_prompts(model: nn.Module, prompts: Sequence[Sequence[int]], num_samples: int = 1) -> None:
+    """GptlabError for no prompt, an empty one, an id outside the model's vocabulary, or num_samples < 1."""
+    if num_samples < 1:
+        raise GptlabError(f"num_samples must be >= 1, not {num_samples}")
     if not prompts or any(len(p) == 0 for p in prompts):
         raise GptlabError("the prompt is empty and this model has no start token; give a --prompt")
     vocab = model.config.vocab_size
@@ -302,9 +302,7 @@ class RunningBatch:
         """Prefill `prompt` (its last block_size tokens) and add `num_samples` rows continuing it, sample i drawn
         with `row_seed(cfg.seed, i)`; they take part from the next `sample`. Raises GptlabError for an empty
         prompt, ids outside the vocabulary or num_samples < 1."""
-        if num_samples < 1:
-            raise GptlabError(f"num_samples must be >= 1, not {num_samples}")
-        check_prompts(self.model, [prompt])
+        check_prompts(self.model, [prompt], num_samples)
         window = list(prompt[-self.block_size:])
         need = min(self.block_size, len(window) + cfg.max_new_tokens)
         cache = self.prepared.new_kv_cache(1, max_len=need)
