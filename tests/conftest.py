@@ -6,7 +6,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import HealthCheck, settings
 
+import gptlab
 from gptlab.config import ModelConfig
 from gptlab.data import prepare
 
@@ -51,6 +53,11 @@ def tiny_run(root, steps: int, flags: list[str]):
     assert main(["train", "--data", str(root / "data"), "--run", str(root / "run"), "--max-steps", str(steps),
                  *flags]) == 0
     return root / "run"
+# Property-based tests are derandomised (the same examples every run) with a fixed budget; a test may ask for fewer.
+settings.register_profile("gptlab", derandomize=True, database=None, max_examples=60, deadline=None,
+                          suppress_health_check=[HealthCheck.too_slow])
+settings.load_profile("gptlab")
+
 _kernels = pytest.StashKey[tuple]()  # GPTLAB_KERNELS before the session, and the session's kernel folder
 
 
@@ -67,6 +74,11 @@ def pytest_configure(config):
                                        "named in the summary at the end")
     config.stash[_kernels] = (os.environ.get("GPTLAB_KERNELS"), tempfile.mkdtemp(prefix="gptlab-kernels-"))
     os.environ["GPTLAB_KERNELS"] = config.stash[_kernels][1]
+    # CLI subprocesses import the gptlab these tests import: a mutation tool's or a planted bug's copy of src/, not
+    # the editable install's src/ (what is imported first wins, and PYTHONPATH comes before site-packages)
+    src = str(Path(gptlab.__file__).resolve().parents[1])
+    others = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and p != src]
+    os.environ["PYTHONPATH"] = os.pathsep.join([src, *others])
 
 
 def pytest_unconfigure(config):

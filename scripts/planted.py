@@ -1,0 +1,70 @@
+"""Run the catalogue of planted bugs (tests/planted): each edit made in a fresh copy of src/, its tests run against
+that copy, and a table of which tests caught it. Exits 1 if any planted bug survives.
+
+    python scripts/planted.py                 # every entry
+    python scripts/planted.py serve engine    # entries whose name starts with one of these areas
+    python scripts/planted.py --list          # the catalogue, without running it
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests"))
+
+from planted import Planted, catalogue  # noqa: E402
+
+
+def run_one(bug: Planted, scratch: Path) -> tuple[bool, str]:
+    """(caught, the last line pytest printed) for `bug` made in a copy of src/ under `scratch`."""
+    copy = scratch / "src"
+    shutil.rmtree(copy, ignore_errors=True)
+    shutil.copytree(ROOT / "src", copy, ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
+    target = scratch / bug.path
+    target.write_text(bug.apply(target.read_text(encoding="utf-8")), encoding="utf-8")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(copy), str(ROOT / "tests")]),
+           "PYTHONDONTWRITEBYTECODE": "1"}
+    cmd = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", "-p", "no:randomly",
+           "--rootdir", str(ROOT), *(str(ROOT / t) for t in bug.tests)]
+    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+    lines = [line for line in done.stdout.splitlines() if line.strip()]
+    last = lines[-1] if lines else done.stderr.strip().splitlines()[-1:]
+    # rc 1: a test failed (caught); 0: every test passed (survived); anything else: the run itself broke
+    if done.returncode not in (0, 1):
+        raise RuntimeError(f"{bug.name}: pytest exited {done.returncode}: {last}\n{done.stdout[-2000:]}")
+    return done.returncode == 1, str(last)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("areas", nargs="*", help="only the entries whose name starts with one of these")
+    parser.add_argument("--list", action="store_true", help="print the catalogue and exit")
+    args = parser.parse_args(argv)
+    bugs = [b for b in catalogue() if not args.areas or b.name.split(":")[0] in args.areas]
+    if args.list:
+        for bug in bugs:
+            print(f"{bug.name}\n    {bug.path}; caught by {', '.join(bug.tests)}")
+        return 0
+    survivors = []
+    with tempfile.TemporaryDirectory(prefix="gptlab-planted-") as scratch:
+        for i, bug in enumerate(bugs, 1):
+            start = time.monotonic()
+            caught, last = run_one(bug, Path(scratch))
+            mark = "caught  " if caught else "SURVIVED"
+            print(f"[{i:>3}/{len(bugs)}] {mark} {bug.name}  ({time.monotonic() - start:.0f} s: {last})", flush=True)
+            if not caught:
+                survivors.append(bug.name)
+    print(f"planted: {len(bugs) - len(survivors)} caught, {len(survivors)} survived of {len(bugs)}")
+    return 1 if survivors else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
