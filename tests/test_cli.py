@@ -178,3 +178,18 @@ def test_without_a_terminal_training_prints_plain_progress_lines(prepared, capsy
                            train={"max_steps": 10, "batch_size": 4, "eval_interval": 5, "eval_batches": 2}), quiet=True)
     assert 0 < result.train_seconds < result.seconds  # the evaluations and checkpoints are left out ...
     assert result.tokens_per_second == pytest.approx(10 * 4 * 16 / result.train_seconds)  # ... of tokens/s
+
+
+# ---- issue 21: what a new user met -------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("argv, help_of", [
+    (["train", "--bogus"], "gptlab train"),
+    (["sample", "--run", "r", "extra"], "gptlab sample"),
+    (["bench", "peak", "--bogus"], "gptlab bench peak"),
+    (["inspect", "lens", "--prompt", "x", "--bogus"], "gptlab inspect lens"),
+    (["--bogus", "train"], "gptlab"),
+])
+def test_an_unknown_flag_points_to_the_help_of_its_verb(capsys, argv, help_of):
+    line = run_bad(capsys, *argv)
+    assert f"unrecognized arguments: {argv[-1] if argv[0] != '--bogus' else '--bogus'}" in line
+    assert line.endswith(f"(see `{help_of} --help`)"), line

@@ -19,6 +19,14 @@ class Parser(argparse.ArgumentParser):
     def error(self, message: str) -> None:  # type: ignore[override]
         raise GptlabError(f"{message} (see `{self.prog} --help`)")
 
+    def parse_known_args(self, args=None, namespace=None):  # type: ignore[override]
+        """Refuse what is left over here, in the verb's own parser (argparse leaves a verb's unknown flags to the
+        top-level parser, whose message would point to `gptlab --help`)."""
+        parsed, rest = super().parse_known_args(args, namespace)
+        if rest:
+            self.error(f"unrecognized arguments: {' '.join(rest)}")
+        return parsed, rest
+
 
 def command(name: str, help: str):
     """Register the verb `name`; its flags are added by the function add_NAME of the module that defines it."""
