@@ -10,6 +10,7 @@ import torch
 from conftest import CORPUS
 from PIL import Image
 from test_cli import TINY, run_bad, run_ok
+from test_fastdecode import trained_like
 from test_hf import SHAPES, VOCAB, hf_folder
 from transformers import GPT2LMHeadModel
 
@@ -107,6 +108,37 @@ def test_the_lens_last_row_is_the_models_logits():
     with torch.no_grad():
         assert (lens[-1] - model(x)[0]).abs().max().item() <= 1e-5
     assert not torch.allclose(lens[0], lens[-1])
+
+
+def block_streams(model, x):
+    """The residual stream entering block 0 and leaving every block, captured with forward hooks on the model's
+    own forward (the reference for the trace's and the lens's rows): a list of L + 1 tensors (B, T, C)."""
+    seen = []
+    hooks = [model.transformer.h[0].register_forward_pre_hook(lambda m, args: seen.append(args[0].clone()))]
+    hooks += [b.register_forward_hook(lambda m, args, out: seen.append(out.clone())) for b in model.transformer.h]
+    try:
+        with torch.no_grad():
+            model(x)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return seen
+
+
+def test_every_row_of_the_lens_is_ln_f_and_the_head_on_that_depths_stream():
+    """Row l of the lens, by hand: LayerNorm written out with ln_f's gain and bias (moved off 1 and 0, as training
+    moves them) and the tied head wte^T, on the stream the model's own forward hands between blocks."""
+    model = trained_like(dict(vocab_size=50, block_size=16, n_layer=3, n_head=2, n_embd=32), seed=4)
+    x = torch.randint(50, (2, 12))
+    streams = block_streams(model, x)
+    lens = logit_lens(model, trace(model, x))
+    assert lens.shape == (4, 2, 12, 50) and len(streams) == 4
+    ln_f = model.transformer.ln_f
+    for depth, stream in enumerate(streams):
+        mean, var = stream.mean(-1, keepdim=True), stream.var(-1, unbiased=False, keepdim=True)
+        normed = (stream - mean) / torch.sqrt(var + ln_f.eps) * ln_f.weight + ln_f.bias
+        expected = normed @ model.transformer.wte.weight.T  # (B, T, V)
+        assert (lens[depth] - expected).abs().max().item() <= 1e-4, depth
 
 
 def test_trace_of_generated_text_continues_the_prompt_greedily():
