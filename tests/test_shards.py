@@ -205,3 +205,98 @@ def test_ctrl_c_in_a_real_prepare_keeps_only_whole_shards_and_the_rerun_finishes
     subprocess.run(argv + ["--out", str(tmp_path / "straight")], check=True, timeout=300)
     assert tree(out) == tree(tmp_path / "straight")
     assert not (out / STAGE).exists() and os.listdir(out)
+
+
+# ---- Ctrl-C at each step of a checkpoint ---------------------------------------------------------------------
+
+POINTS = ["shards synced", "progress fsynced", "progress renamed", "after the rename", "folder fsynced",
+          "checkpoint returned"]
+ON_DISK = POINTS[3:]  # from the rename on, progress.json names the checkpoint: it must be kept
+
+
+def ctrl_c_inside_checkpoint(monkeypatch, n: int, point: str) -> list[int]:
+    """KeyboardInterrupt at `point` of the n-th Staging.checkpoint: in the shards' sync, in the fsync of
+    progress.json's temporary file, instead of its rename, right after the rename, in the folder's fsync, or after
+    the checkpoint returned (each through the call a real Ctrl-C could land in). Returns the units_done of each
+    checkpoint begun, as they come."""
+    import os
+
+    from gptlab import rundir, staging
+
+    calls: list[int] = []
+    armed = lambda here: len(calls) == n and point == here  # noqa: E731
+    real = {"checkpoint": Staging.checkpoint, "sync": staging.ShardWriter.sync, "fsync": os.fsync,
+            "replace": os.replace, "fsync_dir": rundir.fsync_dir}
+
+    def checkpoint(self, units_done, writers):
+        calls.append(units_done)
+        real["checkpoint"](self, units_done, writers)
+        if armed("checkpoint returned"):
+            raise Stop()
+
+    def sync(self):
+        if armed("shards synced"):
+            raise Stop()
+        real["sync"](self)
+
+    def fsync(fd):
+        if armed("progress fsynced") and ".progress.json.tmp" in os.readlink(f"/proc/self/fd/{fd}"):
+            raise Stop()
+        real["fsync"](fd)
+
+    def replace(src, dst):
+        if Path(dst).name == "progress.json" and armed("progress renamed"):
+            raise Stop()
+        real["replace"](src, dst)
+        if Path(dst).name == "progress.json" and armed("after the rename"):
+            raise Stop()
+
+    def fsync_dir(path):
+        if armed("folder fsynced"):
+            raise Stop()
+        real["fsync_dir"](path)
+    for target, name, fn in ((Staging, "checkpoint", checkpoint), (staging.ShardWriter, "sync", sync),
+                             (os, "fsync", fsync), (os, "replace", replace), (rundir, "fsync_dir", fsync_dir)):
+        monkeypatch.setattr(target, name, fn)
+    return calls
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory) -> tuple[Path, Path]:
+    """(a corpus, its uninterrupted char prepare in small units and shards of 1000)"""
+    root = tmp_path_factory.mktemp("straight")
+    (root / "corpus").mkdir()
+    for i, text in enumerate(DOCS):
+        (root / "corpus" / f"{i:03d}.txt").write_text(text)
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(encoder, "UNIT_CHARS", 2000)
+        prepare([str(root / "corpus")], root / "out", "char", quiet=True, workers=1, shard_tokens=1000)
+    return root / "corpus", root / "out"
+
+
+@pytest.mark.parametrize("n", [1, 3])
+@pytest.mark.parametrize("point", POINTS)
+def test_ctrl_c_at_each_step_of_a_checkpoint_keeps_what_is_on_disk_and_resumes(tmp_path, straight, monkeypatch,
+                                                                                capsys, point, n):
+    corpus, reference = straight
+    out, char = tmp_path / "out", {"quiet": True, "workers": 1, "shard_tokens": 1000}
+    with monkeypatch.context() as m:
+        begun = ctrl_c_inside_checkpoint(m, n, point)
+        with pytest.raises(Stop):
+            prepare([str(corpus)], out, "char", **char)
+    progress = out / STAGE / "progress.json"
+    assert progress.is_file() == (n > 1 or point in ON_DISK), sorted(tree(tmp_path))
+    assert out.exists() == progress.is_file()  # a new folder without a checkpoint is removed whole
+    if progress.is_file():
+        saved = json.loads(progress.read_text())
+        assert saved["units_done"] == begun[n - 1 if point in ON_DISK else n - 2]  # the last one on disk
+        for split, name in zip(saved["splits"], ("train", "val")):
+            for entry in split["closed"]:  # the shards it names are whole, as the reference's are
+                assert (out / STAGE / entry["file"]).read_bytes() == (reference / entry["file"]).read_bytes()
+            part = out / STAGE / f"{name}-{len(split['closed']):05d}.bin"  # .part, or complete since
+            size = max((p.stat().st_size for p in (part, part.with_suffix(".bin.part")) if p.exists()), default=0)
+            assert split["open_tokens"] == 0 or size >= 32 + 2 * split["open_tokens"]
+    capsys.readouterr()
+    prepare([str(corpus)], out, "char", **{**char, "quiet": False})
+    assert ("resuming the prepare interrupted" in capsys.readouterr().err) == (n > 1 or point in ON_DISK)
+    assert tree(out) == tree(reference)

@@ -42,6 +42,8 @@ class ShardWriter:
         self.completed = False  # a shard completed since the last checkpoint
         self.writer: TokenWriter | None = None
         if open_tokens:
+            if not self._part().exists() and (folder / self._name()).exists():  # completed after the checkpoint
+                os.replace(folder / self._name(), self._part())
             self.writer = TokenWriter(self._part(), vocab_size, resume_at=open_tokens)
 
     def _name(self) -> str:
@@ -194,9 +196,11 @@ class Staging:
         return meta
 
     def __exit__(self, kind: type | None, exc: BaseException | None, tb: Any) -> None:
-        keep = not self.committed and self.progress is not None and self.progress.get("units_done", 0) > 0
-        if keep:
-            shards = sum(len(s["closed"]) for s in self.progress["splits"])
+        # what is on disk decides, not self.progress: a Ctrl-C inside `checkpoint` can land after progress.json
+        # was renamed into place and before this object heard of it
+        progress = None if self.committed else self._read_progress()
+        if progress is not None and progress.get("units_done", 0) > 0:
+            shards = sum(len(s["closed"]) for s in progress["splits"])
             log.warning(f"prepare stopped: {self.path} keeps {shards} complete shard{'s' * (shards != 1)} and the "
                         "checkpoint; run the same command again to continue from there")
             self._unlock()
