@@ -1,12 +1,16 @@
 """Run policy as a library (gptlab.runs): the spec `gptlab train` builds, config files, and the runs / info verbs."""
 
 import json
+import shutil
+from pathlib import Path
 
 import pytest
 
+from gptlab import checkpoint as ck
+from gptlab import rundir
 from gptlab.cli import main
 from gptlab.errors import GptlabError
-from gptlab.runs import list_runs, pick_run_dir, resolve, start
+from gptlab.runs import latest_run, list_runs, pick_run_dir, resolve, start
 from test_sweep import TINY
 
 SMALL = dict(n_layer=1, n_head=2, n_embd=16, block_size=16)
@@ -85,3 +89,59 @@ def test_compare_plots_several_runs_against_steps_and_seconds(tmp_path, char_dat
 
     pixels = matplotlib.image.imread(out_png)
     assert pixels.shape[1] > pixels.shape[0] and len({tuple(p) for p in pixels.reshape(-1, pixels.shape[-1])}) > 10
+
+
+def test_the_default_run_folder_is_never_one_being_trained_nor_one_with_checkpoints(tmp_path, char_data, monkeypatch,
+                                                                                   capsys):
+    monkeypatch.chdir(tmp_path)
+    busy = Path("runs/char-quick")
+    with rundir.RunLock(busy):  # a `gptlab train` has just started there: no config.json, no checkpoint yet
+        assert main(["train", "--data", str(char_data), "--max-steps", "2", *TINY]) == 0
+        assert "run runs/char-quick-2:" in capsys.readouterr().out
+    assert [p.name for p in busy.iterdir()] == [rundir.LOCK]  # the holder's folder untouched
+    assert pick_run_dir("char-quick") == busy  # free again, and nothing in it to lose
+    best = ck.find_checkpoint("runs/char-quick-2", "best").path
+    shutil.copytree(best, busy / rundir.CKPTS / best.name)  # only a best checkpoint: still work to keep
+    assert pick_run_dir("char-quick") == Path("runs/char-quick-3")
+
+
+def test_sample_and_eval_default_to_the_most_recently_trained_run(tmp_path, char_data, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    for name in ("char-quick-9", "char-quick-10"):  # trained in this order: by name, -9 would come last
+        assert main(["train", "--data", str(char_data), "--run", f"runs/{name}", "--max-steps", "2", *TINY]) == 0
+    assert latest_run() == Path("runs/char-quick-10")
+    assert main(["train", "--run", "runs/char-quick-9", "--resume", "--max-steps", "4", "--quiet"]) == 0
+    assert latest_run() == Path("runs/char-quick-9")  # trained last now
+    with rundir.RunLock("runs/char-quick-9"):  # and being trained again: readers are never refused
+        capsys.readouterr()
+        assert main(["sample", "--max-new-tokens", "3"]) == 0
+        assert "using runs/char-quick-9/checkpoints/best-00000004" in capsys.readouterr().err
+    fresh = Path("runs/char-quick-11")
+    with rundir.RunLock(fresh):  # just started: its config is written, its first checkpoint not yet
+        shutil.copy(Path("runs/char-quick-9") / rundir.CONFIG, fresh / rundir.CONFIG)
+        shutil.copy(Path("runs/char-quick-9") / rundir.TOKENIZER, fresh / rundir.TOKENIZER)
+        assert latest_run() == fresh
+        assert main(["eval"]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert err == [f"gptlab: error: run {fresh} is being trained and has no checkpoint yet; wait for its first "
+                       "evaluation (one every --eval-interval steps) or pass --run"]
+
+
+def test_runs_lists_every_run_and_says_which_are_damaged(tmp_path, char_data, capsys):
+    root = tmp_path / "runs"
+    assert main(["train", "--data", str(char_data), "--run", str(root / "good"), "--max-steps", "5", *TINY]) == 0
+    shutil.copytree(root / "good", root / "badjson")
+    (root / "badjson" / rundir.CONFIG).write_text('{"model": {"n_layer": 1,')  # cut short by a crash, say
+    shutil.copytree(root / "good", root / "badckpts")
+    for c in ck.list_checkpoints(root / "badckpts", "step") + ck.list_checkpoints(root / "badckpts", "best"):
+        weights = bytearray((c.path / "model.safetensors").read_bytes())
+        weights[-1] ^= 1  # one bit of the last weight: every checkpoint fails its checksum
+        (c.path / "model.safetensors").write_bytes(weights)
+    states = {s.path.name: s.state for s in list_runs(root)}
+    assert states == {"good": "finished", "badjson": "damaged", "badckpts": "damaged"}
+    capsys.readouterr()
+    assert main(["runs", str(root)]) == 0
+    rows = {line.split()[0]: line for line in capsys.readouterr().out.splitlines()[1:]}
+    assert rows[str(root / "good")[-28:]].endswith("finished")
+    assert rows[str(root / "badjson")[-28:]].endswith("damaged") and rows[str(root / "badckpts")[-28:]].endswith(
+        "damaged")

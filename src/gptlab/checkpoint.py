@@ -28,7 +28,7 @@ from safetensors.torch import load_file, save_file
 
 from gptlab.config import ModelConfig, from_dict
 from gptlab.errors import GptlabError
-from gptlab.rundir import CKPTS, TOKENIZER, fsync_dir, read_run_config, write_json
+from gptlab.rundir import CKPTS, TOKENIZER, RunLock, fsync_dir, read_run_config, write_json
 from gptlab.model import build_model
 from gptlab.tokenizer import Tokenizer, load as load_tokenizer
 
@@ -298,6 +298,9 @@ def load_run(run_dir: str | Path, which: str = "best", device: torch.device | st
             if found:
                 raise GptlabError(f"run {run_dir} has no usable checkpoint: the newest, {found[0].path.name}, is "
                                   f"damaged ({verify(found[0].path)})")
+            if RunLock.held(run_dir):
+                raise GptlabError(f"run {run_dir} is being trained and has no checkpoint yet; wait for its first "
+                                  "evaluation (one every --eval-interval steps) or pass --run")
             raise GptlabError(f"run {run_dir} has no checkpoint yet; train it with `gptlab train --run {run_dir}`")
         try:
             return _load_checkpoint(Path(run_dir), ckpt, device)

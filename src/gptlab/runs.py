@@ -216,7 +216,7 @@ class RunSummary:
     best_val_loss: float | None
     tokens: int
     train_seconds: float
-    state: str  # running, finished, interrupted, new or imported
+    state: str  # running, finished, interrupted, new, imported, or damaged (its config, or every checkpoint)
 
 
 def training_seconds(run: str | Path) -> float:
@@ -228,13 +228,15 @@ def training_seconds(run: str | Path) -> float:
 
 
 def summarize(run: str | Path) -> RunSummary:
-    """Where a run stands; GptlabError when `run` is not a run."""
+    """Where a run stands; GptlabError when `run` is not a run or its config.json is damaged."""
     config = rundir.read_run_config(run)
     ckpt = ck.find_checkpoint(run, "step") or ck.find_checkpoint(run, "best")
     state = ck.read_state(ckpt) if ckpt else {}
     step, max_steps = (ckpt.step if ckpt else 0), config["train"]["max_steps"]
     if rundir.RunLock.held(run):
         where = "running"
+    elif ckpt is None and (ck.list_checkpoints(Path(run), "step") or ck.list_checkpoints(Path(run), "best")):
+        where = "damaged"  # checkpoints, none of them usable: not a run that never started
     elif config.get("imported_from"):
         where = "imported"
     else:
@@ -253,7 +255,16 @@ def list_runs(root: str | Path = RUNS) -> list[RunSummary]:
     if not root.is_dir():
         raise GptlabError(f"{root} is not a folder; give the folder that holds your runs (default runs/)")
     runs = sorted((p for p in root.iterdir() if rundir.is_run(p)), key=lambda p: (p / rundir.CONFIG).stat().st_mtime)
-    return [summarize(p) for p in runs]
+    return [_summary_or_damaged(p) for p in runs]
+
+
+def _summary_or_damaged(run: Path) -> RunSummary:
+    """summarize(run), or a row saying it is damaged when its config.json cannot be read (`gptlab info RUN` says
+    why): one damaged run must not hide the others."""
+    try:
+        return summarize(run)
+    except GptlabError:
+        return RunSummary(run, "?", 0, 0, None, 0, 0.0, "damaged")
 
 
 def describe(run: str | Path) -> dict[str, Any]:
