@@ -34,7 +34,8 @@ def top_k_filter(logits: torch.Tensor, k: int) -> torch.Tensor:
 
 
 def top_p_filter(logits: torch.Tensor, p: float) -> torch.Tensor:
-    """Nucleus filter: keep the smallest set of most likely tokens whose probability mass is >= p."""
+    """Nucleus filter: keep the smallest set of most likely tokens whose probability mass is >= p (among equal
+    logits the lower token id counts as the more likely, as in top_k_filter)."""
     if p >= 1.0:
         return logits
     sorted_logits, order = torch.sort(logits, dim=-1, descending=True, stable=True)
@@ -47,10 +48,10 @@ def top_p_filter(logits: torch.Tensor, p: float) -> torch.Tensor:
 
 def next_token(logits: torch.Tensor, cfg: SampleConfig, generator: torch.Generator | None = None,
                counts: torch.Tensor | None = None) -> torch.Tensor:
-    """Pick one token per row from logits (B, V): penalties, then temperature (0 = argmax), top-k, top-p, then a
-    draw from the softmax with `generator`: one uniform number per row, placed in the cumulative distribution
-    (torch.multinomial draws V exponentials per row: 0.8 ms a row at GPT-2's vocabulary, against 0.05 ms here,
-    measured, and the server draws every row of every step). Returns ids (B,)."""
+    """Pick one token per row from logits (B, V): penalties, then temperature (0 = argmax, the lowest id among
+    equal maxima), top-k, top-p, then a draw from the softmax with `generator`: one uniform number per row, placed
+    in the cumulative distribution (torch.multinomial draws V exponentials per row, several times slower at GPT-2's
+    vocabulary, and the server draws every row of every step). Returns ids (B,)."""
     logits = logits.float()
     if counts is not None:
         logits = apply_penalties(logits, counts, cfg.repetition_penalty, cfg.frequency_penalty, cfg.presence_penalty)
