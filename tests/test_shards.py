@@ -4,12 +4,12 @@ checked, and an interrupted prepare resumes from its last checkpoint to the same
 import fcntl
 import hashlib
 import json
+import signal
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from conftest import interruptible
 from test_sweep import tree
 from gptlab import encoder
 from gptlab.cli import main
@@ -173,38 +173,44 @@ def test_the_cli_reports_the_shards_and_trains_on_them(tmp_path, corpus, capsys)
     assert "--shard-tokens must be at least 1" in capsys.readouterr().err
 
 
-def test_ctrl_c_in_a_real_prepare_keeps_only_whole_shards_and_the_rerun_finishes_it(tmp_path):
-    """SIGINT to a `gptlab prepare` process as soon as its first checkpoint is on disk (wherever it is then)."""
-    import os
-    import signal
+CHILD = """import os, signal, sys
+from gptlab import encoder, rundir
+from gptlab.cli import main
+encoder.UNIT_CHARS = 2000  # as the small_units fixture has it, so that the rerun's units are the same
+real = rundir.fsync_dir
+def fsync_dir(path):  # SIGINT right after the first progress.json is renamed into place, before its folder's fsync
+    if sys.argv[1] == "interrupt" and (path / "progress.json").exists():
+        os.kill(os.getpid(), signal.SIGINT)
+    real(path)
+rundir.fsync_dir = fsync_dir
+sys.exit(main(sys.argv[2:]))
+"""
+
+
+@pytest.mark.parametrize("inherited", [signal.SIG_DFL, signal.SIG_IGN], ids=["foreground", "background job"])
+def test_sigint_to_a_real_prepare_keeps_its_checkpoint_and_the_rerun_finishes_it(tmp_path, corpus, inherited):
+    """SIGINT to a `gptlab prepare` process at the worst moment of its first checkpoint (progress.json renamed into
+    place, the checkpoint not yet returned), sent by the process itself, so that it lands there every time; with
+    SIGINT's default inherited, and ignored as a shell starts background jobs (prepare must restore it, as train
+    does)."""
     import subprocess
     import sys
-    import time
 
-    folder = tmp_path / "big"
-    folder.mkdir()
-    for i in range(24):  # 24 files of ~1 MB: a few units of text each way
-        (folder / f"{i:02d}.txt").write_text("".join(DOCS) * 14)
-    argv = [sys.executable, "-m", "gptlab", "prepare", str(folder), "--tokenizer", "char", "--workers", "1",
-            "--shard-tokens", "300000", "--quiet"]
     out = tmp_path / "out"
-    proc = subprocess.Popen(argv + ["--out", str(out)], stderr=subprocess.PIPE, text=True, preexec_fn=interruptible)
-    progress = out / STAGE / "progress.json"
-    while proc.poll() is None and not progress.exists():
-        time.sleep(0.01)
-    proc.send_signal(signal.SIGINT)
-    _, err = proc.communicate(timeout=120)
-    assert proc.returncode == 130 and "run the same command again to continue" in err, err
-    assert not (out / "meta.json").exists()
-    shards = list((out / STAGE).glob("*.bin"))
-    assert shards  # the first checkpoint follows the first complete shard
-    for shard in shards:  # a name without .part: complete, its header's count all there
-        assert len(read_tokens(shard)) == 300000
-    done = subprocess.run(argv[:-1] + ["--out", str(out)], capture_output=True, text=True, timeout=300)
+    argv = [sys.executable, "-c", CHILD, "interrupt", "prepare", str(corpus), "--out", str(out), "--workers", "1",
+            "--shard-tokens", "1000", "--quiet"]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=300,
+                          preexec_fn=lambda: signal.signal(signal.SIGINT, inherited))
+    assert done.returncode == 130 and "run the same command again to continue" in done.stderr, done.stderr
+    progress = json.loads((out / STAGE / "progress.json").read_text())
+    assert not (out / "meta.json").exists() and progress["units_done"] > 0
+    for entry in progress["splits"][0]["closed"]:  # a name without .part: complete, its header's count all there
+        assert len(read_tokens(out / STAGE / entry["file"])) == entry["tokens"] == 1000
+    argv[3] = "finish"
+    done = subprocess.run(argv[:-1], capture_output=True, text=True, timeout=300)  # not --quiet: it says it resumes
     assert done.returncode == 0 and "resuming the prepare interrupted" in done.stderr, done.stderr
-    subprocess.run(argv + ["--out", str(tmp_path / "straight")], check=True, timeout=300)
-    assert tree(out) == tree(tmp_path / "straight")
-    assert not (out / STAGE).exists() and os.listdir(out)
+    prepare([str(corpus)], tmp_path / "straight", "char", quiet=True, workers=1, shard_tokens=1000)
+    assert tree(out) == tree(tmp_path / "straight") and not (out / STAGE).exists()
 
 
 # ---- Ctrl-C at each step of a checkpoint ---------------------------------------------------------------------

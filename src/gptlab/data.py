@@ -8,9 +8,11 @@ rank), which makes training reproducible and resumable without storing the sampl
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import itertools
 import json
+import signal
 import sys
 import threading
 from collections.abc import Callable, Iterator
@@ -95,6 +97,23 @@ def _check_covers(tok: Tokenizer, chars: set[str], source: str) -> None:
                               "without --tokenizer-from to build a new vocabulary")
 
 
+@contextlib.contextmanager
+def _sigint_raises() -> Iterator[None]:
+    """Ctrl-C raises KeyboardInterrupt inside, even where SIGINT came ignored (a shell starts background jobs so,
+    and Python then leaves it ignored), so that the staging folder keeps its checkpoint: as train's GracefulStop
+    installs its handler whatever it inherited. The ignored state is restored after."""
+    ignored = threading.current_thread() is threading.main_thread() and \
+        signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+    if ignored:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        if ignored:
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+@_sigint_raises()
 def prepare(paths: list[str], out_dir: str | Path, tokenizer: str = "char", vocab_size: int = 1024,
             val_fraction: float = 0.1, encoding: str = "utf-8", quiet: bool = False, allow_special: bool = False,
             tokenizer_from: str | Path | None = None, text_field: str = "text", include: list[str] | None = None,
