@@ -1,14 +1,20 @@
 """End-to-end: the `gptlab` verbs as a user runs them, and one clear line for each bad input."""
 
+import json
+import math
 import os
+import shutil
 import subprocess
 import sys
 
 import pytest
 import torch
 
+import gptlab.plots
 from gptlab.cli import main
+from gptlab.data import prepare
 from gptlab.runtime import bf16_supported
+from gptlab.tokenizer import EOT
 
 TINY = ["--n-layer", "1", "--n-head", "2", "--n-embd", "16", "--block-size", "16", "--batch-size", "4",
         "--eval-interval", "5", "--eval-batches", "2", "--log-interval", "5", "--precision", "fp32", "--quiet"]
@@ -193,3 +199,57 @@ def test_an_unknown_flag_points_to_the_help_of_its_verb(capsys, argv, help_of):
     line = run_bad(capsys, *argv)
     assert f"unrecognized arguments: {argv[-1] if argv[0] != '--bogus' else '--bogus'}" in line
     assert line.endswith(f"(see `{help_of} --help`)"), line
+
+
+def evaluated_run(root, name, data, losses):
+    """A run folder trained on `data` whose metrics hold an evaluation (step, val_loss) per pair of `losses`."""
+    run = root / name
+    run.mkdir()
+    (run / "config.json").write_text(json.dumps({"model": {}, "train": {"max_steps": 10}, "data": str(data),
+                                                 "preset": "char-quick"}))
+    shutil.copy(data / "tokenizer.json", run / "tokenizer.json")
+    rows = [{"kind": "eval", "step": step, "val_loss": loss, "elapsed_s": step / 10} for step, loss in losses]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return run
+
+
+@pytest.fixture
+def drawn(monkeypatch):
+    """What compare hands to plots.plot_runs (which still draws it)."""
+    seen, draw = {}, gptlab.plots.plot_runs
+
+    def spy(curves, out_png, *unit):
+        seen.update(curves=curves, unit=unit[0] if unit else None)
+        return draw(curves, out_png, *unit)
+    monkeypatch.setattr(gptlab.plots, "plot_runs", spy)
+    return seen
+
+
+def test_compare_puts_runs_with_different_tokenizers_on_bits_per_byte(tmp_path, capsys, drawn):
+    text = "First Citizen:\nhéllo wörld, naïve café — 日本語 😀\n" * 120  # bytes per character well above 1
+    (tmp_path / "t.txt").write_text(text, encoding="utf-8")
+    for kind in ("char", "bpe"):
+        prepare([str(tmp_path / "t.txt")], tmp_path / kind, kind, vocab_size=300, quiet=True)
+    losses = {"char": [(5, 2.0), (10, 1.25)], "bpe": [(5, 3.5), (10, 2.75)]}
+    runs = {kind: evaluated_run(tmp_path, f"run-{kind}", tmp_path / kind, losses[kind]) for kind in losses}
+    out = run_ok(capsys, "compare", str(runs["char"]), str(runs["bpe"]), "--out", str(tmp_path / "c.png"))
+    assert "bits per byte" in out and drawn["unit"] == "bits / byte"
+    for kind, eot in (("char", ""), ("bpe", EOT)):  # the validation split: the text's tail (BPE: + end of text)
+        meta = json.loads((tmp_path / kind / "meta.json").read_text())
+        val_bytes = len((text[-meta["val_chars"]:] + eot).encode())
+        expected = [loss * meta["val_tokens"] / val_bytes / math.log(2) for _, loss in losses[kind]]
+        assert drawn["curves"][str(runs[kind])] == ([5, 10], pytest.approx(expected, rel=1e-9), [0.5, 1.0])
+    twin = evaluated_run(tmp_path, "run-char-2", tmp_path / "char", [(5, 1.5)])
+    out = run_ok(capsys, "compare", str(runs["char"]), str(twin), "--out", str(tmp_path / "same.png"))
+    assert "bits per byte" not in out and drawn["unit"] == "nats / token"
+    assert drawn["curves"][str(twin)] == ([5], [1.5], [0.5])  # one tokenizer: the losses as logged
+
+
+@pytest.mark.parametrize("out", ["x.json", "x", "x.png.txt"])
+def test_compare_refuses_a_picture_format_it_cannot_write_in_one_line(tmp_path, capsys, out, drawn):
+    (tmp_path / "t.txt").write_text("héllo wörld\n" * 50, encoding="utf-8")
+    prepare([str(tmp_path / "t.txt")], tmp_path / "d", "char", quiet=True)
+    run = evaluated_run(tmp_path, "run", tmp_path / "d", [(5, 2.0)])
+    line = run_bad(capsys, "compare", str(run), "--out", str(tmp_path / out))
+    assert f"--out {tmp_path / out}" in line and ".png" in line and ".svg" in line
+    assert not (tmp_path / out).exists() and not drawn

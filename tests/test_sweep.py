@@ -165,6 +165,8 @@ CASES = [
     # compare
     (["compare", "{r}/notarun"], "is not a gptlab run"),
     (["compare", "{r}/run-empty"], "none of these runs has been evaluated yet"),
+    (["compare", "{r}/run", "--out", "{r}/curves.json"], "a picture's name must end in .png, .svg, .pdf, .jpg"),
+    (["compare", "{r}/run", "--bogus"], "(see `gptlab compare --help`)"),
     # import / export
     (["import", "{r}/nowhere", "--run", "{r}/i"], "does not exist"),
     (["import", "{r}/notarun", "--run", "{r}/i"], "no config.json"),

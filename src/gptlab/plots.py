@@ -5,6 +5,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from gptlab.errors import GptlabError
+
+PICTURE_SUFFIXES = (".png", ".svg", ".pdf", ".jpg")  # formats matplotlib writes with no extra software
+NATS_PER_TOKEN, BITS_PER_BYTE = "nats / token", "bits / byte"  # the units of a validation curve
+
 
 def read_metrics(path: str | Path) -> list[dict]:
     path = Path(path)
@@ -27,6 +32,16 @@ def pyplot():
     import matplotlib.pyplot as plt
 
     return plt
+
+
+def check_picture_path(path: str | Path, flag: str = "--out") -> Path:
+    """`path`, when its suffix names a picture format written here; GptlabError naming the suffixes otherwise
+    (matplotlib would add .png to a bare name, and refuse .json only after the picture is drawn)."""
+    path = Path(path)
+    if path.suffix.lower() not in PICTURE_SUFFIXES:
+        raise GptlabError(f"{flag} {path}: a picture's name must end in {', '.join(PICTURE_SUFFIXES)}; for "
+                          f"example {path.with_suffix('.png').name if path.suffix else path.name + '.png'}")
+    return path
 
 
 def _save(fig, out_png: str | Path) -> Path:
@@ -79,9 +94,11 @@ def validation_curve(rows: list[dict]) -> tuple[list[int], list[float], list[flo
     return [r["step"] for r, _ in evals], [r["val_loss"] for r, _ in evals], [s for _, s in evals]
 
 
-def plot_runs(curves: dict[str, tuple[list[int], list[float], list[float]]], out_png: str | Path) -> Path:
-    """The validation loss of several runs ({name: validation_curve(...)}) against steps and against seconds,
-    side by side, as one PNG."""
+def plot_runs(curves: dict[str, tuple[list[int], list[float], list[float]]], out_png: str | Path,
+              unit: str = NATS_PER_TOKEN) -> Path:
+    """The validation loss of several runs ({name: validation_curve(...)}, its losses in `unit`) against steps and
+    against seconds, side by side, as one picture (see check_picture_path)."""
+    check_picture_path(out_png)
     plt = pyplot()
     fig, (by_step, by_time) = plt.subplots(1, 2, figsize=(11, 4.5), dpi=120, sharey=True)
     for name, (steps, losses, seconds) in curves.items():
@@ -89,7 +106,7 @@ def plot_runs(curves: dict[str, tuple[list[int], list[float], list[float]]], out
         by_time.plot(seconds, losses, "o-", ms=3, label=name)
     by_step.set_xlabel("step")
     by_time.set_xlabel("seconds of training")
-    by_step.set_ylabel("validation loss (nats / token)")
+    by_step.set_ylabel(f"validation loss ({unit})")
     for ax in (by_step, by_time):
         ax.grid(alpha=0.3)
     by_step.legend()
