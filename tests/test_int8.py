@@ -87,20 +87,43 @@ def test_int8_linear_stays_within_its_stated_error_of_fp32():
     assert torch.equal(int8.sums, int8.q.sum(dim=1, dtype=torch.int32))
 
 
-@pytest.mark.parametrize("rows, K, N, bias", [(16, 200, 97, True), (37, 72, 1001, False)])
-def test_the_bf16_product_of_prompts_stays_within_its_bound_of_the_fp32_reference(rows, K, N, bias):
-    """Prompts multiply in bf16 (q is exact there, only x is rounded): |error| <= 2^-8 |x| |q * scale|^T."""
-    torch.manual_seed(rows)
+def moved_int8_linear(K: int, N: int, bias: bool) -> Int8Linear:
     linear = nn.Linear(K, N, bias=bias)
     with torch.no_grad():
         linear.weight.mul_(3).add_(0.01)  # away from the initial values
         if bias:
             linear.bias.normal_()
-    layer = Int8Linear(linear)
+    return Int8Linear(linear)
+
+
+@pytest.mark.parametrize("rows, K, N, bias", [(16, 200, 97, True), (37, 72, 1001, False)])
+def test_the_bf16_product_of_prompts_rounds_x_and_the_sum_but_never_the_weights(rows, K, N, bias):
+    """On x exact in bf16 (multiples of 1/8 up to 8 in size) every sum x q^T is a multiple of 1/8 below 2^21, exact
+    in fp32 whatever the order: the product is that sum rounded once to bf16, times the scales, plus the bias, bit
+    for bit (worked out here in float64). Weights rounded to bf16 (q * scale, not q) change nearly every number."""
+    torch.manual_seed(rows)
+    layer = moved_int8_linear(K, N, bias)
+    x = torch.randint(-64, 65, (1, rows, K)).float() / 8
+    exact = x.double() @ layer.q.double().T  # (1, rows, N): the sums, exactly
+    expected = exact.float().to(torch.bfloat16).float() * layer.scale
+    expected = expected + layer.bias if bias else expected
+    with torch.no_grad():
+        fast = layer.forward_bf16(x)
+    assert fast.shape == (1, rows, N) and fast.dtype == torch.float32
+    assert torch.equal(fast, expected)
+
+
+@pytest.mark.parametrize("rows, K, N, bias", [(16, 200, 97, True), (37, 72, 1001, False)])
+def test_the_bf16_product_of_prompts_stays_within_its_bound_of_the_fp32_reference(rows, K, N, bias):
+    """On any x: x rounded to bf16 and the sum rounded to bf16, each off by at most 2^-8 of itself, so
+    |error| <= 2^-8 (|x| |q * scale|^T + |x (q * scale)^T|) (to first order; + 1e-5 for fp32's own rounding)."""
+    torch.manual_seed(rows)
+    layer = moved_int8_linear(K, N, bias)
     x = torch.randn(1, rows, K) * 2
     with torch.no_grad():
         reference, fast = layer(x), layer.forward_bf16(x)
-        bound = x.abs() @ layer.dequantized().abs().T * 2 ** -8 + 1e-5
+        w = layer.dequantized()
+        bound = (x.abs() @ w.abs().T + (x @ w.T).abs()) * 2 ** -8 + 1e-5
     assert fast.shape == reference.shape == (1, rows, N) and fast.dtype == torch.float32
     assert ((fast - reference).abs() <= bound).all() and not torch.equal(fast, reference)
 

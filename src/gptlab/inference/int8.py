@@ -7,10 +7,11 @@ int8 reads a quarter of fp32's bytes and half of bf16's. Quantization is symmetr
 `Int8Linear` is the torch path, the reference the native kernel is held to (tests/test_int8.py) and the fallback
 where it cannot run: it dequantizes its weight and multiplies in fp32, on any device. Prompts (many rows at once)
 take a faster product where the CPU computes bf16 natively: q is exact in bf16 (|q| <= 127 needs 7 of its 8
-significant bits), so only x is rounded, as under autocast, and the scales are applied after (`bf16_rows`). `quantize_model` turns a
-model's nn.Linears into Int8Linears, the LM head included (the largest matrix of GPT-2: 50257 x 768); the token
-embedding it is tied to then holds the dequantized values, so embedding and head stay the same weights (and the
-head's torch products read them rather than dequantize the largest matrix at every call).
+significant bits), so only x and the product's result are rounded to bf16, as under autocast, and the scales are
+applied after, in fp32 (`bf16_rows`). `quantize_model` turns a model's nn.Linears into Int8Linears, the LM head
+included (the largest matrix of GPT-2: 50257 x 768); the token embedding it is tied to then holds the dequantized
+values, so embedding and head stay the same weights (and the head's torch products read them rather than
+dequantize the largest matrix at every call).
 """
 
 from __future__ import annotations
@@ -67,10 +68,11 @@ class Int8Linear(nn.Module):
         return F.linear(x.float(), weight, self.bias)
 
     def forward_bf16(self, x: torch.Tensor) -> torch.Tensor:
-        """x (q^T) in bf16 with fp32 accumulation, then the scales and the bias in fp32: the reference's result up
-        to x rounded to bf16 (|error| <= 2^-8 |x| |q * scale|^T), and 3-4x faster on a 16-token prompt of the
-        GPT-2-124M shape. q is converted to bf16 at every call (half the bytes of the reference's fp32 copy);
-        none is kept, so that int8 weights stay int8 in memory."""
+        """x (q^T) in bf16 with fp32 accumulation, its result rounded to bf16, then the scales and the bias in
+        fp32: the reference's result up to two roundings to bf16, of x and of the sum x q^T, each off by at most
+        2^-8 of itself (q is exact in bf16: the weights themselves are never rounded). Faster than the reference
+        on prompts where the CPU computes bf16 natively. q is converted to bf16 at every call (half the bytes of
+        the reference's fp32 copy); none is kept, so that int8 weights stay int8 in memory."""
         y = F.linear(x.to(torch.bfloat16), self.q.to(torch.bfloat16)).float() * self.scale
         return y if self.bias is None else y + self.bias
 
