@@ -77,26 +77,41 @@ def test_peak_is_measured_once_then_read_from_the_cache(monkeypatch, quiet_machi
     assert len(calls) == 2
 
 
-def test_bench_train_compares_variants_from_the_same_start(char_data, monkeypatch, capsys, quiet_machine):
+def bench_rows(char_data, monkeypatch, capsys, variants):
+    """bench train's rows and printed lines for `variants` over 2 steps of a tiny model with dropout (interleaved
+    variants, yet each draws the masks it would alone), against a fake peak of 1e10 fp32 and 2e10 bf16 FLOP/s."""
     monkeypatch.setattr(peak, "measure_peak", lambda device, quick: {"device": "test", "fp32": 1e10, "bf16": 2e10})
-    variants = [Variant("fp32 eager (reference)", "fp32"), Variant("fp32 again", "fp32")]
-    if bf16_supported(torch.device("cpu")):
-        variants.append(Variant("bf16 eager", "bf16"))
     cfg = TrainConfig(batch_size=4, lr=3e-3, warmup_steps=1, device="cpu")
-    model = tiny_config(vocab_size=0, dropout=0.1)  # interleaved variants, yet each draws the masks it would alone
+    model = tiny_config(vocab_size=0, dropout=0.1)
     rows = run_train_bench(char_data, model, cfg, steps=2, warmup=1, variants=variants)
-    lines = capsys.readouterr().out.strip().splitlines()
-    assert [r["variant"] for r in rows] == [v.name for v in variants]
-    assert rows[0]["val_loss"] == rows[1]["val_loss"]  # same seed, same batches, same path: the same numbers
-    if len(rows) == 3:
-        assert abs(rows[2]["val_loss"] - rows[0]["val_loss"]) < 0.05
-        assert rows[2]["peak"] == "bf16" and rows[0]["peak"] == "fp32"
     flops_per_token = model_flops(char_data)
     for r in rows:
         assert r["mfu"] == pytest.approx(r["tokens_per_s"] * flops_per_token / (2e10 if r["peak"] == "bf16" else 1e10))
+    return rows, capsys.readouterr().out.strip().splitlines()
+
+
+def test_bench_train_compares_variants_from_the_same_start(char_data, monkeypatch, capsys, quiet_machine):
+    variants = [Variant("fp32 eager (reference)", "fp32"), Variant("fp32 again", "fp32")]
+    rows, lines = bench_rows(char_data, monkeypatch, capsys, variants)
+    assert [r["variant"] for r in rows] == [v.name for v in variants]
+    assert rows[0]["val_loss"] == rows[1]["val_loss"]  # same seed, same batches, same path: the same numbers
+    assert rows[0]["peak"] == rows[1]["peak"] == "fp32"
     assert lines[-1].endswith("peak") and "x the fp32 reference's tokens/s, MFU" in lines[-1]
     assert any(line.startswith("fp32 again") and " +0.0000" in line for line in lines)
     assert any(line.startswith("machine load: ") for line in lines)
+
+
+@pytest.mark.device_path("bf16 native")
+@pytest.mark.skipif(not bf16_supported(torch.device("cpu")),
+                    reason="this CPU has no native bf16: bench train runs no bf16 variant here")
+def test_bench_train_holds_bf16_to_the_fp32_reference_and_to_bf16s_peak(char_data, monkeypatch, capsys,
+                                                                      quiet_machine):
+    variants = [Variant("fp32 eager (reference)", "fp32"), Variant("bf16 eager", "bf16")]
+    rows, lines = bench_rows(char_data, monkeypatch, capsys, variants)
+    assert [r["variant"] for r in rows] == [v.name for v in variants]
+    assert abs(rows[1]["val_loss"] - rows[0]["val_loss"]) < 0.05 and rows[1]["val_loss"] != rows[0]["val_loss"]
+    assert rows[1]["peak"] == "bf16" and rows[0]["peak"] == "fp32"
+    assert any(line.startswith("bf16 eager") for line in lines)
 
 
 def model_flops(char_data) -> float:
