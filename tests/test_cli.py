@@ -253,3 +253,30 @@ def test_compare_refuses_a_picture_format_it_cannot_write_in_one_line(tmp_path, 
     line = run_bad(capsys, "compare", str(run), "--out", str(tmp_path / out))
     assert f"--out {tmp_path / out}" in line and ".png" in line and ".svg" in line
     assert not (tmp_path / out).exists() and not drawn
+
+
+def test_a_config_files_data_path_is_relative_to_its_folder(tmp_path, monkeypatch, capsys):
+    (tmp_path / "t.txt").write_text("héllo wörld\n" * 200, encoding="utf-8")
+    prepare([str(tmp_path / "t.txt")], tmp_path / "exp" / "data", "char", quiet=True)
+    (tmp_path / "exp" / "small.toml").write_text('data = "data"\nrun = "run"\n[train]\nmax_steps = 2\n')
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    run_ok(capsys, "train", "--config", "../exp/small.toml", *TINY)
+    saved = json.loads((tmp_path / "exp" / "run" / "config.json").read_text())
+    assert saved["data"] == str((tmp_path / "exp" / "data").resolve()) and saved["train"]["max_steps"] == 2
+    assert not any((tmp_path / "elsewhere").iterdir())
+
+
+@pytest.mark.parametrize("name, text, words", [
+    ("arrays.toml", "[[model]]\nn_layer = 2\n", "[model] must be a table of settings"),
+    ("scalar.toml", "train = 3\n", "[train] must be a table of settings"),
+    ("list.json", '{"model": [{"n_layer": 2}]}', "[model] must be a table of settings"),
+    ("number.toml", "data = 5\n", "data must be text (a path), not 5"),
+    ("top.json", "[1, 2]", "must hold named settings"),
+])
+def test_a_config_file_of_the_wrong_shape_is_one_line(tmp_path, monkeypatch, capsys, name, text, words):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / name).write_text(text)
+    line = run_bad(capsys, "train", "--config", name, "--run", "r")
+    assert f"config file {name}" in line and words in line
+    assert sorted(p.name for p in tmp_path.iterdir()) == [name]

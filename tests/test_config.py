@@ -1,6 +1,7 @@
 import pytest
 
-from gptlab.config import PRESETS, ModelConfig, SampleConfig, TrainConfig, build, get_preset, parse_value
+from gptlab.config import (PRESETS, ModelConfig, SampleConfig, TrainConfig, build, get_preset, parse_value,
+                           read_config_file)
 from gptlab.errors import GptlabError
 
 
@@ -56,3 +57,16 @@ def test_unknown_preset_and_setting_name_the_choices():
         get_preset("gpt5")
     with pytest.raises(GptlabError, match="unknown setting 'n_layers'"):
         build(ModelConfig, {}, {"n_layers": 3})
+
+
+def test_a_config_file_reads_its_paths_relative_to_its_own_folder(tmp_path):
+    folder = tmp_path / "expé 1"
+    folder.mkdir()
+    (folder / "c.toml").write_text('preset = "char-small"\ndata = "../corpus/data"\nrun = "runs/x"\nlr = 0.002\n'
+                                   '[model]\nn_layer = 2\n[train]\nmax_steps = 7\n', encoding="utf-8")
+    model, train, rest = read_config_file(folder / "c.toml")
+    assert model == {"n_layer": 2} and train == {"lr": 0.002, "max_steps": 7}
+    assert rest == {"preset": "char-small", "data": str(folder / ".." / "corpus" / "data"),
+                    "run": str(folder / "runs" / "x")}
+    (folder / "abs.json").write_text(f'{{"data": "{tmp_path / "d"}", "model": {{"n_head": 2}}}}')
+    assert read_config_file(folder / "abs.json") == ({"n_head": 2}, {}, {"data": str(tmp_path / "d")})

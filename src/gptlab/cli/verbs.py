@@ -8,7 +8,7 @@ from pathlib import Path
 
 from gptlab.cli.common import add_config_flags, add_device, announce, command, overrides, unescape
 from gptlab.config import (DEFAULT_PRESET, INFERENCE_PRECISIONS, PRESETS, TOKENIZERS, ModelConfig, SampleConfig,
-                           TrainConfig, build)
+                           TrainConfig, build, read_config_file)
 from gptlab.errors import GptlabError
 from gptlab.tokenfiles import SHARD_TOKENS
 from gptlab.tokenizer import EOT
@@ -86,10 +86,13 @@ RESUME_VALUES = {None: False, "true": True, "auto": "auto"}  # --resume's spelli
 
 
 def train_spec(args: argparse.Namespace, resume: bool | str):
+    """The run's spec: the preset, then the --config file (its paths relative to its folder), then the flags."""
     from gptlab.runs import resolve
 
-    return resolve(args.preset, overrides(args, ModelConfig), overrides(args, TrainConfig), args.run, args.data,
-                   resume, args.config, args.quiet)
+    model, train, rest = read_config_file(args.config) if args.config else ({}, {}, {})
+    return resolve(args.preset or rest.get("preset"), {**model, **overrides(args, ModelConfig)},
+                   {**train, **overrides(args, TrainConfig)}, args.run or rest.get("run"),
+                   args.data or rest.get("data"), resume, None, args.quiet)
 
 
 @command("train", "train a model (no arguments: the default preset on the bundled corpus, into runs/)")
@@ -122,7 +125,8 @@ def add_train(p: argparse.ArgumentParser) -> None:
                    help=f"starting settings: {', '.join(PRESETS)} (default {DEFAULT_PRESET}; finetune with "
                         "--init-from)")
     p.add_argument("--config", metavar="FILE", help="settings from a TOML or JSON file (the fields below, flat or "
-                   "in [model] / [train] tables; a run's config.json is one); flags override it")
+                   "in [model] / [train] tables, and preset, data, run: paths relative to the file's folder; a "
+                   "run's config.json is one); flags override it")
     p.add_argument("--run", help="run folder (default: runs/PRESET, a new one if that has checkpoints)")
     p.add_argument("--resume", nargs="?", const="true", default=None, metavar="auto",
                    help="continue the run from its newest valid checkpoint ('auto': only if it has one)")
