@@ -253,3 +253,32 @@ def test_the_encoding_bar_of_compressed_inputs_knows_its_total(tmp_path, monkeyp
     assert totals["scan"] is None  # the rate alone while scanning
     assert totals["encode"] == meta["sources"][0]["bytes"] == len(gzip.decompress((tmp_path / "part.jsonl.gz")
                                                                                    .read_bytes()))
+
+
+@pytest.mark.parametrize("chunk", [corpus.CHUNK_BYTES, 13])
+def test_the_last_json_line_counts_without_a_final_newline(tmp_path, monkeypatch, chunk):
+    monkeypatch.setattr(corpus, "CHUNK_BYTES", chunk)
+    texts = TEXTS + ["el último café ☕, sin salto de línea"]
+    path = tmp_path / "docs.jsonl"
+    path.write_text("\n".join(json.dumps({"text": t}, ensure_ascii=False) for t in texts), encoding="utf-8")
+    assert path.read_bytes().endswith("línea\"}".encode())
+    meta = prepare([str(path)], tmp_path / "out", "gpt2", quiet=True)
+    train, val = held_out(load_dataset(tmp_path / "out"), texts)
+    assert meta["documents"] == len(texts) and sorted(train + val) == list(range(len(texts)))
+
+
+def test_a_utf16_file_is_binary_though_it_is_valid_utf8(tmp_path):
+    """UTF-16 of ASCII text is every other byte NUL: valid UTF-8, and no text to learn from."""
+    text = "plain ASCII text, as UTF-16 spells it\n" * 20
+    data = text.encode("utf-16-le")
+    assert data.decode("utf-8") == "".join(c + "\x00" for c in text)
+    folder = tmp_path / "mixed"
+    folder.mkdir()
+    (folder / "a.txt").write_text(TEXTS[0], encoding="utf-8")
+    (folder / "wide.txt").write_bytes(data)
+    with pytest.raises(GptlabError, match=r"wide.txt looks like a binary file \(a NUL byte near offset 1\)"):
+        prepare([str(folder / "wide.txt")], tmp_path / "named", quiet=True)
+    assert not (tmp_path / "named").exists()
+    meta = prepare([str(folder)], tmp_path / "out", quiet=True)
+    assert [Path(s["path"]).name for s in meta["sources"]] == ["a.txt"]
+    assert [Path(s["path"]).name for s in meta["skipped"]] == ["wide.txt"] and "binary" in meta["skipped"][0]["reason"]

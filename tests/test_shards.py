@@ -16,7 +16,7 @@ from gptlab.cli import main
 from gptlab.data import batch_generator, get_batch, load_dataset, prepare
 from gptlab.errors import GptlabError
 from gptlab.staging import STAGE, Staging
-from gptlab.tokenfiles import ShardedTokens, read_tokens
+from gptlab.tokenfiles import ShardedTokens, TokenWriter, read_tokens
 
 DOCS = [f"Doc {i}: {'the quick brown fox ' * (3 + i % 7)}jumps {i} times.\n" for i in range(300)]
 
@@ -149,16 +149,108 @@ def test_folders_from_before_shards_still_load(char_data):
     assert len(ds.train) == meta["train_tokens"] and len(ds.val) == meta["val_tokens"]
 
 
-@pytest.mark.parametrize("entry", [{"file": "../train.bin", "tokens": 5}, {"file": "train-00000.bin", "tokens": 5},
-                                   "train.bin"])
-def test_a_damaged_manifest_is_refused_in_one_line(tmp_path, corpus, entry):
+@pytest.mark.parametrize("entry, message", [
+    ({"file": "../train.bin", "tokens": 5}, r"meta.json is damaged \(its train shards\); run `gptlab prepare` again"),
+    ("train.bin", r"meta.json is damaged \(its train shards\); run `gptlab prepare` again"),
+    ({"file": "train-00009.bin", "tokens": 5}, r"token file .*train-00009.bin is missing; run `gptlab prepare`"),
+])
+def test_a_damaged_manifest_is_refused_in_one_line(tmp_path, corpus, entry, message):
     out = tmp_path / "out"
     prepare([str(corpus)], out, "char", quiet=True, workers=1)
     meta = json.loads((out / "meta.json").read_text())
     meta["shards"]["train"] = [entry]
     (out / "meta.json").write_text(json.dumps(meta))
-    with pytest.raises(GptlabError, match="run `gptlab prepare` again|token file .* is missing"):
+    with pytest.raises(GptlabError, match=message):
         load_dataset(out)
+
+
+def test_a_shard_whose_count_differs_from_the_manifest_is_refused(tmp_path, corpus):
+    """Two shards' counts swapped in the manifest: the split's total still matches, each shard does not."""
+    out = tmp_path / "out"
+    prepare([str(corpus)], out, "char", quiet=True, workers=1, shard_tokens=7000)
+    meta = json.loads((out / "meta.json").read_text())
+    first, last = meta["shards"]["train"][0], meta["shards"]["train"][-1]
+    assert first["tokens"] == 7000 > last["tokens"] > 0
+    first["tokens"], last["tokens"] = last["tokens"], first["tokens"]
+    (out / "meta.json").write_text(json.dumps(meta))
+    with pytest.raises(GptlabError, match=rf"train-00000.bin holds 7000 tokens and meta.json says {first['tokens']}; "
+                                          "run `gptlab prepare` again"):
+        load_dataset(out)
+
+
+def shards_by_hand(folder: Path, split: str) -> np.ndarray:
+    """A split's ids read from its files with numpy alone (the 32-byte header skipped), in the manifest's order."""
+    meta = json.loads((folder / "meta.json").read_text())
+    dtype = np.dtype(meta["dtype"])
+    return np.concatenate([np.fromfile(folder / e["file"], dtype=dtype, offset=32) for e in meta["shards"][split]])
+
+
+def test_every_index_of_a_sharded_split_is_the_concatenation_of_its_files(tmp_path, corpus):
+    prepare([str(corpus)], tmp_path / "out", "char", quiet=True, workers=1, shard_tokens=997)
+    ds = load_dataset(tmp_path / "out")
+    for split in (ds.train, ds.val):
+        assert isinstance(split, ShardedTokens) and len(split.shards) > 1
+    whole = shards_by_hand(tmp_path / "out", "train")
+    assert len(ds.train) == len(whole) and len(set(whole.tolist())) > 20
+    assert [int(ds.train[i]) for i in range(len(whole))] == whole.tolist()  # each shard's first and last included
+    assert [int(ds.train[i]) for i in range(-len(whole), 0)] == whole.tolist()
+    for edge in ds.train.offsets[1:-1]:  # slices that start, end or cross at a boundary
+        for a, b in ((edge - 1, edge), (edge, edge + 1), (edge - 3, edge + 3), (edge, edge + 997)):
+            assert ds.train[a:b].tolist() == whole[a:b].tolist()
+    assert shards_by_hand(tmp_path / "out", "val").tolist() == np.asarray(ds.val).tolist()
+
+
+@pytest.mark.parametrize("vocab_size", [300, 70_000])
+def test_a_resumed_token_file_is_cut_back_to_its_checkpoint(tmp_path, vocab_size):
+    """Ids written after the checkpoint (more of them than come after the resume) are gone from the file."""
+    import struct
+
+    ids = np.random.default_rng(0).integers(0, vocab_size, 400)
+    path = tmp_path / "t.bin.part"
+    writer = TokenWriter(path, vocab_size)
+    writer.write(ids[:100])
+    writer.sync()
+    writer.write(ids[100:400])  # after the checkpoint: a killed process leaves these on disk
+    writer.file.close()
+    again = TokenWriter(path, vocab_size, resume_at=100)
+    again.write(ids[200:220])
+    again.close()
+    width = 2 if vocab_size <= 65536 else 4
+    raw = path.read_bytes()
+    assert struct.unpack("<8sIIQ", raw[:24]) == (b"GPTLABTK", 1, width, 120) and len(raw) == 32 + 120 * width
+    expected = np.concatenate([ids[:100], ids[200:220]]).astype(f"<u{width}").tobytes()
+    assert raw[32:] == expected and again.sha.hexdigest() == hashlib.sha256(expected).hexdigest()
+
+
+def test_every_checkpoint_follows_its_shards_on_disk(tmp_path, corpus, monkeypatch):
+    """When progress.json is written, every shard it names holds, flushed and fsynced, the ids it says: the
+    size each file had at its last fsync is its header and its count of ids."""
+    import os
+
+    from gptlab import staging
+
+    synced: dict[str, int] = {}
+    checkpoints = []
+    real_fsync, real_write_atomic = os.fsync, staging.write_atomic
+
+    def fsync(fd):
+        real_fsync(fd)
+        synced[Path(os.readlink(f"/proc/self/fd/{fd}")).name] = os.fstat(fd).st_size
+
+    def write_atomic(path, data):
+        state = json.loads(data)
+        for split, name in zip(state["splits"], ("train", "val")):
+            for entry in split["closed"]:
+                assert synced.get(entry["file"] + ".part") == 32 + 2 * entry["tokens"], entry
+            if split["open_tokens"]:
+                part = f"{name}-{len(split['closed']):05d}.bin.part"
+                assert synced.get(part) == 32 + 2 * split["open_tokens"], (part, split["open_tokens"])
+        checkpoints.append(state)
+        real_write_atomic(path, data)
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(staging, "write_atomic", write_atomic)
+    prepare([str(corpus)], tmp_path / "out", "char", quiet=True, workers=1, shard_tokens=3000)
+    assert len(checkpoints) > 5 and any(s["open_tokens"] for c in checkpoints for s in c["splits"])
 
 
 def test_the_cli_reports_the_shards_and_trains_on_them(tmp_path, corpus, capsys):
