@@ -3,8 +3,11 @@ imported into gptlab, the invariants of attention and the logit lens, tracing th
 step that tracing leaves alone, the anatomy's counts, and the `gptlab inspect` commands with their pictures and
 refusals (the interactive page: test_inspect_page.py)."""
 
+import logging
+import warnings
 from pathlib import Path
 
+import matplotlib
 import pytest
 import torch
 from conftest import CORPUS
@@ -22,7 +25,8 @@ from gptlab.errors import GptlabError
 from gptlab.hf import load_hf_model
 from gptlab.inspect import page
 from gptlab.inspect.anatomy import describe, model_for, totals
-from gptlab.inspect.pictures import panels
+from gptlab.inspect import pictures
+from gptlab.inspect.pictures import attention_png, embeddings_png, lens_png, panels
 from gptlab.inspect.trace import (
     logit_lens,
     pairwise_cosine,
@@ -195,6 +199,40 @@ def test_token_labels_show_whitespace_and_bpe_pieces():
     labels = token_labels(bpe, bpe.encode(text))
     assert "".join(labels) == text.replace(" ", "␣").replace("\n", "↵") and len(labels) <= len(text) / 2
     assert "␣Citizen" in labels
+
+
+def drawn_texts(monkeypatch) -> list[list[str]]:
+    """Every text each picture drawn from now on holds (tick labels, cells, titles), one list per picture."""
+    drawn, save = [], pictures._save
+    monkeypatch.setattr(pictures, "_save", lambda fig, out: drawn.append(
+        [t.get_text() for t in fig.findobj(matplotlib.text.Text) if t.get_text()]) or save(fig, out))
+    return drawn
+
+
+def test_labels_drawn_on_pictures_escape_what_the_font_cannot_show(tmp_path, monkeypatch, caplog):
+    """matplotlib's default font, DejaVu Sans, has 😀 and → but no ␍ and no 中: a control character is shown as
+    its escape, a character the font lacks as its code point, and matplotlib has nothing to warn about."""
+    text = "a\r\t😀中\x1b b"
+    chars = CharTokenizer(text)
+    ids = chars.encode(text)
+    model = tiny_gpt(4, vocab_size=chars.vocab_size)
+    tr = trace(model, ids)
+    labels = token_labels(chars, ids)
+    assert labels == ["a", "\\r", "→", "😀", "中", "\\x1b", "␣", "b"]  # the terminal's and the page's
+    drawn = drawn_texts(monkeypatch)
+    with matplotlib.rc_context({"font.family": "DejaVu Sans"}), warnings.catch_warnings(record=True) as caught, \
+            caplog.at_level(logging.WARNING):
+        warnings.simplefilter("always")
+        attention_png(tr, labels, tmp_path / "attention.png", layer=0, head=0)
+        lens_png(logit_lens(model, tr), labels, chars, tmp_path / "lens.png")
+        embeddings_png(torch.randn(4, 2, 8), "中", ["a\r中", "😀 中"], tmp_path / "embeddings.png")
+    assert [str(w.message) for w in caught] == [] and caplog.text == ""
+    ticks = ["a", "\\r", "→", "😀", "\\u4e2d", "\\x1b", "␣", "b"]
+    for texts in drawn:
+        assert not any(c in t for t in texts for c in "中\r\x1b␍"), texts
+    assert all(t in drawn[0] for t in ticks) and all(t in drawn[1] for t in ticks)
+    legend = next(t for t in drawn[2] if t.startswith("PCA per depth"))
+    assert legend.splitlines() == ["PCA per depth; contexts", "1: 'a\\r\\u4e2d'", "2: '😀 \\u4e2d'"]
 
 
 # ---- anatomy -----------------------------------------------------------------------------------------------------

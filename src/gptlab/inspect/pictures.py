@@ -5,12 +5,30 @@ matplotlib is imported when a picture is drawn (plots.pyplot, the Agg backend): 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from functools import lru_cache
 from pathlib import Path
 
 import torch
 
-from gptlab.inspect.trace import Trace, pairwise_cosine, token_label
+from gptlab.inspect.trace import Trace, escape, pairwise_cosine, token_label
 from gptlab.plots import pyplot
+
+
+@lru_cache
+def _glyphs(font_path: str) -> frozenset[int]:
+    from matplotlib import font_manager
+
+    return frozenset(font_manager.get_font(font_path).get_charmap())
+
+
+def drawable(text: str) -> str:
+    """text with every character the pictures' font (matplotlib's default) has no glyph for written as its escape
+    (中 as \\u4e2d), so that no label is drawn as an empty box and matplotlib has nothing to warn about; a line
+    break stays one (matplotlib breaks the line there)."""
+    from matplotlib import font_manager
+
+    glyphs = _glyphs(font_manager.findfont(font_manager.FontProperties()))
+    return "".join(ch if ch == "\n" or ord(ch) in glyphs else escape(ch) for ch in text)
 
 
 def _save(fig, out: str | Path) -> Path:
@@ -22,7 +40,7 @@ def _save(fig, out: str | Path) -> Path:
 
 
 def _label_axes(ax, labels: Sequence[str], x: bool, y: bool, size: float) -> None:
-    ticks = range(len(labels))
+    ticks, labels = range(len(labels)), [drawable(label) for label in labels]
     ax.set_xticks(ticks, labels if x else [""] * len(labels), rotation=90, fontsize=size)
     ax.set_yticks(ticks, labels if y else [""] * len(labels), fontsize=size)
     ax.tick_params(length=0)
@@ -94,9 +112,9 @@ def lens_png(lens: torch.Tensor, labels: Sequence[str], tokenizer, out: str | Pa
     image = ax.imshow(p_final.numpy(), cmap="magma", vmin=0, vmax=1, aspect="auto", interpolation="nearest")
     for d in range(D):
         for t in range(T):
-            ax.text(t, d, token_label(tokenizer, int(top[d, t])), ha="center", va="center", fontsize=7,
+            ax.text(t, d, drawable(token_label(tokenizer, int(top[d, t]))), ha="center", va="center", fontsize=7,
                     color="black" if p_final[d, t] > 0.6 else "white")
-    ax.set_xticks(range(T), labels, fontsize=8)
+    ax.set_xticks(range(T), [drawable(label) for label in labels], fontsize=8)
     ax.set_yticks(range(D), ["emb"] + [f"after h.{i}" for i in range(D - 1)], fontsize=8)
     ax.set_xlabel("input token (each column predicts the token after it)")
     fig.colorbar(image, ax=ax, fraction=0.03, label="probability of the final prediction")
@@ -135,7 +153,7 @@ def embeddings_png(reps: torch.Tensor, word: str, contexts: Sequence[str], out: 
         ax.set_xticks(range(first, D), names[first:], fontsize=8)
         ax.grid(alpha=0.3)
     whole.set_ylabel("cosine similarity")
-    whole.set_title(f"{word!r} in {N} contexts: one static vector, then contextual ones", fontsize=10)
+    whole.set_title(drawable(f"{word!r} in {N} contexts: one static vector, then contextual ones"), fontsize=10)
     zoom.set_title("after each block, zoomed in", fontsize=10)
     zoom.legend(fontsize=7, loc="lower left")
     colours = plt.get_cmap("tab10")
@@ -149,7 +167,7 @@ def embeddings_png(reps: torch.Tensor, word: str, contexts: Sequence[str], out: 
         sub.set_xticks([])
         sub.set_yticks([])
     legend = "\n".join(f"{n + 1}: {c[:70]!r}" for n, c in enumerate(contexts[:10]))
-    fig.text(0.01, -0.02, "PCA per depth; contexts\n" + legend, fontsize=7, va="top")
+    fig.text(0.01, -0.02, "PCA per depth; contexts\n" + drawable(legend), fontsize=7, va="top")
     return _save(fig, out)
 
 

@@ -9,6 +9,7 @@ inference). Letters as in model.py: B batch, T positions, C channels, H heads, D
 from __future__ import annotations
 
 import math
+import unicodedata
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -129,15 +130,33 @@ def trace_generation(model: torch.nn.Module, prompt: Sequence[int], cfg: SampleC
     return trace(gpt, list(prompt) + new)
 
 
+VISIBLE = {" ": "␣", "\n": "↵", "\t": "→", "\r": "\\r"}  # whitespace as a picture or a terminal shows it
+
+
+def escape(ch: str) -> str:
+    """A character as Python writes its escape: \\xNN, \\uNNNN or \\UNNNNNNNN."""
+    code = ord(ch)
+    return f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}" if code < 0x10000 else f"\\U{code:08x}"
+
+
+def visible(ch: str) -> str:
+    """ch, or what shows it where it would be invisible or move the cursor: a space, a line break or a tab as a
+    symbol (VISIBLE), any other control, format or separator character as its escape."""
+    if ch in VISIBLE:
+        return VISIBLE[ch]
+    return escape(ch) if unicodedata.category(ch)[0] in "CZ" else ch
+
+
 def token_label(tokenizer: Tokenizer, token: int) -> str:
-    """A token as it reads on a picture: its text with whitespace made visible (space ␣, newline ↵, tab →,
-    carriage return ␍), or its bytes as \\xNN where they are not whole UTF-8 characters (a byte-level BPE piece)."""
+    """A token as it reads in a table or on a picture: its text with whitespace made visible (space ␣, newline ↵,
+    tab →, carriage return \\r) and other control characters escaped (\\x1b), or its bytes as \\xNN where they are
+    not whole UTF-8 characters (a byte-level BPE piece); ∅ for a token with no bytes."""
     raw = tokenizer.decode_bytes([token])
     try:
-        text = raw.decode("utf-8")
+        text = "".join(visible(ch) for ch in raw.decode("utf-8"))
     except UnicodeDecodeError:
         text = "".join(f"\\x{b:02x}" for b in raw)
-    return text.replace(" ", "␣").replace("\n", "↵").replace("\t", "→").replace("\r", "␍") or "∅"
+    return text or "∅"
 
 
 def token_labels(tokenizer: Tokenizer, ids: Sequence[int]) -> list[str]:
