@@ -5,6 +5,7 @@ of a valid one, and data is scored only with the tokenizer it was made with. (Ba
 import errno
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -42,9 +43,11 @@ def test_a_refused_resume_leaves_the_run_resumable(trained, char_data, tmp_path,
     gptlab.data.prepare([str(tmp_path / "corpus.txt")], other, "bpe", vocab_size=300, quiet=True)
     before = tree(trained)
     assert main(["train", "--run", str(trained), "--resume", "--n-layer", "3"]) == 2
-    assert main(["train", "--run", str(trained), "--resume", "--data", str(other)]) == 2
+    assert main(["train", "--run", str(trained), "--resume", "--data", str(other)]) == 2  # a larger vocabulary
     assert tree(trained) == before  # config.json and tokenizer.json included
-    capsys.readouterr()
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 2 and "n_layer=1 (now 3)" in err[0]
+    assert f"it was trained on different data than {other}" in err[1] and "--vocab-size" not in err[1]  # not given
     assert main(["train", "--run", str(trained), "--resume", "--max-steps", "15"]) == 0
     assert steps(trained)[-1] == 15
     for verb in (["sample", "--run", str(trained), "--max-new-tokens", "5"], ["eval", "--run", str(trained)],
@@ -88,6 +91,16 @@ def test_no_older_checkpoint_left_is_said_so(trained, caplog):
     assert ck.find_checkpoint(trained, "step") is None
     assert "falling back to an older one" in caplog.text  # step 10 -> step 5
     assert caplog.records[-1].getMessage().endswith("no older step checkpoint is left")
+
+
+def test_a_new_run_never_starts_over_best_checkpoints_alone(trained, char_data, capsys):
+    for c in ck.list_checkpoints(trained, "step"):
+        shutil.rmtree(c.path)  # pruned by hand, say: the best weights are all that is left of the work
+    before = tree(trained)
+    assert main(["train", "--data", str(char_data), "--run", str(trained), "--max-steps", "3", *TINY]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"run {trained} already has checkpoints; pass --resume" in err[0]
+    assert tree(trained) == before
 
 
 def test_export_and_prepare_never_write_over_a_run_or_data(trained, char_data, capsys):

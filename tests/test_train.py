@@ -1,4 +1,8 @@
+import copy
 import json
+import os
+import re
+import shutil
 
 import pytest
 import torch
@@ -7,9 +11,11 @@ from conftest import tiny_config
 from gptlab import checkpoint as ck
 from gptlab.config import TrainConfig
 from gptlab.errors import GptlabError
+from gptlab.model import GPT
 from gptlab.optim import lr_at, param_groups
 from gptlab.runtime import bf16_supported
 from gptlab.train import train
+from test_sweep import tree
 
 
 def quick(**overrides) -> TrainConfig:
@@ -52,14 +58,44 @@ def test_training_lowers_the_loss_and_writes_a_complete_run(tmp_path, char_data)
     assert result.step == 40 and result.val_loss == evals[-1]["val_loss"]
 
 
-def test_checkpoint_round_trip_gives_identical_logits(tmp_path, char_data):
-    train(char_data, tmp_path / "run", model_cfg(), quick(), quiet=True)
+def test_every_file_of_a_run_honours_the_umask(tmp_path, char_data):
+    """Checkpoints' safetensors files too (the library writing them makes them 0600): a run folder can be shared
+    as the umask says, like every other file in it."""
+    before = os.umask(0o027)
+    try:
+        train(char_data, tmp_path / "run", model_cfg(), quick(max_steps=6), quiet=True)
+    finally:
+        os.umask(before)
+    modes = {p.relative_to(tmp_path).as_posix(): oct(p.stat().st_mode & 0o777)
+             for p in (tmp_path / "run").rglob("*") if p.is_file()}
+    assert "run/checkpoints/step-00000006/model.safetensors" in modes
+    assert modes == dict.fromkeys(modes, oct(0o640))
+
+
+def test_checkpoint_round_trip_gives_the_trained_models_logits(tmp_path, char_data, monkeypatch):
+    """The model loaded from the last checkpoint against the one training held in memory when it wrote it (a
+    copy taken then): the same weights, and in eval mode (dropout off) the same logits."""
+    save, held = ck.save_checkpoint, {}
+
+    def keep_a_copy(run, kind, step, model, *args, **kwargs):
+        held[kind, step] = copy.deepcopy(model)
+        return save(run, kind, step, model, *args, **kwargs)
+
+    monkeypatch.setattr(ck, "save_checkpoint", keep_a_copy)
+    train(char_data, tmp_path / "run", model_cfg(dropout=0.2), quick(), quiet=True)
+    reference = held["step", 12].eval()
     loaded = ck.load_run(tmp_path / "run", which="last")
-    again = ck.load_run(tmp_path / "run", which="last")
-    idx = torch.randint(0, loaded.model_cfg.vocab_size, (2, 16))
-    assert torch.equal(loaded.model(idx)[0], again.model(idx)[0])
+    torch.manual_seed(quick().seed)  # the weights training started from
+    fresh = GPT(loaded.model_cfg).state_dict()
+    trained = reference.state_dict()
+    assert all(not torch.equal(fresh[k], trained[k]) for k in trained if k.endswith("weight"))  # every one moved
+    assert loaded.model_cfg == reference.config and loaded.checkpoint.step == 12
+    assert all(torch.equal(v, trained[k]) for k, v in loaded.model.state_dict().items())
+    idx = torch.randint(0, loaded.model_cfg.vocab_size, (8, 16))
+    with torch.no_grad():
+        assert torch.equal(loaded.model(idx)[0], reference(idx)[0])
     state = json.loads((loaded.checkpoint.path / "state.json").read_text())
-    assert state["step"] == 12 and state["data_fingerprint"]
+    assert state["step"] == 12 and state["tokens_seen"] == 12 * 4 * 16
 
 
 def losses(history):
@@ -89,6 +125,21 @@ def test_resume_refuses_a_different_model_shape_or_data(tmp_path, char_data, cor
     prepare([str(corpus_file)], other, "char", quiet=True)
     with pytest.raises(GptlabError, match="different data"):
         train(other, tmp_path / "run", model_cfg(), quick(), resume=True, quiet=True)
+
+
+def test_resume_refuses_data_whose_tokenizer_is_not_the_runs(tmp_path, char_data):
+    run = tmp_path / "run"
+    train(char_data, run, model_cfg(), quick(max_steps=6), quiet=True)
+    other = tmp_path / "relabelled"
+    shutil.copytree(char_data, other)  # the same token files and meta.json: the same data fingerprint
+    tok = json.loads((other / "tokenizer.json").read_text(encoding="utf-8"))
+    assert tok["chars"][-1] == "z"
+    tok["chars"][-1] = "é"  # the last id decodes to another character; the vocabulary's size is the same
+    (other / "tokenizer.json").write_text(json.dumps(tok, ensure_ascii=False), encoding="utf-8")
+    before = tree(run)
+    with pytest.raises(GptlabError, match=re.escape(f"the tokenizer of {other} is not the run's")):
+        train(other, run, model_cfg(), quick(), resume=True, quiet=True)
+    assert tree(run) == before
 
 
 def test_corpus_shorter_than_a_block_is_refused(tmp_path):

@@ -28,7 +28,7 @@ from safetensors.torch import load_file, save_file
 
 from gptlab.config import ModelConfig, from_dict
 from gptlab.errors import GptlabError
-from gptlab.rundir import CKPTS, TOKENIZER, RunLock, fsync_dir, read_run_config, write_json
+from gptlab.rundir import CKPTS, TOKENIZER, RunLock, fsync_dir, read_run_config, umask_mode, write_json
 from gptlab.model import build_model
 from gptlab.tokenizer import Tokenizer, load as load_tokenizer
 
@@ -206,8 +206,9 @@ def save_checkpoint(run_dir: str | Path, kind: str, step: int, model: torch.nn.M
         (tmp / "state.json").write_text(json.dumps({**state, "step": step, "time": time.time()}, indent=2))
         for name, blob in (extra_files or {}).items():
             (tmp / name).write_bytes(blob)
-        manifest = {"step": step, "kind": kind, "files": {}}
+        manifest, mode = {"step": step, "kind": kind, "files": {}}, umask_mode()
         for file in sorted(f for f in tmp.rglob("*") if f.is_file()):
+            os.chmod(file, mode)  # safetensors writes its files 0600 whatever the umask
             with open(file, "rb+") as f:
                 os.fsync(f.fileno())
             manifest["files"][file.relative_to(tmp).as_posix()] = {"bytes": file.stat().st_size,

@@ -72,7 +72,8 @@ def check_new_run(run: Path) -> None:
 def check_resume(run: Path, dataset: Dataset, model_cfg: ModelConfig, cfg: TrainConfig) -> tuple[ck.Checkpoint,
                                                                                                    dict[str, Any]]:
     """Everything a resume must satisfy, checked before anything is written: a valid checkpoint, the same model
-    shape, the same data and tokenizer, and steps left to train. Returns the checkpoint and its state."""
+    shape, the same data and tokenizer (then check_data), and steps left to train. Returns the checkpoint and its
+    state."""
     rundir.read_run_config(run)
     ckpt = ck.find_checkpoint(run, "step")
     if ckpt is None:
@@ -87,6 +88,7 @@ def check_resume(run: Path, dataset: Dataset, model_cfg: ModelConfig, cfg: Train
                           "drop --data (a run resumes on its own data) or start a new --run")
     if dataset.tokenizer.to_dict() != load_tokenizer(run / rundir.TOKENIZER).to_dict():
         raise GptlabError(f"cannot resume {run}: the tokenizer of {dataset.path} is not the run's")
+    check_data(dataset, model_cfg)
     if state["step"] >= cfg.max_steps:
         raise GptlabError(f"run {run} has already trained {state['step']} steps and max_steps is {cfg.max_steps}: "
                           f"nothing to do; pass a larger --max-steps to train further")

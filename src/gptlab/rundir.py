@@ -31,6 +31,20 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def umask_mode() -> int:
+    """The mode open() gives a new file here (0o666 less the umask), for files a library writes with its own mode
+    (safetensors: 0600). Read from /proc where it can be, as setting the umask to learn it races other threads."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return 0o666 & ~int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return 0o666 & ~mask
+
+
 def write_atomic(path: str | Path, data: bytes) -> None:
     """Replace `path` with `data` in one step: temp file in the same folder, fsync, rename."""
     path = Path(path)
@@ -112,7 +126,7 @@ class RunLock:
     def __enter__(self) -> RunLock:
         try:
             self.run.mkdir(parents=True, exist_ok=True)
-            self.fd = os.open(self.run / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+            self.fd = os.open(self.run / LOCK, os.O_RDWR | os.O_CREAT, 0o666)  # less the umask, as every file
         except OSError as exc:
             raise GptlabError(f"cannot create run folder {self.run}: {exc.strerror}") from None
         try:

@@ -98,7 +98,8 @@ def train(data_dir: str | Path, run_dir: str | Path, model_cfg: ModelConfig, cfg
         model_cfg.vocab_size = dataset.tokenizer.vocab_size
     if cfg.init_from and not resume and init is None:
         raise GptlabError(f"init_from {cfg.init_from!r} needs its weights: start the run with gptlab.runs.start")
-    check_data(dataset, model_cfg)
+    if not resume:  # a resume checks first that the data is the run's (check_resume): what is wrong when it is not
+        check_data(dataset, model_cfg)
     check_memory(model_cfg, cfg, device, dist.world_size)
     run = Path(run_dir)
     own_lock = dist.is_main and os.environ.get(LOCKED_RUN_ENV) != str(run.resolve())
