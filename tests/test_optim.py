@@ -112,3 +112,22 @@ def test_muon_trains_and_resumes_exactly(tmp_path, char_data):
     groups = json.loads((ckpt.path / "state.json").read_text())["optimizer"]["param_groups"]
     muon_lr, adam_lr = (next(g["lr"] for g in groups if g["muon"] == flag) for flag in (True, False))
     assert ckpt.step == 12 and muon_lr / adam_lr == pytest.approx(0.02 / 6e-3)  # the schedule scales both alike
+
+
+@pytest.mark.parametrize("trained, asked", [("adamw", "muon"), ("muon", "adamw")])
+def test_a_resume_with_the_other_optimizer_is_one_line_and_changes_nothing(tmp_path, char_data, capsys, trained,
+                                                                         asked):
+    from gptlab.cli import main
+    from test_sweep import TINY, tree
+
+    run = tmp_path / "run"
+    assert main(["train", "--data", str(char_data), "--run", str(run), "--max-steps", "5", *TINY, "--optimizer",
+                 trained]) == 0
+    before = tree(run)
+    capsys.readouterr()
+    assert main(["train", "--run", str(run), "--resume", "--max-steps", "10", "--optimizer", asked]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"gptlab: error: cannot resume {run} with optimizer {asked}: it was trained with {trained}, whose "
+                   f"state {asked} cannot take over; drop --optimizer, or start a new --run from its weights with "
+                   f"--init-from {run} --data {char_data.resolve()}"]
+    assert tree(run) == before

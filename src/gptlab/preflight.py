@@ -72,7 +72,7 @@ def check_new_run(run: Path) -> None:
 def check_resume(run: Path, dataset: Dataset, model_cfg: ModelConfig, cfg: TrainConfig) -> tuple[ck.Checkpoint,
                                                                                                    dict[str, Any]]:
     """Everything a resume must satisfy, checked before anything is written: a valid checkpoint, the same model
-    shape, the same data and tokenizer (then check_data), and steps left to train. Returns the checkpoint and its
+    shape and optimizer, the same data and tokenizer (then check_data), and steps left to train. Returns the checkpoint and its
     state."""
     rundir.read_run_config(run)
     ckpt = ck.find_checkpoint(run, "step")
@@ -83,6 +83,11 @@ def check_resume(run: Path, dataset: Dataset, model_cfg: ModelConfig, cfg: Train
     if saved != model_cfg.shape():
         diff = ", ".join(f"{k}={saved[k]} (now {v})" for k, v in model_cfg.shape().items() if saved[k] != v)
         raise GptlabError(f"cannot resume {run}: it was trained with {diff}; drop those overrides or use a new --run")
+    was = state["train"].get("optimizer", "adamw")
+    if was != cfg.optimizer:  # their states differ in kind: AdamW's moments per tensor, Muon's momentum buffers
+        raise GptlabError(f"cannot resume {run} with optimizer {cfg.optimizer}: it was trained with {was}, whose "
+                          f"state {cfg.optimizer} cannot take over; drop --optimizer, or start a new --run from its "
+                          f"weights with --init-from {run} --data {dataset.path}")
     if state.get("data_fingerprint") != dataset.fingerprint():
         raise GptlabError(f"cannot resume {run}: it was trained on different data than {dataset.path}; "
                           "drop --data (a run resumes on its own data) or start a new --run")
