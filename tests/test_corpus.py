@@ -110,8 +110,8 @@ def test_compressed_and_plain_forms_give_byte_identical_token_files(tmp_path, mo
 def test_text_field_names_the_field_that_holds_the_text(tmp_path):
     records = [{"content": t, "id": i} for i, t in enumerate(TEXTS)]
     path = write_jsonl(tmp_path / "stack.jsonl", records)
-    with pytest.raises(GptlabError, match=r"stack.jsonl line 1 has no text field 'text' \(its fields: content, id\)"
-                                          r"; pass --text-field"):
+    with pytest.raises(GptlabError, match=r"stack.jsonl line 1 has no text field 'text' \(its fields: content, id\), "
+                                          r"and no line of it is a good record; pass --text-field"):
         prepare([str(path)], tmp_path / "out", quiet=True)
     assert not (tmp_path / "out").exists()
     meta = prepare([str(path)], tmp_path / "out", quiet=True, text_field="content")
@@ -282,3 +282,32 @@ def test_a_utf16_file_is_binary_though_it_is_valid_utf8(tmp_path):
     meta = prepare([str(folder)], tmp_path / "out", quiet=True)
     assert [Path(s["path"]).name for s in meta["sources"]] == ["a.txt"]
     assert [Path(s["path"]).name for s in meta["skipped"]] == ["wide.txt"] and "binary" in meta["skipped"][0]["reason"]
+
+
+def bad_records_file(path: Path) -> Path:
+    """TEXTS as JSON lines with three bad records among them: line 4 {"text": null}, line 8 without the field,
+    line 12 not JSON (cut off)."""
+    good = [json.dumps({"text": t, "id": i}, ensure_ascii=False) for i, t in enumerate(TEXTS)]
+    lines = good[:3] + ['{"text": null, "id": "x"}'] + good[3:6] + ['{"id": 7, "títle": "no text"}'] + good[6:9] + \
+        ['{"text": "cut off, the café'] + good[9:]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return path
+
+
+@pytest.mark.parametrize("given", ["named", "in a folder"])
+def test_a_bad_json_record_is_skipped_and_counted_with_its_file_and_line(tmp_path, capsys, given):
+    path = bad_records_file(tmp_path / "in" / "docs.jsonl")
+    meta = prepare([str(path if given == "named" else path.parent)], tmp_path / "out", "gpt2", quiet=True)
+    train, val = held_out(load_dataset(tmp_path / "out"), TEXTS)  # every good record, nothing of the bad ones
+    assert sorted(train + val) == list(range(len(TEXTS))) and meta["documents"] == len(TEXTS)
+    assert meta["skipped_files"] == 0 and meta["skipped_records"] == 3
+    assert [(r["path"], r["line"]) for r in meta["bad_records"]] == [(str(path), 4), (str(path), 8), (str(path), 12)]
+    reasons = [r["reason"] for r in meta["bad_records"]]
+    assert "null" in reasons[0] and "no text field 'text' (its fields: id, títle)" in reasons[1]
+    assert "is not JSON" in reasons[2]
+    assert main(["prepare", str(path), "--out", str(tmp_path / "cli"), "--quiet"]) == 0
+    assert f"skipped 3 bad records ({path}:4, {path}:8, {path}:12)" in capsys.readouterr().out
+    with pytest.raises(GptlabError, match=rf"{path} line 4 has text field 'text' null, not a string.*--strict"):
+        prepare([str(path if given == "named" else path.parent)], tmp_path / "strict", quiet=True, strict=True)
+    assert not (tmp_path / "strict").exists()

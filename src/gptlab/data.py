@@ -168,7 +168,8 @@ def prepare(paths: list[str], out_dir: str | Path, tokenizer: str = "char", voca
     split = {"split": "characters" if held is None else "validation files" if val_paths else "documents",
              "val_fraction": None if val_paths else val_fraction, "seed": seed,
              "val_documents": None if held is None else int(held.sum()),
-             "skipped_folders": len(pruned), "skipped_files": len(scan.skipped), "skipped": scan.skipped[:20]}
+             "skipped_folders": len(pruned), "skipped_files": len(scan.skipped), "skipped": scan.skipped[:20],
+             "skipped_records": len(scan.bad_records), "bad_records": scan.bad_records[:20]}
     settings = {"tokenizer": fixed.to_dict() if fixed else [tokenizer, vocab_size], "encoding": encoding,
                 "text_field": text_field, "allow_special": allow_special, "shard_tokens": shard_tokens,
                 "val_fraction": val_fraction, "held": None if held is None else hashlib.sha256(held).hexdigest()}

@@ -8,7 +8,7 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -21,50 +21,58 @@ PARQUET_BATCH_ROWS = 1024
 
 
 def documents(source: Source, encoding: str = "utf-8", text_field: str = "text",
-              on_bytes: Callable[[bytes], None] | None = None) -> Iterator[Iterable[str]]:
+              on_bytes: Callable[[bytes], None] | None = None,
+              on_bad: Callable[[int, str], None] | None = None) -> Iterator[Iterable[str]]:
     """The documents of `source`, each an iterable of text pieces to be read to its end before the next one;
-    `on_bytes` sees the bytes read (for Parquet, each text's UTF-8). Empty records are left out.
+    `on_bytes` sees the bytes read (for Parquet, each text's UTF-8). Empty records are left out, and so are bad
+    JSON lines (not JSON, not an object, no string in `text_field`), each told to `on_bad(line number, reason)`.
 
     Raises UnreadableSource when the file is not the kind its name says (see corpus.UnreadableSource)."""
     if source.kind == "text":
         yield read_chunks(source, encoding, on_bytes)
     elif source.kind == "jsonl":
-        yield from _json_lines(source, encoding, text_field, on_bytes)
+        yield from _json_lines(source, encoding, text_field, on_bytes, on_bad)
     else:
         yield from _parquet(source, text_field, on_bytes)
 
 
-def _json_lines(source: Source, encoding: str, text_field: str,
-                on_bytes: Callable[[bytes], None] | None) -> Iterator[Iterable[str]]:
+def _json_lines(source: Source, encoding: str, text_field: str, on_bytes: Callable[[bytes], None] | None,
+                on_bad: Callable[[int, str], None] | None) -> Iterator[Iterable[str]]:
     carry, number = "", 0
     for chunk in read_chunks(source, encoding, on_bytes):
         lines = (carry + chunk).split("\n")
         carry = lines.pop()  # a line longer than a chunk continues in the next one
         for line in lines:
             number += 1
-            text = _record_text(source.name, number, line, text_field)
+            text = _record_text(source.name, number, line, text_field, on_bad)
             if text:
                 yield (text,)
-    text = _record_text(source.name, number + 1, carry, text_field)
+    text = _record_text(source.name, number + 1, carry, text_field, on_bad)
     if text:
         yield (text,)
 
 
-def _record_text(name: str, number: int, line: str, text_field: str) -> str:
-    """The text field of one JSON line ("" for a blank line)."""
+def _record_text(name: str, number: int, line: str, text_field: str,
+                 on_bad: Callable[[int, str], None] | None) -> str:
+    """The text field of one JSON line; "" for a blank line and for a bad record, whose reason goes to on_bad."""
     if not line.strip():
         return ""
     try:
         record = json.loads(line)
     except ValueError:
-        raise UnreadableSource(f"{name} line {number} is not JSON; a .jsonl / .json file must hold one JSON object "
-                               "per line") from None
-    text = record.get(text_field) if isinstance(record, dict) else None
-    if not isinstance(text, str):
-        fields = ", ".join(list(record)[:8]) if isinstance(record, dict) else "none: not an object"
-        raise UnreadableSource(f"{name} line {number} has no text field {text_field!r} (its fields: {fields}); "
-                               "pass --text-field with the one that holds the text")
-    return text
+        reason = f"{name} line {number} is not JSON"
+    else:
+        text = record.get(text_field) if isinstance(record, dict) else None
+        if isinstance(text, str):
+            return text
+        if isinstance(record, dict) and text_field in record:
+            reason = f"{name} line {number} has text field {text_field!r} {json.dumps(text)[:40]}, not a string"
+        else:
+            fields = ", ".join(list(record)[:8]) if isinstance(record, dict) else "none: not an object"
+            reason = f"{name} line {number} has no text field {text_field!r} (its fields: {fields})"
+    if on_bad is not None:
+        on_bad(number, reason)
+    return ""
 
 
 def _parquet(source: Source, text_field: str, on_bytes: Callable[[bytes], None] | None) -> Iterator[Iterable[str]]:
@@ -108,11 +116,13 @@ class Scan:
     chars: set[str]
     skipped: list[dict[str, str]]
     val_from: int | None = None
+    bad_records: list[dict[str, Any]] = field(default_factory=list)  # {"path", "line", "reason"}, reading order
 
     def joined(self, val: Scan) -> Scan:
         """This scan followed by the scan of the validation corpus."""
         return Scan(self.sources + val.sources, self.total + val.total, self.described + val.described,
-                    self.chars | val.chars, self.skipped + val.skipped, len(self.sources))
+                    self.chars | val.chars, self.skipped + val.skipped, len(self.sources),
+                    self.bad_records + val.bad_records)
 
 
 def val_documents(scan: Scan, val_fraction: float, seed: int) -> np.ndarray | None:
@@ -134,19 +144,34 @@ def val_documents(scan: Scan, val_fraction: float, seed: int) -> np.ndarray | No
 def scan_sources(sources: list[Source], encoding: str, text_field: str, strict: bool,
                  on_progress: Callable[[int], Any], refuse_special: bool, collect_chars: bool = True) -> Scan:
     """First pass: validate every file, count documents and characters, hash the bytes and, with collect_chars
-    (for a char tokenizer; it is the slowest part), collect the characters. A file found in a folder that cannot be read (binary, another encoding, not its kind) is skipped
-    unless `strict`; a file named is refused. With refuse_special, a text holding the end-of-text marker is refused
-    before anything is written."""
+    (for a char tokenizer; it is the slowest part), collect the characters. A file found in a folder that cannot be
+    read (binary, another encoding, not its kind, JSON lines of which none is a good record) is skipped unless
+    `strict`; a file named is refused. A bad JSON line in a file with good ones is left out and listed in
+    `bad_records`, unless `strict`, which refuses it. With refuse_special, a text holding the end-of-text marker is
+    refused before anything is written."""
     scan = Scan([], 0, [], set(), [])
     for source in sources:
+        bad: list[dict[str, Any]] = []
+
+        def on_bad(line: int, reason: str, name: str = source.name) -> None:
+            if strict:
+                raise UnreadableSource(f"{reason}; --strict refuses a bad record (without it, bad records are "
+                                       "left out and counted)")
+            bad.append({"path": name, "line": line, "reason": reason})
         try:
-            entry, chars = _scan_source(source, encoding, text_field, on_progress, refuse_special, collect_chars)
+            entry, chars = _scan_source(source, encoding, text_field, on_progress, refuse_special, collect_chars,
+                                        on_bad)
+            if bad and entry["documents"] == 0:  # not one good record: not JSON lines, or the wrong field
+                hint = "a .jsonl / .json file must hold one JSON object per line" if "is not JSON" in \
+                    bad[0]["reason"] else "pass --text-field with the one that holds the text"
+                raise UnreadableSource(f"{bad[0]['reason']}, and no line of it is a good record; {hint}")
         except UnreadableSource as exc:
             if strict or not source.found:
                 raise
             scan.skipped.append({"path": source.name, "reason": str(exc)})
             continue
         scan.sources.append(source)
+        scan.bad_records += bad
         scan.described.append(entry)
         scan.chars |= chars
         scan.total += entry["chars"]
@@ -154,7 +179,8 @@ def scan_sources(sources: list[Source], encoding: str, text_field: str, strict: 
 
 
 def _scan_source(source: Source, encoding: str, text_field: str, on_progress: Callable[[int], Any],
-                 refuse_special: bool, collect_chars: bool) -> tuple[dict[str, Any], set[str]]:
+                 refuse_special: bool, collect_chars: bool,
+                 on_bad: Callable[[int, str], None]) -> tuple[dict[str, Any], set[str]]:
     sha, n_chars, n_docs, chars, n_bytes = hashlib.sha256(), 0, 0, set(), [0]
 
     def seen(block: bytes) -> None:
@@ -162,7 +188,7 @@ def _scan_source(source: Source, encoding: str, text_field: str, on_progress: Ca
         n_bytes[0] += len(block)
         on_progress(len(block))
 
-    for doc in documents(source, encoding, text_field, seen):
+    for doc in documents(source, encoding, text_field, seen, on_bad):
         start = n_chars
         for chunk in doc:
             if refuse_special and EOT in chunk:
