@@ -40,6 +40,12 @@ def cmd_prepare(args: argparse.Namespace) -> int:
         shown = ", ".join(s["path"] for s in meta["skipped"][:3]) + (f" and {files - 3:,} more" if files > 3 else "")
         print(f"skipped {files:,} unreadable file{'s' * (files != 1)} ({shown}): binary, not {args.encoding}, or "
               f"not the kind their names say; the reasons are in {out / 'meta.json'}, and --strict refuses them")
+    records = meta["skipped_records"]
+    if records:
+        shown = ", ".join(f"{r['path']}:{r['line']}" for r in meta["bad_records"][:3]) + \
+            (f" and {records - 3:,} more" if records > 3 else "")
+        print(f"skipped {records:,} bad record{'s' * (records != 1)} ({shown}): not JSON, or no string in the "
+              f"text field; the reasons are in {out / 'meta.json'}, and --strict refuses them")
     return 0
 
 
