@@ -3,20 +3,30 @@ logprobs, stop), each result equal to `gptlab sample` with the same seed and set
 OpenAI's shape; a client that leaves mid-stream frees its place; /v1/models, /health, /metrics; `curl -N` as the
 README shows it; SIGTERM lets an in-flight request finish and exits 0."""
 
+import contextlib
+import io
 import json
 import shutil
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 import httpx
 import pytest
+import torch
 
+from gptlab.checkpoint import load_run
 from gptlab.cli import main
+from gptlab.config import ModelConfig
+from gptlab.inference import prepare_for_inference
+from gptlab.model import GPT
 from gptlab.serve import Limits, load_served, make_app, start_server
+from gptlab.serve.app import Served
+from gptlab.tokenizer import GPT2Tokenizer
 
 TINY = ["--n-layer", "2", "--n-head", "2", "--n-embd", "32", "--block-size", "32", "--batch-size", "4",
         "--eval-interval", "10", "--eval-batches", "2", "--log-interval", "10", "--precision", "fp32", "--quiet"]
@@ -41,9 +51,54 @@ def server(run_dir):
 
 
 @pytest.fixture(scope="module")
+def eot_server():
+    """GPT-2's tokenizer over a 1-layer model whose end-of-text logit is 10 above zero at every position (the final
+    LayerNorm's gain zeroed, its bias along the end-of-text embedding): drawn at temperature 1, about a third of the
+    tokens end the text. Default limits (batch 16, 1 MiB bodies)."""
+    tokenizer = GPT2Tokenizer()
+    torch.manual_seed(0)
+    model = GPT(ModelConfig(vocab_size=50257, block_size=32, n_layer=1, n_head=2, n_embd=32, dropout=0.0)).eval()
+    with torch.no_grad():
+        direction = torch.nn.functional.normalize(torch.randn(32), dim=0)
+        model.transformer.ln_f.weight.zero_()
+        model.transformer.ln_f.bias.copy_(direction)
+        model.transformer.wte.weight[tokenizer.eot_id] = 10 * direction
+    served = Served("eot", prepare_for_inference(model, "fp32"), tokenizer, model.num_params(), lambda: model)
+    running = start_server(make_app(served, Limits()))
+    yield running
+    running.stop()
+
+
+@pytest.fixture(scope="module")
 def client(server):
     openai = pytest.importorskip("openai", reason="no openai client (pip install -e '.[test]')")
     return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def greedy(run_dir):
+    """`gptlab sample`'s greedy 5-token text of each prompt the tests use: the reference outside the server."""
+    texts = {}
+    for prompt in ("All:", "First", "You"):
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            assert main(["sample", "--run", str(run_dir), "--prompt", prompt, "--no-echo", "--precision", "fp32",
+                         "--max-new-tokens", "5", "--temperature", "0"]) == 0
+        texts[prompt] = out.getvalue().removesuffix("\n")
+    assert len(set(texts.values())) == 3  # so that a choice given another prompt's text shows
+    return texts
+
+
+def streamed(chunks, size):
+    """A stream's texts and finish reasons by choice index, and its usage."""
+    texts, reasons, usage = [""] * size, [None] * size, None
+    for chunk in chunks:
+        for choice in chunk.choices:
+            texts[choice.index] += choice.text
+            assert choice.finish_reason in (None, "stop", "length")  # OpenAI's values
+            reasons[choice.index] = choice.finish_reason or reasons[choice.index]
+        usage = getattr(chunk, "usage", None) or usage
+    return texts, reasons, usage
 
 
 def sample(run_dir, capsys, prompt, n=1, **settings):
@@ -80,12 +135,31 @@ def test_a_streamed_completion_with_n_3_equals_gptlab_sample(client, run_dir, ca
     assert usage.completion_tokens == 150
 
 
-def test_n_and_a_list_of_prompts_index_choices_prompt_major(client):
+def test_n_and_a_list_of_prompts_index_choices_prompt_major(client, greedy):
     got = client.completions.create(model="run", prompt=["All:", "First"], max_tokens=5, temperature=0, n=2)
-    alone = [client.completions.create(model="run", prompt=p, max_tokens=5, temperature=0).choices[0].text
-             for p in ("All:", "First")]
-    assert alone[0] != alone[1]  # so that the order below shows
-    assert [c.text for c in sorted(got.choices, key=lambda c: c.index)] == [alone[0], alone[0], alone[1], alone[1]]
+    assert [c.text for c in sorted(got.choices, key=lambda c: c.index)] == [greedy["All:"]] * 2 + [greedy["First"]] * 2
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_usage_counts_each_prompt_once_however_many_choices(client, stream):
+    got = client.completions.create(model="run", prompt=["All:", "First"], max_tokens=3, temperature=0, n=2,
+                                    stream=stream)
+    usage = streamed(got, 4)[2] if stream else got.usage
+    # one token a character: 4 + 5 prompt tokens, each prompt counted once with n > 1 as OpenAI does
+    # (openai/openai-python#155: prompt tokens do not scale with n); 2 prompts x 2 choices x 3 tokens
+    assert (usage.prompt_tokens, usage.completion_tokens, usage.total_tokens) == (9, 12, 21)
+
+
+def test_a_prompt_as_long_as_the_context_is_accepted(client, run_dir):
+    from conftest import CORPUS
+
+    prompt = CORPUS[:32]  # 32 characters, 32 tokens: the whole context, and the model still predicts the next one
+    got = client.completions.create(model="run", prompt=prompt, max_tokens=1, temperature=0)
+    loaded = load_run(run_dir)
+    with torch.no_grad():
+        logits, _ = loaded.model(torch.tensor([loaded.tokenizer.encode(prompt)]))  # the plain forward, no cache
+    assert got.choices[0].text == loaded.tokenizer.decode([int(logits[0, -1].argmax())])
+    assert got.usage.prompt_tokens == 32
 
 
 def test_stop_strings_end_a_choice_and_are_cut(client, run_dir, capsys):
@@ -96,29 +170,78 @@ def test_stop_strings_end_a_choice_and_are_cut(client, run_dir, capsys):
                                          stop=["e", "a"])[0]
 
 
-def test_logprobs_give_each_token_its_logprob_and_the_top_alternatives(client):
+def test_logprobs_give_each_token_its_logprob_and_the_top_alternatives(client, run_dir):
     got = client.completions.create(model="run", prompt="All:", max_tokens=8, temperature=0, logprobs=3)
     lp = got.choices[0].logprobs
+    loaded = load_run(run_dir)  # the first token's, from the plain forward's log-softmax
+    with torch.no_grad():
+        logits, _ = loaded.model(torch.tensor([loaded.tokenizer.encode("All:")]))
+    first = torch.log_softmax(logits[0, -1], dim=-1).topk(3)
+    expected = {loaded.tokenizer.decode([int(i)]): float(v) for v, i in zip(first.values, first.indices)}
+    assert lp.top_logprobs[0] == pytest.approx(expected, abs=1e-4)
     assert "".join(lp.tokens) == got.choices[0].text and len(lp.token_logprobs) == 8
     for token, logprob, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
         assert len(top) == 3 and logprob <= 0 and max(top.values()) == logprob and top[token] == logprob  # greedy
     assert lp.text_offset == [sum(map(len, lp.tokens[:i])) for i in range(8)]
 
 
-def test_echo_puts_the_prompt_before_the_text(client):
-    got = client.completions.create(model="run", prompt="All:", max_tokens=3, temperature=0, echo=True)
-    plain = client.completions.create(model="run", prompt="All:", max_tokens=3, temperature=0)
-    assert got.choices[0].text == "All:" + plain.choices[0].text
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("prompts, n", [(["All:", "First"], 2), (["All:", "First", "You"], 1)])
+def test_echo_puts_each_choices_own_prompt_before_its_text(client, greedy, prompts, n, stream):
+    got = client.completions.create(model="run", prompt=prompts, max_tokens=5, temperature=0, n=n, echo=True,
+                                    stream=stream)
+    texts = streamed(got, len(prompts) * n)[0] if stream else [c.text for c in sorted(got.choices,
+                                                                                        key=lambda c: c.index)]
+    assert texts == [p + greedy[p] for p in prompts for _ in range(n)]
+
+
+def test_echo_keeps_non_ascii_prompts_whole(eot_server):
+    prompts = ["Où est le café ?", "naïve € 日本"]
+    got = httpx.post(eot_server.url + "/v1/completions", json={"prompt": prompts, "max_tokens": 1, "echo": True,
+                                                                 "n": 2, "seed": 0}, timeout=30).json()
+    assert [c["text"][:len(prompts[c["index"] // 2])] for c in got["choices"]] == [p for p in prompts for _ in "ab"]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_end_of_text_finishes_a_choice_with_openais_stop(eot_server, stream):
+    body = {"prompt": "Où est le café ?", "max_tokens": 60, "temperature": 1.0, "seed": 1, "n": 4, "stream": stream}
+    reply = httpx.post(eot_server.url + "/v1/completions", json=body, timeout=30)
+    assert reply.status_code == 200, reply.text
+    if stream:
+        events = [json.loads(line[6:]) for line in reply.text.splitlines() if line.startswith("data: {")]
+        choices = [c for e in events for c in e["choices"]]
+    else:
+        choices = reply.json()["choices"]
+    reasons = {c["index"]: c["finish_reason"] for c in choices if c["finish_reason"] is not None}
+    # each token ends the text with probability ~0.3: all four end by end-of-text long before 60 tokens
+    assert reasons == {0: "stop", 1: "stop", 2: "stop", 3: "stop"}
+
+
+def metric_values(server):
+    """/metrics as {sample name with its labels: value}."""
+    lines = httpx.get(server.url + "/metrics").text.splitlines()
+    return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in lines if not line.startswith("#")}
 
 
 def test_models_health_and_metrics(server, client):
     model = client.models.list().data[0]
     assert model.id == "run" and model.context_length == 32 and model.tokenizer == "char" and model.parameters > 0
     assert httpx.get(server.url + "/health").json()["status"] == "ok"
+    assert server.app.state.scheduler.idle.wait(10)  # nothing left over from another test
+    before = metric_values(server)
+    client.completions.create(model="run", prompt=["All:", "First"], max_tokens=5, n=2, temperature=0)
+    httpx.post(server.url + "/v1/completions", json={"prompt": "All:", "n": 0})
+    after = metric_values(server)
+    gauges = ("gptlab_queue_depth", "gptlab_batch_size")
+    changed = {k: after[k] - before.get(k, 0) for k in after if after[k] != before.get(k, 0) and k not in gauges}
+    assert changed.pop("gptlab_time_to_first_token_seconds_sum") > 0
+    ttft = {k: v for k, v in changed.items() if k.startswith("gptlab_time_to_first_token_seconds_bucket")}
+    assert set(ttft.values()) == {1} and 'gptlab_time_to_first_token_seconds_bucket{le="+Inf"}' in ttft
+    assert {k: v for k, v in changed.items() if k not in ttft} == {
+        'gptlab_requests_total{status="200"}': 1, 'gptlab_requests_total{status="400"}': 1,
+        "gptlab_tokens_generated_total": 20, "gptlab_time_to_first_token_seconds_count": 1}
+    assert after["gptlab_queue_depth"] == 0 and after["gptlab_batch_size"] == 4  # the last step decoded all four
     metrics = httpx.get(server.url + "/metrics").text
-    for name in ("gptlab_requests_total{status=\"200\"}", "gptlab_tokens_generated_total", "gptlab_queue_depth",
-                 "gptlab_batch_size", "gptlab_time_to_first_token_seconds_count"):
-        assert name in metrics
     assert "# TYPE gptlab_time_to_first_token_seconds histogram" in metrics
 
 
@@ -131,10 +254,30 @@ def error_of(response, status):
 
 @pytest.mark.parametrize("field, value", [("temperature", "hot"), ("max_tokens", 0), ("max_tokens", 3001),
                                           ("n", 5), ("top_p", 0), ("stop", [""]), ("seed", -1), ("logprobs", 6),
-                                          ("prompt", 3), ("stream", "yes"), ("best_of", 2)])
+                                          ("prompt", 3), ("prompt", None), ("prompt", []), ("prompt", [None]),
+                                          ("stream", "yes"), ("best_of", 2)])
 def test_a_bad_field_is_400_naming_it(server, field, value):
     body = {"model": "run", "prompt": "All:", field: value}
-    assert error_of(httpx.post(server.url + "/v1/completions", json=body), 400)["param"] == field
+    assert error_of(httpx.post(server.url + "/v1/completions", json=body, timeout=10), 400)["param"] == field
+
+
+def test_more_sequences_than_the_batch_decodes_is_400_at_once(server, eot_server):
+    error = error_of(httpx.post(server.url + "/v1/completions", json={"prompt": ["All:", "First"], "n": 3},
+                                timeout=10), 400)  # not queued: it would never fit, and wait forever
+    assert "2 prompts x n=3 are 6 sequences" in error["message"] and "(4, --max-batch)" in error["message"]
+    full = httpx.post(server.url + "/v1/completions", json={"prompt": ["All:", "First"], "n": 2, "max_tokens": 2},
+                      timeout=30)
+    assert full.status_code == 200 and len(full.json()["choices"]) == 4  # exactly the batch: taken
+    many = error_of(httpx.post(eot_server.url + "/v1/completions", json={"prompt": ["hi"] * 64}, timeout=10), 400)
+    assert many["param"] == "prompt" and "n=" not in many["message"]  # n is 1: the prompts are too many
+    assert "64 prompts" in many["message"] and "(16, --max-batch)" in many["message"]
+
+
+def test_a_body_nested_too_deep_is_400_in_openais_shape(eot_server):
+    deep = b"[" * 100_000 + b"]" * 100_000
+    for route in ("/v1/completions", "/inspect"):
+        error = error_of(httpx.post(eot_server.url + route, content=deep, timeout=30), 400)
+        assert "nested" in error["message"]
 
 
 def test_a_prompt_longer_than_the_context_or_not_json_is_400(server):
@@ -161,53 +304,78 @@ def test_an_oversized_body_is_413(server):
 def test_a_key_is_required_when_set(run_dir):
     running = start_server(make_app(load_served(run_dir, "fp32", "cpu"), Limits(**LIMITS), api_key="s3cret"))
     try:
-        url = running.url
-        assert error_of(httpx.post(url + "/v1/completions", json={"prompt": "All:"}), 401)["code"] == "invalid_api_key"
-        bad = {"Authorization": "Bearer wrong"}
-        error_of(httpx.post(url + "/v1/completions", json={"prompt": "All:"}, headers=bad), 401)
-        error_of(httpx.get(url + "/v1/models"), 401)
-        good = {"Authorization": "Bearer s3cret"}
-        assert httpx.post(url + "/v1/completions", json={"prompt": "All:", "max_tokens": 2}, headers=good).json()[
-            "choices"][0]["finish_reason"] == "length"
+        url, good = running.url, {"Authorization": "Bearer s3cret"}
+        routes = [("POST", "/v1/completions", {"prompt": "All:", "max_tokens": 2}), ("GET", "/v1/models", None),
+                  ("GET", "/metrics", None), ("POST", "/inspect", {"text": "All:"})]
+        for method, route, body in routes:  # every route but /health and the page, without the key or a wrong one
+            for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "s3cret"}):
+                refused = httpx.request(method, url + route, json=body, headers=headers, timeout=30)
+                assert error_of(refused, 401)["code"] == "invalid_api_key", route
+            assert httpx.request(method, url + route, json=body, headers=good, timeout=30).status_code == 200, route
         assert httpx.get(url + "/health").status_code == 200  # liveness stays open
+        assert httpx.get(url + "/").status_code == 200  # the page itself holds nothing; its requests send the key
     finally:
         running.stop()
 
 
 def wait_for(condition, seconds=10.0):
+    """Poll `condition` (for a process this test does not own: a subprocess's port)."""
     deadline = time.monotonic() + seconds
     while not condition():
         assert time.monotonic() < deadline, "timed out"
         time.sleep(0.02)
 
 
+LONG = {"prompt": "All:", "max_tokens": 3000, "temperature": 1.0, "stream": True, "n": 4}  # fills the batch alone
+
+
 def test_a_full_queue_is_429_with_retry_after_and_a_client_that_leaves_frees_its_place(server):
     scheduler = server.app.state.scheduler
-    long = {"prompt": "All:", "max_tokens": 3000, "temperature": 1.0, "stream": True, "n": 4}  # fills the batch
+    before = scheduler.metrics.cancelled
     with httpx.Client(base_url=server.url, timeout=30) as http:
-        with http.stream("POST", "/v1/completions", json=long) as first:
-            lines = first.iter_lines()
+        with http.stream("POST", "/v1/completions", json=LONG) as first:
+            lines = first.iter_lines()  # kept: a generator dropped would close the stream
             assert next(lines).startswith("data: ")  # decoding: the batch is full (4 rows of 4)
-            with http.stream("POST", "/v1/completions", json={**long, "n": 1}):  # waits: the queue is full
-                wait_for(lambda: scheduler.metrics.queue_depth == 1)
+            with http.stream("POST", "/v1/completions", json={**LONG, "n": 1}) as second:  # answered once queued
+                assert second.status_code == 200 and scheduler.metrics.queue_depth == 1
                 third = http.post("/v1/completions", json={"prompt": "All:", "max_tokens": 2})
                 error = error_of(third, 429)
                 assert third.headers["retry-after"] == "1" and error["type"] == "rate_limit_error"
-                before = scheduler.metrics.cancelled
         # both clients left mid-stream: their rows leave the batch, nothing waits
-        wait_for(lambda: scheduler.batch.rows == [] and scheduler.metrics.queue_depth == 0)
-        assert scheduler.metrics.cancelled >= before + 1 and scheduler.metrics.tokens < 4 * 3000
+        assert scheduler.idle.wait(10) and scheduler.batch.rows == [] and scheduler.metrics.queue_depth == 0
+        assert scheduler.metrics.cancelled == before + 2 and scheduler.metrics.tokens < 4 * 3000
         ok = http.post("/v1/completions", json={"prompt": "All:", "max_tokens": 2})  # the place is free again
         assert ok.status_code == 200
 
 
-def test_a_client_that_leaves_a_plain_request_cancels_it_too(server):
+def test_a_client_that_leaves_the_queue_gives_its_place_back(server):
     scheduler = server.app.state.scheduler
     before = scheduler.metrics.cancelled
-    with pytest.raises(httpx.ReadTimeout):
-        httpx.post(server.url + "/v1/completions", json={"prompt": "All:", "max_tokens": 3000, "temperature": 1.0,
-                                                         "n": 4}, timeout=0.3)
-    wait_for(lambda: scheduler.metrics.cancelled == before + 1 and scheduler.batch.rows == [])
+    with httpx.Client(base_url=server.url, timeout=30) as http:
+        with http.stream("POST", "/v1/completions", json=LONG) as first:
+            lines = first.iter_lines()  # kept: a generator dropped would close the stream
+            assert next(lines).startswith("data: ")  # the batch is full, and stays full
+            with http.stream("POST", "/v1/completions", json={**LONG, "n": 1}) as second:
+                assert second.status_code == 200
+                [waiting] = scheduler.waiting()
+            assert waiting.cancelled.wait(10)  # its client left while it waited
+            with http.stream("POST", "/v1/completions", json={**LONG, "n": 1}) as third:
+                assert third.status_code == 200, third.read()  # the queue has room again
+    assert scheduler.idle.wait(10) and scheduler.metrics.cancelled == before + 3
+
+
+def test_a_client_that_leaves_a_plain_request_cancels_it_too(server, monkeypatch):
+    scheduler, submitted = server.app.state.scheduler, threading.Event()
+    submit = scheduler.submit
+    monkeypatch.setattr(scheduler, "submit", lambda job: (submit(job), submitted.set())[0])
+    before = scheduler.metrics.cancelled
+    body = json.dumps({**LONG, "stream": False}).encode()
+    host, port = server.url[7:].split(":")
+    with socket.create_connection((host, int(port))) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n%s" % (host.encode(), len(body), body))
+        assert submitted.wait(10)  # queued (and decoding soon): now the client leaves
+    assert scheduler.idle.wait(10) and scheduler.metrics.cancelled == before + 1 and scheduler.batch.rows == []
 
 
 def test_curl_streams_as_the_readme_shows(server):

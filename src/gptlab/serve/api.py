@@ -107,6 +107,17 @@ def _strings(body: dict, name: str, most: int, allow_empty: bool) -> list[str]:
     return items
 
 
+def _too_many(prompts: int, n: int, most: int) -> ApiError:
+    """The 400 for prompts x n sequences past the batch (`most`), naming what to make smaller."""
+    limit = f"more than this server decodes together ({most}, --max-batch)"
+    if n == 1:
+        return ApiError(400, f"{prompts} prompts are {limit}: send at most {most} prompts in one request", "prompt")
+    if prompts == 1:
+        return ApiError(400, f"n={n} sequences are {limit}: ask for n <= {most}", "n")
+    return ApiError(400, f"{prompts} prompts x n={n} are {prompts * n} sequences, {limit}: send fewer prompts or "
+                         "a smaller n", "prompt")
+
+
 def parse_completion(body: Any, limits: Limits) -> CompletionRequest:
     """Check a decoded JSON body field by field; raises ApiError (400, naming the field) for the first bad one."""
     if not isinstance(body, dict):
@@ -114,16 +125,15 @@ def parse_completion(body: Any, limits: Limits) -> CompletionRequest:
     for name, defaults in UNSUPPORTED.items():
         if body.get(name) not in defaults:
             raise ApiError(400, f"{name} is not supported by this server", name)
-    if "prompt" not in body:
+    if body.get("prompt") is None:  # absent or null: no sequence to decode (it would wait for nothing)
         raise ApiError(400, "prompt is required: a string or a list of strings", "prompt")
     prompts = _strings(body, "prompt", 64, allow_empty=True)
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise ApiError(400, "model must be a string", "model")
     n = _integer(body, "n", 1, 1, limits.max_n)
-    if len(prompts) * n > limits.max_batch:
-        raise ApiError(400, f"{len(prompts)} prompts x n={n} are {len(prompts) * n} sequences, more than this "
-                            f"server decodes together ({limits.max_batch}, --max-batch)", "n")
+    if len(prompts) * n > limits.max_batch:  # it would never fit in the batch: refused, not queued for ever
+        raise _too_many(len(prompts), n, limits.max_batch)
     top_k = _integer(body, "top_k", None, 1, 1 << 31)  # an extension (the playground sends it)
     cfg = SampleConfig(
         max_new_tokens=_integer(body, "max_tokens", 16, 1, limits.max_tokens),

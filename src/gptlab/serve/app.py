@@ -137,6 +137,8 @@ async def _read_json(request: Request, limit: int) -> Any:
         return json.loads(b"".join(chunks))
     except (ValueError, UnicodeDecodeError):
         raise ApiError(400, "the body is not valid JSON") from None
+    except RecursionError:  # the decoder recurses once per level of arrays and objects
+        raise ApiError(400, "the body's JSON is nested too deeply; a request needs a few levels at most") from None
 
 
 def _logprobs_entry(info: dict | None, offset: int) -> dict | None:

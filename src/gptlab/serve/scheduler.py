@@ -97,7 +97,8 @@ class Metrics:
 
 class Scheduler:
     """The thread that owns the model. `submit` queues a Job (False when the queue is full: the caller answers
-    429); `stop` ends it: new jobs are refused, running ones get `grace` seconds to finish, then are cancelled."""
+    429); `stop` ends it: new jobs are refused, running ones get `grace` seconds to finish, then are cancelled.
+    `idle` is set while no job waits or runs (the thread has nothing to do), cleared by `submit`."""
 
     def __init__(self, model: InferenceModel | torch.nn.Module, tokenizer: Tokenizer, max_batch: int, queue: int):
         self.batch = RunningBatch(model)
@@ -109,6 +110,7 @@ class Scheduler:
         self._wake = threading.Condition()
         self._closing = False
         self._deadline = float("inf")
+        self.idle = threading.Event()
         self._thread = threading.Thread(target=self._run, name="gptlab-scheduler", daemon=True)
 
     def start(self) -> None:
@@ -121,9 +123,15 @@ class Scheduler:
             if self._closing or self._beyond_the_batch() >= self.queue_size:
                 return False
             self._waiting.append(job)
+            self.idle.clear()
             self.metrics.queue_depth = len(self._waiting)
             self._wake.notify()
         return True
+
+    def waiting(self) -> list[Job]:
+        """The jobs waiting for a place in the batch, first come first."""
+        with self._wake:
+            return list(self._waiting)
 
     def _beyond_the_batch(self) -> int:
         """How many waiting jobs would still wait if the batch took all it has room for now (under the lock)."""
@@ -163,6 +171,7 @@ class Scheduler:
         while True:
             with self._wake:
                 while not self._waiting and not self._jobs and not self._closing:
+                    self.idle.set()
                     self._wake.wait()
                 if self._closing and (time.monotonic() >= self._deadline or not (self._waiting or self._jobs)):
                     break
