@@ -173,3 +173,48 @@ def test_ctrl_c_stops_long_native_work_at_once():
         assert proc.wait(timeout=60) == 130  # called directly, the derivation would run for minutes
     finally:
         proc.kill()
+
+
+# ---- a prepared folder is replaced only by the same data, or with --overwrite ----------------------------------
+
+def test_prepare_refuses_to_replace_data_made_from_other_inputs_or_settings(tmp_path, corpus_file):
+    from test_sweep import tree
+
+    out = tmp_path / "data"
+    prepare([str(corpus_file)], out, "char", quiet=True)
+    before = tree(out)
+    prepare([str(corpus_file)], out, "char", quiet=True)  # the same inputs and settings again: allowed, the same
+    assert tree(out) == before
+    (tmp_path / "other.txt").write_text("Ünïcode, other text entirely.\n" * 40, encoding="utf-8")
+    for paths, settings in (([str(tmp_path / "other.txt")], {}), ([str(corpus_file)], {"val_fraction": 0.2}),
+                            ([str(corpus_file)], {"shard_tokens": 5000})):
+        with pytest.raises(GptlabError, match=rf"{out} holds data prepared from other inputs or settings; give "
+                                              r"--out another folder, or pass --overwrite to replace it"):
+            prepare(paths, out, "char", quiet=True, **settings)
+        assert tree(out) == before
+    meta = prepare([str(tmp_path / "other.txt")], out, "char", quiet=True, overwrite=True)
+    assert meta["train_chars"] + meta["val_chars"] == len("Ünïcode, other text entirely.\n" * 40)
+
+
+def test_the_prepare_verb_names_the_runs_that_train_on_the_folder_it_refuses(tmp_path, corpus_file, monkeypatch,
+                                                                           capsys):
+    from test_sweep import tree
+    from gptlab.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    assert main(["prepare", str(corpus_file), "--out", "data", "--quiet"]) == 0
+    tiny = ["--n-layer", "1", "--n-head", "2", "--n-embd", "16", "--block-size", "16", "--batch-size", "4",
+            "--eval-interval", "2", "--eval-batches", "1", "--max-steps", "2", "--quiet"]
+    for run in ("runs/a", "runs/b"):
+        assert main(["train", "--data", "data", "--run", run, *tiny]) == 0
+    assert main(["train", "--data", str(tmp_path / "data"), "--run", "elsewhere/c", *tiny]) == 0  # not under runs/
+    (tmp_path / "other.txt").write_text("Ünïcode, other text entirely.\n" * 40, encoding="utf-8")
+    before = tree(tmp_path)
+    capsys.readouterr()
+    assert main(["prepare", "other.txt", "--out", "data", "--quiet"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "data holds data prepared from other inputs or settings" in err[0], err
+    assert "which runs runs/a, runs/b train on" in err[0] and "elsewhere" not in err[0] and "--overwrite" in err[0]
+    assert tree(tmp_path) == before
+    assert main(["prepare", str(corpus_file), "--out", "data", "--quiet"]) == 0  # the same data again
+    assert main(["prepare", "other.txt", "--out", "data", "--overwrite", "--quiet"]) == 0

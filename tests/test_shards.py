@@ -136,7 +136,7 @@ def test_preparing_again_with_fewer_shards_leaves_no_stale_shard(tmp_path, corpu
     out = tmp_path / "out"
     prepare([str(corpus)], out, "char", quiet=True, workers=1, shard_tokens=800)
     assert len(list(out.glob("train-*.bin"))) > 5
-    prepare([str(corpus)], out, "char", quiet=True, workers=1)
+    prepare([str(corpus)], out, "char", quiet=True, workers=1, overwrite=True)
     assert sorted(p.name for p in out.iterdir()) == ["meta.json", "tokenizer.json", "train.bin", "val.bin"]
     assert len(load_dataset(out).train) == json.loads((out / "meta.json").read_text())["train_tokens"]
 

@@ -32,6 +32,17 @@ from gptlab.staging import CHECKPOINT_UNITS, ShardWriter, Staging
 from gptlab.tokenfiles import SHARD_TOKENS, SPLITS, VERSION, ShardedTokens, read_split, token_dtype
 from gptlab.tokenizer import Tokenizer, load as load_tokenizer, train_tokenizer
 
+class OtherData(GptlabError):
+    """The output folder holds prepared data made from other inputs or settings, which a run may train on."""
+
+    def __init__(self, out: Path, runs: list[Path] | None = None):
+        self.out = out
+        used = f", which run{'s' * (len(runs) > 1)} {', '.join(map(str, runs))} train{'s' * (len(runs) == 1)} on " \
+            "(replaced, it could no longer resume them or evaluate them on their data)" if runs else ""
+        super().__init__(f"{out} holds data prepared from other inputs or settings{used}; give --out another "
+                         "folder, or pass --overwrite to replace it")
+
+
 def folder_kind(path: str | Path) -> str | None:
     """What a folder holds, for refusing to write one kind of thing over another: "run" (a gptlab run: its
     config.json has model and train settings), "data" (a prepared data folder), "hf" (another config.json, e.g.
@@ -118,7 +129,8 @@ def prepare(paths: list[str], out_dir: str | Path, tokenizer: str = "char", voca
             val_fraction: float = 0.1, encoding: str = "utf-8", quiet: bool = False, allow_special: bool = False,
             tokenizer_from: str | Path | None = None, text_field: str = "text", include: list[str] | None = None,
             exclude: list[str] | None = None, strict: bool = False, val_paths: list[str] | None = None,
-            seed: int = 0, workers: int | None = None, shard_tokens: int = SHARD_TOKENS) -> dict[str, Any]:
+            seed: int = 0, workers: int | None = None, shard_tokens: int = SHARD_TOKENS,
+            overwrite: bool = False) -> dict[str, Any]:
     """Tokenize files and folders (default: the bundled Tiny Shakespeare; see corpus.collect_sources and
     readers.documents for what is read) into `out_dir`/{train,val}.bin, tokenizer.json and meta.json, with a new
     tokenizer of kind `tokenizer` or the one of `tokenizer_from` (a run or data folder). Every document ends with
@@ -127,7 +139,8 @@ def prepare(paths: list[str], out_dir: str | Path, tokenizer: str = "char", voca
     documents) the last val_fraction of the characters. Files found in folders that cannot be read are skipped and
     listed in the metadata (refused with `strict`). `workers` processes encode (default: the cores available),
     with the same output as one. Each split is written in shards of at most `shard_tokens` ids (see tokenfiles).
-    Everything is checked before anything is written; the files are written in a hidden staging folder and moved
+    A folder of prepared data is replaced only by the same data (same inputs and settings) or with `overwrite`
+    (OtherData otherwise). Everything is checked before anything is written; the files are written in a hidden staging folder and moved
     into place at the end (meta.json last), so a failure or Ctrl-C leaves the prepared folder as it was; the
     staging folder keeps the last checkpoint, and the same call again resumes from it. Returns the metadata;
     raises GptlabError on bad input or a full disk."""
@@ -173,7 +186,10 @@ def prepare(paths: list[str], out_dir: str | Path, tokenizer: str = "char", voca
     settings = {"tokenizer": fixed.to_dict() if fixed else [tokenizer, vocab_size], "encoding": encoding,
                 "text_field": text_field, "allow_special": allow_special, "shard_tokens": shard_tokens,
                 "val_fraction": val_fraction, "held": None if held is None else hashlib.sha256(held).hexdigest()}
-    with Staging(out, _fingerprint(scan, settings)) as stage:
+    fingerprint = _fingerprint(scan, settings)
+    if not overwrite and folder_kind(out) == "data" and _made_by(out) != fingerprint:
+        raise OtherData(out)
+    with Staging(out, fingerprint) as stage:
         tok: Tokenizer = fixed or stage.tokenizer() or _interruptible(lambda: train_tokenizer(
             tokenizer, [scan.chars] if tokenizer == "char" else all_chunks(), vocab_size))
         encode = {"held": held, "encoding": encoding, "text_field": text_field, "quiet": quiet,
@@ -185,7 +201,8 @@ def prepare(paths: list[str], out_dir: str | Path, tokenizer: str = "char", voca
             meta = {"format_version": VERSION, "tokenizer": tok.kind, "vocab_size": tok.vocab_size,
                     "dtype": token_dtype(tok.vocab_size).name, **written, **split,
                     "shard_tokens": shard_tokens, "encoding": encoding, "text_field": text_field,
-                    "documents": sum(d["documents"] for d in scan.described), "sources": scan.described}
+                    "documents": sum(d["documents"] for d in scan.described), "sources": scan.described,
+                    "fingerprint": fingerprint}
             return stage.commit(writers, meta)
         except OSError as exc:
             raise GptlabError(f"cannot write the token files in {out}: {exc.strerror}; free some space or fix the "
@@ -193,9 +210,19 @@ def prepare(paths: list[str], out_dir: str | Path, tokenizer: str = "char", voca
 
 
 def _fingerprint(scan: Scan, settings: dict[str, Any]) -> str:
-    """What makes two prepares the same, so that one may resume the other: the inputs' bytes and the settings."""
-    what = {"version": VERSION, "sources": [[d["path"], d["sha256"]] for d in scan.described], **settings}
+    """What makes two prepares the same, so that one may resume the other or replace its result: the inputs'
+    bytes, in order, and the settings (not the paths they were named by)."""
+    what = {"version": VERSION, "sources": [d["sha256"] for d in scan.described], **settings}
     return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()
+
+
+def _made_by(folder: Path) -> str | None:
+    """The fingerprint a prepared folder's meta.json records (None for a folder from before fingerprints)."""
+    try:
+        meta = json.loads((folder / "meta.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return meta.get("fingerprint") if isinstance(meta, dict) else None
 
 
 def _check_not_empty(scan: Scan, sources: list[Source], what: str) -> None:

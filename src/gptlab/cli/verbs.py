@@ -18,13 +18,17 @@ from gptlab.tokenizer import EOT
 
 @command("prepare", "tokenize text files (default: the bundled Tiny Shakespeare) into train/val token files")
 def cmd_prepare(args: argparse.Namespace) -> int:
-    from gptlab.data import prepare
+    from gptlab.data import OtherData, prepare
     from gptlab.runs import default_data_dir
 
     out = Path(args.out) if args.out else default_data_dir(args.tokenizer)
-    meta = prepare(args.paths, out, args.tokenizer, args.vocab_size, args.val_fraction, args.encoding, args.quiet,
-                   args.allow_special, args.tokenizer_from, args.text_field, args.include, args.exclude, args.strict,
-                   args.val, args.seed, args.workers, args.shard_tokens)
+    try:
+        meta = prepare(args.paths, out, args.tokenizer, args.vocab_size, args.val_fraction, args.encoding,
+                       args.quiet, args.allow_special, args.tokenizer_from, args.text_field, args.include,
+                       args.exclude, args.strict, args.val, args.seed, args.workers, args.shard_tokens,
+                       overwrite=args.overwrite)
+    except OtherData:
+        raise OtherData(out, runs_trained_on(out)) from None
     held = "split by characters" if meta["split"] == "characters" else f"{meta['val_documents']:,} held out"
     print(f"prepared {out}: {meta['train_tokens']:,} train + {meta['val_tokens']:,} val tokens from "
           f"{meta['documents']:,} document{'s' * (meta['documents'] != 1)} ({held}), {meta['tokenizer']} tokenizer "
@@ -49,6 +53,22 @@ def cmd_prepare(args: argparse.Namespace) -> int:
     return 0
 
 
+def runs_trained_on(data: Path) -> list[Path]:
+    """The runs in the default runs folder whose config.json names `data` as their data folder."""
+    from gptlab import rundir
+    from gptlab.runs import RUNS
+
+    found = []
+    for run in sorted(RUNS.iterdir()) if RUNS.is_dir() else []:
+        try:
+            saved = rundir.read_run_config(run).get("data") if rundir.is_run(run) else None
+        except (GptlabError, OSError):
+            continue
+        if isinstance(saved, str) and Path(saved).resolve() == data.resolve():
+            found.append(run)
+    return found
+
+
 def add_prepare(p: argparse.ArgumentParser) -> None:
     p.add_argument("paths", nargs="*", help="files or folders (read recursively, hidden ones and __pycache__ "
                    "skipped), or - for standard input (default: bundled Tiny Shakespeare). Text files are one "
@@ -71,6 +91,8 @@ def add_prepare(p: argparse.ArgumentParser) -> None:
                    help=f"read {EOT} in the text as the end-of-text token (default: refuse such text)")
     p.add_argument("--vocab-size", type=int, default=1024, help="vocabulary size for --tokenizer bpe (default 1024)")
     p.add_argument("--out", help="output folder (default: data/tinyshakespeare-TOKENIZER)")
+    p.add_argument("--overwrite", action="store_true", help="replace the data in --out even when it was prepared "
+                   "from other inputs or settings (runs trained on it can then no longer resume)")
     p.add_argument("--val-fraction", type=float, default=0.1, help="share of the documents held out for "
                    "validation, whole documents chosen at random by --seed, in (0, 1); a corpus of fewer than "
                    "1 / val-fraction documents (one book) is split by characters, its last val-fraction (default 0.1)")
