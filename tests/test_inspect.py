@@ -41,12 +41,19 @@ from gptlab.tokenizer import BPETokenizer, CharTokenizer, GPT2Tokenizer
 
 @pytest.fixture(scope="module")
 def hf_pairs(tmp_path_factory):
-    """name -> (transformers' eager model, the same weights imported into gptlab)."""
+    """name -> (transformers' eager model, the same weights imported into gptlab). Every LayerNorm gain and bias and
+    every linear bias is moved off its initial 1 or 0 (as training moves them), so that a trace reading ln_2 where
+    ln_1 belongs, or leaving out a bias, differs from transformers."""
     root = tmp_path_factory.mktemp("hf-inspect")
     out = {}
     for i, (name, shape) in enumerate(SHAPES.items()):
         folder = hf_folder(root / name, seed=10 + i, **shape)
         hf = GPT2LMHeadModel.from_pretrained(folder, attn_implementation="eager").eval()
+        with torch.no_grad():
+            for p in hf.parameters():
+                if p.dim() == 1:
+                    p.add_(0.3 * torch.randn_like(p))
+        hf.save_pretrained(folder)
         out[name] = (hf, load_hf_model(folder).eval())
     return out
 
@@ -91,7 +98,7 @@ def test_rows_sum_to_one_and_nothing_above_the_diagonal(hf_pairs):
 
 
 def test_the_stream_adds_up_and_the_logits_are_the_models():
-    model = tiny_gpt()
+    model = trained_like(dict(vocab_size=50, block_size=16, n_layer=2, n_head=2, n_embd=32))
     x = torch.randint(50, (2, 16))
     tr = trace(model, x)
     assert len(tr.residual) == 3 and len(tr.after_attention) == len(tr.attn_out) == len(tr.mlp_out) == 2
@@ -348,8 +355,11 @@ def test_the_apple_experiment(char_run, capsys):
     assert torch.equal(reps[0, 0], reps[0, 1]) and torch.equal(reps[0, 0], reps[0, 2])  # static: one vector
     sims = pairwise_cosine(reps)
     assert not torch.allclose(reps[-1, 0], reps[-1, 1]) and sims[-1, 0, 1] < 1 - 1e-4  # contextual: they diverge
-    tr = trace(loaded.model, loaded.tokenizer.encode("a cat ran away"))
-    assert torch.equal(reps[-1, 1], tr.residual[-1][0, 4])  # read at the word's last token, the "t"
+    ids = loaded.tokenizer.encode("a cat ran away")
+    streams = block_streams(loaded.model, torch.tensor([ids]))  # the model's own forward, through hooks
+    for depth, stream in enumerate(streams):  # read at the word's last token, the "t" at position 4
+        assert (reps[depth + 1, 1] - stream[0, 4]).abs().max().item() <= 1e-5, depth
+    assert torch.equal(reps[0, 1], loaded.model.transformer.wte.weight[ids[4]])
     out = run_ok(capsys, "inspect", "embeddings", "--run", str(char_run), "--word", "cat",
                  *[arg for c in contexts for arg in ("--context", c)])
     lines = out.splitlines()

@@ -3,7 +3,13 @@
 from planted import Planted
 
 TRACE = "src/gptlab/inspect/trace.py"
-LENS_ROWS = "tests/test_inspect.py::test_every_row_of_the_lens_is_ln_f_and_the_head_on_that_depths_stream"
+PICTURES = "src/gptlab/inspect/pictures.py"
+TESTS = "tests/test_inspect.py"
+LENS_ROWS = f"{TESTS}::test_every_row_of_the_lens_is_ln_f_and_the_head_on_that_depths_stream"
+PARITY = f"{TESTS}::test_attention_and_residual_stream_equal_transformers"
+ADDS_UP = f"{TESTS}::test_the_stream_adds_up_and_the_logits_are_the_models"
+LABELS = f"{TESTS}::test_labels_drawn_on_pictures_escape_what_the_font_cannot_show"
+APPLE = f"{TESTS}::test_the_apple_experiment"
 
 PLANTED = [
     Planted("inspect: the logit lens skips the final LayerNorm at every depth but the last", TRACE,
@@ -13,4 +19,30 @@ PLANTED = [
     Planted("inspect: the logit lens's rows shifted one layer (row l reads the stream after block l + 1)", TRACE,
             [("ln_f(x)) for x in tr.residual])", "ln_f(x)) for x in tr.residual[1:] + tr.residual[-1:]])")],
             LENS_ROWS),
+    Planted("inspect: the trace's attention reads the stream through ln_2 instead of ln_1", TRACE,
+            [("added, probs = _attention(block, block.ln_1(x))", "added, probs = _attention(block, block.ln_2(x))")],
+            [PARITY, ADDS_UP]),
+    Planted("inspect: the trace's MLP leaves out c_fc's bias", TRACE,
+            [("return mlp.c_proj(mlp.gelu(mlp.c_fc(x)))", "return mlp.c_proj(mlp.gelu(F.linear(x, mlp.c_fc.weight)))")],
+            [PARITY, ADDS_UP]),
+    Planted("inspect: the word read one token after its last (the first position past the word)", TRACE,
+            [("if len(tokenizer.decode(ids[:i + 1])) >= end:", "if len(tokenizer.decode(ids[:i + 1])) > end:")],
+            APPLE),
+    Planted("inspect: the word's static vector looked up by its position, not its token", TRACE,
+            [("static = gpt.transformer.wte.weight[ids[at]]", "static = gpt.transformer.wte.weight[at]")],
+            APPLE),
+    Planted("inspect: a carriage return labelled with ␍, a glyph the pictures' font lacks", TRACE,
+            [('"\\r": "\\\\r"}', '"\\r": "␍"}')],
+            LABELS),
+    Planted("inspect: other control characters left in labels as they are", TRACE,
+            [('return escape(ch) if unicodedata.category(ch)[0] in "CZ" else ch', "return ch")],
+            LABELS),
+    Planted("inspect: tick labels drawn without escaping what the font lacks", PICTURES,
+            [("ticks, labels = range(len(labels)), [drawable(label) for label in labels]",
+              "ticks = range(len(labels))")],
+            LABELS),
+    Planted("inspect: the lens picture's cells drawn without escaping what the font lacks", PICTURES,
+            [("ax.text(t, d, drawable(token_label(tokenizer, int(top[d, t]))),",
+              "ax.text(t, d, token_label(tokenizer, int(top[d, t])),")],
+            LABELS),
 ]
