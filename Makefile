@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 TORCH := torch==2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: run test setup browser bigram clean
+.PHONY: run test setup browser bigram clean mutants planted flaky
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -36,3 +36,22 @@ bigram: $(STAMP)
 
 clean:
 	rm -rf runs data .pytest_cache
+
+# Mutation testing (not part of make test; long): mutmut per module, its score per module (docs/mutants.md).
+# `make mutants MODULE=sampling` runs one module; results are kept in .mutants/ and later runs re-test only what changed.
+MODULE ?=
+$(VENV)/.mutants-installed: $(STAMP) pyproject.toml
+	$(BIN)/pip install --quiet --disable-pip-version-check -e '.[mutants]'
+	touch $@
+
+mutants: $(VENV)/.mutants-installed
+	nice -n 10 $(BIN)/python scripts/mutants.py $(MODULE)
+
+# The catalogue of hand-planted bugs (tests/planted): each made in a copy of src/ and run against its tests.
+planted: $(STAMP)
+	$(BIN)/python scripts/planted.py
+
+# The no-flaky-test check (long; alone on the machine): the suite 3 times in random order beside a busy process per
+# core, then the timing-prone test files 20 times each (scripts/flaky.sh).
+flaky: $(STAMP)
+	scripts/flaky.sh $(BIN)/python

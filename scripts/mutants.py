@@ -1,0 +1,359 @@
+"""Mutation testing per module with mutmut (pinned in the `mutants` extra): `make mutants` runs every module in
+scope, `make mutants MODULE=sampling` one. Each module has its own mutmut folder, .mutants/MODULE/ (ignored by git),
+so results are kept between runs: mutmut re-tests the functions whose source changed, and when the module's test
+files change this script re-tests its survivors and untested mutants against fresh stats (a weakened test is not
+looked for: `--fresh` starts the module over).
+
+    python scripts/mutants.py                  # every module, then the table
+    python scripts/mutants.py sampling engine  # these modules
+    python scripts/mutants.py --report         # the table from the kept results, nothing run
+    python scripts/mutants.py --list           # the modules, their sources and tests
+
+Score = (killed + timeout) / (generated - message - equivalent), per module:
+- message: a mutant whose only change is a string literal inside a message call (an exception built with it, print,
+  warnings.warn, a logger's or parser's error/warning/info/debug): found by comparing each mutant's AST with the
+  original function's, marked skipped before mutmut runs, so never run;
+- equivalent: the reviewed equivalent survivors listed in docs/equivalent-mutants.toml, each with its reason;
+- "no tests" (no selected test calls the function) counts against the score, as a survivor does.
+Functions that only a CLI subprocess reaches: mutmut 3 maps tests to functions by the calls it records in the pytest
+process; scripts/mutmut_hooks records the calls a subprocess makes too (tests/conftest.py already puts the mutated
+src/ first on a subprocess's PYTHONPATH, and the subprocess inherits MUTANT_UNDER_TEST).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import difflib
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parents[1]  # this repository: the hooks and the equivalents list live here
+STATUS = {1: "killed", 3: "killed", 36: "timeout", 24: "timeout", -24: "timeout", 152: "timeout", 255: "timeout",
+          0: "survived", 5: "no tests", 33: "no tests", 34: "message", None: "not checked"}  # the rest: "other"
+COLUMNS = ["generated", "message", "equivalent", "killed", "timeout", "survived", "no tests", "other", "not checked"]
+MESSAGE_CALLS = {"print", "warn", "error", "warning", "info", "debug", "exception", "critical", "fail", "exit"}
+MESSAGE_SUFFIXES = ("Error", "Exception", "Exit", "Warning")
+LINKED = ["src", "tests", "README.md", "docs", "scripts", "Makefile"]  # what a module's folder sees of the repo
+
+
+@dataclass(frozen=True)
+class Module:
+    sources: tuple[str, ...]  # relative to the repository
+    tests: tuple[str, ...]
+
+
+def _m(sources: str, tests: str) -> Module:
+    return Module(tuple(f"src/gptlab/{s}.py" for s in sources.split()), tuple(f"tests/{t}.py" for t in tests.split()))
+
+
+# Each module's tests: the files that exercise it (mutmut then runs, per mutant, only the tests that reach the mutated
+# function). Keep each list to what is needed: the stats run goes through all of them once.
+MODULES = {
+    "sampling": _m("sampling", "test_sampling test_engine"),
+    "textstream": _m("textstream", "test_engine test_serve"),
+    "engine": _m("engine", "test_engine test_sampling test_serve_batching test_int8"),
+    "serve.api": _m("serve/api", "test_serve test_serve_batching"),
+    "serve.app": _m("serve/app", "test_serve test_serve_batching"),
+    "serve.scheduler": _m("serve/scheduler", "test_serve test_serve_batching"),
+    "corpus": _m("corpus", "test_corpus test_data"),
+    "readers": _m("readers", "test_corpus test_data"),
+    "encoder": _m("encoder", "test_corpus test_shards"),
+    "staging": _m("staging", "test_shards test_corpus"),
+    "tokenfiles": _m("tokenfiles", "test_data test_shards test_nothing_lost"),
+    "sharded": _m("sharded", "test_data test_shards test_train"),
+    "data": _m("data", "test_data test_corpus test_shards"),
+    "inspect": _m("inspect/anatomy inspect/page inspect/pictures inspect/trace", "test_inspect test_inspect_page"),
+    "runs": _m("runs", "test_runs test_cli"),
+    "rundir": _m("rundir", "test_nothing_lost test_faults test_runs"),
+    "checkpoint": _m("checkpoint", "test_nothing_lost test_faults test_train test_runtime"),
+    "preflight": _m("preflight", "test_nothing_lost test_train test_shards"),
+    "evaluate": _m("evaluate", "test_hf test_train"),
+    "optim": _m("optim", "test_optim test_train"),
+    "int8": _m("inference/int8", "test_int8"),
+}
+
+
+def module_config(root: Path, module: Module) -> str:
+    """The pyproject.toml of a module's folder: `root`'s (its pytest settings), with this repository's
+    [tool.mutmut] narrowed to `module`."""
+    text = (root / "pyproject.toml").read_text(encoding="utf-8")
+    base = tomllib.loads((HERE / "pyproject.toml").read_text(encoding="utf-8")).get("tool", {}).get("mutmut", {})
+    kept = [line for line in _without_table(text, "tool.mutmut")]
+    table = {**base, "source_paths": ["src"], "only_mutate": list(module.sources),
+             "pytest_add_cli_args_test_selection": list(module.tests),
+             "pytest_add_cli_args": [*base.get("pytest_add_cli_args", []), "-p", "mutmut_plugin"],
+             "also_copy": [p for p in LINKED if p not in ("src", "tests")]}
+    lines = [f"{key} = {json.dumps(value)}" for key, value in table.items()]
+    return "\n".join([*kept, "", "[tool.mutmut]", *lines, ""])
+
+
+def _without_table(text: str, name: str) -> list[str]:
+    out, inside = [], False
+    for line in text.splitlines():
+        if line.startswith("["):
+            inside = line.strip() == f"[{name}]"
+        if not inside:
+            out.append(line)
+    return out
+
+
+def prepare_folder(root: Path, name: str, module: Module) -> Path:
+    """.mutants/NAME under `root`, its links to the repository and its pyproject.toml written."""
+    top = root / ".mutants"
+    folder = top / name
+    folder.mkdir(parents=True, exist_ok=True)
+    (top / ".gitignore").write_text("*\n")  # the whole folder stays out of git
+    for entry in LINKED:
+        link = folder / entry
+        if (root / entry).exists() and not link.is_symlink():
+            link.symlink_to(root / entry)
+    (folder / "pyproject.toml").write_text(module_config(root, module), encoding="utf-8")
+    return folder
+
+
+def tests_fingerprint(root: Path, module: Module) -> str:
+    """A hash of everything under tests/ (a conftest or a helper can change what a test checks)."""
+    digest = hashlib.sha256()
+    for path in sorted((root / "tests").rglob("*.py")):
+        digest.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes())
+    digest.update(repr(module).encode())
+    return digest.hexdigest()[:16]
+
+
+def metas(folder: Path, module: Module) -> list[tuple[Path, Path]]:
+    """(mutated source, its .meta) for each source of `module` that mutmut has mutated."""
+    found = []
+    for source in module.sources:
+        mutated = folder / "mutants" / source
+        if (mutated.parent / (mutated.name + ".meta")).exists():
+            found.append((mutated, mutated.parent / (mutated.name + ".meta")))
+    return found
+
+
+def functions(tree: ast.Module) -> dict[str, ast.FunctionDef]:
+    """Every function at module level and in classes, by the name mutmut gives it."""
+    found = {}
+    for node in tree.body:
+        for item in [node, *(node.body if isinstance(node, ast.ClassDef) else [])]:
+            if isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                found[item.name] = item
+    return found
+
+
+def _differences(a, b, parents: tuple) -> list[tuple[object, tuple]]:
+    """The smallest nodes (with their ancestors) where ASTs `a` and `b` differ."""
+    if type(a) is not type(b):
+        return [(a, parents)]
+    if isinstance(a, ast.AST):
+        out = []
+        for field in a._fields:
+            out += _differences(getattr(a, field), getattr(b, field), (*parents, a))
+        return out
+    if isinstance(a, list):
+        if len(a) != len(b):
+            return [(a, parents)]
+        return [d for x, y in zip(a, b) for d in _differences(x, y, parents)]
+    return [] if a == b else [(a, parents)]
+
+
+def _call_name(call: ast.Call) -> str:
+    func = call.func
+    return func.id if isinstance(func, ast.Name) else func.attr if isinstance(func, ast.Attribute) else ""
+
+
+def _is_message_call(node) -> bool:
+    if not isinstance(node, ast.Call):
+        return False
+    name = _call_name(node)
+    return name in MESSAGE_CALLS or name.endswith(MESSAGE_SUFFIXES)
+
+
+def only_message_changed(original: ast.FunctionDef, mutant: ast.FunctionDef) -> bool:
+    """Whether `mutant` differs from `original` only in string literals inside message calls."""
+    diffs = _differences(original.body, mutant.body, ())
+    if not diffs:
+        return False
+    for value, parents in diffs:
+        in_string = isinstance(value, str) and parents and isinstance(parents[-1], ast.Constant)
+        in_string = in_string or isinstance(value, ast.Constant) and isinstance(value.value, str)
+        if not (in_string and any(_is_message_call(p) for p in parents)):
+            return False
+    return True
+
+
+def changed_lines(source: str, original: ast.FunctionDef, mutant: ast.FunctionDef) -> list[str]:
+    """The mutant's lines that differ from the original function's (stripped), to show and to check a listing."""
+    old = (ast.get_source_segment(source, original) or "").splitlines()[1:]
+    new = (ast.get_source_segment(source, mutant) or "").splitlines()[1:]
+    return [line[1:].strip() for line in difflib.unified_diff(old, new, lineterm="", n=0)
+            if line.startswith("+") and not line.startswith("+++")]
+
+
+def mark_messages(folder: Path, module: Module) -> int:
+    """Mark every not-yet-run mutant that only changes a message string as skipped (34); unmark any mark that no
+    longer holds. Returns how many are marked."""
+    marked = 0
+    for mutated, meta in metas(folder, module):
+        data = json.loads(meta.read_text())
+        funcs = functions(ast.parse(mutated.read_text(encoding="utf-8")))
+        codes = data["exit_code_by_key"]
+        for key, code in codes.items():
+            name = key.rpartition(".")[2]
+            original = funcs.get(name.rpartition("__mutmut_")[0] + "__mutmut_orig")
+            message = original is not None and name in funcs and only_message_changed(original, funcs[name])
+            if message and code is None:
+                codes[key] = 34
+            elif not message and code == 34:
+                codes[key] = None
+            marked += codes[key] == 34
+        meta.write_text(json.dumps(data, indent=4))
+    return marked
+
+
+GENERATE = """
+from mutmut.__main__ import copy_src_dir, copy_also_copy_files, setup_source_paths, create_mutants
+import os
+os.makedirs("mutants", exist_ok=True)
+copy_src_dir(); copy_also_copy_files(); setup_source_paths(); create_mutants(1)
+"""
+
+
+def tool_env(folder: Path) -> dict[str, str]:
+    """The environment mutmut runs in: the hooks and the mutated src/ first on PYTHONPATH (so CLI subprocesses
+    import the mutants even where tests/conftest.py does not arrange it); where the hooks leave subprocess calls
+    and keep the compiled kernel (scripts/mutmut_hooks)."""
+    hits = folder / "subprocess-hits"
+    hits.mkdir(exist_ok=True)
+    path = [str(HERE / "scripts" / "mutmut_hooks"), str(folder / "mutants" / "src")]
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(path), "MUTMUT_HITS_DIR": str(hits),
+            "MUTMUT_FOLDER": str(folder), "MUTMUT_KERNELS": str(folder / "kernels"), "PYTHONDONTWRITEBYTECODE": "1"}
+
+
+def forget_for_new_tests(folder: Path, module: Module, fingerprint: str) -> None:
+    """When the tests changed since the last run: the stats (which test reaches which function) are collected
+    again and the survivors and untested mutants are tested again; kills stand."""
+    stamp = folder / "tests-fingerprint"
+    if stamp.exists() and stamp.read_text() == fingerprint:
+        return
+    (folder / "mutants" / "mutmut-stats.json").unlink(missing_ok=True)
+    for _, meta in metas(folder, module):
+        data = json.loads(meta.read_text())
+        data["exit_code_by_key"] = {k: None if STATUS.get(c) in ("survived", "no tests") else c
+                                    for k, c in data["exit_code_by_key"].items()}
+        meta.write_text(json.dumps(data, indent=4))
+
+
+def run_module(root: Path, name: str, module: Module, children: int, fresh: bool) -> int:
+    """Generate, mark message mutants, run mutmut for one module; mutmut's exit status."""
+    folder = prepare_folder(root, name, module)
+    if fresh:
+        shutil.rmtree(folder / "mutants", ignore_errors=True)
+        (folder / "tests-fingerprint").unlink(missing_ok=True)
+    env = tool_env(folder)
+    fingerprint = tests_fingerprint(root, module)
+    forget_for_new_tests(folder, module, fingerprint)
+    subprocess.run([sys.executable, "-c", GENERATE], cwd=folder, env=env, check=True, stdout=subprocess.DEVNULL)
+    print(f"mutants: {name}: {mark_messages(folder, module)} message-only mutants marked skipped", flush=True)
+    mutmut = Path(sys.executable).with_name("mutmut")
+    done = subprocess.run([str(mutmut), "run", "--max-children", str(children)], cwd=folder, env=env)
+    if done.returncode == 0:
+        (folder / "tests-fingerprint").write_text(fingerprint)
+    return done.returncode
+
+
+def load_equivalents(path: Path) -> dict[str, dict]:
+    """docs/equivalent-mutants.toml: [[equivalent]] tables with mutant, line (the mutated line) and reason."""
+    if not path.exists():
+        return {}
+    entries = tomllib.loads(path.read_text(encoding="utf-8")).get("equivalent", [])
+    for entry in entries:
+        missing = {"mutant", "line", "reason"} - set(entry)
+        if missing:
+            raise SystemExit(f"mutants: {path}: an entry lacks {', '.join(sorted(missing))}: {entry}")
+    return {entry["mutant"]: entry for entry in entries}
+
+
+def tally(folder: Path, module: Module, equivalents: dict[str, dict]) -> tuple[dict[str, int], list[str]]:
+    """(counts per column, lines describing survivors and stale listings) for one module's kept results."""
+    counts = dict.fromkeys(COLUMNS, 0)
+    notes = []
+    for mutated, meta in metas(folder, module):
+        source = mutated.read_text(encoding="utf-8")
+        funcs = functions(ast.parse(source))
+        for key, code in json.loads(meta.read_text())["exit_code_by_key"].items():
+            status = STATUS.get(code, "other")
+            name = key.rpartition(".")[2]
+            original = funcs.get(name.rpartition("__mutmut_")[0] + "__mutmut_orig")
+            lines = changed_lines(source, original, funcs[name]) if original and name in funcs else []
+            listed = equivalents.get(key)
+            if listed and status == "survived" and listed["line"].strip() in lines:
+                status = "equivalent"
+            elif listed:
+                notes.append(f"  stale listing {key} ({status}; listed line {listed['line']!r}, now {lines})")
+            if status in ("survived", "no tests", "other"):
+                notes.append(f"  {status:<9} {key}: {' | '.join(lines) or '(a deletion)'}")
+            counts["generated"] += 1
+            counts[status] += 1
+    return counts, notes
+
+
+def score(counts: dict[str, int]) -> str:
+    scored = counts["generated"] - counts["message"] - counts["equivalent"]
+    return f"{100 * (counts['killed'] + counts['timeout']) / scored:.1f} %" if scored else "-"
+
+
+def report(root: Path, names: list[str], verbose: bool) -> None:
+    equivalents = load_equivalents(HERE / "docs" / "equivalent-mutants.toml")
+    print("| module | " + " | ".join(COLUMNS) + " | score |")
+    print("| --- " * (len(COLUMNS) + 2) + "|")
+    all_notes = []
+    for name in names:
+        folder = root / ".mutants" / name
+        counts, notes = tally(folder, MODULES[name], equivalents)
+        print(f"| {name} | " + " | ".join(str(counts[c]) for c in COLUMNS) + f" | {score(counts)} |")
+        all_notes += [f"{name}:", *notes] if notes else []
+    if verbose and all_notes:
+        print("\n".join(["", "not killed (show one: cd .mutants/MODULE && ../../.venv/bin/mutmut show NAME):",
+                         *all_notes]))
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("modules", nargs="*", help=f"modules to run (default: all): {', '.join(MODULES)}")
+    parser.add_argument("--report", action="store_true", help="print the table from kept results; run nothing")
+    parser.add_argument("--list", action="store_true", help="print the modules, their sources and tests")
+    parser.add_argument("--fresh", action="store_true", help="forget the kept results of these modules first")
+    parser.add_argument("--max-children", type=int, default=2, help="mutants tested at once (default: 2)")
+    parser.add_argument("--root", type=Path, default=HERE,
+                        help="the checkout to mutate (default: this one; e.g. a git worktree of an older commit)")
+    args = parser.parse_args(argv)
+    unknown = [m for m in args.modules if m not in MODULES]
+    if unknown:
+        print(f"mutants: unknown module {', '.join(unknown)}; choose from: {', '.join(MODULES)}", file=sys.stderr)
+        return 2
+    names = args.modules or list(MODULES)
+    if args.list:
+        for name in names:
+            print(f"{name}: {' '.join(MODULES[name].sources)}\n    tests: {' '.join(MODULES[name].tests)}")
+        return 0
+    root = args.root.resolve()
+    failed = []
+    for name in [] if args.report else names:
+        if run_module(root, name, MODULES[name], args.max_children, args.fresh) != 0:
+            failed.append(name)
+    report(root, [n for n in names if (root / ".mutants" / n / "mutants").exists()], verbose=True)
+    if failed:
+        print(f"mutants: mutmut failed for {', '.join(failed)} (its output above says why)", file=sys.stderr)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

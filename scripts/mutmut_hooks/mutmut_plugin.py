@@ -1,0 +1,32 @@
+"""A pytest plugin that scripts/mutants.py adds to mutmut's pytest runs (`-p mutmut_plugin`).
+
+- While mutmut collects its stats, each test is credited, before mutmut's own teardown hook reads them, with the
+  functions that the subprocesses it started called (left in MUTMUT_HITS_DIR by sitecustomize.py). Without it a
+  function that only a `python -m gptlab` subprocess reaches has "no tests" and its mutants are never run.
+- Every pytest run mutmut starts (one per mutant) shares one folder of compiled decode kernels (MUTMUT_KERNELS)
+  instead of tests/conftest.py's fresh one per session: mutmut mutates no C++, so the kernel is the same for every
+  mutant, and compiling it per mutant would be most of the run's time."""
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_configure(config):
+    if os.environ.get("MUTMUT_KERNELS"):
+        os.environ["GPTLAB_KERNELS"] = os.environ["MUTMUT_KERNELS"]
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_teardown(item, nextitem):
+    folder = os.environ.get("MUTMUT_HITS_DIR")
+    if os.environ.get("MUTANT_UNDER_TEST") != "stats" or not folder:
+        return
+    from mutmut.state import state
+
+    for path in sorted(Path(folder).glob("*.json")):
+        state()._stats.update(json.loads(path.read_text()))
+        path.unlink()
