@@ -40,3 +40,22 @@ PLANTED = [
             [f"{T_SAMPLING}::test_greedy_takes_the_largest_penalised_logit",
              f"{T_SAMPLING}::test_draws_come_from_the_documented_distribution"]),
 ]
+
+T_ENGINE = "tests/test_engine.py"
+REFERENCE = f"{T_ENGINE}::test_running_batch_equals_the_plain_forward_over_the_documented_window"
+SEEDS = f"{T_ENGINE}::test_each_sample_of_each_prompt_is_that_prompt_alone_with_seed_plus_i"
+
+PLANTED += [
+    Planted("engine: sample i of prompt 2+ seeded by its row, not its sample", ENGINE,
+            [("RowSampler(cfg, row_seed(cfg.seed, r % num_samples), w, vocab, self.device)",
+              "RowSampler(cfg, row_seed(cfg.seed, r), w, vocab, self.device)")],
+            SEEDS),
+    Planted("engine: RunningBatch ignores the prompt in penalties", ENGINE,
+            [("RowSampler(cfg, row_seed(cfg.seed, i), window, vocab, self.device)",
+              "RowSampler(cfg, row_seed(cfg.seed, i), [], vocab, self.device)")],
+            REFERENCE),
+    Planted("engine: RunningBatch slides its window one token early", ENGINE,
+            [("push(row.window, token, self.block_size, self.keep)",
+              "push(row.window, token, self.block_size - 1, self.keep)")],
+            REFERENCE),
+]
