@@ -9,6 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from hypothesis import given, settings, strategies as st
 
 from test_sweep import tree
 from gptlab import encoder
@@ -398,3 +399,43 @@ def test_ctrl_c_at_each_step_of_a_checkpoint_keeps_what_is_on_disk_and_resumes(t
     prepare([str(corpus)], out, "char", **{**char, "quiet": False})
     assert ("resuming the prepare interrupted" in capsys.readouterr().err) == (n > 1 or point in ON_DISK)
     assert tree(out) == tree(reference)
+
+
+# ---- any cut into shards reads as the plain concatenation --------------------------------------------------------
+
+@st.composite
+def cut_split(draw):
+    """(ids, the cuts between shards, the vocabulary size): ids of a uint16 or uint32 vocabulary, cut anywhere."""
+    vocab = draw(st.sampled_from([300, 65_536, 70_000]))
+    ids = draw(st.lists(st.integers(0, vocab - 1), min_size=1, max_size=300))
+    cuts = draw(st.lists(st.integers(1, max(len(ids) - 1, 1)), max_size=8, unique=True)) if len(ids) > 1 else []
+    return np.asarray(ids, dtype=np.int64), sorted(cuts), vocab
+
+
+@settings(max_examples=40)
+@given(cut_split(), st.data())
+def test_any_cut_into_shards_reads_as_the_plain_concatenation(split, data):
+    import tempfile
+
+    ids, cuts, vocab = split
+    with tempfile.TemporaryDirectory() as folder:
+        arrays = []
+        for i, part in enumerate(np.split(ids, cuts)):
+            writer = TokenWriter(Path(folder) / f"{i}.bin", vocab)
+            writer.write(part)
+            writer.close()
+            arrays.append(read_tokens(Path(folder) / f"{i}.bin"))
+        tokens, whole = ShardedTokens(arrays), ids.tolist()
+        assert len(tokens) == len(whole) and np.asarray(tokens).tolist() == whole == tokens.tolist()
+        assert [int(tokens[i]) for i in range(-len(whole), len(whole))] == whole + whole
+        for _ in range(5):
+            a, b = data.draw(st.integers(-len(whole) - 2, len(whole) + 2)), data.draw(st.integers(-len(whole) - 2,
+                                                                                                 len(whole) + 2))
+            step = data.draw(st.sampled_from([None, 1, 2, 3, -1, -2]))
+            assert tokens[a:b:step].tolist() == whole[a:b:step], (a, b, step)
+        length = data.draw(st.integers(1, len(whole)))
+        starts = np.asarray(data.draw(st.lists(st.integers(0, len(whole) - length), min_size=1, max_size=6)))
+        assert tokens.windows(starts, length).tolist() == [whole[s:s + length] for s in starts]
+        with pytest.raises(IndexError):
+            tokens[len(whole)]
+        del tokens, arrays  # the memory maps, before their folder goes

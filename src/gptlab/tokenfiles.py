@@ -124,15 +124,18 @@ class ShardedTokens:
             if not 0 <= index < len(self):
                 raise IndexError(f"token {index} is outside a split of {len(self)}")
             return self.shards[shard][index - self.offsets[shard]]
-        start, stop, step = index.indices(len(self))
-        parts, at = [], start
+        picked = range(*index.indices(len(self)))
+        if not picked:
+            return np.zeros(0, dtype=self.dtype)
+        at, stop = min(picked[0], picked[-1]), max(picked[0], picked[-1]) + 1  # the span it is taken from
+        parts = []
         shard = int(np.searchsorted(self.offsets, at, "right")) - 1
         while at < stop:
             end = min(stop, int(self.offsets[shard + 1]))
             parts.append(self.shards[shard][at - self.offsets[shard]:end - self.offsets[shard]])
             at, shard = end, shard + 1
-        joined = np.concatenate(parts) if parts else np.zeros(0, dtype=self.dtype)
-        return joined[::step] if step != 1 else joined
+        joined = np.concatenate(parts)
+        return joined if picked.step == 1 else joined[::picked.step]  # a negative step starts from its last
 
     def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
         whole = self[:]
