@@ -1,4 +1,7 @@
+import functools
+
 import pytest
+from hypothesis import assume, given, strategies as st
 
 from gptlab.errors import GptlabError
 from gptlab.tokenizer import EOT, BPETokenizer, CharTokenizer, GPT2Tokenizer, StreamDecoder, load
@@ -77,3 +80,44 @@ def test_damaged_tokenizer_file_is_a_clear_error(tmp_path):
         load(tmp_path / "t.json")
     with pytest.raises(GptlabError, match="missing"):
         load(tmp_path / "absent.json")
+
+
+# ---- round trips on arbitrary Unicode text (hypothesis) ----------------------------------------------------------
+
+ANY_TEXT = st.text(st.characters(codec="utf-8"), max_size=120)  # every code point UTF-8 can hold: no surrogates
+
+
+@functools.lru_cache(maxsize=1)
+def trained_bpe() -> BPETokenizer:
+    """A byte-level BPE trained on mixed-script text, with merges across multi-byte characters."""
+    return BPETokenizer.train([VARIED * 30, "the quick brown fox jumps over the lazy dog\n" * 30], vocab_size=400)
+
+
+@given(ANY_TEXT)
+def test_char_round_trip_on_any_text(text):
+    assume(text)
+    tok = CharTokenizer.train([text[::-1]])
+    ids = tok.encode(text)
+    assert ids == [sorted(set(text)).index(c) for c in text]  # each character's rank among the sorted ones
+    assert tok.decode(ids) == text and tok.decode_bytes(ids) == text.encode("utf-8")
+
+
+@given(ANY_TEXT)
+def test_trained_bpe_round_trip_on_any_text(text):
+    assume(EOT not in text)
+    tok = trained_bpe()
+    ids = tok.encode(text)
+    assert all(0 <= i < tok.vocab_size for i in ids) and tok.eot_id not in ids
+    assert tok.decode_bytes(ids) == text.encode("utf-8") and tok.decode(ids) == text
+    assert b"".join(tok.decode_bytes([i]) for i in ids) == text.encode("utf-8")  # id by id, bytes add up
+
+
+@given(ANY_TEXT)
+def test_gpt2_round_trip_on_any_text_and_in_a_stream(text):
+    assume(EOT not in text)
+    tok = GPT2Tokenizer()
+    ids = tok.encode(text)
+    assert all(0 <= i < 50256 for i in ids) and tok.decode(ids) == text
+    assert b"".join(tok.decode_bytes([i]) for i in ids) == text.encode("utf-8")
+    decoder = StreamDecoder(tok)
+    assert "".join([decoder.push([i]) for i in ids] + [decoder.flush()]) == text
