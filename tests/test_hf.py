@@ -3,7 +3,9 @@
 
 import argparse
 import dataclasses
+import errno
 import gzip
+import hashlib
 import json
 import shutil
 from importlib import resources
@@ -21,7 +23,8 @@ from gptlab.data import load_dataset, prepare
 from gptlab.engine import generate
 from gptlab.errors import GptlabError
 from gptlab.evaluate import total_nats
-from gptlab.hf import CONV1D, export_hf, init_tensors, load_hf_model
+import gptlab.hf
+from gptlab.hf import CONV1D, export_hf, import_hf, init_tensors, load_hf_model
 from gptlab.hf_tokenizer import gpt2_merges, gpt2_vocab, write_tokenizer_files
 from gptlab.model import GPT
 from gptlab.tokenizer import EOT, GPT2Tokenizer
@@ -189,6 +192,41 @@ def test_export_then_import_is_the_same_run(tmp_path, corpus_file, capsys, monke
     x = torch.as_tensor(data.val[:96].astype("int64"))[None]
     with torch.no_grad():
         assert torch.equal(after.model(x)[0], before.model(x)[0][..., :data.tokenizer.vocab_size])
+
+
+def tree(root):
+    """Every folder and every file's sha256 under `root` (hidden ones included)."""
+    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest() if p.is_file() else "folder"
+            for p in sorted(root.rglob("*"))}
+
+
+def no_space(*args, **kwargs):
+    raise OSError(errno.ENOSPC, "No space left on device")
+
+
+@pytest.mark.parametrize("fails", ["model.safetensors", "tokenizer files"])
+def test_a_failed_export_changes_nothing_on_disk(tmp_path, gpt2_vocab_folder, capsys, monkeypatch, fails):
+    monkeypatch.chdir(tmp_path)
+    import_hf(gpt2_vocab_folder, tmp_path / "run")
+    (tmp_path / "old").mkdir()
+    (tmp_path / "old" / "config.json").write_text("{}")
+    (tmp_path / "old" / "notes.txt").write_text("mine")
+    before = tree(tmp_path)
+    with monkeypatch.context() as m:
+        if fails == "model.safetensors":
+            m.setattr(gptlab.hf, "save_file", no_space)
+        else:  # one file written, then the disk is full
+            m.setattr(gptlab.hf, "write_tokenizer_files", lambda out, *_: ((out / "vocab.json").write_text("{}"),
+                                                                          no_space()))
+        for out in ("old", "new/deeper/hf"):
+            assert "No space left on device" in run_bad(capsys, "export", "run", "--out", out)
+            assert tree(tmp_path) == before, out
+    run_ok(capsys, "export", "run", "--out", "old")  # into a folder that has files: ours replace theirs
+    assert load_hf(tmp_path / "old").config.n_embd == 32 and (tmp_path / "old" / "notes.txt").read_text() == "mine"
+    run_ok(capsys, "export", "run", "--out", "new/deeper/hf")
+    assert load_hf(tmp_path / "new" / "deeper" / "hf").config.n_head == 2
+    for folder in (tmp_path, tmp_path / "old", tmp_path / "new" / "deeper", tmp_path / "new" / "deeper" / "hf"):
+        assert not list(folder.glob(".*")), folder  # no staging folder or temporary file left behind
 
 
 # ---- GPT-2 tokenizer -------------------------------------------------------------------------------------------

@@ -10,9 +10,11 @@ arbitrary objects) and tokenizers: transformers is not needed here at all, only 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pickle
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -226,9 +228,39 @@ def hf_config(model_cfg: ModelConfig, tokenizer: Tokenizer) -> dict[str, Any]:
     }
 
 
+@contextlib.contextmanager
+def staged_folder(out: Path):
+    """A new hidden folder beside `out` to write into. When the block ends, its files move into `out` (made if
+    missing; files of other names already there stay); when the block raises, it is removed, with the parent
+    folders made for it, so a failed write changes nothing on disk."""
+    made = [p for p in (out.parent, *out.parent.parents) if not p.exists()][-1:]  # the topmost one made here
+    staging = out.parent / f".{out.name}.export-{os.getpid()}"
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(staging, ignore_errors=True)  # left by a killed export of a process with this id
+        staging.mkdir()
+    except OSError as exc:
+        for folder in made:
+            shutil.rmtree(folder, ignore_errors=True)
+        raise GptlabError(f"cannot create output folder {out}: {exc.strerror}") from None
+    try:
+        yield staging
+        if out.is_dir():
+            for path in staging.iterdir():
+                os.replace(path, out / path.name)
+            staging.rmdir()
+        else:
+            os.replace(staging, out)
+    except BaseException:
+        for folder in [staging, *made]:
+            shutil.rmtree(folder, ignore_errors=True)
+        raise
+
+
 def export_hf(run_dir: str | Path, out_dir: str | Path, which: str = "best") -> list[str]:
     """Write the run's model (its best checkpoint, else its latest) as a HF GPT-2 folder: config.json,
-    model.safetensors and tokenizer files. Returns the names written; raises GptlabError on bad input."""
+    model.safetensors and tokenizer files, all or nothing (see staged_folder). Returns the names written; raises
+    GptlabError on bad input."""
     out = Path(out_dir)
     if out.resolve() == Path(run_dir).resolve() or folder_kind(out) in ("run", "data"):
         kind = "the run itself" if out.resolve() == Path(run_dir).resolve() else \
@@ -241,22 +273,16 @@ def export_hf(run_dir: str | Path, out_dir: str | Path, which: str = "best") -> 
                           "GPT-2 form")
     if out.exists() and not out.is_dir():
         raise GptlabError(f"{out} exists and is not a folder; give --out a new or existing folder")
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise GptlabError(f"cannot create output folder {out}: {exc.strerror}") from None
     tensors = to_hf_tensors(loaded.model, loaded.tokenizer.vocab_size)
-    tmp = out / f".model.safetensors.tmp-{os.getpid()}"
-    try:
-        save_file(tensors, tmp, metadata={"format": "pt"})  # transformers checks the "format" entry
-        os.replace(tmp, out / "model.safetensors")
-    except (OSError, SafetensorError) as exc:
-        tmp.unlink(missing_ok=True)
-        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc).strip()
-        raise GptlabError(f"cannot write {out / 'model.safetensors'}: {reason}; check free space") from None
-    rundir.write_json(out / HF_CONFIG, hf_config(loaded.model_cfg, loaded.tokenizer))
-    return [HF_CONFIG, "model.safetensors"] + write_tokenizer_files(out, loaded.tokenizer,
-                                                                      loaded.model_cfg.block_size)
+    with staged_folder(out) as staging:
+        try:
+            save_file(tensors, staging / "model.safetensors", metadata={"format": "pt"})  # transformers checks it
+        except (OSError, SafetensorError) as exc:
+            reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc).strip()
+            raise GptlabError(f"cannot write {out / 'model.safetensors'}: {reason}; check free space") from None
+        rundir.write_json(staging / HF_CONFIG, hf_config(loaded.model_cfg, loaded.tokenizer))
+        names = write_tokenizer_files(staging, loaded.tokenizer, loaded.model_cfg.block_size)
+    return [HF_CONFIG, "model.safetensors"] + names
 
 
 # ---- the weights fine-tuning starts from (`gptlab train --init-from`) --------------------------------------------
