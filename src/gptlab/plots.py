@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 
@@ -32,6 +33,29 @@ def pyplot():
     import matplotlib.pyplot as plt
 
     return plt
+
+
+@functools.cache
+def _font_characters() -> frozenset[int]:
+    """The code points the default font draws (matplotlib's DejaVu Sans unless configured otherwise)."""
+    from matplotlib import font_manager, ft2font
+
+    return frozenset(ft2font.FT2Font(font_manager.findfont(font_manager.FontProperties())).get_charmap())
+
+
+def drawable(label: str) -> str:
+    """`label` (a token's text on a picture) with each character the font cannot draw written as its escape: \\r,
+    \\U0001f984, and a control picture such as ␍ as the escape of the character it stands for. matplotlib would
+    draw a box for such a character and warn that its glyph is missing."""
+    font = _font_characters()
+    out = []
+    for ch in label:
+        if ord(ch) in font:
+            out.append(ch)
+        else:
+            meant = chr(ord(ch) - 0x2400) if 0x2400 <= ord(ch) < 0x2420 else ch  # ␀ ... ␟ stand for \x00 ... \x1f
+            out.append(ascii(meant)[1:-1])
+    return "".join(out)
 
 
 def check_picture_path(path: str | Path, flag: str = "--out") -> Path:

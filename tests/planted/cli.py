@@ -48,4 +48,12 @@ PLANTED = [
             "src/gptlab/hf.py",
             [("    with staged_folder(out) as staging:", "    with contextlib.nullcontext(out) as staging:\n        out.mkdir(parents=True, exist_ok=True)")],
             "tests/test_hf.py::test_a_failed_export_changes_nothing_on_disk"),
+    Planted("cli: a label character kept when it is printable, not when the font has it (🦄 is a box)",
+            "src/gptlab/plots.py",
+            [("        if ord(ch) in font:", "        if ch.isprintable():")],
+            "tests/test_plots.py::test_token_labels_are_drawn_without_missing_glyphs"),
+    Planted("cli: a control picture the font lacks (␍) escaped as itself, not as the character it stands for",
+            "src/gptlab/plots.py",
+            [("if 0x2400 <= ord(ch) < 0x2420 else ch", "if 0x2400 < ord(ch) < 0x240d else ch")],
+            "tests/test_plots.py::test_a_character_the_font_lacks_is_written_as_its_escape"),
 ]
