@@ -96,8 +96,9 @@ def test_the_engine_counts_prompt_and_generated_tokens_for_penalties():
     from gptlab.model import GPT
 
     model = GPT(tiny_config()).eval()
-    prompt = [1, 2, 3]
     cfg = SampleConfig(max_new_tokens=30, temperature=0, presence_penalty=1000.0)
+    # the prompt holds the tokens the model goes on with after [1]: a penalty that missed the prompt repeats them
+    prompt = [1] + [ids[0] for ids in generate(model, [1], cfg)][:4]
     out = [ids[0] for ids in generate(model, prompt, cfg)]
     assert len(set(prompt + out)) == len(prompt + out)  # with 50 ids, a huge presence penalty never repeats one
 

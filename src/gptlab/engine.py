@@ -54,8 +54,8 @@ def row_seed(seed: int, sample: int) -> int:
 @contextmanager
 def one_thread() -> Iterator[None]:
     """Draw tokens on one thread: a row's vector of V numbers gains nothing from a second, and where another
-    process keeps a core busy each parallel region waits for a descheduled thread (measured at GPT-2's vocabulary:
-    0.07 ms a row on one thread, 8 ms on two with the other core busy)."""
+    process keeps a core busy each parallel region waits for a descheduled thread (many times slower than one
+    thread at GPT-2's vocabulary)."""
     threads = torch.get_num_threads()
     if threads == 1:
         yield

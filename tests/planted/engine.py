@@ -59,3 +59,59 @@ PLANTED += [
               "push(row.window, token, self.block_size - 1, self.keep)")],
             REFERENCE),
 ]
+
+RAGGED = f"{T_ENGINE}::test_each_row_of_a_ragged_batch_equals_the_plain_forward_with_penalties"
+GREEDY = f"{T_ENGINE}::test_cached_greedy_equals_the_plain_forward_for_200_tokens_across_the_window_boundary"
+
+PLANTED += [
+    Planted("engine: generate_batch slides its window one token early", ENGINE,
+            [("push(window, i, self.block_size, self.keep)", "push(window, i, self.block_size - 1, self.keep)")],
+            [GREEDY, RAGGED]),
+    Planted("engine: generate_batch ignores the prompt in penalties", ENGINE,
+            [("RowSampler(cfg, row_seed(cfg.seed, r % num_samples), w, vocab, self.device)",
+              "RowSampler(cfg, row_seed(cfg.seed, r % num_samples), [], vocab, self.device)")],
+            RAGGED),
+    Planted("engine: generated tokens not counted for the penalties", ENGINE,
+            [("            self.counts[0, i] += 1\n", "            pass\n")],
+            [RAGGED, REFERENCE]),
+    Planted("engine: the window keeps half of block_size, not 3/4", ENGINE,
+            [("return max(1, block_size * 3 // 4)", "return max(1, block_size // 2)")],
+            [GREEDY, REFERENCE]),
+    Planted("engine: a ragged prefill's last tokens one position late", ENGINE,
+            [("cache.pos.copy_(torch.tensor(lengths, device=device) - 1)",
+              "cache.pos.copy_(torch.tensor(lengths, device=device))")],
+            RAGGED),
+    Planted("engine: a relayout copies one cache position too few", ENGINE,
+            [("                n = row.filled\n", "                n = row.filled - 1\n")],
+            REFERENCE),
+    Planted("engine: a row that leaves does not relay the cache out", ENGINE,
+            [("                self._joining.pop(row, None)\n            self._moved = True",
+              "                self._joining.pop(row, None)")],
+            REFERENCE),
+]
+
+T_TEXT = "tests/test_textstream.py"
+STREAM = f"{T_TEXT}::test_streamed_text_is_the_decoded_ids_up_to_the_first_stop_and_never_half_a_character"
+
+PLANTED += [
+    Planted("engine: text stream holds back one character too few of a partial stop", TEXTSTREAM,
+            [("range(min(len(stop) - 1, len(text)), longest, -1)", "range(min(len(stop) - 2, len(text)), longest, -1)")],
+            STREAM),
+    Planted("engine: text stream cuts at the last stop found, not the first", TEXTSTREAM,
+            [("pending[:min(hits)]", "pending[:max(hits)]")],
+            STREAM),
+    Planted("engine: text stream looks for stops in the newest text only", TEXTSTREAM,
+            [("(pending.find(s) for s in self.stop)", "(new.find(s) for s in self.stop)")],
+            STREAM),
+    Planted("engine: text stream decodes each token alone (half characters as U+FFFD)", TEXTSTREAM,
+            [("self._release(self._decoder.push([token]), final=False)",
+              "self._release(self.tokenizer.decode([token]), final=False)")],
+            STREAM),
+    Planted("engine: text stream keeps the held-back text at the end", TEXTSTREAM,
+            [("held = 0 if final else _held_back(pending, self.stop)", "held = _held_back(pending, self.stop)")],
+            STREAM),
+    Planted("engine: the stream ends when any row has finished", TEXTSTREAM,
+            [("if all(row.finish_reason is not None for row in self.completions)",
+              "if any(row.finish_reason is not None for row in self.completions)")],
+            f"{T_TEXT}::test_rows_stop_independently_and_the_stream_ends_when_all_have"),
+]
