@@ -280,3 +280,19 @@ def test_a_config_file_of_the_wrong_shape_is_one_line(tmp_path, monkeypatch, cap
     line = run_bad(capsys, "train", "--config", name, "--run", "r")
     assert f"config file {name}" in line and words in line
     assert sorted(p.name for p in tmp_path.iterdir()) == [name]
+
+
+def test_bf16_on_a_cpu_without_it_is_one_line_and_auto_falls_back_to_fp32(prepared, capsys, monkeypatch):
+    fp32 = run_ok(capsys, "sample", "--run", "runs/r", "--prompt", "All:", "--max-new-tokens", "20",
+                  "--precision", "fp32", "--temperature", "0")
+    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: False)  # no AVX-512 BF16, no AMX
+    assert not bf16_supported(torch.device("cpu"))
+    before = sorted(p for p in prepared.rglob("*"))
+    for argv in (["sample", "--run", "runs/r", "--prompt", "All:"], ["eval", "--run", "runs/r"],
+                 ["serve", "--run", "runs/r", "--port", "0"],
+                 ["train", "--data", "data", "--run", "runs/b", *TINY, "--max-steps", "2"]):
+        line = run_bad(capsys, *argv, "--precision", "bf16", "--device", "cpu")
+        assert "no native bf16 support; use --precision fp32" in line, line
+    assert sorted(p for p in prepared.rglob("*")) == before
+    assert run_ok(capsys, "sample", "--run", "runs/r", "--prompt", "All:", "--max-new-tokens", "20",
+                  "--precision", "auto", "--temperature", "0") == fp32
