@@ -24,8 +24,15 @@ def _one_thread():  # as test_engine's
 
 
 def prepared(precision="fp32"):
+    """A model whose next token depends on the context: a fresh init's hardly does (its attention is near uniform,
+    two unrelated contexts give nearly the same next-token distribution and the same greedy token), so a row
+    reading another row's cache would rarely change a token; its matrices x 10 make the context matter."""
     torch.manual_seed(0)
-    return prepare_for_inference(GPT(tiny_config(**SHAPE)).eval(), precision)
+    model = GPT(tiny_config(**SHAPE)).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(10.0 if p.dim() == 2 else 1.0)
+    return prepare_for_inference(model, precision)
 
 
 def alone(model, prompt, cfg, n=1):
