@@ -25,6 +25,15 @@ def test_prepare_writes_headered_files_split_90_10(char_data, corpus_file):
     assert ds.tokenizer.decode(ds.train.tolist()) + ds.tokenizer.decode(ds.val.tolist()) == text
 
 
+def test_one_text_is_split_90_10_by_characters_not_bytes(tmp_path):
+    text = "".join(f"línea {i}: ☕ café, 日本語 {i * 7}\n" for i in range(300))
+    (tmp_path / "t.txt").write_text(text, encoding="utf-8")
+    meta = prepare([str(tmp_path / "t.txt")], tmp_path / "d", "char", quiet=True)
+    ds, cut = load_dataset(tmp_path / "d"), int(len(text) * 0.9)
+    assert len(text.encode()) > 1.2 * len(text) and (meta["train_chars"], meta["val_chars"]) == (cut, len(text) - cut)
+    assert ds.tokenizer.decode(ds.train.tolist()) == text[:cut] and ds.tokenizer.decode(ds.val.tolist()) == text[cut:]
+
+
 def test_bundled_corpus_has_the_reference_split(tmp_path):
     meta = prepare([], tmp_path / "ts", "char", quiet=True)
     assert (meta["train_tokens"], meta["val_tokens"], meta["vocab_size"]) == (1_003_854, 111_540, 65)
@@ -82,7 +91,11 @@ def test_folders_and_chunked_streaming_give_the_same_tokens(tmp_path, monkeypatc
     small = prepare([str(folder)], tmp_path / "d2", "char", quiet=True)
     assert len(whole["sources"]) == 2
     assert (tmp_path / "d1" / "train.bin").read_bytes() == (tmp_path / "d2" / "train.bin").read_bytes()
-    assert whole["train_sha256"] == small["train_sha256"]
+    assert whole["train_sha256"] == small["train_sha256"] and whole["val_sha256"] == small["val_sha256"]
+    ds = load_dataset(tmp_path / "d2")  # and both are the files' text, in path order, each character one id
+    chars = sorted(set("ünïcode héllo\n" + corpus_file.read_text()))
+    assert np.concatenate([ds.train, ds.val]).tolist() == [chars.index(c) for c in
+                                                           "ünïcode héllo\n" * 30 + corpus_file.read_text()]
 
 
 def test_bpe_and_gpt2_prepare(tmp_path, corpus_file):

@@ -19,7 +19,7 @@ from gptlab.errors import GptlabError
 from gptlab.staging import STAGE, Staging
 from gptlab.tokenfiles import ShardedTokens, TokenWriter, read_tokens
 
-DOCS = [f"Doc {i}: {'the quick brown fox ' * (3 + i % 7)}jumps {i} times.\n" for i in range(300)]
+DOCS = [f"Doc {i}: {'the quick brown fox ' * (3 + i % 7)}jumps {i} times — naïve café ☕ 日本.\n" for i in range(300)]
 
 
 @pytest.fixture
@@ -27,7 +27,7 @@ def corpus(tmp_path: Path) -> Path:
     folder = tmp_path / "corpus"
     folder.mkdir()
     for i, text in enumerate(DOCS):
-        (folder / f"{i:03d}.txt").write_text(text)
+        (folder / f"{i:03d}.txt").write_text(text, encoding="utf-8")
     return folder
 
 
@@ -366,7 +366,7 @@ def straight(tmp_path_factory) -> tuple[Path, Path]:
     root = tmp_path_factory.mktemp("straight")
     (root / "corpus").mkdir()
     for i, text in enumerate(DOCS):
-        (root / "corpus" / f"{i:03d}.txt").write_text(text)
+        (root / "corpus" / f"{i:03d}.txt").write_text(text, encoding="utf-8")
     with pytest.MonkeyPatch.context() as m:
         m.setattr(encoder, "UNIT_CHARS", 2000)
         prepare([str(root / "corpus")], root / "out", "char", quiet=True, workers=1, shard_tokens=1000)

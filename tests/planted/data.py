@@ -4,6 +4,8 @@ from planted import Planted
 
 SHARDS = "tests/test_shards.py"
 CORPUS = "tests/test_corpus.py"
+DATA = "tests/test_data.py"
+TOKENIZER = "tests/test_tokenizer.py"
 
 PLANTED = [
     Planted("data: a resumed token file is not cut back to its checkpoint", "src/gptlab/tokenfiles.py",
@@ -16,8 +18,8 @@ PLANTED = [
             [("        for w in writers:\n            w.sync()\n", "        for w in writers:\n            w.completed = False\n")],
             f"{SHARDS}::test_every_checkpoint_follows_its_shards_on_disk"),
     Planted("data: the last JSON line is dropped when the file has no final newline", "src/gptlab/readers.py",
-            [("    text = _record_text(source.name, number + 1, carry, text_field)\n    if text:\n        yield (text,)\n",
-              "")],
+            [("    text = _record_text(source.name, number + 1, carry, text_field, on_bad)\n    if text:\n"
+              "        yield (text,)\n", "")],
             f"{CORPUS}::test_the_last_json_line_counts_without_a_final_newline"),
     Planted("data: no NUL-byte check (UTF-16 read as text)", "src/gptlab/corpus.py",
             [('            if "\\x00" in text:\n', '            if "\\x00" in text and False:\n')],
@@ -36,4 +38,30 @@ PLANTED = [
     Planted("data: prepare leaves an inherited ignored SIGINT ignored", "src/gptlab/data.py",
             [("        signal.signal(signal.SIGINT, signal.default_int_handler)\n", "        pass\n")],
             f"{SHARDS}::test_sigint_to_a_real_prepare_keeps_its_checkpoint_and_the_rerun_finishes_it"),
+    Planted("data: one bad JSON record loses its whole file", "src/gptlab/readers.py",
+            [('            if bad and entry["documents"] == 0:', "            if bad:")],
+            f"{CORPUS}::test_a_bad_json_record_is_skipped_and_counted_with_its_file_and_line"),
+    Planted("data: --strict lets a bad JSON record through", "src/gptlab/readers.py",
+            [("            if strict:\n", "            if strict and False:\n")],
+            f"{CORPUS}::test_a_bad_json_record_is_skipped_and_counted_with_its_file_and_line"),
+    Planted("data: prepare replaces data made from other inputs (only old folders refused)", "src/gptlab/data.py",
+            [("_made_by(out) != fingerprint", "_made_by(out) is None")],
+            f"{DATA}::test_prepare_refuses_to_replace_data_made_from_other_inputs_or_settings"),
+    Planted("data: the fingerprint leaves the settings out", "src/gptlab/data.py",
+            [('[d["sha256"] for d in scan.described], **settings}', '[d["sha256"] for d in scan.described]}')],
+            f"{DATA}::test_prepare_refuses_to_replace_data_made_from_other_inputs_or_settings"),
+    Planted("data: one text split 90 / 10 by bytes instead of characters", "src/gptlab/data.py",
+            [("split_at = int(scan.total * (1 - val_fraction))",
+              'split_at = int(sum(d["bytes"] for d in scan.described) * (1 - val_fraction))')],
+            f"{DATA}::test_one_text_is_split_90_10_by_characters_not_bytes"),
+    Planted("data: the char vocabulary in the order first seen, not sorted", "src/gptlab/tokenizer.py",
+            [("        self.chars = sorted(set(chars))\n", "        self.chars = list(dict.fromkeys(chars))\n")],
+            f"{TOKENIZER}::test_char_round_trip_on_any_text"),
+    Planted("data: GPT-2's byte alphabet off by one after the soft hyphen", "src/gptlab/tokenizer.py",
+            [('list(range(ord("®"), ord("ÿ") + 1))', 'list(range(ord("®") + 1, ord("ÿ") + 1))')],
+            f"{TOKENIZER}::test_trained_bpe_round_trip_on_any_text"),
+    Planted("data: a sharded slice with a step is taken from the wrong end", "src/gptlab/tokenfiles.py",
+            [("return joined if picked.step == 1 else joined[::picked.step]",
+              "return joined if picked.step == 1 else joined[::abs(picked.step)]")],
+            f"{SHARDS}::test_any_cut_into_shards_reads_as_the_plain_concatenation"),
 ]
