@@ -125,6 +125,9 @@ def test_sample_streams_several_samples_with_stop_strings_and_precisions(prepare
     samples = out.split("-" * 40 + "\n")
     assert len(samples) == 3 and all(s.startswith("All:") for s in samples)
     assert len(set(samples)) == 3
+    alone = run_ok(capsys, "sample", "--run", "runs/r", "--prompt", "All:", "--max-new-tokens", "40",
+                   "--temperature", "1.0", "--top-k", "5", "--top-p", "0.9", "--seed", "4")
+    assert alone == samples[2]  # sample i draws with --seed + i, whether or not it shares a prefill
     stopped = run_ok(capsys, "sample", "--run", "runs/r", "--prompt", "All:", "--max-new-tokens", "200",
                      "--temperature", "1.0", "--stop", "e", "--stop", "a", "--no-echo", "--seed", "3")
     assert "e" not in stopped and "a" not in stopped and len(stopped) < 200
@@ -296,3 +299,27 @@ def test_bf16_on_a_cpu_without_it_is_one_line_and_auto_falls_back_to_fp32(prepar
     assert sorted(p for p in prepared.rglob("*")) == before
     assert run_ok(capsys, "sample", "--run", "runs/r", "--prompt", "All:", "--max-new-tokens", "20",
                   "--precision", "auto", "--temperature", "0") == fp32
+
+
+def test_eval_of_a_non_ascii_file_prints_its_scores_per_token_character_and_byte(tmp_path, monkeypatch, capsys):
+    from gptlab.checkpoint import load_run
+
+    monkeypatch.chdir(tmp_path)
+    text = "héllo wörld, ж ☃ naïve\nAll: speak.\n" * 60  # 2 or 3 bytes for some characters
+    (tmp_path / "t.txt").write_text(text, encoding="utf-8")
+    run_ok(capsys, "prepare", "t.txt", "--out", "data", "--quiet")
+    run_ok(capsys, "train", "--data", "data", "--run", "r", "--max-steps", "5", *TINY)
+    scored = text[5:45]  # 40 characters: 39 predicted tokens in windows of block_size 16
+    (tmp_path / "s.txt").write_text(scored, encoding="utf-8")
+    row = run_ok(capsys, "eval", "--run", "r", "s.txt").splitlines()[1].split()
+    tokens, loss, ppl, bits_token, bits_char, bits_byte = int(row[1]), *map(float, row[2:])
+    loaded = load_run("r")  # the reference: plain windows of 16 tokens, each predicting the next 16
+    ids = torch.tensor(loaded.tokenizer.encode(scored))
+    with torch.no_grad():
+        nats = sum(torch.nn.functional.cross_entropy(loaded.model(ids[s:s + 16][None])[0][0, :len(ids[s + 1:s + 17])],
+                                                     ids[s + 1:s + 17], reduction="sum").item()
+                   for s in range(0, len(ids) - 1, 16))
+    assert tokens == 39 and loss == pytest.approx(nats / 39, abs=1e-4) and ppl == pytest.approx(math.exp(loss), rel=1e-3)
+    assert bits_token == pytest.approx(nats / 39 / math.log(2), abs=1e-4)
+    assert bits_char == pytest.approx(nats / math.log(2) / 40, abs=1e-4)
+    assert bits_byte == pytest.approx(nats / math.log(2) / len(scored.encode()), abs=1e-4) and bits_byte < bits_char

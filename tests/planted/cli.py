@@ -67,4 +67,8 @@ PLANTED = [
             "src/gptlab/plots.py",
             [('ax.set_title(drawable(title or "loss"))', 'ax.set_title(title or "loss")')],
             "tests/test_plots.py::test_run_names_in_curves_and_titles_are_drawn_without_missing_glyphs"),
+    Planted("cli: eval prints bits per byte under bits/char and bits per character under bits/byte",
+            "src/gptlab/cli/verbs.py",
+            [("f\"{s.bits_per_char:>9.4f} {s.bits_per_byte:>9.4f}\"", "f\"{s.bits_per_byte:>9.4f} {s.bits_per_char:>9.4f}\"")],
+            "tests/test_cli.py::test_eval_of_a_non_ascii_file_prints_its_scores_per_token_character_and_byte"),
 ]
