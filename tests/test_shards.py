@@ -72,17 +72,24 @@ def interrupt_after(monkeypatch, checkpoints: int) -> None:
     def checkpoint(self, units_done, writers):
         real(self, units_done, writers)
         calls.append(units_done)
-        if len(calls) == checkpoints:
-            writers[0].write(np.arange(50) % 30)  # half-written work after the checkpoint: must be dropped
+        if len(calls) == checkpoints:  # half-written work after the checkpoint, each open shard filled to one id
+            for w in writers:  # short of complete (more than the rest of the split may hold): must be dropped
+                w.write(np.arange(w.shard_tokens - 1 - (w.writer.count if w.writer else 0)) % 30)
             raise Stop()
     monkeypatch.setattr(Staging, "checkpoint", checkpoint)
 
 
-def test_an_interrupted_prepare_resumes_from_its_checkpoint_to_the_same_bytes(tmp_path, corpus, monkeypatch, capsys):
-    prepare([str(corpus)], tmp_path / "straight", "bpe", 300, quiet=True, workers=1, shard_tokens=1000)
+@pytest.mark.parametrize("at", ["third", "last"])
+def test_an_interrupted_prepare_resumes_from_its_checkpoint_to_the_same_bytes(tmp_path, corpus, monkeypatch, capsys,
+                                                                              at):
+    counted = []
+    with monkeypatch.context() as m:
+        real = Staging.checkpoint
+        m.setattr(Staging, "checkpoint", lambda *a: counted.append(1) or real(*a))
+        prepare([str(corpus)], tmp_path / "straight", "bpe", 300, quiet=True, workers=1, shard_tokens=1000)
     out = tmp_path / "resumed"
     with monkeypatch.context() as m:
-        interrupt_after(m, 3)
+        interrupt_after(m, 3 if at == "third" else len(counted))  # the last: stale ids outlast what is left
         with pytest.raises(Stop):
             prepare([str(corpus)], out, "bpe", 300, quiet=True, workers=1, shard_tokens=1000)
     assert not (out / "meta.json").exists() and sorted(p.name for p in out.iterdir()) == [STAGE]

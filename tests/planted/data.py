@@ -10,7 +10,8 @@ TOKENIZER = "tests/test_tokenizer.py"
 PLANTED = [
     Planted("data: a resumed token file is not cut back to its checkpoint", "src/gptlab/tokenfiles.py",
             [("        self.file.truncate(end)\n", "")],
-            f"{SHARDS}::test_a_resumed_token_file_is_cut_back_to_its_checkpoint"),
+            [f"{SHARDS}::test_an_interrupted_prepare_resumes_from_its_checkpoint_to_the_same_bytes",
+             f"{SHARDS}::test_a_resumed_token_file_is_cut_back_to_its_checkpoint"]),
     Planted("data: the open shard is fsynced without its buffer flushed", "src/gptlab/tokenfiles.py",
             [("    def sync(self) -> None:\n        self.file.flush()\n", "    def sync(self) -> None:\n")],
             f"{SHARDS}::test_every_checkpoint_follows_its_shards_on_disk"),
