@@ -176,15 +176,37 @@ def _is_message_call(node) -> bool:
     return name in MESSAGE_CALLS or name.endswith(MESSAGE_SUFFIXES)
 
 
+def _message_argument(call: ast.Call):
+    """The message of a message call: its first positional argument that is not a number (ApiError(400, message,
+    param) has a status first)."""
+    return next((a for a in call.args if not (isinstance(a, ast.Constant) and isinstance(a.value, (int, float)))),
+                None)
+
+
+def _is_message_text(node: ast.Constant, parents: tuple) -> bool:
+    """Whether string `node` is literal text of the innermost message call's message: the message itself, or a
+    literal part of it as an f-string or a sum (not inside a call or an expression that builds the message)."""
+    for i in range(len(parents) - 1, -1, -1):
+        if _is_message_call(parents[i]):
+            path = [*parents[i + 1:], node]
+            between = all(isinstance(p, (ast.JoinedStr, ast.BinOp)) for p in path[:-1])
+            return path[0] is _message_argument(parents[i]) and between
+    return False
+
+
 def only_message_changed(original: ast.FunctionDef, mutant: ast.FunctionDef) -> bool:
-    """Whether `mutant` differs from `original` only in string literals inside message calls."""
+    """Whether `mutant` differs from `original` only in the literal text of messages (see _is_message_text)."""
     diffs = _differences(original.body, mutant.body, ())
     if not diffs:
         return False
     for value, parents in diffs:
-        in_string = isinstance(value, str) and parents and isinstance(parents[-1], ast.Constant)
-        in_string = in_string or isinstance(value, ast.Constant) and isinstance(value.value, str)
-        if not (in_string and any(_is_message_call(p) for p in parents)):
+        if isinstance(value, str) and parents and isinstance(parents[-1], ast.Constant):
+            node, parents = parents[-1], parents[:-1]  # the text of a string changed (or it became None)
+        elif isinstance(value, ast.Constant) and isinstance(value.value, str):
+            node = value  # a string replaced by another node
+        else:
+            return False
+        if not _is_message_text(node, parents):
             return False
     return True
 
@@ -307,7 +329,8 @@ def tally(folder: Path, module: Module, equivalents: dict[str, dict]) -> tuple[d
 
 def score(counts: dict[str, int]) -> str:
     scored = counts["generated"] - counts["message"] - counts["equivalent"]
-    return f"{100 * (counts['killed'] + counts['timeout']) / scored:.1f} %" if scored else "-"
+    partial = " (so far)" if counts["not checked"] else ""
+    return f"{100 * (counts['killed'] + counts['timeout']) / scored:.1f} %{partial}" if scored else "-"
 
 
 def report(root: Path, names: list[str], verbose: bool) -> None:

@@ -27,6 +27,11 @@ def pytest_runtest_teardown(item, nextitem):
         return
     from mutmut.state import state
 
+    credited = []
     for path in sorted(Path(folder).glob("*.json")):
-        state()._stats.update(json.loads(path.read_text()))
+        credited += json.loads(path.read_text())
         path.unlink()
+    if credited:  # logged beside the hits: test, function reached through a subprocess, whether in-process too
+        with open(Path(folder).parent / "subprocess-credits.tsv", "a") as log:
+            log.writelines(f"{item.nodeid}\t{name}\t{name in state()._stats}\n" for name in sorted(set(credited)))
+        state()._stats.update(credited)

@@ -1,0 +1,92 @@
+"""scripts/mutants.py (make mutants): which mutants it filters as message-only, the folder config it gives mutmut,
+and its refusal of an unknown module. Pure and fast; mutmut itself is not run here."""
+
+import ast
+import importlib.util
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+_spec = importlib.util.spec_from_file_location("mutants_script", ROOT / "scripts" / "mutants.py")
+mutants = sys.modules["mutants_script"] = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(mutants)
+
+
+def _pair(original: str, mutant: str) -> tuple[ast.FunctionDef, ast.FunctionDef]:
+    return ast.parse(original).body[0], ast.parse(mutant).body[0]
+
+
+@pytest.mark.parametrize("original, mutant", [
+    ('def f(n):\n    raise ValueError(f"n is {n}, must be > 0")', 'def f(n):\n    raise ValueError(f"XXn is {n}XX")'),
+    ('def f(n):\n    raise GptlabError("bad " + str(n))', 'def f(n):\n    raise GptlabError("XXbad XX" + str(n))'),
+    ('def f():\n    print("done", file=sys.stderr)', 'def f():\n    print("DONE", file=sys.stderr)'),
+    ('def f():\n    log.warning("slow: %s", x)', 'def f():\n    log.warning("XXslow: %sXX", x)'),
+    ('def f():\n    warnings.warn("old")', 'def f():\n    warnings.warn("XXoldXX")'),
+    ('def f():\n    raise ApiError(400, "bad", "prompt")', 'def f():\n    raise ApiError(400, "BAD", "prompt")'),
+    ('def f():\n    raise ValueError("bad")', 'def f():\n    raise ValueError(None)'),
+])
+def test_a_changed_string_inside_a_message_call_is_message_only(original, mutant):
+    assert mutants.only_message_changed(*_pair(original, mutant))
+
+
+@pytest.mark.parametrize("original, mutant", [
+    # the message's call changed, or something beside the string
+    ('def f(n):\n    raise ValueError(f"n is {n}")', 'def f(n):\n    raise ValueError(f"n is {n + 1}")'),
+    ('def f(n):\n    raise ValueError("bad")', 'def f(n):\n    raise ValueError()'),
+    ('def f():\n    print("done", file=sys.stderr)', 'def f():\n    print("done", file=None)'),
+    ('def f(s):\n    if s == "stop":\n        raise ValueError("x")', 'def f(s):\n    if s == "XXstopXX":\n'
+     '        raise ValueError("x")'),
+    ('def f(n):\n    raise ValueError(f"--{n.replace(\'_\', \'-\')} is bad")',
+     'def f(n):\n    raise ValueError(f"--{n.replace(None, \'-\')} is bad")'),  # a TypeError instead
+    # strings that are data, not messages: an API error's param and code, a key, a file's text
+    ('def f():\n    raise ApiError(400, "bad", "prompt", "context_length_exceeded")',
+     'def f():\n    raise ApiError(400, "bad", "XXpromptXX", "context_length_exceeded")'),
+    ('def f(exc):\n    raise ApiError(400, str(exc), "prompt")', 'def f(exc):\n    raise ApiError(400, str(exc), "PROMPT")'),
+    ('def f():\n    raise ApiError(400, "bad", "prompt", "context_length_exceeded")',
+     'def f():\n    raise ApiError(400, "bad", "prompt", "CONTEXT_LENGTH_EXCEEDED")'),
+    ('def f(d):\n    return d["key"]', 'def f(d):\n    return d["XXkeyXX"]'),
+    ('def f(p):\n    p.write_text("a\\n")', 'def f(p):\n    p.write_text("XXa\\nXX")'),
+    ('def f(x):\n    return x.split(",")', 'def f(x):\n    return x.split("XX,XX")'),
+    ('def f(x):\n    return x', 'def f(x):\n    return x'),  # no difference at all is not a message mutant
+])
+def test_anything_else_is_kept(original, mutant):
+    assert not mutants.only_message_changed(*_pair(original, mutant))
+
+
+def test_the_changed_line_is_what_the_equivalents_list_names():
+    source = "def x_f__mutmut_orig(a):\n    b = a + 1\n    return b\n\ndef x_f__mutmut_1(a):\n    b = a - 1\n    return b\n"
+    funcs = mutants.functions(ast.parse(source))
+    assert mutants.changed_lines(source, funcs["x_f__mutmut_orig"], funcs["x_f__mutmut_1"]) == ["b = a - 1"]
+
+
+def test_a_modules_folder_config_narrows_mutmut_and_keeps_pytests_settings(tmp_path):
+    module = mutants.MODULES["sampling"]
+    text = mutants.module_config(ROOT, module)
+    parsed = tomllib.loads(text)
+    table = parsed["tool"]["mutmut"]
+    assert table["only_mutate"] == ["src/gptlab/sampling.py"]
+    assert table["pytest_add_cli_args_test_selection"] == list(module.tests)
+    assert table["pytest_add_cli_args"][-2:] == ["-p", "mutmut_plugin"]
+    assert parsed["tool"]["pytest"]["ini_options"] == tomllib.loads((ROOT / "pyproject.toml").read_text())[
+        "tool"]["pytest"]["ini_options"]
+    assert text.count("[tool.mutmut]") == 1
+
+
+def test_every_modules_sources_and_tests_exist():
+    for name, module in mutants.MODULES.items():
+        for path in (*module.sources, *module.tests):
+            assert (ROOT / path).is_file(), f"{name}: {path}"
+
+
+def test_an_unknown_module_is_refused_in_one_line(capsys):
+    assert mutants.main(["nosuch"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "unknown module nosuch" in err and "sampling" in err
+
+
+def test_the_equivalents_list_parses_and_each_entry_has_a_reason():
+    listed = mutants.load_equivalents(ROOT / "docs" / "equivalent-mutants.toml")
+    assert all(entry["reason"].strip() for entry in listed.values())
