@@ -143,7 +143,7 @@ def test_a_full_disk_during_export_is_one_line_and_leaves_no_temporary_file(trai
     monkeypatch.setattr(gptlab.hf, "save_file", full)
     assert main(["export", str(trained), "--out", str(tmp_path / "hf")]) == 2
     assert "No space left on device" in capsys.readouterr().err
-    assert not [p for p in (tmp_path / "hf").iterdir() if p.name.startswith(".")]
+    assert not (tmp_path / "hf").exists() and not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
 
 
 def test_a_full_disk_during_prepare_changes_nothing(char_data, corpus_file, tmp_path, monkeypatch, capsys):

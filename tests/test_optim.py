@@ -15,7 +15,8 @@ def test_a_non_finite_step_changes_nothing_and_a_finite_one_steps(fused):
     p.grad = torch.ones(4)
     assert step_if_finite(optimizer, torch.tensor(1.0), torch.tensor(2.0))
     after_one = (p.detach().clone(), {k: v.clone() for k, v in optimizer.state[p].items()})
-    for loss, norm in ((torch.tensor(float("nan")), torch.tensor(1.0)), (torch.tensor(1.0), torch.tensor(float("inf")))):
+    for loss, norm in ((torch.tensor(float("nan")), torch.tensor(1.0)),
+                       (torch.tensor(1.0), torch.tensor(float("inf")))):
         p.grad = torch.full((4,), float("nan"))
         assert not step_if_finite(optimizer, loss, norm)
         assert torch.equal(p, after_one[0])

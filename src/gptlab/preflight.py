@@ -72,8 +72,8 @@ def check_new_run(run: Path) -> None:
 def check_resume(run: Path, dataset: Dataset, model_cfg: ModelConfig, cfg: TrainConfig) -> tuple[ck.Checkpoint,
                                                                                                    dict[str, Any]]:
     """Everything a resume must satisfy, checked before anything is written: a valid checkpoint, the same model
-    shape and optimizer, the same data and tokenizer (then check_data), and steps left to train. Returns the checkpoint and its
-    state."""
+    shape and optimizer, the same data and tokenizer (then check_data), and steps left to train. Returns the
+    checkpoint and its state."""
     rundir.read_run_config(run)
     ckpt = ck.find_checkpoint(run, "step")
     if ckpt is None:
