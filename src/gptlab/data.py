@@ -159,16 +159,9 @@ def prepare(paths: list[str], out_dir: str | Path, tokenizer: str = "char", voca
     fixed = tokenizer_of(tokenizer_from) if tokenizer_from else None
     has_special = fixed.eot_id is not None if fixed else tokenizer != "char"
     pruned: list[str] = []
-    groups = [collect_sources(paths, include, exclude, pruned)]
-    if val_paths:
-        groups.append(collect_sources(val_paths, include, exclude, pruned))
-    scans = []
-    for sources, what in zip(groups, ("corpus", "validation corpus")):
-        with _progress(sources, "scan", quiet) as bar:
-            scans.append(scan_sources(sources, encoding, text_field, strict, bar.update,
-                                      has_special and not allow_special, (fixed.kind if fixed else tokenizer) == "char"))
-        _check_not_empty(scans[-1], sources, what)
-    scan = scans[0].joined(scans[1]) if val_paths else scans[0]
+    scan = _scan_inputs([paths] + ([val_paths] if val_paths else []), include, exclude, pruned, encoding,
+                        text_field, strict, quiet, has_special and not allow_special,
+                        (fixed.kind if fixed else tokenizer) == "char")
     if fixed:
         _check_covers(fixed, scan.chars, str(tokenizer_from))
 
@@ -207,6 +200,21 @@ def prepare(paths: list[str], out_dir: str | Path, tokenizer: str = "char", voca
         except OSError as exc:
             raise GptlabError(f"cannot write the token files in {out}: {exc.strerror}; free some space or fix the "
                               "permissions (the prepared folder was not changed)") from None
+
+
+def _scan_inputs(groups: list[list[str]], include: list[str] | None, exclude: list[str] | None, pruned: list[str],
+                 encoding: str, text_field: str, strict: bool, quiet: bool, refuse_special: bool,
+                 collect_chars: bool) -> Scan:
+    """The scan (readers.scan_sources) of the corpus, followed by that of the validation corpus when `groups`
+    names one; each must hold some text. Every source is collected before any is read."""
+    scans = []
+    for sources, what in zip([collect_sources(g, include, exclude, pruned) for g in groups],
+                             ("corpus", "validation corpus")):
+        with _progress(sources, "scan", quiet) as bar:
+            scans.append(scan_sources(sources, encoding, text_field, strict, bar.update, refuse_special,
+                                      collect_chars))
+        _check_not_empty(scans[-1], sources, what)
+    return scans[0].joined(scans[1]) if len(scans) > 1 else scans[0]
 
 
 def _fingerprint(scan: Scan, settings: dict[str, Any]) -> str:
