@@ -38,11 +38,15 @@ def test_lr_schedule_warms_up_then_decays_to_min():
 
 
 def test_weight_decay_only_on_matrices():
-    from gptlab.model import GPT
-
-    decay, no_decay = param_groups(GPT(tiny_config()).parameters(), 0.1)
-    assert all(p.dim() == 2 for p in decay["params"]) and all(p.dim() == 1 for p in no_decay["params"])
-    assert no_decay["weight_decay"] == 0.0
+    """Every parameter in exactly one group, told apart by its name: LayerNorm gains and biases do not decay; the
+    embeddings (the tied head with them) and the linear weights do."""
+    model = GPT(tiny_config(bias=True))
+    names = {id(p): name for name, p in model.named_parameters()}
+    decay, no_decay = param_groups(model.parameters(), 0.1)
+    plain = sorted(n for n in names.values() if n.endswith(".bias") or ".ln_" in n)
+    assert sorted(names[id(p)] for p in no_decay["params"]) == plain and len(plain) == 2 * 2 * 4 + 2
+    assert sorted(names[id(p)] for p in decay["params"]) == sorted(set(names.values()) - set(plain))
+    assert (decay["weight_decay"], no_decay["weight_decay"]) == (0.1, 0.0)
 
 
 def test_training_lowers_the_loss_and_writes_a_complete_run(tmp_path, char_data):
