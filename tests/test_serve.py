@@ -1,7 +1,9 @@
 """`gptlab serve` against a live server on 127.0.0.1: the official `openai` client (completion, stream, n > 1,
 logprobs, stop), each result equal to `gptlab sample` with the same seed and settings; every error status in
-OpenAI's shape; a client that leaves mid-stream frees its place; /v1/models, /health, /metrics; `curl -N` as the
-README shows it; SIGTERM lets an in-flight request finish and exits 0."""
+OpenAI's shape; a client that leaves mid-stream or from the queue frees its place; /v1/models, /health, /metrics
+(counted exactly); echo, usage and finish reasons as OpenAI gives them (an end-of-text model over GPT-2's tokenizer
+for "stop" and non-ASCII prompts); `curl -N` as the README shows it; SIGTERM lets an in-flight request finish and
+exits 0. References come from outside the server: `gptlab sample`, the plain forward, numbers counted by hand."""
 
 import contextlib
 import io
@@ -122,17 +124,13 @@ def test_a_completion_equals_gptlab_sample(client, run_dir, capsys):
 
 
 def test_a_streamed_completion_with_n_3_equals_gptlab_sample(client, run_dir, capsys):
-    texts, reasons, usage = ["", "", ""], [None] * 3, None
-    for chunk in client.completions.create(model="run", prompt="First", max_tokens=50, temperature=1.0, n=3,
-                                           seed=11, presence_penalty=0.5, stream=True):
-        for choice in chunk.choices:
-            texts[choice.index] += choice.text
-            reasons[choice.index] = choice.finish_reason or reasons[choice.index]
-        usage = getattr(chunk, "usage", None) or usage
+    texts, reasons, usage = streamed(client.completions.create(
+        model="run", prompt="First", max_tokens=50, temperature=1.0, n=3, seed=11, presence_penalty=0.5,
+        stream=True), 3)
     assert texts == sample(run_dir, capsys, "First", 3, max_new_tokens=50, temperature=1.0, seed=11,
                            presence_penalty=0.5)
     assert len(set(texts)) == 3 and reasons == ["length"] * 3  # 50 tokens pass the 32-token window: it slid
-    assert usage.completion_tokens == 150
+    assert (usage.prompt_tokens, usage.completion_tokens, usage.total_tokens) == (5, 150, 155)
 
 
 def test_n_and_a_list_of_prompts_index_choices_prompt_major(client, greedy):
