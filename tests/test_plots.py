@@ -8,7 +8,7 @@ import pytest
 
 from gptlab.plots import drawable, plot_loss, plot_runs, pyplot
 
-LABELS = ["\r", "␍", "🦄", "日本", "a\rb🤖c", "\x0b", "héllo ж ␣↵→ 😀 ∅"]
+LABELS = ["\r", "␍", "🦄", "日本", "a\rb🤖c", "\x0b", "héllo ж ␣↵→ 😀 ∅\nnext line"]
 
 
 def missing_glyphs(label, out) -> list[str]:
@@ -38,10 +38,10 @@ def test_token_labels_are_drawn_without_missing_glyphs(tmp_path, label):
 
 
 def test_a_character_the_font_lacks_is_written_as_its_escape():
-    assert drawable("\r") == drawable("␍") == "\\r" and drawable("\x0b") == "\\x0b"
+    assert drawable("\r") == "\\x0d" and drawable("␍") == "\\u240d" and drawable("\x0b") == "\\x0b"
     assert drawable("🦄") == "\\U0001f984" and drawable("日本") == "\\u65e5\\u672c"
-    assert drawable("a\rb🤖c") == "a\\rb\\U0001f916c"
-    assert drawable(LABELS[-1]) == LABELS[-1]  # what the font has stays as it is
+    assert drawable("a\rb🤖c") == "a\\x0db\\U0001f916c"
+    assert drawable(LABELS[-1]) == LABELS[-1]  # what the font has stays as it is, a line break too
 
 
 def test_run_names_in_curves_and_titles_are_drawn_without_missing_glyphs(tmp_path):

@@ -44,18 +44,17 @@ def _font_characters() -> frozenset[int]:
 
 
 def drawable(label: str) -> str:
-    """`label` (a token's text on a picture) with each character the font cannot draw written as its escape: \\r,
-    \\U0001f984, and a control picture such as ␍ as the escape of the character it stands for. matplotlib would
-    draw a box for such a character and warn that its glyph is missing."""
+    """`label` (a token's text, a run's name) with each character the pictures' font cannot draw written as its
+    escape (\\x0d, \\u4e2d, \\U0001f984): matplotlib would draw a box and warn that the glyph is missing. A line
+    break stays one (matplotlib breaks the line there)."""
     font = _font_characters()
-    out = []
-    for ch in label:
-        if ord(ch) in font:
-            out.append(ch)
-        else:
-            meant = chr(ord(ch) - 0x2400) if 0x2400 <= ord(ch) < 0x2420 else ch  # ␀ ... ␟ stand for \x00 ... \x1f
-            out.append(ascii(meant)[1:-1])
-    return "".join(out)
+    return "".join(ch if ch == "\n" or ord(ch) in font else _escape(ch) for ch in label)
+
+
+def _escape(ch: str) -> str:
+    """A character as Python writes its escape: \\xNN, \\uNNNN or \\UNNNNNNNN."""
+    code = ord(ch)
+    return f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}" if code < 0x10000 else f"\\U{code:08x}"
 
 
 def check_picture_path(path: str | Path, flag: str = "--out") -> Path:
