@@ -120,9 +120,12 @@ def prepare_folder(root: Path, name: str, module: Module) -> Path:
 
 
 def tests_fingerprint(root: Path, module: Module) -> str:
-    """A hash of everything under tests/ (a conftest or a helper can change what a test checks)."""
+    """A hash of the module's test files and of every file under tests/ that is not a test file (a conftest, a
+    helper or the data a test reads can change what it checks)."""
     digest = hashlib.sha256()
-    for path in sorted((root / "tests").rglob("*.py")):
+    own = {root / t.split("::")[0] for t in module.tests}
+    for path in sorted(p for p in (root / "tests").rglob("*") if p.is_file() and "__pycache__" not in p.parts
+                       and (p in own or not p.name.startswith("test_"))):
         digest.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes())
     digest.update(repr(module).encode())
     return digest.hexdigest()[:16]
