@@ -263,8 +263,8 @@ def tool_env(folder: Path) -> dict[str, str]:
 
 
 def forget_for_new_tests(folder: Path, module: Module, fingerprint: str) -> None:
-    """When the tests changed since the last run: the stats (which test reaches which function) are collected
-    again and the survivors and untested mutants are tested again; kills stand."""
+    """When the tests changed since the last run began: the stats (which test reaches which function) are
+    collected again and the survivors and untested mutants are tested again; kills stand."""
     stamp = folder / "tests-fingerprint"
     if stamp.exists() and stamp.read_text() == fingerprint:
         return
@@ -285,13 +285,11 @@ def run_module(root: Path, name: str, module: Module, children: int, fresh: bool
     env = tool_env(folder)
     fingerprint = tests_fingerprint(root, module)
     forget_for_new_tests(folder, module, fingerprint)
+    (folder / "tests-fingerprint").write_text(fingerprint)  # an interrupted run resumes where it stopped
     subprocess.run([sys.executable, "-c", GENERATE], cwd=folder, env=env, check=True, stdout=subprocess.DEVNULL)
     print(f"mutants: {name}: {mark_messages(folder, module)} message-only mutants marked skipped", flush=True)
     mutmut = Path(sys.executable).with_name("mutmut")
-    done = subprocess.run([str(mutmut), "run", "--max-children", str(children)], cwd=folder, env=env)
-    if done.returncode == 0:
-        (folder / "tests-fingerprint").write_text(fingerprint)
-    return done.returncode
+    return subprocess.run([str(mutmut), "run", "--max-children", str(children)], cwd=folder, env=env).returncode
 
 
 def load_equivalents(path: Path) -> dict[str, dict]:
