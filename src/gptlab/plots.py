@@ -48,10 +48,10 @@ def drawable(label: str) -> str:
     escape (\\x0d, \\u4e2d, \\U0001f984): matplotlib would draw a box and warn that the glyph is missing. A line
     break stays one (matplotlib breaks the line there)."""
     font = _font_characters()
-    return "".join(ch if ch == "\n" or ord(ch) in font else _escape(ch) for ch in label)
+    return "".join(ch if ch == "\n" or ord(ch) in font else escape(ch) for ch in label)
 
 
-def _escape(ch: str) -> str:
+def escape(ch: str) -> str:
     """A character as Python writes its escape: \\xNN, \\uNNNN or \\UNNNNNNNN."""
     code = ord(ch)
     return f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}" if code < 0x10000 else f"\\U{code:08x}"

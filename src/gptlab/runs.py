@@ -14,20 +14,19 @@ from __future__ import annotations
 
 import json
 import sys
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 from gptlab import checkpoint as ck
 from gptlab import rundir
-from gptlab.config import (DEFAULT_PRESET, FINETUNE_PRESET, ModelConfig, TrainConfig, build, get_preset, to_dict)
+from gptlab.config import (DEFAULT_PRESET, FINETUNE_PRESET, ModelConfig, TrainConfig, build, get_preset,
+                           read_config_file, to_dict)
 from gptlab.data import prepare
 from gptlab.errors import GptlabError
 
 RUNS = Path("runs")
 DATA = Path("data")
-# what a run's config.json records besides its settings: a config file may carry them, they set nothing
-RECORDED = {"gptlab_version", "git_commit", "precision", "device", "processes", "resumes", "imported_from"}
 
 
 @dataclass
@@ -57,33 +56,6 @@ def pick_run_dir(preset: str, run: str | Path | None = None, resume: bool = Fals
         n += 1
         candidate = RUNS / f"{preset}-{n}"
     return candidate
-
-
-def read_config_file(path: str | Path) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
-    """A config file's (model settings, training settings, the rest: preset, data, run). TOML or JSON; fields
-    flat or in [model] / [train] tables. Raises GptlabError naming an unknown field or a file it cannot read."""
-    import tomllib
-
-    path = Path(path)
-    try:
-        text = path.read_text(encoding="utf-8")
-        raw = json.loads(text) if path.suffix == ".json" else tomllib.loads(text)
-    except FileNotFoundError:
-        raise GptlabError(f"config file {path} does not exist") from None
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise GptlabError(f"config file {path} cannot be read: {exc}") from None
-    if not isinstance(raw, dict):
-        raise GptlabError(f"config file {path} must hold named settings")
-    flat = {**{k: v for k, v in raw.items() if k not in ("model", "train")}, **raw.get("model", {}),
-            **raw.get("train", {})}
-    model_names, train_names = ({f.name for f in fields(c)} for c in (ModelConfig, TrainConfig))
-    model = {k: v for k, v in flat.items() if k in model_names}
-    train = {k: v for k, v in flat.items() if k in train_names}
-    rest = {k: v for k, v in flat.items() if k in ("preset", "data", "run")}
-    unknown = sorted(set(flat) - model_names - train_names - set(rest) - RECORDED)
-    if unknown:
-        raise GptlabError(f"config file {path}: unknown setting {unknown[0]!r} (see `gptlab train --help`)")
-    return model, train, rest
 
 
 def resolve(preset: str | None = None, model: dict[str, Any] | None = None, train: dict[str, Any] | None = None,
@@ -283,17 +255,41 @@ def describe(run: str | Path) -> dict[str, Any]:
 
 
 
-def compare(runs: list[str | Path], out_png: str | Path) -> list[RunSummary]:
-    """Plot the validation loss of `runs` against steps and seconds into `out_png`; returns their summaries.
-    Raises GptlabError when a folder is not a run or none of them has been evaluated yet."""
-    from gptlab.plots import plot_runs, read_metrics, validation_curve
+def val_bits_per_byte(run: str | Path, curve: tuple[list[int], list[float], list[float]]):
+    """`run`'s validation curve with each loss (nats per token) in bits per byte of its validation text, by
+    evaluate.Score's rule, the bytes as `gptlab eval` counts them; GptlabError when the run's data is gone."""
+    from gptlab.data import load_dataset
+    from gptlab.evaluate import Score
 
-    summaries = [summarize(run) for run in runs]
-    curves = {str(s.path): validation_curve(read_metrics(s.path / rundir.METRICS)) for s in summaries}
-    if not any(steps for steps, _, _ in curves.values()):
-        raise GptlabError("none of these runs has been evaluated yet: nothing to compare")
     try:
-        plot_runs(curves, out_png)
+        data = load_dataset(run_data_dir(run) or "")
+    except GptlabError as exc:
+        raise GptlabError(f"the runs' tokenizers differ, so compare puts them on bits per byte of each run's "
+                          f"validation text, which it cannot read for {run}: {exc}") from None
+    tokens, text_bytes = len(data.val), len(data.tokenizer.decode(data.val.tolist()).encode())
+    steps, losses, seconds = curve
+    return steps, [Score(run, tokens, 0, text_bytes, loss * tokens).bits_per_byte for loss in losses], seconds
+
+
+def compare(runs: list[str | Path], out: str | Path) -> tuple[list[RunSummary], str]:
+    """(the runs' summaries, the unit): their validation loss against steps and seconds drawn into `out`, in nats
+    per token when the evaluated runs share a tokenizer, else in bits per byte (a token of one tokenizer is not a
+    token of another). GptlabError when a folder is not a run, none has been evaluated or `out` is no picture."""
+    from gptlab import plots
+
+    plots.check_picture_path(out)
+    summaries = [summarize(run) for run in runs]
+    curves = {str(s.path): plots.validation_curve(plots.read_metrics(s.path / rundir.METRICS)) for s in summaries}
+    evaluated = [name for name, (steps, _, _) in curves.items() if steps]
+    if not evaluated:
+        raise GptlabError("none of these runs has been evaluated yet: nothing to compare")
+    tokenizers = {json.dumps(json.loads((Path(name) / rundir.TOKENIZER).read_text()), sort_keys=True)
+                  for name in evaluated}
+    unit = plots.NATS_PER_TOKEN if len(tokenizers) == 1 else plots.BITS_PER_BYTE
+    if unit == plots.BITS_PER_BYTE:
+        curves = {name: val_bits_per_byte(name, curves[name]) for name in evaluated}
+    try:
+        plots.plot_runs(curves, out, unit)
     except OSError as exc:
-        raise GptlabError(f"cannot write {out_png}: {exc.strerror}") from None
-    return summaries
+        raise GptlabError(f"cannot write {out}: {exc.strerror}") from None
+    return summaries, unit

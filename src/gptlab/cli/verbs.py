@@ -303,56 +303,13 @@ def add_runs(p: argparse.ArgumentParser) -> None:
     p.add_argument("folder", nargs="?", default="runs", help="the folder that holds the runs (default runs/)")
 
 
-def val_bits_per_byte(run: str, curve: tuple[list[int], list[float], list[float]]):
-    """`run`'s validation curve with each loss (nats per token) in bits per byte of its validation text, by
-    evaluate.Score's rule, the bytes as `gptlab eval` counts them; GptlabError when the run's data is gone."""
-    from gptlab.data import load_dataset
-    from gptlab.evaluate import Score
-    from gptlab.runs import run_data_dir
-
-    try:
-        data = load_dataset(run_data_dir(run) or "")
-    except GptlabError as exc:
-        raise GptlabError(f"the runs' tokenizers differ, so compare puts them on bits per byte of each run's "
-                          f"validation text, which it cannot read for {run}: {exc}") from None
-    tokens, text_bytes = len(data.val), len(data.tokenizer.decode(data.val.tolist()).encode())
-    steps, losses, seconds = curve
-    return steps, [Score(run, tokens, 0, text_bytes, loss * tokens).bits_per_byte for loss in losses], seconds
-
-
-def compare_runs(runs: list[str], out: str):
-    """(the runs' summaries, the unit): their validation loss against steps and seconds drawn into `out`, in nats
-    per token when the evaluated runs share a tokenizer, else in bits per byte (a token of one tokenizer is not a
-    token of another). GptlabError when a folder is not a run, none has been evaluated or `out` is no picture."""
-    import json
-
-    from gptlab import plots, rundir
-    from gptlab.runs import summarize
-
-    plots.check_picture_path(out)
-    summaries = [summarize(run) for run in runs]
-    curves = {str(s.path): plots.validation_curve(plots.read_metrics(s.path / rundir.METRICS)) for s in summaries}
-    evaluated = [name for name, (steps, _, _) in curves.items() if steps]
-    if not evaluated:
-        raise GptlabError("none of these runs has been evaluated yet: nothing to compare")
-    tokenizers = {json.dumps(json.loads((Path(name) / rundir.TOKENIZER).read_text()), sort_keys=True)
-                  for name in evaluated}
-    unit = plots.NATS_PER_TOKEN if len(tokenizers) == 1 else plots.BITS_PER_BYTE
-    if unit == plots.BITS_PER_BYTE:
-        curves = {name: val_bits_per_byte(name, curves[name]) for name in evaluated}
-    try:
-        plots.plot_runs(curves, out, unit)
-    except OSError as exc:
-        raise GptlabError(f"cannot write {out}: {exc.strerror}") from None
-    return summaries, unit
-
-
 @command("compare", "the validation loss of several runs against steps and against seconds, in one picture (in "
                     "bits per byte when their tokenizers differ)")
 def cmd_compare(args: argparse.Namespace) -> int:
     from gptlab.plots import BITS_PER_BYTE
+    from gptlab.runs import compare
 
-    summaries, unit = compare_runs(args.runs, args.out)
+    summaries, unit = compare(args.runs, args.out)
     for r in summaries:
         best = f"{r.best_val_loss:.4f}" if r.best_val_loss is not None else "-"
         print(f"{str(r.path):<40} step {r.step:>8,}  best val {best:>7}  {r.train_seconds:>8.1f} s of training")

@@ -5,30 +5,12 @@ matplotlib is imported when a picture is drawn (plots.pyplot, the Agg backend): 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from functools import lru_cache
 from pathlib import Path
 
 import torch
 
-from gptlab.inspect.trace import Trace, escape, pairwise_cosine, token_label
-from gptlab.plots import pyplot
-
-
-@lru_cache
-def _glyphs(font_path: str) -> frozenset[int]:
-    from matplotlib import font_manager
-
-    return frozenset(font_manager.get_font(font_path).get_charmap())
-
-
-def drawable(text: str) -> str:
-    """text with every character the pictures' font (matplotlib's default) has no glyph for written as its escape
-    (中 as \\u4e2d), so that no label is drawn as an empty box and matplotlib has nothing to warn about; a line
-    break stays one (matplotlib breaks the line there)."""
-    from matplotlib import font_manager
-
-    glyphs = _glyphs(font_manager.findfont(font_manager.FontProperties()))
-    return "".join(ch if ch == "\n" or ord(ch) in glyphs else escape(ch) for ch in text)
+from gptlab.inspect.trace import Trace, pairwise_cosine, token_label
+from gptlab.plots import drawable, pyplot
 
 
 def _save(fig, out: str | Path) -> Path:

@@ -20,6 +20,7 @@ from gptlab.config import SampleConfig
 from gptlab.engine import generate
 from gptlab.errors import GptlabError
 from gptlab.model import GPT
+from gptlab.plots import escape
 from gptlab.tokenizer import Tokenizer
 
 
@@ -131,12 +132,6 @@ def trace_generation(model: torch.nn.Module, prompt: Sequence[int], cfg: SampleC
 
 
 VISIBLE = {" ": "␣", "\n": "↵", "\t": "→", "\r": "\\r"}  # whitespace as a picture or a terminal shows it
-
-
-def escape(ch: str) -> str:
-    """A character as Python writes its escape: \\xNN, \\uNNNN or \\UNNNNNNNN."""
-    code = ord(ch)
-    return f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}" if code < 0x10000 else f"\\U{code:08x}"
 
 
 def visible(ch: str) -> str:
