@@ -7,6 +7,7 @@ import errno
 import gzip
 import hashlib
 import json
+import os
 import shutil
 from importlib import resources
 
@@ -184,7 +185,13 @@ def test_export_round_trip_gives_the_same_logits_and_continuation(tmp_path, corp
 def test_export_then_import_is_the_same_run(tmp_path, corpus_file, capsys, monkeypatch):
     run, data = train_tiny(tmp_path, corpus_file, "char", bias=False, vocab_size=64)
     monkeypatch.chdir(tmp_path)
-    assert "model.safetensors" in run_ok(capsys, "export", str(run), "--format", "hf", "--out", "hf")
+    before = os.umask(0o027)  # the export's files follow the umask (safetensors alone would write 0600)
+    try:
+        assert "model.safetensors" in run_ok(capsys, "export", str(run), "--format", "hf", "--out", "hf")
+    finally:
+        os.umask(before)
+    modes = {p.name: p.stat().st_mode & 0o777 for p in (tmp_path / "hf").iterdir()}
+    assert "model.safetensors" in modes and set(modes.values()) == {0o640}, modes
     assert "imported" in run_ok(capsys, "import", "hf", "--run", "back")
     before, after = load_run(run), load_run(tmp_path / "back")
     assert after.tokenizer.to_dict() == before.tokenizer.to_dict()

@@ -145,3 +145,5 @@ def test_runs_lists_every_run_and_says_which_are_damaged(tmp_path, char_data, ca
     assert rows[str(root / "good")[-28:]].endswith("finished")
     assert rows[str(root / "badjson")[-28:]].endswith("damaged") and rows[str(root / "badckpts")[-28:]].endswith(
         "damaged")
+    assert rows[str(root / "badjson")[-28:]].split()[2] == "-"  # no steps to show, not 0/0
+    assert rows["damaged:"] == "damaged: `gptlab info RUN` says what is wrong with it"

@@ -277,6 +277,7 @@ def export_hf(run_dir: str | Path, out_dir: str | Path, which: str = "best") -> 
     with staged_folder(out) as staging:
         try:
             save_file(tensors, staging / "model.safetensors", metadata={"format": "pt"})  # transformers checks it
+            os.chmod(staging / "model.safetensors", rundir.umask_mode())  # safetensors writes 0600
         except (OSError, SafetensorError) as exc:
             reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc).strip()
             raise GptlabError(f"cannot write {out / 'model.safetensors'}: {reason}; check free space") from None

@@ -81,4 +81,12 @@ PLANTED = [
             [("f\"{s.bits_per_char:>9.4f} {s.bits_per_byte:>9.4f}\"",
               "f\"{s.bits_per_byte:>9.4f} {s.bits_per_char:>9.4f}\"")],
             "tests/test_cli.py::test_eval_of_a_non_ascii_file_prints_its_scores_per_token_character_and_byte"),
+    Planted("cli: export's model.safetensors keeps the 0600 safetensors gives it",
+            "src/gptlab/hf.py",
+            [("            os.chmod(staging / \"model.safetensors\", rundir.umask_mode())  # safetensors writes 0600\n", "")],
+            "tests/test_hf.py::test_export_then_import_is_the_same_run"),
+    Planted("cli: runs shows a damaged run's steps as 0/0",
+            "src/gptlab/cli/verbs.py",
+            [('steps = "-" if r.state == "damaged" else', 'steps = "-" if r.state == "broken" else')],
+            "tests/test_runs.py::test_runs_lists_every_run_and_says_which_are_damaged"),
 ]

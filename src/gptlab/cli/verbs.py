@@ -155,7 +155,7 @@ def add_train(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", metavar="FILE", help="settings from a TOML or JSON file (the fields below, flat or "
                    "in [model] / [train] tables, and preset, data, run: paths relative to the file's folder; a "
                    "run's config.json is one); flags override it")
-    p.add_argument("--run", help="run folder (default: runs/PRESET, a new one if that has checkpoints)")
+    p.add_argument("--run", help="run folder (default: runs/PRESET, a new one if that has checkpoints or is being trained)")
     p.add_argument("--resume", nargs="?", const="true", default=None, metavar="auto",
                    help="continue the run from its newest valid checkpoint ('auto': only if it has one)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -292,10 +292,13 @@ def cmd_runs(args: argparse.Namespace) -> int:
     print(f"{'run':<28} {'preset':<12} {'steps':>13} {'best val':>9} {'tokens':>13} {'time':>9}  state")
     for r in rows:
         best = f"{r.best_val_loss:.4f}" if r.best_val_loss is not None else "-"
-        print(f"{str(r.path)[-28:]:<28} {r.preset:<12} {f'{r.step:,}/{r.max_steps:,}':>13} {best:>9} "
+        steps = "-" if r.state == "damaged" else f"{r.step:,}/{r.max_steps:,}"
+        print(f"{str(r.path)[-28:]:<28} {r.preset:<12} {steps:>13} {best:>9} "
               f"{r.tokens:>13,} {r.train_seconds:>8.1f}s  {r.state}")
     if not rows:
         print(f"(no runs in {args.folder})")
+    elif any(r.state == "damaged" for r in rows):
+        print("damaged: `gptlab info RUN` says what is wrong with it")
     return 0
 
 
