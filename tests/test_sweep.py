@@ -65,6 +65,7 @@ CASES = [
     (["prepare", "{r}/empty.txt", "--out", "{r}/o"], "is empty"),
     (["prepare", "{r}/binary.bin", "--out", "{r}/o"], "binary.bin is not valid utf-8: bad byte at offset 128"),
     (["prepare", "{r}/nul.txt", "--out", "{r}/o"], "looks like a binary file"),
+    (["prepare", "{r}/upper.txt", "--out", "{r}/data"], "holds data prepared from other inputs or settings"),
     (["prepare", "{r}/latin1.txt", "--out", "{r}/o"], "offset 3; pass --encoding"),
     (["prepare", "{r}/missing.txt", "--out", "{r}/o"], "missing.txt does not exist"),
     (["prepare", "{r}/notarun", "--out", "{r}/o"], "no files found"),
