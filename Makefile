@@ -38,7 +38,7 @@ clean:
 	rm -rf runs data .pytest_cache
 
 # Mutation testing (not part of make test; long): mutmut per module, its score per module (docs/mutants.md).
-# `make mutants MODULE=sampling` runs one module; results are kept in .mutants/ and later runs re-test only what changed.
+# `make mutants MODULE=sampling` runs one module; results are kept in .mutants/, later runs re-test only what changed.
 MODULE ?=
 $(VENV)/.mutants-installed: $(STAMP) pyproject.toml
 	$(BIN)/pip install --quiet --disable-pip-version-check -e '.[mutants]'

@@ -44,7 +44,8 @@ def test_a_changed_string_inside_a_message_call_is_message_only(original, mutant
     # strings that are data, not messages: an API error's param and code, a key, a file's text
     ('def f():\n    raise ApiError(400, "bad", "prompt", "context_length_exceeded")',
      'def f():\n    raise ApiError(400, "bad", "XXpromptXX", "context_length_exceeded")'),
-    ('def f(exc):\n    raise ApiError(400, str(exc), "prompt")', 'def f(exc):\n    raise ApiError(400, str(exc), "PROMPT")'),
+    ('def f(exc):\n    raise ApiError(400, str(exc), "prompt")',
+     'def f(exc):\n    raise ApiError(400, str(exc), "PROMPT")'),
     ('def f():\n    raise ApiError(400, "bad", "prompt", "context_length_exceeded")',
      'def f():\n    raise ApiError(400, "bad", "prompt", "CONTEXT_LENGTH_EXCEEDED")'),
     ('def f(d):\n    return d["key"]', 'def f(d):\n    return d["XXkeyXX"]'),
@@ -57,7 +58,8 @@ def test_anything_else_is_kept(original, mutant):
 
 
 def test_the_changed_line_is_what_the_equivalents_list_names():
-    source = "def x_f__mutmut_orig(a):\n    b = a + 1\n    return b\n\ndef x_f__mutmut_1(a):\n    b = a - 1\n    return b\n"
+    source = ("def x_f__mutmut_orig(a):\n    b = a + 1\n    return b\n\n"
+              "def x_f__mutmut_1(a):\n    b = a - 1\n    return b\n")
     funcs = mutants.functions(ast.parse(source))
     assert mutants.changed_lines(source, funcs["x_f__mutmut_orig"], funcs["x_f__mutmut_1"]) == ["b = a - 1"]
 
