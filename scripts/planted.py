@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -32,11 +33,11 @@ def run_one(bug: Planted, scratch: Path) -> tuple[bool, str]:
     target.write_text(bug.apply(target.read_text(encoding="utf-8")), encoding="utf-8")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(copy), str(ROOT / "tests")]),
            "PYTHONDONTWRITEBYTECODE": "1"}
-    cmd = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", "-p", "no:randomly",
+    cmd = [sys.executable, "-m", "pytest", "-x", "-p", "no:cacheprovider", "-p", "no:randomly",  # -q: addopts
            "--rootdir", str(ROOT), *(str(ROOT / t) for t in bug.tests)]
     done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
-    lines = [line for line in done.stdout.splitlines() if line.strip()]
-    last = lines[-1] if lines else done.stderr.strip().splitlines()[-1:]
+    counts = [line for line in done.stdout.splitlines() if re.search(r"\d+ (passed|failed)", line)]
+    last = counts[-1].strip() if counts else (done.stdout + done.stderr).strip()[-200:]
     # rc 1: a test failed (caught); 0: every test passed (survived); anything else: the run itself broke
     if done.returncode not in (0, 1):
         raise RuntimeError(f"{bug.name}: pytest exited {done.returncode}: {last}\n{done.stdout[-2000:]}")
