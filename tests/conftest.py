@@ -25,9 +25,11 @@ CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-backg
                  "--disable-component-update", "--disable-sync", "--no-first-run"]
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def browser():
-    """Headless Chromium through Playwright (the attention page and the playground are checked in it)."""
+    """Headless Chromium through Playwright (the attention page and the playground are checked in it). Per module:
+    while Playwright's sync API is open, its event loop counts as running in the main thread, and a later test's
+    asyncio.run() (bench serve's clients) would fail, in whatever order the modules run."""
     if not CHROMIUM.exists() or shutil.which("chromium") is None:
         pytest.skip("no chromium (Debian's package: apt-get install chromium; make setup installs it as root)")
     sync_api = pytest.importorskip("playwright.sync_api", reason="no playwright (pip install -e '.[test]')")
