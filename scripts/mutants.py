@@ -276,12 +276,23 @@ def forget_for_new_tests(folder: Path, module: Module, fingerprint: str) -> None
         meta.write_text(json.dumps(data, indent=4))
 
 
-def run_module(root: Path, name: str, module: Module, children: int, fresh: bool) -> int:
+def forget_timeouts(folder: Path, module: Module) -> None:
+    """Mark the mutants counted as timeouts not checked, so that mutmut tests them again."""
+    for _, meta in metas(folder, module):
+        data = json.loads(meta.read_text())
+        data["exit_code_by_key"] = {k: None if STATUS.get(c) == "timeout" else c
+                                    for k, c in data["exit_code_by_key"].items()}
+        meta.write_text(json.dumps(data, indent=4))
+
+
+def run_module(root: Path, name: str, module: Module, children: int, fresh: bool, retry_timeouts: bool = False) -> int:
     """Generate, mark message mutants, run mutmut for one module; mutmut's exit status."""
     folder = prepare_folder(root, name, module)
     if fresh:
         shutil.rmtree(folder / "mutants", ignore_errors=True)
         (folder / "tests-fingerprint").unlink(missing_ok=True)
+    if retry_timeouts:
+        forget_timeouts(folder, module)
     env = tool_env(folder)
     fingerprint = tests_fingerprint(root, module)
     forget_for_new_tests(folder, module, fingerprint)
@@ -355,6 +366,9 @@ def main(argv=None) -> int:
     parser.add_argument("--report", action="store_true", help="print the table from kept results; run nothing")
     parser.add_argument("--list", action="store_true", help="print the modules, their sources and tests")
     parser.add_argument("--fresh", action="store_true", help="forget the kept results of these modules first")
+    parser.add_argument("--retry-timeouts", action="store_true",
+                        help="test the mutants counted as timeouts again (mutmut's wall limit is (estimate + 1 s) x 15:"
+                             " a run on a loaded machine can time out where an idle one would not)")
     parser.add_argument("--max-children", type=int, default=2, help="mutants tested at once (default: 2)")
     parser.add_argument("--root", type=Path, default=HERE,
                         help="the checkout to mutate (default: this one; e.g. a git worktree of an older commit)")
@@ -371,7 +385,7 @@ def main(argv=None) -> int:
     root = args.root.resolve()
     failed = []
     for name in [] if args.report else names:
-        if run_module(root, name, MODULES[name], args.max_children, args.fresh) != 0:
+        if run_module(root, name, MODULES[name], args.max_children, args.fresh, args.retry_timeouts) != 0:
             failed.append(name)
     report(root, [n for n in names if (root / ".mutants" / n / "mutants").exists()], verbose=True)
     if failed:
