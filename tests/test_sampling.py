@@ -206,3 +206,44 @@ def test_greedy_takes_the_largest_penalised_logit(case):
     probs, _ = reference_probs(logits[0], counts[0], SampleConfig(temperature=1.0, top_k=1,
                                                                     **{n: getattr(cfg, n) for n in PENALTIES}))
     assert next_token(logits, greedy, counts=counts).item() == int(probs.argmax())
+
+
+def test_filters_work_on_the_last_axis_of_any_shape():
+    """top_k_filter and top_p_filter keep "each row": a (B, T, V) tensor is filtered as its B*T rows one by one
+    (B != T != V, so a filter along another axis, or a bound read from another axis, shows)."""
+    torch.manual_seed(0)
+    logits = torch.randn(2, 3, 7) * 2
+    for filtered, one_row in ((top_k_filter(logits, 3), lambda row: top_k_filter(row, 3)),
+                              (top_p_filter(logits, 0.7), lambda row: top_p_filter(row, 0.7))):
+        rows = torch.stack([one_row(row[None])[0] for row in logits.reshape(-1, 7)]).reshape(2, 3, 7)
+        assert torch.equal(filtered, rows)
+        assert (filtered.isfinite().sum(-1) >= 1).all()
+    assert (top_k_filter(logits, 3).isfinite().sum(-1) == 3).all()
+
+
+def test_the_off_values_of_top_k_and_top_p_return_the_logits_unchanged():
+    """k <= 0 means "no top-k" (as in transformers), and p = 1.0 keeps every token even where the mass before the
+    last ones already reads 1.0 in float32 (probabilities below its precision)."""
+    logits = torch.tensor([[30.0, 0.0, -1.0, 2.0]])  # softmax: 1.0 then ~1e-13: cumsum hits 1.0 after token 0
+    for k in (0, -1, 4, 9):
+        assert torch.equal(top_k_filter(logits, k), logits)
+    assert torch.equal(top_p_filter(logits, 1.0), logits)
+    assert top_p_filter(logits, 0.999).isfinite().sum() == 1  # and just below 1.0 the tiny ones go
+
+
+def test_penalties_keep_the_logits_dtype():
+    """bf16 and float64 logits come back in their own dtype, values as worked out by hand (counts are integers)."""
+    counts = torch.tensor([[2, 0, 1]])
+    for dtype in (torch.bfloat16, torch.float64):
+        logits = torch.tensor([[1.0, 2.0, -3.0]], dtype=dtype)
+        out = apply_penalties(logits, counts, frequency=0.5, presence=0.25)
+        assert out.dtype == dtype
+        assert out.tolist() == [[1.0 - 1.0 - 0.25, 2.0, -3.0 - 0.5 - 0.25]]
+
+
+def test_sampling_runs_on_the_device_of_the_logits():
+    """Every tensor next_token makes (the uniform draws included) is made on the logits' device: on PyTorch's
+    shape-only 'meta' device a CPU tensor anywhere raises."""
+    logits = torch.empty(3, 10, device="meta")
+    ids = next_token(logits, SampleConfig(temperature=0.8, top_k=5, top_p=0.9))
+    assert ids.device.type == "meta" and ids.shape == (3,)
