@@ -58,8 +58,8 @@ def _m(sources: str, tests: str) -> Module:
 # function). Keep each list to what is needed: the stats run goes through all of them once.
 MODULES = {
     "sampling": _m("sampling", "test_sampling test_engine"),
-    "textstream": _m("textstream", "test_engine test_serve"),
-    "engine": _m("engine", "test_engine test_sampling test_serve_batching test_int8"),
+    "textstream": _m("textstream", "test_textstream test_engine"),
+    "engine": _m("engine", "test_engine test_sampling test_textstream test_fastdecode test_serve_batching test_int8"),
     "serve.api": _m("serve/api", "test_serve test_serve_batching"),
     "serve.app": _m("serve/app", "test_serve test_serve_batching"),
     "serve.scheduler": _m("serve/scheduler", "test_serve test_serve_batching"),
@@ -75,7 +75,7 @@ MODULES = {
     "rundir": _m("rundir", "test_nothing_lost test_faults test_runs"),
     "checkpoint": _m("checkpoint", "test_nothing_lost test_faults test_train test_runtime"),
     "preflight": _m("preflight", "test_nothing_lost test_train test_shards"),
-    "evaluate": _m("evaluate", "test_hf test_train"),
+    "evaluate": _m("evaluate", "test_evaluate test_hf"),
     "optim": _m("optim", "test_optim test_train"),
     "int8": _m("inference/int8", "test_int8"),
 }
