@@ -186,3 +186,48 @@ def test_end_of_text_ends_the_row_with_the_text_before_it(case, at):
     shown = "".join(row.push(k) for k in range(at)) + row.push(tokenizer.eot_id) + row.push(0)
     reason = "stop" if reason == "stop" else "eot"
     assert (shown, row.text, row.finish_reason) == (expected, expected, reason)
+
+
+def test_a_stop_string_of_three_characters_is_caught_when_it_arrives_one_character_at_a_time():
+    """Every beginning of a stop string is held back, not only the longest: with "a.b" arriving as "b", "a", ".",
+    "b", the "a" is held (it may start the stop), then "a.", then the stop is cut."""
+    row = Completion(CHARS, ["a.b"])
+    shown = [row.push(i) for i in char_ids("ba.b")]
+    assert shown == ["b", "", "", ""]
+    assert (row.text, row.finish_reason) == ("b", "stop")
+    row = Completion(CHARS, ["a.b"])  # and a beginning that turns out not to be one is released in order
+    assert [row.push(i) for i in char_ids("ba.a")] == ["b", "", "", "a."]
+    assert row.close() == "a" and row.text == "ba.a"
+
+
+def test_a_row_closed_without_a_reason_finished_by_length():
+    row = Completion(CHARS)
+    row.push(char_ids("a")[0])
+    assert row.close() == "" and row.finish_reason == "length"  # as OpenAI's API names it
+
+
+@pytest.mark.parametrize("batch_invariant", [False, True])
+def test_the_stream_decodes_on_the_engine_path_it_names(batch_invariant, monkeypatch):
+    """TextStream's rows are generate_batch's rows with the same flag: False by default (one prefill per prompt),
+    True through the server's RunningBatch (what `gptlab sample` asks for, to give bitwise what the server gives).
+    The two paths agree on the ids by design, so the path is seen by the RunningBatch it builds or not."""
+    import gptlab.engine as engine
+
+    built = []
+
+    class Seen(engine.RunningBatch):
+        def __init__(self, *args, **kwargs):
+            built.append(1)
+            super().__init__(*args, **kwargs)
+
+    torch.manual_seed(0)
+    model = GPT(tiny_config(vocab_size=4)).eval()
+    cfg = SampleConfig(max_new_tokens=12, temperature=1.0, seed=5)
+    prompts = [char_ids("ab"), char_ids("b.a")]
+    expected = [list(row) for row in zip(*engine.generate_batch(model, prompts, cfg, 2, batch_invariant))]
+    monkeypatch.setattr(engine, "RunningBatch", Seen)
+    kwargs = {"batch_invariant": True} if batch_invariant else {}  # the default is checked as the default
+    stream = TextStream(model, CHARS, prompts, cfg, 2, **kwargs)
+    list(stream)
+    assert [c.ids for c in stream.completions] == expected
+    assert built == ([1] if batch_invariant else [])
