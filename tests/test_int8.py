@@ -150,6 +150,7 @@ def test_the_int8_torch_path_stays_near_fp32_and_ties_embedding_and_head():
     assert all(not isinstance(m, nn.Linear) for m in model.modules())  # every matrix, the LM head too
     assert torch.equal(model.transformer.wte.weight, model.lm_head.dequantized())
     assert model.lm_head.dense is model.transformer.wte.weight  # the head's torch products read the embedding
+    assert not model.transformer.wte.weight.requires_grad  # inference weights: autograd keeps no graph for them
     x = torch.randint(0, shape["vocab_size"], (3, 30))
     with torch.no_grad():
         assert (model(x)[0] - fp32(x)[0]).abs().max() <= QUANTIZATION_TOLERANCE
@@ -284,3 +285,18 @@ def test_sample_and_eval_run_in_int8_end_to_end(tmp_path, monkeypatch, capsys, c
     assert all("/2 validation prompts agree for all 4 new tokens (shortest agreement " in line for line in greedy)
     assert main(["train", "--data", "data", "--run", "runs/t8", "--precision", "int8"]) == 2
     assert "invalid choice: 'int8'" in capsys.readouterr().err
+
+
+def test_any_module_with_linear_layers_can_be_quantized_and_shows_its_shape():
+    """quantize_model needs no GPT: a model without lm_head or transformer.wte (nothing tied) gets every nn.Linear
+    replaced, and each Int8Linear prints like the nn.Linear it replaced."""
+    torch.manual_seed(0)
+    fp32 = nn.Sequential(nn.Linear(6, 5), nn.GELU(), nn.Linear(5, 3, bias=False))
+    model = copy.deepcopy(fp32)
+    quantize_model(model)
+    assert [type(m).__name__ for m in model] == ["Int8Linear", "GELU", "Int8Linear"]
+    assert [m.extra_repr() for m in model if isinstance(m, Int8Linear)] == \
+        [fp32[0].extra_repr(), fp32[2].extra_repr()]  # "in_features=6, out_features=5, bias=True", then bias=False
+    x = torch.randn(4, 6)
+    with torch.no_grad():
+        assert (model(x) - fp32(x)).abs().max() < 0.05
