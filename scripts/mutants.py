@@ -68,7 +68,6 @@ MODULES = {
     "encoder": _m("encoder", "test_corpus test_shards"),
     "staging": _m("staging", "test_shards test_corpus"),
     "tokenfiles": _m("tokenfiles", "test_data test_shards test_nothing_lost"),
-    "sharded": _m("sharded", "test_data test_shards test_train"),
     "data": _m("data", "test_data test_corpus test_shards"),
     "inspect": _m("inspect/anatomy inspect/page inspect/pictures inspect/trace", "test_inspect test_inspect_page"),
     "runs": _m("runs", "test_runs test_cli"),

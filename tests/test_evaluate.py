@@ -5,6 +5,7 @@ UTF-8 bytes, on text where the two differ (é is 2 bytes, 中 3, 😀 4)."""
 
 import math
 import statistics
+from contextlib import contextmanager
 from functools import lru_cache
 
 import pytest
@@ -14,20 +15,21 @@ from hypothesis import strategies as st
 
 from gptlab.config import ModelConfig
 from gptlab.data import load_dataset, prepare
-from gptlab.evaluate import score_files, score_split, total_nats
+from gptlab.errors import GptlabError
+from gptlab.evaluate import score, score_files, score_split, total_nats
 from gptlab.model import GPT
-from gptlab.tokenizer import CharTokenizer
+from gptlab.tokenizer import EOT, BPETokenizer, CharTokenizer
 
 TEXT = "Café 中文 😀 naïve — déjà vu à 東京!\n" * 3  # 3 times 32 characters, more bytes than characters
 TOKENIZER = CharTokenizer(TEXT)
 
 
 @lru_cache
-def moved_model(block_size: int) -> GPT:
+def moved_model(block_size: int, vocab_size: int = TOKENIZER.vocab_size) -> GPT:
     """A GPT whose every parameter is moved off its initial value (its predictions far from uniform, so that
-    scoring the wrong token or context changes the total), for TOKENIZER's vocabulary."""
+    scoring the wrong token or context changes the total), for TOKENIZER's vocabulary unless told another."""
     torch.manual_seed(block_size)
-    model = GPT(ModelConfig(vocab_size=TOKENIZER.vocab_size, block_size=block_size, n_layer=2, n_head=2, n_embd=24,
+    model = GPT(ModelConfig(vocab_size=vocab_size, block_size=block_size, n_layer=2, n_head=2, n_embd=24,
                             dropout=0.0)).eval()
     with torch.no_grad():
         for p in model.parameters():
@@ -105,3 +107,120 @@ def test_a_data_folders_validation_split_is_scored_over_its_own_bytes(tmp_path):
     assert score.tokens == len(ids) - 1
     assert score.bits_per_byte == pytest.approx(nats_by_hand(model, ids) / math.log(2) / len(val_text.encode()),
                                                 rel=1e-5)
+
+
+def prepared(tmp_path):
+    """A data folder prepared from TEXT * 10 with the char tokenizer, 30 % of it the validation split."""
+    (tmp_path / "corpus.txt").write_text(TEXT * 10, encoding="utf-8")
+    prepare([str(tmp_path / "corpus.txt")], tmp_path / "data", "char", val_fraction=0.3, quiet=True)
+    return tmp_path / "data"
+
+
+def text_file(tmp_path, text: str, encoding: str = "utf-8"):
+    path = tmp_path / "text.txt"
+    path.write_bytes(text.encode(encoding))
+    return path
+
+
+@contextmanager
+def forward_record(model: GPT):
+    """The rows and logits dtype of each forward the model runs inside the block."""
+    calls = []
+    handle = model.register_forward_hook(lambda m, args, out: calls.append((args[0].shape[0], out[0].dtype)))
+    try:
+        yield calls
+    finally:
+        handle.remove()
+
+
+def test_by_default_sixteen_windows_share_a_forward_pass(tmp_path):
+    """The default batch is the 16 sequences the CLI documents for --batch-size (its memory bound): at block size
+    4, TEXT's 95 predictions are 24 windows (16 + 8), and the 288-token split of prepared() 72 (4 x 16 + 8)."""
+    model = moved_model(4)
+    ids = TOKENIZER.encode(TEXT)
+    with forward_record(model) as direct:
+        score(model, "text", ids, len(TEXT), len(TEXT.encode()))
+    with forward_record(model) as files:
+        score_files(model, TOKENIZER, [str(text_file(tmp_path, TEXT))])
+    data_dir = prepared(tmp_path)
+    assert len(load_dataset(data_dir).val) == 288
+    with forward_record(model) as split:
+        score_split(model, TOKENIZER, data_dir)
+    assert [rows for rows, _ in direct] == [rows for rows, _ in files] == [16, 8]
+    assert [rows for rows, _ in split] == [16, 16, 16, 16, 8]
+
+
+def test_bf16_scores_run_the_model_under_bf16_autocast(tmp_path):
+    """precision="bf16" reaches the forward (its logits come out in bf16, the fp32 default's in fp32), and the
+    totals stay those of the plain fp32 forward to bf16's precision (8 bits of mantissa)."""
+    model = moved_model(8)
+    path = text_file(tmp_path, TEXT)
+    data_dir = prepared(tmp_path)
+    with forward_record(model) as bf16:
+        (file_score,) = score_files(model, TOKENIZER, [str(path)], batch_size=4, precision="bf16")
+        split_score = score_split(model, TOKENIZER, data_dir, batch_size=4, precision="bf16")
+    with forward_record(model) as fp32:
+        score_files(model, TOKENIZER, [str(path)], batch_size=4)
+        score_split(model, TOKENIZER, data_dir, batch_size=4)
+    assert {dtype for _, dtype in bf16} == {torch.bfloat16}
+    assert {dtype for _, dtype in fp32} == {torch.float32}
+    assert file_score.nats == pytest.approx(nats_by_hand(model, TOKENIZER.encode(TEXT)), rel=2e-2)
+    assert split_score.nats == pytest.approx(nats_by_hand(model, load_dataset(data_dir).val.tolist()), rel=2e-2)
+
+
+def test_a_file_is_read_in_the_encoding_given(tmp_path):
+    text = "Café naïve, déjà vu à Noël!\n"  # all in latin-1: é ï é à à ë one byte there, two in UTF-8
+    tokenizer = CharTokenizer(text)
+    model = moved_model(8, tokenizer.vocab_size)
+    path = text_file(tmp_path, text, "latin-1")
+    assert path.stat().st_size == 28
+    (latin,) = score_files(model, tokenizer, [str(path)], encoding="latin-1", batch_size=4)
+    assert (latin.tokens, latin.chars, latin.bytes) == (27, 28, 28 + 6)  # its bytes are those of its UTF-8 text
+    assert latin.nats == pytest.approx(nats_by_hand(model, [tokenizer.stoi[c] for c in text]), rel=1e-5)
+    with pytest.raises(GptlabError, match="text.txt is not valid utf-8"):  # the default, not a silent misreading
+        score_files(model, tokenizer, [str(path)])
+
+
+def test_end_of_text_markers_in_a_file_are_scored_as_the_special_token(tmp_path):
+    tokenizer = BPETokenizer.train([TEXT], 300)
+    model = moved_model(8, tokenizer.vocab_size)
+    first, second = "Café naïve — 東京!\n", "déjà vu à 中文 😀\n"
+    path = text_file(tmp_path, first + EOT + second)
+    (scored,) = score_files(model, tokenizer, [str(path)], batch_size=2)
+    ids = tokenizer.encode(first) + [tokenizer.eot_id] + tokenizer.encode(second)  # the documents apart, one id between
+    assert scored.tokens == len(ids) - 1
+    assert scored.nats == pytest.approx(nats_by_hand(model, ids), rel=1e-5)
+
+
+def test_a_file_of_two_tokens_is_scored_and_one_of_fewer_is_refused(tmp_path):
+    model = moved_model(8)
+    path = text_file(tmp_path, "中文")
+    (two,) = score_files(model, TOKENIZER, [str(path)])
+    logits, _ = model(torch.tensor([[TOKENIZER.stoi["中"]]]))
+    by_hand = -torch.log_softmax(logits[0, -1].double(), dim=-1)[TOKENIZER.stoi["文"]].item()
+    assert (two.name, two.tokens, two.chars, two.bytes) == (str(path), 1, 2, 6)
+    assert two.nats == pytest.approx(by_hand, rel=1e-5)
+    for short in ("東", ""):
+        path.write_text(short, encoding="utf-8")
+        with pytest.raises(GptlabError, match=f"text.txt is too short to score.*it has {len(short)}"):
+            score_files(model, TOKENIZER, [str(path)])
+
+
+def test_each_files_score_is_named_by_its_path_in_order(tmp_path):
+    model = moved_model(8)
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    paths = [text_file(tmp_path / "b", TEXT[:40]), text_file(tmp_path / "a", TEXT[40:])]
+    scores = score_files(model, TOKENIZER, [str(p) for p in paths], batch_size=4)
+    assert [(s.name, s.tokens) for s in scores] == [(str(paths[0]), 39), (str(paths[1]), 55)]
+
+
+def test_a_split_is_named_by_its_folder_and_refused_with_another_tokenizer(tmp_path):
+    data_dir = prepared(tmp_path)
+    model = moved_model(8)
+    assert score_split(model, TOKENIZER, data_dir, batch_size=4).name == f"{data_dir} (val)"
+    other = CharTokenizer(TEXT + "xyz")  # the same characters and three more: other ids for some of them
+    with pytest.raises(GptlabError, match=r"data was tokenized with another tokenizer than the model's"):
+        score_split(model, other, data_dir)
+    with pytest.raises(GptlabError, match=r"than run r1's, .*--tokenizer-from"):
+        score_split(model, other, data_dir, source="run r1")
