@@ -60,9 +60,9 @@ MODULES = {
     "sampling": _m("sampling", "test_sampling test_engine"),
     "textstream": _m("textstream", "test_textstream test_engine"),
     "engine": _m("engine", "test_engine test_sampling test_textstream test_fastdecode test_serve_batching test_int8"),
-    "serve.api": _m("serve/api", "test_serve test_serve_batching"),
-    "serve.app": _m("serve/app", "test_serve test_serve_batching"),
-    "serve.scheduler": _m("serve/scheduler", "test_serve test_serve_batching"),
+    "serve.api": _m("serve/api", "test_serve test_serve_api test_serve_batching"),
+    "serve.app": _m("serve/app", "test_serve test_serve_api test_serve_batching"),
+    "serve.scheduler": _m("serve/scheduler", "test_serve test_serve_scheduler test_serve_batching"),
     "corpus": _m("corpus", "test_corpus test_data"),
     "readers": _m("readers", "test_corpus test_data"),
     "encoder": _m("encoder", "test_corpus test_shards"),
@@ -72,7 +72,7 @@ MODULES = {
     "inspect": _m("inspect/anatomy inspect/page inspect/pictures inspect/trace", "test_inspect test_inspect_page"),
     "runs": _m("runs", "test_runs test_cli"),
     "rundir": _m("rundir", "test_nothing_lost test_faults test_runs"),
-    "checkpoint": _m("checkpoint", "test_nothing_lost test_faults test_train test_runtime"),
+    "checkpoint": _m("checkpoint", "test_checkpoint test_nothing_lost test_faults test_train test_runtime"),
     "preflight": _m("preflight", "test_nothing_lost test_train test_shards"),
     "evaluate": _m("evaluate", "test_evaluate test_hf"),
     "optim": _m("optim", "test_optim test_train"),
@@ -87,7 +87,7 @@ def module_config(root: Path, module: Module) -> str:
     base = tomllib.loads((HERE / "pyproject.toml").read_text(encoding="utf-8")).get("tool", {}).get("mutmut", {})
     kept = [line for line in _without_table(text, "tool.mutmut")]
     table = {**base, "source_paths": ["src"], "only_mutate": list(module.sources),
-             "pytest_add_cli_args_test_selection": list(module.tests),
+             "pytest_add_cli_args_test_selection": [t for t in module.tests if (root / t.split("::")[0]).exists()],
              "pytest_add_cli_args": [*base.get("pytest_add_cli_args", []), "-p", "mutmut_plugin"],
              "also_copy": [p for p in LINKED if p not in ("src", "tests")]}
     lines = [f"{key} = {json.dumps(value)}" for key, value in table.items()]
