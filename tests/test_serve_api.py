@@ -1,0 +1,257 @@
+"""The completions API as data (gptlab.serve.api) and the HTTP side's pieces (gptlab.serve.app) in-process: every
+request field read, defaulted and bounded as OpenAI documents it (bounds inclusive, just past them refused with a
+400 naming the field), the server's limits, prompts encoded against the context, errors in OpenAI's shape; then
+the app through FastAPI's TestClient and its JSON/SSE writers driven by events queued by hand. Expected values are
+OpenAI's documented ranges and defaults, numbers worked out by hand, and the `openai` client's own parsing."""
+
+import math
+import re
+import time
+
+import pytest
+
+from gptlab.config import SEED_LIMIT
+from gptlab.errors import GptlabError
+from gptlab.serve.api import ApiError, Limits, completion_id, encode_prompts, envelope, parse_completion
+from gptlab.tokenizer import CharTokenizer, GPT2Tokenizer
+
+WIDE = Limits(max_batch=100)  # room for 65 prompts: the prompt list's own limit (64) answers, not the batch's
+
+
+def refused(body, limits=WIDE):
+    """The ApiError parse_completion raises for `body` (it must be a 400 with a message)."""
+    with pytest.raises(ApiError) as info:
+        parse_completion(body, limits)
+    assert info.value.status == 400 and info.value.message and str(info.value) == info.value.message
+    return info.value
+
+
+# --- Limits ---------------------------------------------------------------------------------------------------
+
+
+def test_limits_accept_their_smallest_values():
+    limits = Limits(max_tokens=1, max_n=1, max_prompt_tokens=0, max_body_bytes=1, max_batch=1, queue=1, grace=0)
+    assert (limits.max_tokens, limits.max_batch, limits.grace) == (1, 1, 0)
+    assert Limits(grace=0.5).grace == 0.5 and Limits(max_prompt_tokens=7).max_prompt_tokens == 7
+
+
+@pytest.mark.parametrize("name, flag", [("max_tokens", "--max-tokens"), ("max_n", "--max-n"),
+                                        ("max_body_bytes", "--max-body-bytes"), ("max_batch", "--max-batch"),
+                                        ("queue", "--queue")])
+@pytest.mark.parametrize("value", [0, -3, True, 2.0, "8"])
+def test_a_limit_that_is_not_a_positive_integer_names_its_flag(name, flag, value):
+    with pytest.raises(GptlabError, match=f"^{flag} must be a positive integer"):
+        Limits(**{name: value})
+
+
+@pytest.mark.parametrize("grace", [-0.5, math.inf, math.nan])
+def test_grace_must_be_a_finite_number_of_seconds(grace):
+    with pytest.raises(GptlabError, match="--grace"):
+        Limits(grace=grace)
+
+
+def test_max_prompt_tokens_may_be_0_but_not_negative():
+    with pytest.raises(GptlabError, match="--max-prompt-tokens"):
+        Limits(max_prompt_tokens=-1)
+
+
+# --- ApiError, ids, envelopes ---------------------------------------------------------------------------------
+
+
+def test_an_api_error_is_openais_error_object():
+    error = ApiError(400, "n must be an integer", "n")
+    assert (error.status, str(error), error.headers) == (400, "n must be an integer", {})
+    assert error.body() == {"error": {"message": "n must be an integer", "type": "invalid_request_error",
+                                      "param": "n", "code": None}}
+    full = ApiError(429, "busy", type="rate_limit_error", code="queue_full", headers={"Retry-After": "1"})
+    assert full.headers == {"Retry-After": "1"}
+    assert full.body() == {"error": {"message": "busy", "type": "rate_limit_error", "param": None,
+                                     "code": "queue_full"}}
+
+
+def test_completion_ids_are_cmpl_and_96_random_bits():
+    ids = {completion_id() for _ in range(20)}
+    assert len(ids) == 20 and all(re.fullmatch("cmpl-[0-9a-f]{24}", i) for i in ids)
+
+
+def test_the_envelope_is_openais():
+    before = int(time.time())
+    got = envelope("cmpl-1", "run")
+    assert got == {"id": "cmpl-1", "object": "text_completion", "created": got["created"], "model": "run"}
+    assert type(got["created"]) is int and before <= got["created"] <= time.time()
+
+
+# --- parse_completion -----------------------------------------------------------------------------------------
+
+
+def test_a_bare_prompt_gets_openais_defaults():
+    req = parse_completion({"prompt": "hi"}, Limits())
+    cfg = req.cfg
+    assert (req.prompts, req.n, req.logprobs, req.echo, req.stream, req.ids) == (["hi"], 1, None, False, False, [])
+    assert (cfg.max_new_tokens, cfg.temperature, cfg.top_p, cfg.top_k) == (16, 1.0, 1.0, None)
+    assert (cfg.frequency_penalty, cfg.presence_penalty, cfg.stop) == (0.0, 0.0, [])
+    assert 0 <= cfg.seed < 2**63
+
+
+def test_an_unseeded_request_draws_a_fresh_seed():
+    seeds = {parse_completion({"prompt": "hi"}, Limits()).cfg.seed for _ in range(5)}
+    assert len(seeds) == 5  # 63 random bits each: a repeat would be a 1 in 2**60 event
+
+
+def test_null_fields_mean_their_defaults():
+    names = ["model", "n", "max_tokens", "temperature", "top_p", "top_k", "frequency_penalty", "presence_penalty",
+             "seed", "stop", "logprobs", "echo", "stream", "best_of", "suffix", "logit_bias"]
+    req = parse_completion({"prompt": "hi", **dict.fromkeys(names)}, Limits())
+    assert (req.n, req.logprobs, req.echo, req.stream, req.cfg.max_new_tokens) == (1, None, False, False, 16)
+    assert (req.cfg.temperature, req.cfg.top_p, req.cfg.top_k, req.cfg.stop) == (1.0, 1.0, None, [])
+    assert (req.cfg.frequency_penalty, req.cfg.presence_penalty) == (0.0, 0.0)
+
+
+def test_every_field_is_read():
+    req = parse_completion({"prompt": ["Où", "b"], "model": "m", "n": 2, "max_tokens": 7, "temperature": 0.5,
+                            "top_p": 0.25, "top_k": 3, "frequency_penalty": -0.5, "presence_penalty": 1.5,
+                            "seed": 42, "stop": ["x", "yz"], "logprobs": 2, "stream": True, "best_of": 1,
+                            "suffix": "", "logit_bias": {}}, WIDE)
+    cfg = req.cfg
+    assert (req.prompts, req.n, req.logprobs, req.echo, req.stream) == (["Où", "b"], 2, 2, False, True)
+    assert (cfg.max_new_tokens, cfg.temperature, cfg.top_p, cfg.top_k) == (7, 0.5, 0.25, 3)
+    assert (cfg.frequency_penalty, cfg.presence_penalty, cfg.seed, cfg.stop) == (-0.5, 1.5, 42, ["x", "yz"])
+    assert type(cfg.temperature) is float and type(cfg.top_p) is float  # an integer 1 is read as 1.0
+    echoed = parse_completion({"prompt": "", "echo": True, "stop": "\n", "temperature": 0}, WIDE)
+    assert (echoed.prompts, echoed.echo, echoed.stream, echoed.cfg.stop) == ([""], True, False, ["\n"])
+    assert echoed.cfg.temperature == 0.0 and type(echoed.cfg.temperature) is float
+
+
+# Each range as OpenAI documents it (top_k and seed: this server's), both ends inclusive.
+BOUNDS = [("max_tokens", 1, 100, 0, 101), ("n", 1, 8, 0, 9), ("temperature", 0, 2, -0.01, 2.01),
+          ("top_p", 1e-9, 1, 0, 1.01), ("frequency_penalty", -2, 2, -2.01, 2.01),
+          ("presence_penalty", -2, 2, -2.01, 2.01), ("top_k", 1, 1 << 31, 0, (1 << 31) + 1),
+          ("seed", 0, SEED_LIMIT - 1, -1, SEED_LIMIT), ("logprobs", 0, 5, -1, 6)]
+LIMITS = Limits(max_tokens=100, max_n=8, max_batch=8)
+
+
+@pytest.mark.parametrize("name, lo, hi, below, above", BOUNDS)
+def test_each_range_is_inclusive_and_just_past_it_is_refused(name, lo, hi, below, above):
+    for value in (lo, hi):
+        req = parse_completion({"prompt": "hi", name: value}, LIMITS)
+        read = {"n": req.n, "logprobs": req.logprobs, "max_tokens": req.cfg.max_new_tokens}
+        assert (read[name] if name in read else getattr(req.cfg, name)) == value
+    for value in (below, above):
+        error = refused({"prompt": "hi", name: value}, LIMITS)
+        assert error.param == name and name in error.message and repr(value) in error.message
+
+
+@pytest.mark.parametrize("name", ["temperature", "top_p", "presence_penalty", "n", "max_tokens", "seed", "top_k"])
+@pytest.mark.parametrize("value", [True, False, "1", [1], math.nan, math.inf])
+def test_a_number_of_the_wrong_type_is_refused(name, value):
+    assert refused({"prompt": "hi", name: value}).param == name
+
+
+def test_an_integer_field_refuses_a_float():
+    for name in ("n", "max_tokens", "seed", "logprobs", "top_k"):
+        assert refused({"prompt": "hi", name: 2.0}).param == name
+
+
+@pytest.mark.parametrize("name", ["echo", "stream"])
+@pytest.mark.parametrize("value", ["yes", 1, 0, "true"])
+def test_a_flag_must_be_a_boolean(name, value):
+    assert refused({"prompt": "hi", name: value}).param == name
+
+
+def test_a_server_below_openais_default_never_exceeds_its_max_tokens():
+    try:  # a request leaving max_tokens out asks for OpenAI's default, 16
+        assert parse_completion({"prompt": "hi"}, Limits(max_tokens=8)).cfg.max_new_tokens <= 8
+    except ApiError as error:
+        assert error.param == "max_tokens"
+
+
+def test_prompts_are_a_string_or_1_to_64_strings_and_may_be_empty():
+    assert parse_completion({"prompt": ["a"] * 64}, WIDE).prompts == ["a"] * 64
+    assert parse_completion({"prompt": ["", "é"]}, WIDE).prompts == ["", "é"]
+    for bad in (3, [], ["a"] * 65, [None], ["a", 1], {"a": 1}, [["a"]]):
+        error = refused({"prompt": bad})
+        assert (error.param, error.message) == ("prompt", "prompt must be a string or a list of 1 to 64 of them")
+
+
+def test_stop_is_1_to_4_non_empty_strings():
+    assert parse_completion({"prompt": "a", "stop": ["1", "2", "3", "4"]}, WIDE).cfg.stop == ["1", "2", "3", "4"]
+    for bad in ("", ["x", ""], ["1", "2", "3", "4", "5"], [], 7, [None]):
+        error = refused({"prompt": "a", "stop": bad})
+        assert (error.param, error.message) == ("stop", "stop must be a non-empty string or a list of 1 to 4 of them")
+
+
+@pytest.mark.parametrize("body, param", [({}, "prompt"), ({"prompt": None, "model": "m"}, "prompt"),
+                                         ({"prompt": "a", "model": 3}, "model"),
+                                         ({"prompt": "a", "best_of": 2}, "best_of"),
+                                         ({"prompt": "a", "suffix": "x"}, "suffix"),
+                                         ({"prompt": "a", "logit_bias": {"1": 5}}, "logit_bias"),
+                                         ({"prompt": "a", "echo": True, "logprobs": 0}, "echo")])
+def test_a_missing_prompt_a_bad_model_or_an_unsupported_field_is_named(body, param):
+    assert refused(body).param == param
+
+
+def test_a_body_that_is_not_an_object_is_refused_naming_nothing():
+    for body in ([], "prompt", None, 3):
+        assert refused(body).param is None
+
+
+def test_more_sequences_than_the_batch_are_refused_naming_what_to_shrink():
+    limits = Limits(max_n=8, max_batch=4)
+    assert len(parse_completion({"prompt": ["a", "b"], "n": 2}, limits).prompts) == 2  # exactly the batch
+    assert parse_completion({"prompt": "a", "n": 4}, limits).n == 4
+    many = refused({"prompt": ["a"] * 5}, limits)
+    assert many.param == "prompt" and "5 prompts are" in many.message and "(4, --max-batch)" in many.message
+    wide = refused({"prompt": "a", "n": 5}, limits)
+    assert wide.param == "n" and "n=5 sequences" in wide.message and "n <= 4" in wide.message
+    both = refused({"prompt": ["a", "b", "c"], "n": 2}, limits)
+    assert both.param == "prompt" and "3 prompts x n=2 are 6 sequences" in both.message
+
+
+# --- encode_prompts -------------------------------------------------------------------------------------------
+
+CHARS = CharTokenizer("abcdeé ")  # ids by sorted character: ' '=0, a=1, b=2, c=3, d=4, e=5, é=6
+
+
+def encoded(prompts, tokenizer=CHARS, context=8, limits=WIDE):
+    req = parse_completion({"prompt": prompts}, limits)
+    encode_prompts(req, tokenizer, context, limits)
+    return req.ids
+
+
+def test_prompts_are_encoded_in_order():
+    assert encoded(["bad", "é a", "c"]) == [[2, 1, 4], [6, 0, 1], [3]]
+
+
+def test_a_prompt_as_long_as_the_context_is_taken_one_more_is_refused():
+    assert encoded("abcdeabc") == [[1, 2, 3, 4, 5, 1, 2, 3]]
+    with pytest.raises(ApiError) as info:
+        encoded(["a", "abcdeabcd"])
+    error = info.value
+    assert (error.status, error.param, error.code) == (400, "prompt", "context_length_exceeded")
+    assert "9 tokens" in error.message and "(8:" in error.message
+
+
+def test_max_prompt_tokens_lowers_the_context_and_0_means_the_context():
+    assert encoded("abcde", limits=Limits(max_prompt_tokens=5)) == [[1, 2, 3, 4, 5]]
+    with pytest.raises(ApiError, match=r"\(5: the model's context is 8 tokens\)") as info:
+        encoded("abcdea", limits=Limits(max_prompt_tokens=5))
+    assert info.value.code == "context_length_exceeded"
+    assert encoded("abcdeabc", limits=Limits(max_prompt_tokens=20)) == [[1, 2, 3, 4, 5, 1, 2, 3]]  # the context wins
+    with pytest.raises(ApiError, match="9 tokens"):
+        encoded("abcdeabcd", limits=Limits(max_prompt_tokens=20))
+
+
+def test_an_empty_prompt_starts_at_end_of_text_where_the_model_has_one():
+    gpt2 = GPT2Tokenizer()
+    assert encoded(["", "hi"], gpt2) == [[gpt2.eot_id], gpt2.encode("hi")] == [[50256], [5303]]
+    with pytest.raises(ApiError) as info:
+        encoded(["a", ""])  # a char model has no start token: nothing to condition on
+    assert (info.value.status, info.value.param, info.value.code) == (400, "prompt", None)
+    assert "empty" in info.value.message
+
+
+def test_text_the_tokenizer_cannot_encode_is_a_400_with_its_reason():
+    with pytest.raises(ApiError) as info:
+        encoded(["abc", "a€"])
+    assert (info.value.status, info.value.param) == (400, "prompt")
+    assert "never seen" in info.value.message and "'€'" in info.value.message
