@@ -15,13 +15,17 @@ from gptlab.errors import GptlabError
 from gptlab.serve.api import ApiError, Limits, completion_id, encode_prompts, envelope, parse_completion
 from gptlab.tokenizer import CharTokenizer, GPT2Tokenizer
 
-WIDE = Limits(max_batch=100)  # room for 65 prompts: the prompt list's own limit (64) answers, not the batch's
+
+def wide():
+    """Room for 65 prompts: the prompt list's own limit (64) answers, not the batch's. (No Limits is made at import:
+    a mutant of Limits must fail a test, not the collection.)"""
+    return Limits(max_batch=100)
 
 
-def refused(body, limits=WIDE):
+def refused(body, limits=None):
     """The ApiError parse_completion raises for `body` (it must be a 400 with a message)."""
     with pytest.raises(ApiError) as info:
-        parse_completion(body, limits)
+        parse_completion(body, limits or wide())
     assert info.value.status == 400 and info.value.message and str(info.value) == info.value.message
     return info.value
 
@@ -111,13 +115,13 @@ def test_every_field_is_read():
     req = parse_completion({"prompt": ["Où", "b"], "model": "m", "n": 2, "max_tokens": 7, "temperature": 0.5,
                             "top_p": 0.25, "top_k": 3, "frequency_penalty": -0.5, "presence_penalty": 1.5,
                             "seed": 42, "stop": ["x", "yz"], "logprobs": 2, "stream": True, "best_of": 1,
-                            "suffix": "", "logit_bias": {}}, WIDE)
+                            "suffix": "", "logit_bias": {}}, wide())
     cfg = req.cfg
     assert (req.prompts, req.n, req.logprobs, req.echo, req.stream) == (["Où", "b"], 2, 2, False, True)
     assert (cfg.max_new_tokens, cfg.temperature, cfg.top_p, cfg.top_k) == (7, 0.5, 0.25, 3)
     assert (cfg.frequency_penalty, cfg.presence_penalty, cfg.seed, cfg.stop) == (-0.5, 1.5, 42, ["x", "yz"])
     assert type(cfg.temperature) is float and type(cfg.top_p) is float  # an integer 1 is read as 1.0
-    echoed = parse_completion({"prompt": "", "echo": True, "stop": "\n", "temperature": 0}, WIDE)
+    echoed = parse_completion({"prompt": "", "echo": True, "stop": "\n", "temperature": 0}, wide())
     assert (echoed.prompts, echoed.echo, echoed.stream, echoed.cfg.stop) == ([""], True, False, ["\n"])
     assert echoed.cfg.temperature == 0.0 and type(echoed.cfg.temperature) is float
 
@@ -127,17 +131,17 @@ BOUNDS = [("max_tokens", 1, 100, 0, 101), ("n", 1, 8, 0, 9), ("temperature", 0, 
           ("top_p", 1e-9, 1, 0, 1.01), ("frequency_penalty", -2, 2, -2.01, 2.01),
           ("presence_penalty", -2, 2, -2.01, 2.01), ("top_k", 1, 1 << 31, 0, (1 << 31) + 1),
           ("seed", 0, SEED_LIMIT - 1, -1, SEED_LIMIT), ("logprobs", 0, 5, -1, 6)]
-LIMITS = Limits(max_tokens=100, max_n=8, max_batch=8)
 
 
 @pytest.mark.parametrize("name, lo, hi, below, above", BOUNDS)
 def test_each_range_is_inclusive_and_just_past_it_is_refused(name, lo, hi, below, above):
+    limits = Limits(max_tokens=100, max_n=8, max_batch=8)
     for value in (lo, hi):
-        req = parse_completion({"prompt": "hi", name: value}, LIMITS)
+        req = parse_completion({"prompt": "hi", name: value}, limits)
         read = {"n": req.n, "logprobs": req.logprobs, "max_tokens": req.cfg.max_new_tokens}
         assert (read[name] if name in read else getattr(req.cfg, name)) == value
     for value in (below, above):
-        error = refused({"prompt": "hi", name: value}, LIMITS)
+        error = refused({"prompt": "hi", name: value}, limits)
         assert error.param == name and name in error.message and repr(value) in error.message
 
 
@@ -166,15 +170,15 @@ def test_a_server_below_openais_default_never_exceeds_its_max_tokens():
 
 
 def test_prompts_are_a_string_or_1_to_64_strings_and_may_be_empty():
-    assert parse_completion({"prompt": ["a"] * 64}, WIDE).prompts == ["a"] * 64
-    assert parse_completion({"prompt": ["", "é"]}, WIDE).prompts == ["", "é"]
+    assert parse_completion({"prompt": ["a"] * 64}, wide()).prompts == ["a"] * 64
+    assert parse_completion({"prompt": ["", "é"]}, wide()).prompts == ["", "é"]
     for bad in (3, [], ["a"] * 65, [None], ["a", 1], {"a": 1}, [["a"]]):
         error = refused({"prompt": bad})
         assert (error.param, error.message) == ("prompt", "prompt must be a string or a list of 1 to 64 of them")
 
 
 def test_stop_is_1_to_4_non_empty_strings():
-    assert parse_completion({"prompt": "a", "stop": ["1", "2", "3", "4"]}, WIDE).cfg.stop == ["1", "2", "3", "4"]
+    assert parse_completion({"prompt": "a", "stop": ["1", "2", "3", "4"]}, wide()).cfg.stop == ["1", "2", "3", "4"]
     for bad in ("", ["x", ""], ["1", "2", "3", "4", "5"], [], 7, [None]):
         error = refused({"prompt": "a", "stop": bad})
         assert (error.param, error.message) == ("stop", "stop must be a non-empty string or a list of 1 to 4 of them")
@@ -212,7 +216,8 @@ def test_more_sequences_than_the_batch_are_refused_naming_what_to_shrink():
 CHARS = CharTokenizer("abcdeé ")  # ids by sorted character: ' '=0, a=1, b=2, c=3, d=4, e=5, é=6
 
 
-def encoded(prompts, tokenizer=CHARS, context=8, limits=WIDE):
+def encoded(prompts, tokenizer=CHARS, context=8, limits=None):
+    limits = limits or wide()
     req = parse_completion({"prompt": prompts}, limits)
     encode_prompts(req, tokenizer, context, limits)
     return req.ids
