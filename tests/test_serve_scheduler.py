@@ -3,8 +3,10 @@ reasons, logprobs, usage) against the engine alone (`generate_batch(..., batch_i
 path), the plain forward and the tokenizer; which jobs the queue takes (counted by hand); cancelled jobs leaving;
 closing with a grace period; a failing step; the /metrics text written out by hand."""
 
+import logging
 import math
 import queue
+import threading
 import time
 
 import pytest
@@ -236,3 +238,127 @@ def test_end_of_text_finishes_a_choice_with_openais_stop(make):
     assert sorted(evs[:-1]) == [("token", i, "", tokenizer.eot_id, None, "stop") for i in (0, 1)]
     assert evs[-1] == ("done", {"prompt_tokens": len(tokenizer.encode("Grüße")), "completion_tokens": 2,
                                 "total_tokens": len(tokenizer.encode("Grüße")) + 2})
+
+
+# ---- the queue: which jobs it takes (submitted before the thread starts, so that none has joined yet) ---------------
+
+def test_jobs_that_fit_in_the_batch_never_count_against_the_queue(make):
+    scheduler = make(max_batch=4, queue=1)
+    a, b, c, d = job(["ab"], n=2), job(["é"], n=2), job(["€c"]), job(["d"])
+    # rows a 2 + b 2 fill the batch; c would wait (1 beyond the batch: the queue of 1 is full); d is refused
+    assert [scheduler.submit(j) for j in (a, b, c, d)] == [True, True, True, False]
+    assert scheduler.waiting() == [a, b, c] and scheduler.metrics.queue_depth == 3
+    scheduler.start()
+    for mine, size, prompt in ((a, 2, 2), (b, 2, 1), (c, 1, 2)):
+        assert events(mine)[-1] == ("done", {"prompt_tokens": prompt, "completion_tokens": 5 * size,
+                                             "total_tokens": prompt + 5 * size})
+    assert scheduler.idle.wait(10) and scheduler.waiting() == [] and scheduler.metrics.queue_depth == 0
+    assert d.events.empty() and scheduler.metrics.tokens == 25
+
+
+def test_a_job_whose_client_left_while_it_waited_takes_no_place_and_is_counted(make):
+    scheduler = make(max_batch=2, queue=1)
+    gone = [job(["ab"], n=2), job(["cd"], n=2)]
+    for mine in gone:
+        assert scheduler.submit(mine)
+        mine.cancelled.set()
+    b, c, d = job(["é"], n=2), job(["€"], n=2), job(["x"])
+    # the two gone take no rows: b fits the batch of 2, c waits beyond it (the queue of 1 is full), d is refused
+    assert [scheduler.submit(j) for j in (b, c, d)] == [True, True, False]
+    scheduler.start()
+    assert events(b)[-1][0] == events(c)[-1][0] == "done"
+    assert scheduler.idle.wait(10) and scheduler.metrics.cancelled == 2 and scheduler.metrics.queue_depth == 0
+    assert all(mine.events.empty() for mine in [*gone, d])  # never started, never answered
+
+
+def test_a_job_left_before_it_started_is_dropped_quietly(make, caplog):
+    scheduler = make()
+    mine = job(["ab"])
+    assert scheduler.submit(mine)
+    mine.cancelled.set()
+    with caplog.at_level(logging.WARNING):
+        scheduler.start()
+        assert scheduler.idle.wait(10)  # nothing left to do
+    assert scheduler.metrics.cancelled == 1 and mine.events.empty() and not caplog.records
+
+
+def test_jobs_whose_clients_left_mid_decoding_leave_the_batch_and_free_their_rows(make):
+    scheduler = make(max_batch=2, queue=1)
+    long = [job(["ab"], max_new_tokens=500), job(["cd"], max_new_tokens=500)]
+    for mine in long:
+        assert scheduler.submit(mine)
+    scheduler.start()
+    for mine in long:
+        assert mine.events.get(timeout=20)[0] == "token"  # decoding: the batch is full
+        mine.cancelled.set()
+    after = job(["é"], n=2)
+    assert scheduler.submit(after)
+    assert events(after)[-1] == ("done", {"prompt_tokens": 1, "completion_tokens": 10, "total_tokens": 11})
+    assert scheduler.idle.wait(10) and scheduler.metrics.cancelled == 2 and scheduler.batch.rows == []
+    assert scheduler.metrics.tokens < 2 * 500 + 10
+
+
+# ---- closing, stopping, failing ------------------------------------------------------------------------------------
+
+def test_the_scheduler_runs_in_a_daemon_thread_named_for_it(make):
+    before = set(threading.enumerate())
+    make().start()
+    [thread] = set(threading.enumerate()) - before
+    assert thread.name == "gptlab-scheduler" and thread.daemon  # a stuck model cannot keep the process alive
+
+
+def test_closing_refuses_new_jobs_and_lets_running_and_waiting_ones_finish_in_the_grace(make):
+    scheduler = make(max_batch=2, queue=1)
+    running, waiting = job(["ab"], n=2, max_new_tokens=20), job(["é"], max_new_tokens=3)
+    assert scheduler.submit(running) and scheduler.submit(waiting)
+    scheduler.start()
+    assert running.events.get(timeout=20)[0] == "token"
+    assert not scheduler.closing
+    scheduler.close(60)
+    assert scheduler.closing and not scheduler.submit(job(["x"]))
+    assert events(running)[-1][1]["completion_tokens"] == 40 and events(waiting)[-1][1]["completion_tokens"] == 3
+    scheduler.stop(60)
+    assert not scheduler._thread.is_alive()  # it ended once nothing was left, long before the deadline
+
+
+def test_at_the_deadline_running_and_waiting_jobs_are_told_the_server_is_shutting_down(make):
+    scheduler = make(max_batch=2, queue=1)
+    running, waiting = job(["ab"], n=2, max_new_tokens=500), job(["é"], max_new_tokens=500)
+    assert scheduler.submit(running) and scheduler.submit(waiting)
+    scheduler.start()
+    assert running.events.get(timeout=20)[0] == "token"
+    scheduler.stop(0)
+    assert not scheduler._thread.is_alive()  # stop returned once the thread had ended
+    assert events(running)[-1] == ("error", "the server is shutting down")
+    assert events(waiting) == [("error", "the server is shutting down")]
+
+
+def test_stop_gives_the_thread_the_grace_and_then_gives_up(make, monkeypatch):
+    scheduler = make()
+    scheduler.start()
+    timeouts, join = [], scheduler._thread.join
+    monkeypatch.setattr(scheduler._thread, "join", lambda timeout=None: (timeouts.append(timeout), join(timeout)))
+    scheduler.stop(3.0)
+    [timeout] = timeouts
+    assert timeout is not None and 3.0 <= timeout <= 3.0 + 30  # a stuck model must not hang the shutdown
+
+
+def test_a_failing_step_fails_its_jobs_and_the_scheduler_keeps_serving(make, model):
+    [reference] = alone(model, "€a", SampleConfig(temperature=0.0, max_new_tokens=5))
+    scheduler = make(max_batch=4)
+    sample, calls = scheduler.batch.sample, []
+
+    def fails_once():
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("boom")
+        return sample()
+    scheduler.batch.sample = fails_once
+    first = job(["ab"], n=2)
+    assert scheduler.submit(first)
+    scheduler.start()
+    assert events(first) == [("error", "generation failed: boom")]
+    assert scheduler.idle.wait(10) and scheduler.batch.rows == []
+    after = job(["€a"])
+    assert scheduler.submit(after)
+    assert by_choice(events(after), 1)[1] == [reference]
