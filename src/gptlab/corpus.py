@@ -179,9 +179,12 @@ def read_chunks(source: Source, encoding: str = "utf-8",
                 on_bytes(block)
             try:
                 text = carry + decoder.decode(block, final=not block)
-            except UnicodeDecodeError as exc:  # its offset counts from the bytes given to this call
-                raise UnreadableSource(f"{source.name} is not valid {encoding}: bad byte at offset {offset + exc.start}; "
-                                  "pass --encoding with the file's real encoding (e.g. latin-1)") from None
+            except UnicodeDecodeError as exc:
+                # exc.start counts from exc.object, the bytes the codec was given: they end with this block but may
+                # begin in the block before (a character cut between blocks) or after a dropped byte-order mark
+                bad = offset + len(block) - len(exc.object) + exc.start
+                raise UnreadableSource(f"{source.name} is not valid {encoding}: bad byte at offset {bad}; "
+                                       "pass --encoding with the file's real encoding (e.g. latin-1)") from None
             if "\x00" in text:
                 raise UnreadableSource(f"{source.name} looks like a binary file (a NUL byte near offset "
                                   f"{offset + block.find(0) if 0 in block else offset}); give a text file")
