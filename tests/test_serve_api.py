@@ -4,15 +4,25 @@ request field read, defaulted and bounded as OpenAI documents it (bounds inclusi
 the app through FastAPI's TestClient and its JSON/SSE writers driven by events queued by hand. Expected values are
 OpenAI's documented ranges and defaults, numbers worked out by hand, and the `openai` client's own parsing."""
 
+import asyncio
+import copy
+import json
 import math
 import re
 import time
 
 import pytest
+import torch
+from conftest import tiny_config
+from fastapi.testclient import TestClient
 
 from gptlab.config import SEED_LIMIT
 from gptlab.errors import GptlabError
+from gptlab.inference import prepare_for_inference
+from gptlab.model import GPT
 from gptlab.serve.api import ApiError, Limits, completion_id, encode_prompts, envelope, parse_completion
+from gptlab.serve.app import Served, _collect, _read_json, _stream, make_app
+from gptlab.serve.scheduler import Job
 from gptlab.tokenizer import CharTokenizer, GPT2Tokenizer
 
 
@@ -260,3 +270,267 @@ def test_text_the_tokenizer_cannot_encode_is_a_400_with_its_reason():
         encoded(["abc", "a€"])
     assert (info.value.status, info.value.param) == (400, "prompt")
     assert "never seen" in info.value.message and "'€'" in info.value.message
+
+
+# --- the app in-process: FastAPI's TestClient, the `openai` client over it -------------------------------------
+
+NAME = 'tiny</script>"é'  # a run name that must stay data inside the playground's script
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    """A char tokenizer (non-ASCII included) and a randomly initialised 2-layer model over it (context 16)."""
+    torch.manual_seed(0)
+    tokenizer = CharTokenizer("abcdefghij é")
+    return tokenizer, GPT(tiny_config(vocab_size=tokenizer.vocab_size)).eval()
+
+
+@pytest.fixture(scope="module")
+def http(tiny):
+    tokenizer, model = tiny
+    served = Served(NAME, prepare_for_inference(copy.deepcopy(model), "fp32"), tokenizer, model.num_params(), lambda: model)
+    with TestClient(make_app(served, Limits(max_batch=4, max_body_bytes=4096))) as client:
+        yield client
+
+
+@pytest.fixture(scope="module")
+def openai_client(http):
+    openai = pytest.importorskip("openai", reason="no openai client (pip install -e '.[test]')")
+    return openai.OpenAI(base_url="http://testserver/v1", api_key="unused", http_client=http, max_retries=0)
+
+
+def greedy(model, tokenizer, prompt, steps):
+    """Greedy text from the plain forward pass (no cache, no server)."""
+    ids = tokenizer.encode(prompt)
+    with torch.no_grad():
+        for _ in range(steps):
+            ids.append(int(model(torch.tensor([ids]))[0][0, -1].argmax()))
+    return tokenizer.decode(ids[len(tokenizer.encode(prompt)):])
+
+
+def test_only_the_documented_routes_exist(http):
+    for route in ("/docs", "/redoc", "/openapi.json"):
+        assert http.get(route).status_code == 404, route
+
+
+def test_the_playground_names_the_model_as_a_json_string_that_cannot_end_its_script(http):
+    page = http.get("/").text
+    assert '"tiny<\\/script>\\"\\u00e9"' in page and "__MODEL__" not in page and page.count("</script>") == 1
+
+
+def test_a_completion_is_openais_and_the_plain_greedy_text(openai_client, tiny):
+    got = openai_client.completions.create(model="any", prompt=["abc", "é a"], max_tokens=3, temperature=0)
+    assert re.fullmatch("cmpl-[0-9a-f]{24}", got.id) and got.model == NAME and got.object == "text_completion"
+    assert [c.text for c in got.choices] == [greedy(*reversed(tiny), p, 3) for p in ("abc", "é a")]
+    assert [c.logprobs for c in got.choices] == [None, None]  # none asked for: none given
+    assert [c.finish_reason for c in got.choices] == ["length", "length"]
+
+
+# --- the JSON and SSE writers, driven by events queued by hand (the scheduler's format: scheduler.Job) ---------
+
+SERVED = Served("run", None, None, 0, lambda: None)
+USAGE = {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7}
+
+
+def info(token, logprob):
+    return {"token": token, "logprob": logprob, "top": {token: logprob, "x": -9.0}}
+
+
+EVENTS = [("token", 0, "ab", 1, info("ab", -0.5), None), ("token", 1, "c", 3, info("c", -1.0), None),
+          ("token", 0, "é", 11, info("é", -0.25), "length"), ("token", 1, "d", 4, info("d", -2.0), "stop"),
+          ("done", USAGE)]  # two choices of one prompt, tokens interleaved as a batch gives them
+
+
+class Client:
+    """The request as _collect sees it: is_disconnected answers from `answers` (the last one repeats); each check
+    may also queue events (as if tokens arrived while the clock was looked at)."""
+
+    def __init__(self, answers=(False,), then=()):
+        self.answers, self.then, self.checks = list(answers), list(then), 0
+
+    async def is_disconnected(self):
+        self.checks += 1
+        for event in self.then:
+            self.job.events.put_nowait(event)
+        self.then = []
+        return self.answers[min(self.checks, len(self.answers)) - 1]
+
+
+def job_of(body, events, prompt_ids=((1, 2),)):
+    req = parse_completion(body, Limits())
+    req.ids = [list(i) for i in prompt_ids]
+    job = Job(req, asyncio.get_running_loop(), asyncio.Queue())
+    for event in events:
+        job.events.put_nowait(event)
+    return job
+
+
+def collected(body, events, client=None, prompt_ids=((1, 2),)):
+    client = client or Client()
+
+    async def run():
+        client.job = job = job_of(body, events, prompt_ids)
+        response = await asyncio.wait_for(_collect(job, SERVED, client), 10)
+        assert job.cancelled.is_set()  # its rows are freed whatever the outcome
+        return response
+    return asyncio.run(run())
+
+
+def test_a_collected_completion_joins_each_choices_tokens_and_logprobs():
+    response = collected({"prompt": "xy", "n": 2, "logprobs": 1}, EVENTS)
+    body = json.loads(response.body)
+    assert response.status_code == 200 and re.fullmatch("cmpl-[0-9a-f]{24}", body["id"]) and body["model"] == "run"
+    assert body["object"] == "text_completion" and body["usage"] == USAGE
+    assert body["choices"] == [
+        {"text": "abé", "index": 0, "finish_reason": "length",
+         "logprobs": {"tokens": ["ab", "é"], "token_logprobs": [-0.5, -0.25], "text_offset": [0, 2],
+                      "top_logprobs": [{"ab": -0.5, "x": -9.0}, {"é": -0.25, "x": -9.0}]}},
+        {"text": "cd", "index": 1, "finish_reason": "stop",
+         "logprobs": {"tokens": ["c", "d"], "token_logprobs": [-1.0, -2.0], "text_offset": [0, 1],
+                      "top_logprobs": [{"c": -1.0, "x": -9.0}, {"d": -2.0, "x": -9.0}]}}]
+    openai = pytest.importorskip("openai")
+    assert openai.types.Completion.model_validate(body).choices[0].logprobs.text_offset == [0, 2]
+
+
+def test_a_collected_echo_starts_each_choice_with_its_own_prompt():
+    events = [("token", 3, "a", 1, None, "length"), ("token", 0, "b", 2, None, "length"), ("done", USAGE)]
+    body = json.loads(collected({"prompt": ["Où", "z"], "n": 2, "echo": True}, events,
+                                prompt_ids=((1, 2), (3,))).body)
+    assert [(c["index"], c["text"], c["logprobs"]) for c in body["choices"]] == [
+        (0, "Oùb", None), (1, "Où", None), (2, "z", None), (3, "za", None)]
+
+
+def test_an_engine_error_is_a_500_in_openais_shape():
+    response = collected({"prompt": "xy"}, [("token", 0, "a", 1, None, None), ("error", "the model broke")])
+    assert response.status_code == 500 and json.loads(response.body) == {"error": {
+        "message": "the model broke", "type": "server_error", "param": None, "code": None}}
+
+
+def test_a_client_that_left_is_noticed_while_nothing_arrives():
+    client = Client(answers=(True,))
+    assert collected({"prompt": "xy"}, [], client).status_code == 499 and client.checks == 1
+
+
+def test_a_lull_in_tokens_is_waited_out_while_the_client_stays():
+    client = Client(then=[("token", 0, "b", 2, None, "length"), ("done", USAGE)])
+    body = json.loads(collected({"prompt": "xy"}, [("token", 0, "a", 1, None, None)], client).body)
+    assert client.checks == 1 and [(c["text"], c["finish_reason"]) for c in body["choices"]] == [("ab", "length")]
+
+
+def streamed(body, events, prompt_ids=((1, 2),)):
+    """The SSE text _stream writes for these events, and whether it freed the job's rows after."""
+    async def run():
+        job = job_of(body, events, prompt_ids)
+        return [part async for part in _stream(job, SERVED)], job.cancelled.is_set()
+    return asyncio.run(run())
+
+
+def chunks_of(parts):
+    assert all(p.startswith("data: ") and p.endswith("\n\n") and p.count("\n") == 2 for p in parts)
+    return [json.loads(p[6:]) for p in parts[:-1]]
+
+
+def test_a_stream_is_one_chunk_a_token_then_the_usage_then_done():
+    parts, freed = streamed({"prompt": "xy", "n": 2, "logprobs": 1, "stream": True}, EVENTS)
+    assert freed and parts[-1] == "data: [DONE]\n\n"
+    chunks = chunks_of(parts)
+    assert len({c["id"] for c in chunks}) == 1 and re.fullmatch("cmpl-[0-9a-f]{24}", chunks[0]["id"])
+    assert {(c["object"], c["model"]) for c in chunks} == {("text_completion", "run")}
+    assert [c["choices"] for c in chunks] == [
+        [{"text": "ab", "index": 0, "finish_reason": None, "logprobs": {
+            "tokens": ["ab"], "token_logprobs": [-0.5], "top_logprobs": [{"ab": -0.5, "x": -9.0}], "text_offset": [0]}}],
+        [{"text": "c", "index": 1, "finish_reason": None, "logprobs": {
+            "tokens": ["c"], "token_logprobs": [-1.0], "top_logprobs": [{"c": -1.0, "x": -9.0}], "text_offset": [0]}}],
+        [{"text": "é", "index": 0, "finish_reason": "length", "logprobs": {
+            "tokens": ["é"], "token_logprobs": [-0.25], "top_logprobs": [{"é": -0.25, "x": -9.0}], "text_offset": [2]}}],
+        [{"text": "d", "index": 1, "finish_reason": "stop", "logprobs": {
+            "tokens": ["d"], "token_logprobs": [-2.0], "top_logprobs": [{"d": -2.0, "x": -9.0}], "text_offset": [1]}}],
+        []]
+    assert chunks[-1]["usage"] == USAGE and "usage" not in chunks[0]
+    assert "é" in parts[2]  # UTF-8 as it is, readable in `curl -N`, not a \\u escape
+
+
+def test_a_streamed_echo_sends_each_choices_prompt_first():
+    events = [("token", 1, "a", 1, None, "length"), ("token", 0, "b", 2, None, "length"), ("done", USAGE)]
+    parts, _ = streamed({"prompt": ["Où", "z"], "echo": True, "stream": True}, events, prompt_ids=((1, 2), (3,)))
+    assert '"Où"' in parts[0]
+    assert [[(c["index"], c["text"], c["logprobs"], c["finish_reason"]) for c in chunk["choices"]]
+            for chunk in chunks_of(parts)] == [[(0, "Où", None, None)], [(1, "z", None, None)],
+                                               [(1, "a", None, "length")], [(0, "b", None, "length")], []]
+
+
+def test_an_engine_error_ends_a_stream_in_openais_shape_then_done():
+    parts, freed = streamed({"prompt": "xy", "stream": True}, [("token", 0, "a", 1, None, None),
+                                                               ("error", "the server is shutting down")])
+    assert freed and parts[-1] == "data: [DONE]\n\n" and len(parts) == 3
+    assert chunks_of(parts)[-1] == {"error": {"message": "the server is shutting down", "type": "server_error",
+                                              "param": None, "code": None}}
+
+
+# --- request bodies -------------------------------------------------------------------------------------------
+
+
+class Body:
+    """A request body as _read_json reads it: headers, and the chunks as they arrive."""
+
+    def __init__(self, chunks, length=None):
+        self.chunks, self.read = chunks, 0
+        self.headers = {} if length is None else {"content-length": str(length)}
+
+    async def stream(self):
+        for chunk in self.chunks:
+            self.read += len(chunk)
+            yield chunk
+
+
+def read(body, limit):
+    return asyncio.run(_read_json(body, limit))
+
+
+def too_large(body, limit):
+    with pytest.raises(ApiError) as info:
+        read(body, limit)
+    assert (info.value.status, info.value.code, info.value.param) == (413, "body_too_large", None)
+    assert f"{limit}" in info.value.message and "--max-body-bytes" in info.value.message
+    return info.value
+
+
+CHUNKS = [b'{"prompt": ', '"Où'.encode(), b' est"', b', "n": 2}']  # 11 + 4 ("ù" is 2 bytes) + 5 + 9 = 29 bytes
+
+
+def test_a_body_of_exactly_the_limit_is_read_across_its_chunks():
+    assert sum(map(len, CHUNKS)) == 29
+    assert read(Body(CHUNKS), 29) == {"prompt": "Où est", "n": 2}  # no Content-Length: counted as it arrives
+    assert read(Body(CHUNKS, length=29), 29) == {"prompt": "Où est", "n": 2}
+
+
+def test_one_byte_past_the_limit_is_413_as_it_arrives():
+    body = Body(CHUNKS)
+    too_large(body, 28)
+    assert body.read == 29  # it stopped at the chunk that passed the limit
+
+
+def test_a_declared_length_past_the_limit_is_413_before_reading():
+    body = Body([b"{}"], length=5000)
+    assert "5000 bytes" in too_large(body, 4096).message and body.read == 0
+    assert read(Body([b"{}"], length="nope"), 4096) == {}  # not a number: counted as it arrives
+
+
+@pytest.mark.parametrize("raw, says", [(b"{nope", "not valid JSON"), (b'"\xff"', "not valid JSON"),
+                                       (b"", "not valid JSON"), (b"[" * 100_000, "nested")])
+def test_a_body_that_is_not_json_is_400(raw, says):
+    with pytest.raises(ApiError) as info:
+        read(Body([raw]), 1 << 20)
+    assert (info.value.status, info.value.param, info.value.code) == (400, None, None) and says in info.value.message
+
+
+def test_the_key_guards_the_api_but_not_health(tiny):
+    tokenizer, model = tiny
+    served = Served("run", prepare_for_inference(copy.deepcopy(model), "fp32"), tokenizer, 0, lambda: model)
+    with TestClient(make_app(served, Limits(), api_key="s3cret")) as client:
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "s3cret"}):
+            refused = client.get("/v1/models", headers=headers)
+            assert refused.status_code == 401 and refused.json()["error"]["code"] == "invalid_api_key"
+            assert refused.json()["error"]["type"] == "invalid_request_error" and refused.json()["error"]["message"]
+        assert client.get("/v1/models", headers={"authorization": "Bearer s3cret"}).status_code == 200
+        assert client.get("/health").status_code == 200
