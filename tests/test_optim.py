@@ -31,6 +31,7 @@ def test_a_non_finite_step_changes_nothing_and_a_finite_one_steps(fused):
 
 def muon_model_and_grads(seed: int = 0):
     from conftest import tiny_config
+
     from gptlab.config import TrainConfig
     from gptlab.model import GPT
     from gptlab.optim import make_optimizer
@@ -109,9 +110,10 @@ def test_muon_updates_match_a_written_out_reference():
 
 
 def test_muon_trains_and_resumes_exactly(tmp_path, char_data):
+    from test_sweep import TINY
+
     from gptlab.checkpoint import find_checkpoint, load_run
     from gptlab.cli import main
-    from test_sweep import TINY
 
     flags = [*TINY, "--optimizer", "muon", "--lr-decay-steps", "12", "--eval-interval", "6"]
     assert main(["train", "--data", str(char_data), "--run", str(tmp_path / "straight"), "--max-steps", "12",
@@ -130,8 +132,9 @@ def test_muon_trains_and_resumes_exactly(tmp_path, char_data):
 @pytest.mark.parametrize("trained, asked", [("adamw", "muon"), ("muon", "adamw")])
 def test_a_resume_with_the_other_optimizer_is_one_line_and_changes_nothing(tmp_path, char_data, capsys, trained,
                                                                          asked):
-    from gptlab.cli import main
     from test_sweep import TINY, tree
+
+    from gptlab.cli import main
 
     run = tmp_path / "run"
     assert main(["train", "--data", str(char_data), "--run", str(run), "--max-steps", "5", *TINY, "--optimizer",
@@ -140,7 +143,135 @@ def test_a_resume_with_the_other_optimizer_is_one_line_and_changes_nothing(tmp_p
     capsys.readouterr()
     assert main(["train", "--run", str(run), "--resume", "--max-steps", "10", "--optimizer", asked]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert err == [f"gptlab: error: cannot resume {run} with optimizer {asked}: it was trained with {trained}, whose "
-                   f"state {asked} cannot take over; drop --optimizer, or start a new --run from its weights with "
-                   f"--init-from {run} --data {char_data.resolve()}"]
+    assert err == [(f"gptlab: error: cannot resume {run} with optimizer {asked}: it was trained with {trained}, "
+                    f"whose state {asked} cannot take over; drop --optimizer, or start a new --run from its weights "
+                    f"with --init-from {run} --data {char_data.resolve()}")]
     assert tree(run) == before
+
+
+# ---- AdamW as made for training, Muon built directly, the schedule's edges -------------------------------------
+
+def trained_looking_model(seed: int = 1):
+    """A tiny GPT whose weights are far from their init (so decay and moments are visible), with names for
+    telling the groups apart."""
+    from conftest import tiny_config
+
+    from gptlab.model import GPT
+
+    torch.manual_seed(seed)
+    model = GPT(tiny_config(n_embd=24, n_head=3, bias=True))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.5)
+    return model
+
+
+def test_adamw_as_made_steps_like_torch_adamw_with_decay_on_matrices_only():
+    """cfg's lr, betas and weight decay reach the optimizer: three steps match torch's own AdamW, built here with
+    the groups told apart by name (biases and LayerNorm gains undecayed), and it is the fused kernel on CPU."""
+    from gptlab.config import TrainConfig
+    from gptlab.optim import make_optimizer
+
+    model = trained_looking_model()
+    cfg = TrainConfig(lr=0.01, beta1=0.8, beta2=0.95, weight_decay=0.2)
+    optimizer = make_optimizer(model, cfg)
+    assert all(g["fused"] is True for g in optimizer.param_groups)
+    named = list(model.named_parameters())
+    twins = [torch.nn.Parameter(p.detach().clone()) for _, p in named]
+    plain = [n.endswith(".bias") or ".ln_" in n for n, _ in named]
+    peer = torch.optim.AdamW([{"params": [t], "weight_decay": 0.0 if flat else 0.2} for t, flat in zip(twins, plain)],
+                             lr=0.01, betas=(0.8, 0.95), eps=1e-8)
+    for _ in range(3):
+        for (_, p), t in zip(named, twins):
+            p.grad = torch.randn_like(p)
+            t.grad = p.grad.clone()
+        optimizer.step()
+        peer.step()
+    for (name, p), t in zip(named, twins):
+        assert (p.detach() - t.detach()).abs().max() <= 1e-5, name
+
+
+def test_adamw_asks_for_the_fused_kernel_on_cuda(monkeypatch):
+    """On a CUDA model make_optimizer asks torch for the fused AdamW (a stand-in model: no GPU needed)."""
+    from types import SimpleNamespace
+
+    from gptlab.config import TrainConfig
+    from gptlab.optim import make_optimizer
+
+    asked = []
+    monkeypatch.setattr(torch.optim, "AdamW", lambda groups, **kwargs: asked.append(kwargs["fused"]))
+    weight = SimpleNamespace(device=torch.device("cuda", 0), requires_grad=True, dim=lambda: 2)
+    make_optimizer(SimpleNamespace(parameters=lambda: iter([weight])), TrainConfig())
+    assert asked == [True]
+
+
+def test_muon_built_directly_defaults_to_no_decay_and_its_own_lr():
+    """Muon(groups, lr, betas) with groups that say nothing but their params (and `muon` for the matrix): no
+    weight decay, momentum 0.95, eps 1e-8, lr as given and lr_scale 1; the AdamW group follows torch's AdamW,
+    the matrix Muon written out (test's newton_schulz), over two steps."""
+    from gptlab.optim import Muon
+
+    torch.manual_seed(2)
+    w, b = torch.nn.Parameter(torch.randn(12, 5)), torch.nn.Parameter(torch.randn(5))
+    twin = torch.nn.Parameter(b.detach().clone())
+    optimizer = Muon([{"params": [w], "muon": True}, {"params": [b]}], lr=0.03, betas=(0.8, 0.95))
+    assert [(g["lr"], g["lr_scale"], g["weight_decay"]) for g in optimizer.param_groups] == [(0.03, 1.0, 0.0)] * 2
+    peer = torch.optim.AdamW([twin], lr=0.03, betas=(0.8, 0.95), eps=1e-8, weight_decay=0.0)
+    buf, expected = torch.zeros_like(w), w.detach().clone()
+    for _ in range(2):
+        w.grad, b.grad = torch.randn_like(w), torch.randn_like(b)
+        twin.grad = b.grad.clone()
+        buf = 0.95 * buf + w.grad
+        expected -= 0.03 * (12 / 5) ** 0.5 * newton_schulz(w.grad + 0.95 * buf)
+        optimizer.step()
+        peer.step()
+        assert (w.detach() - expected).abs().max() <= 1e-5
+        assert (b.detach() - twin.detach()).abs().max() <= 1e-6
+
+
+def test_muon_as_made_steps_its_adamw_groups_at_cfg_lr_and_scales_only_the_matrices():
+    """Before the schedule touches it, make_optimizer's Muon steps the embeddings, gains and biases like torch's
+    AdamW at cfg.lr with cfg's betas; every group carries lr_scale, muon_lr / lr for the matrices, 1 for the rest."""
+    from gptlab.config import TrainConfig
+    from gptlab.optim import make_optimizer
+
+    model = trained_looking_model()
+    cfg = TrainConfig(optimizer="muon", lr=0.01, muon_lr=0.04, beta1=0.8, beta2=0.95, weight_decay=0.2)
+    optimizer = make_optimizer(model, cfg)
+    assert sorted((g["muon"], g["lr_scale"]) for g in optimizer.param_groups) == [(False, 1.0), (False, 1.0),
+                                                                                  (True, pytest.approx(4.0))]
+    adam = [(p, g["weight_decay"]) for g in optimizer.param_groups if not g["muon"] for p in g["params"]]
+    twins = [torch.nn.Parameter(p.detach().clone()) for p, _ in adam]
+    peer = torch.optim.AdamW([{"params": [t], "weight_decay": wd} for t, (_, wd) in zip(twins, adam)], lr=0.01,
+                             betas=(0.8, 0.95), eps=1e-8)
+    for _ in range(2):
+        for p in model.parameters():
+            p.grad = torch.randn_like(p)
+        for t, (p, _) in zip(twins, adam):
+            t.grad = p.grad.clone()
+        optimizer.step()
+        peer.step()
+    assert all((p.detach() - t.detach()).abs().max() <= 1e-6 for t, (p, _) in zip(twins, adam))
+
+
+def test_lr_peaks_exactly_at_the_end_of_warm_up_and_never_above_it():
+    """lr = 1, min 0.1, warm-up 4 over steps 0..3 (0.25, 0.5, 0.75, 1), then cosine: step 4 is the cosine's
+    start, cos 0 = 1, so lr is 1 there too and below 1 after; never above lr anywhere."""
+    from gptlab.config import TrainConfig
+    from gptlab.optim import lr_at
+
+    cfg = TrainConfig(lr=1.0, min_lr=0.1, warmup_steps=4, max_steps=8)
+    assert [lr_at(s, cfg) for s in range(5)] == pytest.approx([0.25, 0.5, 0.75, 1.0, 1.0])
+    # step 6: progress (6 - 4) / (8 - 4) = 0.5, 0.1 + 0.5 * (1 + cos(pi / 2)) * 0.9 = 0.55
+    assert lr_at(6, cfg) == pytest.approx(0.55)
+    assert max(lr_at(s, cfg) for s in range(20)) == 1.0
+
+
+@pytest.mark.parametrize("decay_steps", [4, 3])
+def test_a_decay_that_ends_by_the_end_of_warm_up_drops_to_min_lr_at_once(decay_steps):
+    """lr_decay_steps <= warmup_steps: warm-up to lr, then min_lr from the first step after it (no cosine)."""
+    from gptlab.config import TrainConfig
+    from gptlab.optim import lr_at
+
+    cfg = TrainConfig(lr=1.0, min_lr=0.1, warmup_steps=4, max_steps=10, lr_decay_steps=decay_steps)
+    assert [lr_at(s, cfg) for s in range(8)] == pytest.approx([0.25, 0.5, 0.75, 1.0, 0.1, 0.1, 0.1, 0.1])
