@@ -288,8 +288,11 @@ def tiny():
 @pytest.fixture(scope="module")
 def http(tiny):
     tokenizer, model = tiny
-    served = Served(NAME, prepare_for_inference(copy.deepcopy(model), "fp32"), tokenizer, model.num_params(), lambda: model)
+    loads = []  # /inspect's plain model: loaded on first use, once
+    served = Served(NAME, prepare_for_inference(copy.deepcopy(model), "fp32"), tokenizer, model.num_params(),
+                    lambda: loads.append(1) or model)
     with TestClient(make_app(served, Limits(max_batch=4, max_body_bytes=4096))) as client:
+        client.loads = loads
         yield client
 
 
@@ -316,6 +319,19 @@ def test_only_the_documented_routes_exist(http):
 def test_the_playground_names_the_model_as_a_json_string_that_cannot_end_its_script(http):
     page = http.get("/").text
     assert '"tiny<\\/script>\\"\\u00e9"' in page and "__MODEL__" not in page and page.count("</script>") == 1
+
+
+def test_inspect_shows_the_last_200_characters_and_the_context_they_end_with(http):
+    text = "abcdefghij" * 24 + "jihgfedcba"  # 250 characters, 250 tokens: more than the context (16)
+    for _ in range(2):
+        page = http.post("/inspect", json={"text": text})
+        assert page.status_code == 200
+        assert re.search("<title>attention: (.*?)</title>", page.text).group(1) == text[-200:]
+        assert re.search('"tokens":(\\[.*?\\])', page.text).group(1) == json.dumps(list(text[-16:]), separators=(",", ":"))
+    assert http.loads == [1]
+    error = http.post("/inspect", json={"text": "abc€"})  # the tokenizer's refusal, as a 400
+    assert (error.status_code, error.json()["error"]["param"]) == (400, "text")
+    assert "never seen" in error.json()["error"]["message"]
 
 
 def test_a_completion_is_openais_and_the_plain_greedy_text(openai_client, tiny):
