@@ -4,9 +4,13 @@ JSON-lines and Parquet shards, compressed or not (corpus.py and readers.py)."""
 import bz2
 import email
 import gzip
+import io
 import json
+import multiprocessing
+import os
 import py_compile
 import shutil
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -15,10 +19,11 @@ import pyarrow.parquet as pq
 import pytest
 import zstandard
 
-from gptlab import corpus, readers
+from gptlab import corpus, encoder, readers
 from gptlab.cli import main
 from gptlab.data import load_dataset, prepare
 from gptlab.errors import GptlabError
+from gptlab.tokenizer import GPT2Tokenizer
 
 TEXTS = [f"Document {i}: the café opened at {i} o'clock.\nIt served {i * 7} cups of tea — "
          f"{'naïve ' * (i % 4)}customers liked it.\n" for i in range(40)] + ["short", "\n\nblank lines\r\n"]
@@ -186,7 +191,7 @@ def email_tree(tmp_path):
     shutil.copytree(Path(email.__file__).parent, tree)
     for source in sorted(tree.glob("*.py"))[:3]:  # make sure a __pycache__ with .pyc files exists
         py_compile.compile(str(source), cfile=str(tree / "__pycache__" / f"{source.stem}.pyc"), doraise=True)
-    shutil.copy(tree / "__pycache__" / f"{sorted(tree.glob('*.py'))[0].stem}.pyc", tree / "stray.pyc")
+    shutil.copy(tree / "__pycache__" / f"{min(tree.glob('*.py')).stem}.pyc", tree / "stray.pyc")
     return tree
 
 
@@ -219,7 +224,6 @@ def test_char_vocabulary_comes_from_readable_files_only(tmp_path):
 
 
 def test_workers_give_byte_identical_token_files(tmp_path, monkeypatch):
-    from gptlab import encoder
 
     monkeypatch.setattr(encoder, "UNIT_CHARS", 500)  # many units, so that two processes share the work
     shards = tmp_path / "shards"
@@ -310,3 +314,129 @@ def test_a_bad_json_record_is_skipped_and_counted_with_its_file_and_line(tmp_pat
     with pytest.raises(GptlabError, match=rf"{path} line 4 has text field 'text' null, not a string.*--strict"):
         prepare([str(path if given == "named" else path.parent)], tmp_path / "strict", quiet=True, strict=True)
     assert not (tmp_path / "strict").exists()
+
+
+# ---- corpus.py's sources, directly ------------------------------------------------------------------------------
+
+def _packed(path: Path, data: bytes) -> bytes:
+    name = path.name.lower()
+    return gzip.compress(data) if name.endswith(".gz") else bz2.compress(data) if name.endswith(".bz2") else \
+        zstandard.ZstdCompressor().compress(data) if name.endswith(".zst") else data
+
+
+@pytest.mark.parametrize("name, kind, packed", [
+    ("notes.txt", "text", False), ("LICENSE", "text", False), ("notes.gz", "text", True), ("a.TXT.GZ", "text", True),
+    ("docs.JSONL", "jsonl", False), ("docs.json.bz2", "jsonl", True), ("v1.2.jsonl.zst", "jsonl", True),
+    ("archive.tar.gz", "text", True), ("t.parquet", "parquet", True), ("t.parquet.gz", "text", True)])
+def test_a_files_name_tells_its_kind_and_compression(tmp_path, name, kind, packed):
+    path = tmp_path / name
+    path.write_bytes(_packed(path, "café ☕\n".encode() * 50))
+    source = corpus.file_source(path)
+    assert (source.name, source.path, source.size, source.found) == (str(path), path, path.stat().st_size, False)
+    assert (source.kind, source.packed) == (kind, packed)
+    with source.open() as f:
+        assert f.read() == (path.read_bytes() if kind == "parquet" else "café ☕\n".encode() * 50)
+
+
+def test_a_zstd_file_is_closed_with_its_reader(tmp_path):
+    (tmp_path / "a.zst").write_bytes(zstandard.ZstdCompressor().compress(b"text\n"))
+    before = len(list(Path("/proc/self/fd").iterdir()))
+    f = corpus.open_file(tmp_path / "a.zst", "zstd")
+    assert f.read() == b"text\n"
+    f.close()
+    assert len(list(Path("/proc/self/fd").iterdir())) == before  # the compressed file's descriptor too
+
+
+def test_the_bundled_and_spooled_sources_read_like_files():
+    shakespeare = corpus.bundled_source()
+    with shakespeare.open() as f:  # Tiny Shakespeare's input.txt: 1,115,394 ASCII characters
+        assert (shakespeare.name, shakespeare.size, len(f.read())) == ("tinyshakespeare (bundled)", 1_115_394, 1_115_394)
+    spooled = corpus.spooled_source("standard input", io.BytesIO("café ☕\n".encode()))
+    assert (spooled.name, spooled.size, spooled.kind) == ("standard input", len("café ☕\n".encode()), "text")
+    for _ in range(2):
+        with spooled.open() as f:
+            assert f.read() == "café ☕\n".encode()
+
+
+def test_standard_input_and_a_pipe_are_spooled_under_their_names_and_stdin_stays_open(tmp_path, monkeypatch):
+    (tmp_path / "in.txt").write_bytes("from stdin ☕\n".encode())
+    with open(tmp_path / "in.txt", "rb") as stdin:
+        monkeypatch.setattr(sys, "stdin", stdin)
+        r, w = os.pipe()
+        os.write(w, b"from a pipe\n")
+        os.close(w)
+        try:
+            sources = corpus.collect_sources(["-", f"/dev/fd/{r}"])
+        finally:
+            os.close(r)
+        os.fstat(stdin.fileno())  # still open: reading "-" must not close the process's standard input
+    assert [s.name for s in sources] == ["standard input", f"/dev/fd/{r}"]
+    assert [s.open().read() for s in sources] == ["from stdin ☕\n".encode(), b"from a pipe\n"]
+
+
+def test_files_named_and_found_keep_their_order_and_pass_the_globs(tmp_path):
+    folder = make_messy_folder(tmp_path / "messy")
+    (tmp_path / "b.md").write_text("b")
+    (tmp_path / "a.txt").write_text("a")
+    got = corpus.collect_sources([str(tmp_path / "b.md"), str(folder), str(tmp_path / "a.txt")], exclude=["*.png"])
+    inside = [p for p in sorted(folder.rglob("*")) if p.is_file() and ".git" not in p.parts and "__pycache__" not in
+              p.parts and p.suffix != ".png"]
+    assert [(s.name, s.found) for s in got] == [(str(tmp_path / "b.md"), False), *[(str(p), True) for p in inside],
+                                                (str(tmp_path / "a.txt"), False)]
+    assert [s.name for s in corpus.collect_sources([str(tmp_path / "a.txt"), str(tmp_path / "b.md")],
+                                                   include=["*.md"], exclude=[".*"])] == [str(tmp_path / "b.md")]
+
+
+def test_folders_prune_hidden_and_pycache_folders_by_path(tmp_path):
+    folder = make_messy_folder(tmp_path / "messy")
+    pruned = ["before"]
+    files = corpus.folder_files(folder, pruned)
+    assert pruned == ["before", str(folder / ".git"), str(folder / "sub" / "__pycache__")]
+    assert files == sorted(p for p in folder.rglob("*") if p.is_file() and ".git" not in p.parts
+                           and "__pycache__" not in p.parts)
+
+
+def test_no_files_found_names_every_input(tmp_path):
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    with pytest.raises(GptlabError, match=rf"^no files found in {tmp_path / 'a'}, {tmp_path / 'b'}; give text files "
+                                          "or folders of text files$"):
+        corpus.collect_sources([str(tmp_path / "a"), str(tmp_path / "b")])
+
+
+# ---- encoder.py: units, and the processes that encode them ------------------------------------------------------
+
+def test_units_close_once_they_hold_size_characters():
+    pieces = [(0, "x" * n, False) for n in (2, 2, 1, 5, 2, 2, 1, 3)]
+    assert [[len(p[1]) for p in unit] for unit in encoder.units(iter(pieces), 5)] == [[2, 2, 1], [5], [2, 2, 1], [3]]
+
+
+def test_a_unit_is_encoded_side_by_side_as_int32_and_special_text_only_when_allowed():
+    tok = GPT2Tokenizer()  # "a" 64, "b" 65, <|endoftext|> 50256
+    train, val = encoder.encode_unit(tok, [(1, "a<|endoftext|>b", True), (1, "", True)], True)
+    assert (train.dtype, val.dtype, train.tolist(), val.tolist()) == (np.int32, np.int32, [], [64, 50256, 65, 50256,
+                                                                                                   50256])
+    assert [(a.tolist(), b.tolist()) for a, b in encoder.encode_units(tok, [[(0, "a<|endoftext|>", False)]], 1,
+                                                                      True)] == [([64, 50256], [])]
+    with pytest.raises(GptlabError, match="special token"):  # not allowed by default
+        list(encoder.encode_units(tok, [[(0, "a<|endoftext|>", False)]], 1))
+    assert list(encoder.encode_units(tok, iter([]), 2)) == []
+
+
+def test_encoding_processes_are_spawned_fresh_and_hold_two_units_each(monkeypatch):
+    tok, pulled = GPT2Tokenizer(), []
+    texts = [f"unit {i} café<|endoftext|>" for i in range(8)]
+    expected = [(tok.encode(t, True), []) if i % 2 == 0 else ([], tok.encode(t, True)) for i, t in enumerate(texts)]
+
+    def stream():
+        for i, text in enumerate(texts):
+            pulled.append(i)
+            yield [(i % 2, text, False)]
+    monkeypatch.setattr(encoder, "encode_unit", lambda *a: pytest.fail("a unit encoded in the calling process"))
+    for workers in (2, 3):  # 3: not this machine's core count, which a pool of the default size would have
+        pulled.clear()
+        before = len(multiprocessing.active_children())
+        it = encoder.encode_units(tok, stream(), workers, allow_special=True)
+        first = next(it)
+        assert len(pulled) == 2 * workers and len(multiprocessing.active_children()) - before == workers
+        assert [(a.tolist(), b.tolist()) for a, b in [first, *it]] == expected

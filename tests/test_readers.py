@@ -124,7 +124,7 @@ def test_a_bad_last_line_without_a_newline_is_counted_with_its_number():
         ["one"], ["two"]]
     assert bad == [(3, "m.jsonl line 3 has no text field 'text' (its fields: txt)")]
     with pytest.raises(UnreadableSource, match="^mem.txt is not valid utf-8: bad byte at offset 3"):
-        [list(d) for d in documents(in_memory(b"caf\xe9"))]  # utf-8 by default
+        [list(d) for d in documents(in_memory(b"caf\xe9 au lait"))]  # utf-8 by default
 
 
 def write_parquet(path: Path, columns: dict, **kwargs) -> Path:
