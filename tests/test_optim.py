@@ -275,3 +275,37 @@ def test_a_decay_that_ends_by_the_end_of_warm_up_drops_to_min_lr_at_once(decay_s
 
     cfg = TrainConfig(lr=1.0, min_lr=0.1, warmup_steps=4, max_steps=10, lr_decay_steps=decay_steps)
     assert [lr_at(s, cfg) for s in range(8)] == pytest.approx([0.25, 0.5, 0.75, 1.0, 0.1, 0.1, 0.1, 0.1])
+
+
+def test_zeropower_of_a_gradient_below_its_norm_guard_still_points_along_it():
+    """A gradient of norm 4e-8, under the 1e-7 added to the norm: still orthogonalised along the gradient (positive
+    inner product with it), like the written-out iteration, not flipped."""
+    from gptlab.optim import zeropower
+
+    torch.manual_seed(3)
+    g = torch.randn(24, 60) * 1e-9
+    x = zeropower(g)
+    assert (x * g).sum() > 0 and (x - newton_schulz(g)).abs().max() <= 1e-5
+
+
+def test_muon_on_a_model_without_transformer_blocks_is_adamw_for_everything():
+    """Nothing to orthogonalise (no model.transformer.h): every parameter steps like torch's AdamW, the matrix
+    decayed, the bias and gain not."""
+    from gptlab.config import TrainConfig
+    from gptlab.optim import make_optimizer
+
+    torch.manual_seed(4)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.LayerNorm(5))
+    optimizer = make_optimizer(model, TrainConfig(optimizer="muon", lr=0.01, beta1=0.8, beta2=0.95, weight_decay=0.2))
+    assert not any(g["muon"] for g in optimizer.param_groups)
+    params = list(model.parameters())
+    twins = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    peer = torch.optim.AdamW([{"params": [t], "weight_decay": 0.2 if t.dim() == 2 else 0.0} for t in twins], lr=0.01,
+                             betas=(0.8, 0.95), eps=1e-8)
+    for _ in range(2):
+        for p, t in zip(params, twins):
+            p.grad = torch.randn_like(p)
+            t.grad = p.grad.clone()
+        optimizer.step()
+        peer.step()
+    assert all((p.detach() - t.detach()).abs().max() <= 1e-6 for p, t in zip(params, twins))
