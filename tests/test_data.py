@@ -1,15 +1,17 @@
 import json
 import time
+from pathlib import Path
+from typing import ClassVar
 
 import numpy as np
 import pytest
 import torch
-
 from conftest import interruptible
+
 from gptlab import corpus
 from gptlab.data import batch_generator, get_batch, load_dataset, prepare
-from gptlab.tokenfiles import HEADER, TokenWriter, read_tokens
 from gptlab.errors import GptlabError
+from gptlab.tokenfiles import HEADER, TokenWriter, read_tokens
 
 
 def test_prepare_writes_headered_files_split_90_10(char_data, corpus_file):
@@ -212,6 +214,7 @@ def test_prepare_refuses_to_replace_data_made_from_other_inputs_or_settings(tmp_
 def test_the_prepare_verb_names_the_runs_that_train_on_the_folder_it_refuses(tmp_path, corpus_file, monkeypatch,
                                                                            capsys):
     from test_sweep import tree
+
     from gptlab.cli import main
 
     monkeypatch.chdir(tmp_path)
@@ -231,3 +234,248 @@ def test_the_prepare_verb_names_the_runs_that_train_on_the_folder_it_refuses(tmp
     assert tree(tmp_path) == before
     assert main(["prepare", str(corpus_file), "--out", "data", "--quiet"]) == 0  # the same data again
     assert main(["prepare", "other.txt", "--out", "data", "--overwrite", "--quiet"]) == 0
+
+
+# ---- what prepare says when it refuses, and its recipes --------------------------------------------------------
+
+@pytest.mark.parametrize("files, said", [
+    ("abcde", "the corpus (f/a.txt, f/b.txt, f/c.txt, f/d.txt, f/e.txt) is empty; give a file with text in it"),
+    ("abcdeé", "the corpus (f/a.txt, f/b.txt, f/c.txt, f/d.txt, f/e.txt ...) is empty; give a file with text in it"),
+    ("ay", ("the corpus (f/a.txt, f/y.dat) is empty; give a file with text in it; 1 unreadable file was skipped, "
+            "e.g. f/y.dat looks like a binary file (a NUL byte near offset 0); give a text file")),
+    ("axy", ("the corpus (f/a.txt, f/x.dat, f/y.dat) is empty; give a file with text in it; 2 unreadable files "
+             "were skipped, e.g. f/x.dat looks like a binary file (a NUL byte near offset 0); give a text file")),
+], ids=["5 files", "6 files", "1 skipped", "2 skipped"])
+def test_an_empty_corpus_is_refused_naming_its_files_and_the_skipped_ones(tmp_path, monkeypatch, files, said):
+    monkeypatch.chdir(tmp_path)
+    Path("f").mkdir()
+    for name in files:  # x and y: binary, the rest empty text files
+        Path("f", f"{name}.dat" if name in "xy" else f"{name}.txt").write_bytes(b"\0\0" if name in "xy" else b"")
+    with pytest.raises(GptlabError) as refused:
+        prepare(["f"], "out", quiet=True)
+    assert str(refused.value) == said and not Path("out").exists()
+
+
+def test_an_empty_validation_corpus_is_refused_by_that_name(tmp_path, monkeypatch, corpus_file):
+    monkeypatch.chdir(tmp_path)
+    Path("v.txt").write_text("")
+    with pytest.raises(GptlabError) as refused:
+        prepare([str(corpus_file)], "out", quiet=True, val_paths=["v.txt"])
+    assert str(refused.value) == "the validation corpus (v.txt) is empty; give a file with text in it"
+
+
+@pytest.mark.parametrize("unseen, shown", [("ĀĂĄĆĈ", "'Ā', 'Ă', 'Ą', 'Ć', 'Ĉ'"),
+                                           ("ĀĂĄĆĈĊ", "'Ā', 'Ă', 'Ą', 'Ć', 'Ĉ' and 1 more")])
+def test_a_char_tokenizer_from_elsewhere_must_know_every_character(tmp_path, char_data, corpus_file, unseen, shown):
+    (tmp_path / "new.txt").write_text(corpus_file.read_text() + unseen[::-1] + "\n", encoding="utf-8")
+    with pytest.raises(GptlabError) as refused:
+        prepare([str(tmp_path / "new.txt")], tmp_path / "out", tokenizer_from=char_data, quiet=True)
+    assert str(refused.value) == (f"the text has characters the tokenizer of {char_data} has never seen: {shown}; "
+                                  "prepare without --tokenizer-from to build a new vocabulary")
+
+
+def test_tokenizer_from_takes_a_run_a_data_folder_or_a_tokenizer_file_and_nothing_else(tmp_path, char_data,
+                                                                                      corpus_file):
+    import shutil
+
+    for name, config in (("run", {"model": {}, "train": {}}), ("hf", {"model_type": "gpt2", "train": True})):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text(json.dumps(config))
+        shutil.copy(char_data / "tokenizer.json", tmp_path / name)
+    want = json.loads((char_data / "meta.json").read_text())["train_sha256"]
+    for i, given in enumerate((tmp_path / "run", char_data / "tokenizer.json")):
+        assert prepare([str(corpus_file)], tmp_path / f"o{i}", tokenizer_from=given, quiet=True)["train_sha256"] == want
+    for given in (tmp_path / "hf", tmp_path / "missing"):
+        with pytest.raises(GptlabError) as refused:
+            prepare([str(corpus_file)], tmp_path / "out", tokenizer_from=given, quiet=True)
+        assert str(refused.value) == (f"--tokenizer-from {given} is not a gptlab run or prepared data folder; point "
+                                      "it at one (it must hold tokenizer.json)")
+
+
+@pytest.mark.parametrize("files, kind", [
+    ({"meta.json": "{}", "train.bin": ""}, "data"), ({"meta.json": "{}", "train-00000.bin": ""}, "data"),
+    ({"meta.json": "{}"}, None), ({"train.bin": ""}, None), ({}, None),
+    ({"config.json": '{"model": {}, "train": {}}'}, "run"), ({"config.json": '{"model": 1, "train": 2, "x": 3}'}, "run"),
+    ({"config.json": '{"model_type": "gpt2", "train": 1}'}, "hf"), ({"config.json": '["model", "train"]'}, "hf"),
+    ({"config.json": '{"model": '}, "hf"),
+])
+def test_what_a_folder_holds_decides_what_may_be_written_over_it(tmp_path, files, kind):
+    from gptlab.data import folder_kind
+
+    for name, text in files.items():
+        (tmp_path / name).write_text(text)
+    assert folder_kind(tmp_path) == kind
+
+
+def test_the_refusal_to_replace_data_names_the_runs_trained_on_it():
+    from gptlab.data import OtherData
+
+    tail = "(replaced, it could no longer resume them or evaluate them on their data); give --out another folder, " \
+        "or pass --overwrite to replace it"
+    one, two = OtherData(Path("d"), [Path("runs/a")]), OtherData(Path("d"), [Path("runs/a"), Path("rüns/b")])
+    assert one.out == Path("d")
+    assert str(one) == f"d holds data prepared from other inputs or settings, which run runs/a trains on {tail}"
+    assert str(two) == f"d holds data prepared from other inputs or settings, which runs runs/a, rüns/b train on {tail}"
+
+
+def test_work_run_off_the_main_thread_returns_its_value_or_raises_its_error():
+    from gptlab.data import _interruptible
+
+    assert _interruptible(lambda: ["ünï", 3]) == ["ünï", 3]
+
+    def fails():
+        raise GptlabError("the vocabulary cannot be trained")
+    with pytest.raises(GptlabError, match="^the vocabulary cannot be trained$"):
+        _interruptible(fails)
+
+
+def test_a_batch_generator_is_seeded_by_a_hash_of_seed_step_micro_and_rank():
+    """The recipe, which the batches of a run resumed by a later gptlab depend on: blake2b-64 of
+    "seed/step/micro/rank", read little-endian, top bit cleared."""
+    import hashlib
+
+    for args, text in (((7, 3), "7/3/0/0"), ((7, 3, 2, 1), "7/3/2/1"), ((0, 123_456), "0/123456/0/0")):
+        seed = int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little") & (2 ** 63 - 1)
+        expected = torch.randint(10 ** 6, (8,), generator=torch.Generator().manual_seed(seed))
+        assert torch.equal(torch.randint(10 ** 6, (8,), generator=batch_generator(*args)), expected), args
+
+
+def test_the_fingerprints_of_a_prepare_and_of_its_dataset_follow_their_recipes(tmp_path, corpus_file):
+    """Runs and later prepares compare them across gptlab versions: sha256 of the sorted JSON of what they cover."""
+    import hashlib
+
+    meta = prepare([str(corpus_file)], tmp_path / "d", "char", quiet=True)
+    what = {"version": 1, "sources": [hashlib.sha256(corpus_file.read_bytes()).hexdigest()], "tokenizer": ["char", 1024],
+            "encoding": "utf-8", "text_field": "text", "allow_special": False, "shard_tokens": 100_000_000,
+            "val_fraction": 0.1, "held": None}  # one document: split by characters, none held out
+    assert meta["fingerprint"] == hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()
+    ds = load_dataset(tmp_path / "d")
+    on_disk = json.loads((tmp_path / "d" / "meta.json").read_text())
+    assert ds.path == tmp_path / "d" and ds.meta == on_disk
+    assert ds.fingerprint() == hashlib.sha256(json.dumps(on_disk, sort_keys=True).encode()).hexdigest()
+
+
+def test_a_split_of_exactly_block_size_plus_one_tokens_has_one_window_and_a_shorter_one_is_refused():
+    from gptlab.tokenfiles import ShardedTokens
+
+    tokens = np.arange(9, dtype=np.uint16) * 3
+    for split in (tokens, ShardedTokens([tokens[:4], tokens[4:]])):
+        x, y = get_batch(split, 2, 8, batch_generator(0, 0))
+        assert x.dtype == y.dtype == torch.int64
+        assert x.tolist() == [list(range(0, 24, 3))] * 2 and y.tolist() == [list(range(3, 27, 3))] * 2
+    with pytest.raises(GptlabError) as refused:
+        get_batch(tokens, 2, 9, batch_generator(0, 0))
+    assert str(refused.value) == ("the split has 9 tokens, fewer than block_size + 1 = 10; use a longer corpus or a "
+                                  "smaller --block-size")
+
+
+@pytest.mark.parametrize("damage", ["no meta.json", "not JSON", "a list", "counts"])
+def test_a_missing_or_damaged_data_folder_is_refused_in_one_line(char_data, corpus_file, damage):
+    from gptlab.data import OtherData
+
+    meta = json.loads((char_data / "meta.json").read_text())
+    said = {"no meta.json": f"{char_data} is not a prepared data folder (no meta.json); run `gptlab prepare --out "
+                            f"{char_data}`",
+            "not JSON": f"{char_data / 'meta.json'} is damaged; run `gptlab prepare` again",
+            "a list": f"{char_data / 'meta.json'} is damaged; run `gptlab prepare` again",
+            "counts": f"the token files in {char_data} do not match its meta.json ({meta['train_tokens']} / "
+                      f"{meta['val_tokens']} tokens, meta.json says {meta['train_tokens'] + 1} / {meta['val_tokens']}); "
+                      "run `gptlab prepare` again"}[damage]
+    if damage == "no meta.json":
+        (char_data / "meta.json").unlink()
+    else:
+        (char_data / "meta.json").write_text({"not JSON": '{"train_tokens": ', "a list": "[1, 2]"}.get(damage) or
+                                             json.dumps({**meta, "train_tokens": meta["train_tokens"] + 1}))
+    with pytest.raises(GptlabError) as refused:
+        load_dataset(char_data)
+    assert str(refused.value) == said
+    if damage == "a list":  # nor is it taken for the same data
+        with pytest.raises(OtherData):
+            prepare([str(corpus_file)], char_data, "char", quiet=True)
+
+
+def test_the_end_of_text_of_a_document_ending_at_the_split_goes_to_train(tmp_path):
+    """Three documents of 50, 40 and 10 characters split by characters at 90: the second ends exactly there."""
+    folder = tmp_path / "docs"
+    folder.mkdir()
+    for name, text in (("a.txt", "ä" * 49 + "\n"), ("b.txt", "b" * 39 + "\n"), ("c.txt", "c" * 9 + "\n")):
+        (folder / name).write_text(text, encoding="utf-8")
+    meta = prepare([str(folder)], tmp_path / "out", "gpt2", quiet=True)
+    ds = load_dataset(tmp_path / "out")
+    assert (meta["train_chars"], meta["val_chars"]) == (90, 10)
+    assert ds.train.tolist()[-1] == 50256 and ds.train.tolist().count(50256) == 2 and ds.val.tolist().count(50256) == 1
+    assert ds.tokenizer.decode(ds.val.tolist()) == "c" * 9 + "\n<|endoftext|>"
+
+
+class Bar:
+    """Stands in for tqdm: records how prepare's progress bars are made, what they count and the rate they show."""
+    made: ClassVar[list] = []
+
+    def __init__(self, **kwargs):
+        self.kwargs, self.n, self.postfix, self.format_dict = kwargs, 0, [], {"elapsed": 0.5}
+        Bar.made.append(self)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        pass
+
+    def update(self, n):
+        self.n += n
+
+    def set_postfix_str(self, s, refresh=True):
+        self.postfix.append((s, refresh))
+
+
+@pytest.mark.parametrize("quiet", [False, True])
+def test_the_bars_count_the_bytes_read_and_show_the_encoding_rate(tmp_path, monkeypatch, quiet):
+    import tqdm
+
+    monkeypatch.setattr(tqdm, "tqdm", Bar)
+    monkeypatch.setattr(Bar, "made", [])
+    (tmp_path / "docs").mkdir()
+    for i in range(3):
+        (tmp_path / "docs" / f"{i}.txt").write_text(f"dokument {i}: naïve café ☕\n" * (20 + i), encoding="utf-8")
+    size = sum(p.stat().st_size for p in (tmp_path / "docs").iterdir())
+    meta = prepare([str(tmp_path / "docs")], tmp_path / "out", "char", quiet=quiet, workers=1)
+    scan, encode = Bar.made
+    shown = {"unit": "B", "unit_scale": True, "disable": True if quiet else None, "leave": False}
+    assert scan.kwargs == {"total": size, "desc": "scan", **shown} and scan.n == size
+    assert encode.kwargs == {"total": size, "desc": "encode", **shown} and encode.n == size
+    rate = (meta["train_tokens"] + meta["val_tokens"]) / 0.5  # tokens over the bar's elapsed seconds
+    assert encode.postfix[-1] == (f"{rate:,.0f} tokens/s", False)
+
+
+def test_a_resumed_prepare_says_what_it_keeps_unless_quiet(tmp_path, monkeypatch, capsys):
+    import shutil
+
+    from gptlab import encoder
+    from gptlab.staging import STAGE, Staging
+
+    monkeypatch.setattr(encoder, "UNIT_CHARS", 2000)
+    (tmp_path / "docs").mkdir()
+    for i in range(300):
+        (tmp_path / "docs" / f"{i:03d}.txt").write_text(f"Dok {i}: {'ünïcode fox ' * (3 + i % 7)}☕\n", "utf-8")
+    real, seen = Staging.checkpoint, []
+
+    def checkpoint(self, units_done, writers):
+        real(self, units_done, writers)
+        seen.append(units_done)
+        if len(seen) == 3:
+            raise KeyboardInterrupt
+    with monkeypatch.context() as m:
+        m.setattr(Staging, "checkpoint", checkpoint)
+        with pytest.raises(KeyboardInterrupt):
+            prepare([str(tmp_path / "docs")], tmp_path / "a", "char", quiet=True, workers=1, shard_tokens=1000)
+    splits = json.loads((tmp_path / "a" / STAGE / "progress.json").read_text())["splits"]
+    kept = [sum(e["tokens"] for e in s["closed"]) + s["open_tokens"] for s in splits]
+    shards = sum(len(s["closed"]) for s in splits)
+    assert kept[0] > 0 and kept[1] > 0 and shards >= 2
+    shutil.copytree(tmp_path / "a", tmp_path / "b")
+    capsys.readouterr()
+    prepare([str(tmp_path / "docs")], tmp_path / "a", "char", quiet=True, workers=1, shard_tokens=1000)
+    assert capsys.readouterr().err == ""
+    prepare([str(tmp_path / "docs")], tmp_path / "b", "char", quiet=False, workers=1, shard_tokens=1000)
+    assert (f"resuming the prepare interrupted in {tmp_path / 'b' / STAGE}: {sum(kept):,} tokens already written, "
+            f"{shards} complete shards\n") in capsys.readouterr().err

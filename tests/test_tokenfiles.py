@@ -35,6 +35,7 @@ def ids_on_disk(path: Path, width: int = 2) -> list[int]:
 
 def test_a_vocabulary_of_exactly_65536_ids_is_stored_in_two_bytes(tmp_path):
     writer = TokenWriter(tmp_path / "t.bin", vocab_size=65_536)
+    assert writer.path == tmp_path / "t.bin"
     writer.write([0, 65_535, 7])
     writer.close()
     raw = (tmp_path / "t.bin").read_bytes()
