@@ -81,11 +81,13 @@ def test_a_run_resumes_and_evaluates_on_its_own_data_from_any_folder(trained, ch
 
 
 def test_every_resume_is_kept_in_the_history(trained):
-    for max_steps in ("12", "14"):
-        assert main(["train", "--run", str(trained), "--resume", "--max-steps", max_steps]) == 0
-    resumes = json.loads((trained / "config.json").read_text())["resumes"]
-    assert [r["step"] for r in resumes] == [10, 12]
-    assert resumes[0]["changes"] == {"max_steps": [10, 12]}
+    for flags in (["--max-steps", "12"], ["--max-steps", "14", "--dropout", "0.1"]):
+        assert main(["train", "--run", str(trained), "--resume", *flags]) == 0
+    config = json.loads((trained / "config.json").read_text())
+    assert [r["step"] for r in config["resumes"]] == [10, 12]
+    assert config["resumes"][0]["changes"] == {"max_steps": [10, 12]}
+    assert config["resumes"][1]["changes"] == {"dropout": [0.0, 0.1], "max_steps": [12, 14]}
+    assert (config["model"]["dropout"], config["train"]["max_steps"]) == (0.1, 14)  # the settings now in force
 
 
 def test_pruning_keeps_valid_checkpoints_not_damaged_ones(trained, caplog):

@@ -1,17 +1,19 @@
 """Run policy as a library (gptlab.runs): the spec `gptlab train` builds, config files, and the runs / info verbs."""
 
 import json
+import os
 import shutil
+from dataclasses import asdict
 from pathlib import Path
 
 import pytest
+from test_sweep import TINY
 
 from gptlab import checkpoint as ck
 from gptlab import rundir
 from gptlab.cli import main
 from gptlab.errors import GptlabError
-from gptlab.runs import latest_run, list_runs, pick_run_dir, resolve, start
-from test_sweep import TINY
+from gptlab.runs import RunSummary, describe, latest_run, list_runs, pick_run_dir, resolve, start
 
 SMALL = dict(n_layer=1, n_head=2, n_embd=16, block_size=16)
 QUICK = dict(batch_size=4, eval_interval=5, eval_batches=2, log_interval=5, precision="fp32", max_steps=5)
@@ -147,3 +149,80 @@ def test_runs_lists_every_run_and_says_which_are_damaged(tmp_path, char_data, ca
         "damaged")
     assert rows[str(root / "badjson")[-28:]].split()[2] == "-"  # no steps to show, not 0/0
     assert rows["damaged:"] == "damaged: `gptlab info RUN` says what is wrong with it"
+
+
+def damage_every(run, kind):
+    for c in ck.list_checkpoints(run, kind):
+        weights = bytearray((c.path / "model.safetensors").read_bytes())
+        weights[-1] ^= 1
+        (c.path / "model.safetensors").write_bytes(weights)
+
+
+def edit_config(run, **changes):
+    config = json.loads((run / rundir.CONFIG).read_text())
+    for key, value in changes.items():
+        if value is None:
+            config.pop(key, None)
+        else:
+            config[key] = value
+    (run / rundir.CONFIG).write_text(json.dumps(config))
+
+
+def test_every_state_of_a_run_is_summarized_with_its_numbers(tmp_path, char_data):
+    root = tmp_path / "runs"
+    done = root / "done"
+    assert main(["train", "--data", str(char_data), "--run", str(done), "--max-steps", "10", *TINY]) == 0
+    state = json.loads((done / rundir.CKPTS / "step-00000010" / "state.json").read_text())
+    (done / rundir.METRICS).write_text("".join(json.dumps(r) + "\n" for r in [  # resumed once: 2.5 s + 0.5 s
+        {"kind": "train", "step": 5, "elapsed_s": 1.0}, {"kind": "eval", "step": 5, "val_loss": 3.0},
+        {"kind": "train", "step": 8, "elapsed_s": 2.5}, {"kind": "train", "step": 10, "elapsed_s": 0.5}]))
+    for name in ("more", "fresh", "imported", "bestonly", "broken"):
+        shutil.copytree(done, root / name)
+    edit_config(root / "more", train={**state["train"], "max_steps": 20})
+    shutil.rmtree(root / "fresh" / rundir.CKPTS)
+    (root / "fresh" / rundir.METRICS).unlink()
+    edit_config(root / "imported", imported_from="/models/gpt2", data=None, preset=None)
+    best = ck.list_checkpoints(root / "bestonly", "best")[0]
+    for c in ck.list_checkpoints(root / "bestonly", "step") + ck.list_checkpoints(root / "broken", "best"):
+        shutil.rmtree(c.path)
+    damage_every(root / "broken", "step")  # its step checkpoints only, none left usable
+    tokens, loss = 10 * 4 * 16, state["best_val_loss"]
+    assert isinstance(loss, float) and loss < 4
+    expected = {"done": ("char-quick", 10, 10, loss, tokens, 3.0, "finished"),
+                "more": ("char-quick", 10, 20, loss, tokens, 3.0, "interrupted"),
+                "fresh": ("char-quick", 0, 10, None, 0, 0.0, "new"),
+                "imported": ("?", 10, 10, loss, tokens, 3.0, "imported"),
+                "bestonly": ("char-quick", best.step, 10, json.loads((best.path / "state.json").read_text())[
+                    "best_val_loss"], best.step * 4 * 16, 3.0, "finished" if best.step == 10 else "interrupted"),
+                "broken": ("char-quick", 0, 10, None, 0, 3.0, "damaged")}
+    assert {s.path.name: s for s in list_runs(root)} == {
+        name: RunSummary(root / name, *fields) for name, fields in expected.items()}
+    with rundir.RunLock(done):
+        assert list_runs(done) == [RunSummary(done, "char-quick", 10, 10, loss, tokens, 3.0, "running")]
+    (root / "more" / rundir.CONFIG).write_text("{")
+    order = ["more", "imported", "done", "fresh", "broken", "bestonly"]  # not by name: by when each was written
+    for seconds, name in enumerate(order):
+        os.utime(root / name / rundir.CONFIG, (1e9 + seconds, 1e9 + seconds))
+    summaries = list_runs(root)
+    assert [s.path.name for s in summaries] == order
+    assert summaries[0] == RunSummary(root / "more", "?", 0, 0, None, 0, 0.0, "damaged")
+
+
+def test_info_lists_every_checkpoint_with_its_validity_and_loss(tmp_path, char_data):
+    run = tmp_path / "r"
+    assert main(["train", "--data", str(char_data), "--run", str(run), "--max-steps", "10", *TINY]) == 0
+    damage_every(run, "best")
+    config = json.loads((run / rundir.CONFIG).read_text())
+    info = describe(run)
+    bad = info["checkpoints"][2]["valid"]
+    assert "checksum" in bad or "damaged" in bad, bad
+    assert info == {"run": asdict(list_runs(run)[0]), "data": str(char_data.resolve()), "model": config["model"],
+                    "train": config["train"], "resumes": [], "checkpoints": [
+                        {"name": f"step-{s:08d}", "step": s, "valid": "valid", "val_loss": json.loads(
+                            (run / rundir.CKPTS / f"step-{s:08d}" / "state.json").read_text())["val_loss"]}
+                        for s in (10, 5)] + [{"name": f"best-{s:08d}", "step": s, "valid": bad, "val_loss": None}
+                                             for s in [c.step for c in ck.list_checkpoints(run, "best")]]}
+    assert main(["train", "--run", str(run), "--resume", "--max-steps", "12"]) == 0
+    assert [r["step"] for r in describe(run)["resumes"]] == [10]
+    edit_config(run, imported_from="/models/gpt2", data=None)
+    assert describe(run)["data"] == "/models/gpt2"
