@@ -1,0 +1,100 @@
+"""The inspect module value by value: the anatomy's table for models whose counts are worked out by hand, the
+trace's attention and streams against the equation written out in plain torch, the logit lens's table and the
+pictures' texts, images and labels read back from matplotlib's figure objects."""
+
+import torch
+
+from gptlab.config import ModelConfig
+from gptlab.inspect.anatomy import describe
+from gptlab.model import GPT, Bigram
+
+
+def gpt(seed=0, **kw):
+    torch.manual_seed(seed)
+    cfg = {"vocab_size": 50, "block_size": 16, "n_layer": 2, "n_head": 2, "n_embd": 32, "dropout": 0.0}
+    return GPT(ModelConfig(**{**cfg, **kw})).eval()
+
+
+# ---- anatomy -----------------------------------------------------------------------------------------------------
+
+# V 50, C 32, block_size 16, biases: wte 50·32 = 1,600, wpe 16·32 = 512; per block ln_1 = ln_2 = 2·32 = 64,
+# c_attn 32·96 + 96 = 3,168, attn c_proj 32·32 + 32 = 1,056, c_fc 32·128 + 128 = 4,224, mlp c_proj 128·32 + 32 =
+# 4,128, a block 12,704; ln_f 64. Three blocks: 2,112 + 38,112 + 64 = 40,288; attention 3·4,224 = 12,672 (31.5 %),
+# MLP 3·8,352 = 25,056 (62.2 %), LayerNorms 3·128 + 64 = 448 (1.1 %), embeddings 2,112 (5.2 %).
+BIASED = """\
+component                                        shape                            parameters
+--------------------------------------------------------------------------------------------
+input ids                                        B×T                                        
+wte (token embedding)                            V×C = 50×32                           1,600
+wpe (position embedding)                         block_size×C = 16×32                    512
+x = wte[ids] + wpe[0..T)                         B×T×C                                      
+h.0 … h.2: 3 blocks, each                        B×T×C → B×T×C                        12,704
+  ln_1                                           B×T×C, γ and β of C = 32                 64
+  attn.c_attn (W_Q, W_K, W_V)                    C → 3C = 32 → 96                      3,168
+  q, k, v per head                               B×H×T×d_k, heads × d_k = 2 × 16            
+  softmax(QKᵀ/√d_k + mask)                       B×H×T×T, −∞ above the diagonal             
+  attn.c_proj (W_O)                              C → C = 32 → 32                       1,056
+  + residual                                     B×T×C                                      
+  ln_2                                           B×T×C, γ and β of C = 32                 64
+  mlp.c_fc + GELU                                C → 4C = 32 → 128                     4,224
+  mlp.c_proj                                     4C → C = 128 → 32                     4,128
+  + residual                                     B×T×C                                      
+ln_f                                             B×T×C, γ and β of C = 32                 64
+lm_head (tied to wte: no parameters of its own)  C → V = 32 → 50                            
+logits                                           B×T×V                                      
+--------------------------------------------------------------------------------------------
+B batch, T ≤ block_size 16, C = n_embd 32, H = n_head 2, d_k = C/H = 16, V = vocab 50, 3 blocks
+embeddings           2,112  (5.2%)
+attention           12,672  (31.5%)
+MLP                 25,056  (62.2%)
+LayerNorms             448  (1.1%)
+total               40,288"""
+
+# No biases, one block of 4 heads: ln γ only (32), c_attn 3,072, c_proj 1,024, c_fc 4,096, mlp c_proj 4,096, a
+# block 12,352; total 2,112 + 12,352 + 32 = 14,496: 14.6 %, 28.3 %, 56.5 %, 0.7 %.
+UNBIASED_ONE_BLOCK = """\
+h.0 … h.0: 1 blocks, each                        B×T×C → B×T×C                       12,352
+  ln_1                                           B×T×C, γ of C = 32                      32
+  attn.c_attn (W_Q, W_K, W_V)                    C → 3C = 32 → 96                     3,072
+  q, k, v per head                               B×H×T×d_k, heads × d_k = 4 × 8            
+  softmax(QKᵀ/√d_k + mask)                       B×H×T×T, −∞ above the diagonal            
+  attn.c_proj (W_O)                              C → C = 32 → 32                      1,024
+  + residual                                     B×T×C                                     
+  ln_2                                           B×T×C, γ of C = 32                      32
+  mlp.c_fc + GELU                                C → 4C = 32 → 128                    4,096
+  mlp.c_proj                                     4C → C = 128 → 32                    4,096
+  + residual                                     B×T×C                                     
+ln_f                                             B×T×C, γ of C = 32                      32
+lm_head (tied to wte: no parameters of its own)  C → V = 32 → 50                           
+logits                                           B×T×V                                     
+-------------------------------------------------------------------------------------------
+B batch, T ≤ block_size 16, C = n_embd 32, H = n_head 4, d_k = C/H = 8, V = vocab 50, 1 blocks
+embeddings           2,112  (14.6%)
+attention            4,096  (28.3%)
+MLP                  8,192  (56.5%)
+LayerNorms              96  (0.7%)
+total               14,496"""
+
+BIGRAM = """\
+component     shape        parameters
+-------------------------------------
+input ids     B×T                    
+logits_table  V×V = 10×10         100
+logits        B×T×V                  
+-------------------------------------
+embeddings             100  (100.0%)
+total                  100"""
+
+
+def test_the_anatomy_table_of_a_gpt_with_biases_row_by_row():
+    assert describe(gpt(n_layer=3)) == BIASED
+
+
+def test_the_anatomy_of_one_block_without_biases():
+    lines = describe(gpt(n_layer=1, n_head=4, bias=False)).splitlines()
+    assert lines[0].split() == ["component", "shape", "parameters"] and set(lines[1]) == {"-"}
+    assert "\n".join(lines[6:]) == UNBIASED_ONE_BLOCK
+
+
+def test_the_anatomy_of_the_bigram_table():
+    assert describe(Bigram(ModelConfig(vocab_size=10, arch="bigram"))) == BIGRAM
