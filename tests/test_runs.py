@@ -226,3 +226,19 @@ def test_info_lists_every_checkpoint_with_its_validity_and_loss(tmp_path, char_d
     assert [r["step"] for r in describe(run)["resumes"]] == [10]
     edit_config(run, imported_from="/models/gpt2", data=None)
     assert describe(run)["data"] == "/models/gpt2"
+
+
+def test_without_data_the_bundled_corpus_is_prepared_once_for_the_presets_tokenizer(tmp_path, char_data, monkeypatch,
+                                                                                      capsys):
+    monkeypatch.chdir(tmp_path)
+    spec = resolve(run="r", resume="auto")  # nothing to continue there: a new run
+    assert not spec.resume and spec.data == Path("data/tinyshakespeare-char") and spec.preset == "char-quick"
+    assert json.loads(Path("data/tinyshakespeare-char/meta.json").read_text())["tokenizer"] == "char"
+    assert capsys.readouterr().err == "preparing the bundled Tiny Shakespeare into data/tinyshakespeare-char ...\n"
+    assert resolve(run="r2").data == spec.data and capsys.readouterr().err == ""  # there now
+    assert main(["train", "--data", str(char_data), "--run", "mine", "--max-steps", "2", *TINY]) == 0
+    edit_config(Path("mine"), preset=None)  # a run from before presets were recorded, say
+    again = resolve(preset="char-small", run="mine", resume=True, train={"max_steps": 4})
+    assert again.preset == "char-small" and again.data == char_data.resolve()
+    edit_config(Path("mine"), preset="char-quick")
+    assert resolve(preset="char-small", run="mine", resume="auto").preset == "char-quick"  # the run's own
