@@ -2,11 +2,23 @@
 trace's attention and streams against the equation written out in plain torch, the logit lens's table and the
 pictures' texts, images and labels read back from matplotlib's figure objects."""
 
+import pytest
 import torch
 
-from gptlab.config import ModelConfig
+from gptlab.config import ModelConfig, SampleConfig
+from gptlab.errors import GptlabError
 from gptlab.inspect.anatomy import describe
+from gptlab.inspect.trace import (
+    find_word,
+    pairwise_cosine,
+    token_label,
+    token_labels,
+    trace,
+    trace_generation,
+    word_representations,
+)
 from gptlab.model import GPT, Bigram
+from gptlab.tokenizer import CharTokenizer
 
 
 def gpt(seed=0, **kw):
@@ -98,3 +110,89 @@ def test_the_anatomy_of_one_block_without_biases():
 
 def test_the_anatomy_of_the_bigram_table():
     assert describe(Bigram(ModelConfig(vocab_size=10, arch="bigram"))) == BIGRAM
+
+
+# ---- the trace ---------------------------------------------------------------------------------------------------
+
+def by_hand(model, ids):
+    """Every block's attention probabilities, the equation in plain torch: per head, softmax over keys j ≤ i of
+    q_i·k_j / √D, with q, k the slices of c_attn(ln_1(x)); x advanced by the model's own blocks."""
+    x = model.transformer.wte(ids) + model.transformer.wpe(torch.arange(ids.size(1)))
+    out = []
+    for block in model.transformer.h:
+        C, H = x.size(-1), block.attn.n_head
+        D = C // H
+        q, k, _ = block.attn.c_attn(block.ln_1(x)).split(C, dim=-1)
+        probs = torch.zeros(ids.size(0), H, ids.size(1), ids.size(1))
+        for h in range(H):
+            qh, kh = q[..., h * D:(h + 1) * D], k[..., h * D:(h + 1) * D]
+            for i in range(ids.size(1)):
+                scores = (qh[:, i:i + 1] * kh[:, :i + 1]).sum(-1) / D ** 0.5  # (B, i + 1)
+                probs[:, h, i, :i + 1] = torch.softmax(scores, dim=-1)
+        out.append(probs)
+        x = block(x)
+    return out
+
+
+def test_attention_is_the_causal_softmax_of_scaled_dot_products():
+    model = gpt(5, n_head=4, block_size=8)
+    ids = torch.randint(50, (2, 8))  # the whole context: 8 of 8 positions is allowed
+    with torch.no_grad():
+        expected = by_hand(model, ids)
+    tr = trace(model, ids)
+    assert tr.n_layer == 2 and tr.ids.tolist() == ids.tolist()
+    for got, want in zip(tr.attention, expected):
+        assert got.shape == (2, 4, 8, 8) and (got - want).abs().max().item() <= 1e-5
+
+
+def test_one_sequence_is_traced_as_a_batch_of_one_and_every_id_in_the_vocabulary_is_accepted():
+    model = gpt(6)
+    tr = trace(model, [0, 49, 7])
+    assert tr.ids.tolist() == [[0, 49, 7]] and tr.logits.shape == (1, 3, 50)
+    with pytest.raises(GptlabError, match=r"token ids must be in \[0, 50\)"):
+        trace(model, [3, -1])
+
+
+def test_generation_may_fill_the_context_exactly():
+    tr = trace_generation(gpt(7), [1, 2, 3, 4], SampleConfig(max_new_tokens=12, temperature=0))
+    assert tr.ids.shape == (1, 16)
+
+
+class NoBytes:
+    def decode_bytes(self, ids):
+        return b""
+
+
+def test_token_labels_escape_invisible_characters_and_name_the_empty_token():
+    chars = CharTokenizer("a\r\xa0\u200b\x7fé")
+    assert token_labels(chars, chars.encode("é\r\xa0\u200b\x7fa")) == ["é", "\\r", "\\xa0", "\\u200b", "\\x7f", "a"]
+    assert token_label(NoBytes(), 0) == "∅"
+
+
+def test_a_word_is_read_at_its_last_token_and_a_missing_word_is_refused():
+    chars = CharTokenizer("abc ")
+    text = "ab cab"
+    ids = chars.encode(text)
+    assert find_word(chars, ids, text, "ab") == 1 and find_word(chars, ids, text, "cab") == 5
+    assert find_word(chars, ids, text, "a") == 0
+    for word in ("", "ba"):
+        with pytest.raises(GptlabError, match="does not occur"):
+            find_word(chars, ids, text, word)
+
+
+def test_word_representations_refuse_a_context_longer_than_the_model_reads():
+    chars = CharTokenizer("ab ")
+    model = gpt(8, vocab_size=3, block_size=8)
+    with pytest.raises(GptlabError, match="context is 8"):
+        word_representations(model, chars, "ab", ["ab", "a " * 5 + "ab"])
+    with pytest.raises(GptlabError, match="at least two"):
+        word_representations(model, chars, "ab", ["ab"])
+    assert word_representations(model, chars, "ab", ["ab", "b ab"]).shape == (2 + 2, 2, 32)
+
+
+def test_pairwise_cosine_by_hand():
+    reps = torch.tensor([[[1.0, 0.0], [1.0, 1.0], [0.0, -2.0]]], dtype=torch.float64)
+    r = 2 ** -0.5  # cos 45°
+    expected = torch.tensor([[[1, r, 0], [r, 1, -r], [0, -r, 1]]])
+    sims = pairwise_cosine(reps)
+    assert sims.dtype == torch.float32 and torch.allclose(sims, expected.float(), atol=1e-6)
