@@ -107,7 +107,7 @@ def rng_tensors() -> dict[str, torch.Tensor]:
 
 def restore_rng(tensors: dict[str, torch.Tensor]) -> None:
     torch.set_rng_state(tensors["torch_cpu"])
-    cuda = [tensors[k] for k in sorted(tensors) if k.startswith("cuda_")]
+    cuda = [tensors[k] for k in sorted((k for k in tensors if k.startswith("cuda_")), key=lambda k: int(k[5:]))]
     if cuda and torch.cuda.is_available() and len(cuda) == torch.cuda.device_count():
         torch.cuda.set_rng_state_all(cuda)
 
