@@ -224,7 +224,6 @@ def test_char_vocabulary_comes_from_readable_files_only(tmp_path):
 
 
 def test_workers_give_byte_identical_token_files(tmp_path, monkeypatch):
-
     monkeypatch.setattr(encoder, "UNIT_CHARS", 500)  # many units, so that two processes share the work
     shards = tmp_path / "shards"
     shards.mkdir()
@@ -432,7 +431,10 @@ def test_encoding_processes_are_spawned_fresh_and_hold_two_units_each(monkeypatc
         for i, text in enumerate(texts):
             pulled.append(i)
             yield [(i % 2, text, False)]
-    monkeypatch.setattr(encoder, "encode_unit", lambda *a: pytest.fail("a unit encoded in the calling process"))
+
+    def here(*args):  # an Exception, not pytest.fail's BaseException, which would kill a worker and hang the pool
+        raise AssertionError("a unit was encoded in the calling process, or in a worker that inherited its state")
+    monkeypatch.setattr(encoder, "encode_unit", here)
     for workers in (2, 3):  # 3: not this machine's core count, which a pool of the default size would have
         pulled.clear()
         before = len(multiprocessing.active_children())
