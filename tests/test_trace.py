@@ -2,12 +2,16 @@
 trace's attention and streams against the equation written out in plain torch, the logit lens's table and the
 pictures' texts, images and labels read back from matplotlib's figure objects."""
 
+from pathlib import Path
+
 import pytest
 import torch
 
 from gptlab.config import ModelConfig, SampleConfig
 from gptlab.errors import GptlabError
+from gptlab.inspect import pictures
 from gptlab.inspect.anatomy import describe
+from gptlab.inspect.pictures import attention_png, lens_table
 from gptlab.inspect.trace import (
     find_word,
     pairwise_cosine,
@@ -18,6 +22,7 @@ from gptlab.inspect.trace import (
     word_representations,
 )
 from gptlab.model import GPT, Bigram
+from gptlab.plots import pyplot
 from gptlab.tokenizer import CharTokenizer
 
 
@@ -196,3 +201,78 @@ def test_pairwise_cosine_by_hand():
     expected = torch.tensor([[[1, r, 0], [r, 1, -r], [0, -r, 1]]])
     sims = pairwise_cosine(reps)
     assert sims.dtype == torch.float32 and torch.allclose(sims, expected.float(), atol=1e-6)
+
+
+# ---- the logit lens's table and the pictures ---------------------------------------------------------------------
+
+# Row 0 of the lens: log-probabilities chosen by hand (depth, position) over the vocabulary " ", a, b, é; row 1
+# of the batch is uniform, so that reading it instead would show 0.25 everywhere.
+LENS_P = [[[0.1, 0.6, 0.2, 0.1], [0.3, 0.2, 0.05, 0.45]], [[0.05, 0.15, 0.7, 0.1], [0.8, 0.1, 0.06, 0.04]]]
+LENS = torch.stack([torch.tensor(LENS_P).log(), torch.full((2, 2, 4), 0.25).log()], dim=1)  # (depths, B, T, V)
+LENS_TABLE = """\
+pos  token  emb            h.0
+------------------------------
+0    a      a 0.60 b 0.20  b 0.70 a 0.15
+1    é      é 0.45 ␣ 0.30  ␣ 0.80 a 0.10"""
+
+
+def test_the_lens_table_shows_the_top_tokens_of_the_first_row_at_every_depth():
+    chars = CharTokenizer("ab é")
+    assert lens_table(LENS, chars, [1, 3], top=2) == LENS_TABLE
+    assert lens_table(LENS, chars, [1, 3]).splitlines()[2:] == ["0    a      a 0.60  b 0.70", "1    é      é 0.45  ␣ 0.80"]
+
+
+@pytest.fixture
+def figures(monkeypatch):
+    """Every figure a picture function draws from now on, kept open to be read (and closed at the end)."""
+    drawn = []
+    monkeypatch.setattr(pictures, "_save", lambda fig, out: drawn.append(fig) or Path(out))
+    yield drawn
+    for fig in drawn:
+        pyplot().close(fig)
+
+
+def ticks(labels):
+    return [t.get_text() for t in labels]
+
+
+def test_the_attention_grid_draws_each_heads_map_of_the_first_row(figures, tmp_path):
+    model = gpt(9, block_size=100)
+    tr = trace(model, torch.randint(50, (2, 3)))
+    labels = ["x", "中", "␣"]
+    assert attention_png(tr, labels, tmp_path / "a.png") == tmp_path / "a.png"
+    fig = figures[0]
+    assert tuple(fig.get_size_inches()) == pytest.approx((2 * 2 + 1, 2 * 2 + 0.6))  # cell max(2, 0.11·3) = 2
+    assert fig._suptitle.get_text() == "attention: row = query token, column = key token it reads (colour = probability)"
+    axes = [ax for ax in fig.axes if ax.images]
+    assert len(axes) == 4
+    for n, ax in enumerate(axes):
+        layer, head = divmod(n, 2)
+        assert ax.get_title() == f"layer {layer} head {head}"
+        image = ax.images[0]
+        assert torch.equal(torch.from_numpy(image.get_array().data), tr.attention[layer][0, head])
+        assert image.get_clim() == (0, 1) and image.get_interpolation() == "nearest"
+        shown = ["x", "\\u4e2d", "␣"]
+        assert ticks(ax.get_xticklabels()) == (shown if layer == 1 else ["", "", ""])
+        assert ticks(ax.get_yticklabels()) == (shown if head == 0 else ["", "", ""])
+        assert ax.get_xticklabels()[0].get_fontsize() == 9.0  # min(9, 0.75·72·2/3 = 36)
+
+
+@pytest.mark.parametrize("T, layer, head, size, font", [
+    (30, None, None, (3.3 * 2 + 1, 3.3 * 2 + 0.6), 0.75 * 72 * 3.3 / 30),  # cell 0.11·30 = 3.3
+    (60, None, None, (4.5 * 2 + 1, 4.5 * 2 + 0.6), 0.75 * 72 * 4.5 / 60),  # cell at most 4.5
+    (100, 1, None, (4.5 * 2 + 1, 4.5 + 0.6), 3.0),  # one layer's heads; the font at least 3
+    (30, None, 1, (3.3 + 1, 3.3 * 2 + 0.6), 0.75 * 72 * 3.3 / 30),  # one head across layers
+    (30, 1, 0, (6 + 1, 6 + 0.6), 9.0),  # one map at full size: cell 6, font min(9, 0.75·72·6/30 = 10.8)
+])
+def test_attention_pictures_are_sized_to_their_panels_and_tokens(figures, tmp_path, T, layer, head, size, font):
+    tr = trace(gpt(10, block_size=100), torch.randint(50, (T,)))
+    attention_png(tr, [str(i % 10) for i in range(T)], tmp_path / "a.png", layer=layer, head=head)
+    fig = figures[0]
+    axes = [ax for ax in fig.axes if ax.images]
+    assert tuple(fig.get_size_inches()) == pytest.approx(size)
+    assert [ax.get_title() for ax in axes] == [f"layer {lyr} head {hd}" for lyr, hd in zip(*(
+        [[0, 0, 1, 1], [0, 1, 0, 1]] if layer is None and head is None else
+        [[layer, layer], [0, 1]] if head is None else [[0, 1], [head, head]] if layer is None else [[layer], [head]]))]
+    assert axes[-1].get_xticklabels()[0].get_fontsize() == pytest.approx(font)
+    assert ticks(axes[-1].get_xticklabels()) == [str(i % 10) for i in range(T)]
