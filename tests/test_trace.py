@@ -6,12 +6,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from PIL import Image
 
 from gptlab.config import ModelConfig, SampleConfig
 from gptlab.errors import GptlabError
 from gptlab.inspect import pictures
 from gptlab.inspect.anatomy import describe
-from gptlab.inspect.pictures import attention_png, lens_table
+from gptlab.inspect.pictures import attention_png, lens_png, lens_table
 from gptlab.inspect.trace import (
     find_word,
     pairwise_cosine,
@@ -276,3 +277,52 @@ def test_attention_pictures_are_sized_to_their_panels_and_tokens(figures, tmp_pa
         [[layer, layer], [0, 1]] if head is None else [[0, 1], [head, head]] if layer is None else [[layer], [head]]))]
     assert axes[-1].get_xticklabels()[0].get_fontsize() == pytest.approx(font)
     assert ticks(axes[-1].get_xticklabels()) == [str(i % 10) for i in range(T)]
+
+
+LENS3_P = [[[.1, .6, .2, .1], [.3, .2, .05, .45], [.25, .25, .4, .1]],
+           [[.05, .15, .7, .1], [.1, .1, .1, .7], [.5, .2, .2, .1]],
+           [[.05, .05, .1, .8], [.8, .1, .06, .04], [.1, .65, .15, .1]]]
+
+
+def test_the_lens_heatmap_shows_the_final_predictions_probability_at_every_depth(figures, tmp_path):
+    chars = CharTokenizer("ab é")
+    lens = torch.stack([torch.tensor(LENS3_P).log(), torch.full((3, 3, 4), 0.25).log()], dim=1)
+    lens_png(lens, ["a", "é", "中"], chars, tmp_path / "lens.png")
+    fig = figures[0]
+    ax, bar = fig.axes
+    # the final depth predicts é, ␣, a; their probabilities at each depth:
+    p_final = torch.tensor([[.1, .3, .25], [.1, .1, .2], [.8, .8, .65]])
+    assert torch.allclose(torch.from_numpy(ax.images[0].get_array().data), p_final, atol=1e-6)
+    assert ax.images[0].get_clim() == (0, 1) and ax.get_aspect() == "auto"
+    cells = [(t.get_position(), t.get_text(), t.get_color()) for t in ax.texts]
+    tops = [["a", "é", "b"], ["b", "é", "␣"], ["é", "␣", "a"]]  # each depth's own top-1
+    assert cells == [((t, d), tops[d][t], "black" if d == 2 else "white") for d in range(3) for t in range(3)]
+    assert ticks(ax.get_xticklabels()) == ["a", "é", "\\u4e2d"]
+    assert ticks(ax.get_yticklabels()) == ["emb", "after h.0", "after h.1"]
+    assert ax.get_xlabel() == "input token (each column predicts the token after it)"
+    assert bar.get_ylabel() == "probability of the final prediction"
+    assert ax.get_title() == ("logit lens: ln_f + lm_head on the residual stream after each block (text: top-1 at "
+                              "that depth)")
+    assert tuple(fig.get_size_inches()) == pytest.approx((6.0, 0.55 * 3 + 1.8))  # max(6, 0.42·3 + 2)
+
+
+def test_a_long_lens_heatmap_widens_with_the_tokens(figures, tmp_path):
+    chars = CharTokenizer("ab é")
+    lens_png(torch.randn(2, 1, 20, 4), ["a"] * 20, chars, tmp_path / "lens.png")
+    assert tuple(figures[0].get_size_inches()) == pytest.approx((0.42 * 20 + 2, 0.55 * 2 + 1.8))
+
+
+def test_a_picture_is_written_into_new_folders_at_100_dpi_cropped_and_closed(tmp_path):
+    plt = pyplot()
+    full = plt.figure(figsize=(3, 2))
+    ax = full.add_axes((0, 0, 1, 1))
+    ax.imshow([[0, 1], [1, 0]], aspect="auto")
+    ax.set_axis_off()  # the image fills the figure, nothing beyond it
+    out = pictures._save(full, tmp_path / "a" / "b" / "full.png")
+    assert out == tmp_path / "a" / "b" / "full.png" and not plt.fignum_exists(full.number)
+    w, h = Image.open(out).size
+    assert abs(w - (300 + 20)) <= 1 and abs(h - (200 + 20)) <= 1  # 3×2 inches at 100 dpi, 0.1 inch padding
+    small = plt.figure(figsize=(4, 4))
+    small.text(0.5, 0.5, "x")
+    out = pictures._save(small, tmp_path / "a" / "b" / "small.png")  # the folder already there
+    assert max(Image.open(out).size) < 100  # cropped to what is drawn, not 400×400
