@@ -11,7 +11,7 @@ import time
 
 import pytest
 import torch
-from conftest import tiny_config, tiny_run
+from conftest import CORPUS, tiny_config, tiny_run
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from test_sweep import TINY
@@ -414,3 +414,142 @@ def test_unreadable_tensors_are_one_line_naming_the_file(one):
     (one / "model.safetensors").write_bytes(b"\x08\0\0\0\0\0\0\0{}")
     with pytest.raises(GptlabError, match=r"model\.safetensors cannot be read \(.+\); the checkpoint is damaged$"):
         ck.read_tensors(one, "model")
+
+
+# ---- loading a run -----------------------------------------------------------------------------------------------
+
+def test_load_run_takes_the_best_checkpoint_by_default_and_the_newest_step_one_when_asked(trained):
+    best = ck.load_run(trained)
+    assert best.checkpoint.kind == "best" and best.checkpoint == ck.find_checkpoint(trained, "best")
+    last = ck.load_run(trained, which="last")
+    assert last.checkpoint == ck.Checkpoint(trained / "checkpoints" / "step-00000006", "step", 6)
+    state = json.loads((last.checkpoint.path / "state.json").read_text())
+    assert last.state == state and to_dict(last.model_cfg) == state["model"]
+    assert last.tokenizer.vocab_size == last.model_cfg.vocab_size == len(set(CORPUS))  # a char tokenizer
+    weights = load_file(last.checkpoint.path / "model.safetensors")
+    assert all(torch.equal(last.model.state_dict()[k], v) for k, v in weights.items())
+    assert not last.model.training and {p.device.type for p in last.model.parameters()} == {"cpu"}
+
+
+def test_load_run_puts_the_model_on_the_device_asked_for(trained):
+    assert {p.device.type for p in ck.load_run(trained, device="meta").model.parameters()} == {"meta"}
+
+
+def damage(path, truncate=True):
+    weights = path / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:100] if truncate else b"\0" * weights.stat().st_size)
+
+
+def test_a_run_whose_checkpoints_are_all_damaged_names_the_newest_and_its_damage(run):
+    steps = ck.list_checkpoints(run, "step")
+    size = (steps[0].path / "model.safetensors").stat().st_size
+    damage(steps[0].path)
+    damage(steps[1].path, truncate=False)  # another damage: the message is the newest's
+    damage(ck.list_checkpoints(run, "best")[0].path, truncate=False)
+    with pytest.raises(GptlabError) as refused:
+        ck.load_run(run)
+    assert str(refused.value) == (f"run {run} has no usable checkpoint: the newest, step-00000006, is damaged "
+                                  f"(model.safetensors is truncated (100 of {size} bytes))")
+
+
+def test_a_run_with_only_a_damaged_best_checkpoint_names_it(run):
+    for c in ck.list_checkpoints(run, "step"):
+        shutil.rmtree(c.path)
+    best = ck.list_checkpoints(run, "best")[0].path
+    damage(best, truncate=False)
+    with pytest.raises(GptlabError, match=f"no usable checkpoint: the newest, {best.name}, is damaged "
+                                          r"\(model.safetensors does not match its checksum \(corrupted\)\)$"):
+        ck.load_run(run)
+
+
+def test_a_run_without_checkpoints_says_whether_it_is_being_trained(run):
+    from gptlab.rundir import RunLock
+
+    shutil.rmtree(run / "checkpoints")
+    with pytest.raises(GptlabError) as refused:
+        ck.load_run(run)
+    assert str(refused.value) == f"run {run} has no checkpoint yet; train it with `gptlab train --run {run}`"
+    with RunLock(run), pytest.raises(GptlabError) as refused:
+        ck.load_run(run)
+    assert str(refused.value) == (f"run {run} is being trained and has no checkpoint yet; wait for its first "
+                                  "evaluation (one every --eval-interval steps) or pass --run")
+
+
+def test_a_run_tokenizer_that_is_not_the_checkpoints_is_refused(run):
+    (run / "tokenizer.json").write_bytes((run / "tokenizer.json").read_bytes() + b" ")
+    ckpt = ck.find_checkpoint(run, "best").path
+    with pytest.raises(GptlabError) as refused:
+        ck.load_run(run)
+    assert str(refused.value) == (f"{run / 'tokenizer.json'} is not the tokenizer the weights in {ckpt} were "
+                                  f"trained with; restore it from {ckpt / 'tokenizer.json'}")
+
+
+def model_cfg_of(run):
+    from gptlab.config import ModelConfig, from_dict
+
+    return from_dict(ModelConfig, json.loads((ck.find_checkpoint(run).path / "state.json").read_text())["model"])
+
+
+def test_a_checkpoint_without_its_own_tokenizer_loads_with_the_runs(run):
+    from gptlab.model import build_model
+
+    cfg = model_cfg_of(run)
+    shutil.rmtree(run / "checkpoints")
+    model = away_from_init(build_model(cfg))
+    ck.save_checkpoint(run, "step", 1, model, {"model": to_dict(cfg)})
+    loaded = ck.load_run(run)
+    assert loaded.checkpoint.step == 1 and loaded.tokenizer.vocab_size == cfg.vocab_size
+    assert all(torch.equal(loaded.model.state_dict()[k], v) for k, v in ck.model_tensors(model).items())
+
+
+def test_weights_that_do_not_fit_their_config_or_tokenizer_are_refused(run):
+    from gptlab.model import build_model
+
+    cfg = model_cfg_of(run)
+    shutil.rmtree(run / "checkpoints")
+    narrow = to_dict(cfg) | {"n_embd": cfg.n_embd * 2}
+    path = ck.save_checkpoint(run, "step", 1, build_model(cfg), {"model": narrow})
+    with pytest.raises(GptlabError, match=f"^the weights in {path} do not fit the model described by its config "):
+        ck.load_run(run)
+    small = to_dict(cfg) | {"vocab_size": cfg.vocab_size - 1}
+    ck.save_checkpoint(run, "step", 2, build_model(from_dict_model(small)), {"model": small})
+    with pytest.raises(GptlabError) as refused:
+        ck.load_run(run)
+    assert str(refused.value) == (f"the tokenizer of {run} has {cfg.vocab_size} tokens but the weights only "
+                                  f"{cfg.vocab_size - 1}: they do not belong together")
+
+
+def from_dict_model(d):
+    from gptlab.config import ModelConfig, from_dict
+
+    return from_dict(ModelConfig, d)
+
+
+def pruned_while_read(monkeypatch, times):
+    """_load_checkpoint as when training prunes the checkpoint being read: it vanishes (FileNotFoundError) the
+    first `times` times, then loads."""
+    real, calls = ck._load_checkpoint, []
+
+    def load(run_dir, ckpt, device):
+        calls.append(ckpt.step)
+        if len(calls) <= times:
+            shutil.rmtree(ckpt.path)
+            raise FileNotFoundError(errno.ENOENT, "No such file or directory", str(ckpt.path / "model.safetensors"))
+        return real(run_dir, ckpt, device)
+    monkeypatch.setattr(ck, "_load_checkpoint", load)
+    return calls
+
+
+def test_a_checkpoint_pruned_while_it_is_read_is_replaced_by_the_next(run, monkeypatch):
+    calls = pruned_while_read(monkeypatch, 1)
+    assert ck.load_run(run, which="last").checkpoint.step == 3 and calls == [6, 3]
+
+
+def test_loading_gives_up_after_three_checkpoints_vanish(run, monkeypatch):
+    model = GPT(model_cfg_of(run))
+    for step in (7, 8):
+        ck.save_checkpoint(run, "step", step, model, {"model": to_dict(model_cfg_of(run))}, keep=9)
+    calls = pruned_while_read(monkeypatch, 9)
+    with pytest.raises(FileNotFoundError):
+        ck.load_run(run, which="last")
+    assert calls == [8, 7, 6] and [c.step for c in ck.list_checkpoints(run, "step")] == [3]
