@@ -4,6 +4,7 @@ weights to that token's attention row, no request leaves the page, and a screens
 browser or Playwright is missing the tests skip, and the summary line says "browser skipped (...)"."""
 
 import io
+import json
 import re
 
 import pytest
@@ -84,3 +85,48 @@ def test_the_page_in_a_headless_browser(written, browser):
     assert [u for u in requests if not u.startswith("file:")] == [] and len(requests) == 1  # the page itself
     colours = shot.getcolors(1 << 24)
     assert len(colours) > 50 and max(n for n, _ in colours) < 0.95 * shot.width * shot.height  # not blank
+
+
+def page_data(text):
+    """The page's DATA object, read back as JSON."""
+    return json.loads(text.split("const DATA = ", 1)[1].split(";\nconst T = ", 1)[0])
+
+
+def test_the_page_holds_the_first_rows_causal_attention_and_the_tokens_as_written(tmp_path):
+    torch.manual_seed(1)
+    model = GPT(ModelConfig(vocab_size=20, block_size=16, n_layer=2, n_head=3, n_embd=24, dropout=0.0)).eval()
+    tr = trace(model, torch.randint(20, (2, 4)))  # two rows: the page shows the first
+    labels = ["中", "a", "</b>", "é"]
+    path = attention_html(tr, labels, tmp_path / "new" / "folder" / "a.html")
+    text = path.read_text(encoding="utf-8")
+    data = page_data(text)
+    assert data["tokens"] == labels and '"tokens":["中","a","<\\/b>","é"],"attention":[[[' in text
+    assert len(data["attention"]) == 2 and all(len(layer) == 3 for layer in data["attention"])
+    for layer, probs in zip(data["attention"], tr.attention):
+        for h, rows in enumerate(layer):
+            assert [len(row) for row in rows] == [1, 2, 3, 4]  # row i: keys 0..i
+            for i, row in enumerate(rows):
+                assert row == [round(v, 4) for v in probs[0, h, i, :i + 1].tolist()]
+                assert all(v == round(v, 4) for v in row) and abs(sum(row) - 1) <= 1e-3
+    assert "<title>attention: 中a&lt;/b&gt;é</title>" in text and "<h2>attention: 中a&lt;/b&gt;é</h2>" in text
+    assert "__TITLE__" not in text and "__DATA__" not in text
+
+
+def test_a_pages_default_title_is_the_first_80_characters_of_its_tokens():
+    torch.manual_seed(2)
+    model = GPT(ModelConfig(vocab_size=20, block_size=100, n_layer=1, n_head=1, n_embd=8, dropout=0.0)).eval()
+    tr = trace(model, torch.randint(20, (90,)))
+    text = page.attention_page(tr, [str(i % 10) for i in range(90)])
+    title = "".join(str(i % 10) for i in range(80))
+    assert f"<title>attention: {title}</title>" in text
+    assert page.attention_page(tr, ["x"] * 90, "mine").count("attention: mine<") == 2
+
+
+def test_a_page_of_exactly_the_most_numbers_is_allowed(written, monkeypatch):
+    tr = written[0]  # 2 layers × 3 heads × 12 tokens: 6 · 12·13/2 = 468 probabilities
+    monkeypatch.setattr(page, "MAX_NUMBERS", 468)
+    page.check_page_size(tr)
+    monkeypatch.setattr(page, "MAX_NUMBERS", 467)
+    with pytest.raises(GptlabError, match="2 layers x 3 heads over 12 tokens are 468 probabilities, too many for "
+                                          r"one page \(at most 467\)"):
+        page.check_page_size(tr)
