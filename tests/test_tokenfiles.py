@@ -301,9 +301,11 @@ def test_an_output_folder_that_cannot_be_made_is_one_error_and_deep_new_ones_are
     with pytest.raises(GptlabError, match=r"cannot create output folder .*a-file/out: Not a directory"):
         prepare([str(tmp_path / "docs.txt")], tmp_path / "a-file" / "out", "char", quiet=True, workers=1)
     meta = prepare([str(tmp_path / "docs.txt")], tmp_path / "a" / "b" / "out", "char", quiet=True, workers=1)
-    assert (tmp_path / "a" / "b" / "out" / "meta.json").read_text() == json.dumps(meta, indent=2)  # readable
-    assert sorted(p.name for p in (tmp_path / "a" / "b" / "out").iterdir()) == ["meta.json", "tokenizer.json",
-                                                                              "train.bin", "val.bin"]
+    out = tmp_path / "a" / "b" / "out"
+    assert (out / "meta.json").read_text() == json.dumps(meta, indent=2)  # readable
+    for split in ("train", "val"):  # a split of one file has its hash as folders from before shards have it
+        assert meta[f"{split}_sha256"] == hashlib.sha256((out / f"{split}.bin").read_bytes()[32:]).hexdigest()
+    assert sorted(p.name for p in out.iterdir()) == ["meta.json", "tokenizer.json", "train.bin", "val.bin"]
 
 
 # ---- prepare's checkpoints and commit ----------------------------------------------------------------------------
