@@ -168,9 +168,12 @@ def test_gpu_rng_states_are_left_alone_unless_saved_for_as_many_gpus(gpus, saved
 # ---- listing, verifying, finding -------------------------------------------------------------------------------
 
 def test_list_checkpoints_is_newest_first_and_skips_what_is_not_a_checkpoint(tmp_path):
+    """Stray folders whose names are no step number, and a file named like a checkpoint, are left out (the
+    file used to make find_checkpoint raise NotADirectoryError)."""
     for name in ("step-00000002", "step-00000010", "best-00000004", "step-00000007", "step-final",
                  "step-00000008-1", "step-", "step-x-3", ".tmp-step-00000009-1"):
         (tmp_path / "checkpoints" / name).mkdir(parents=True)
+    (tmp_path / "checkpoints" / "step-00000011").write_text("a file, not a checkpoint")
     found = ck.list_checkpoints(tmp_path, "step")
     assert found == [ck.Checkpoint(tmp_path / "checkpoints" / f"step-{s:08d}", "step", s) for s in (10, 7, 2)]
     assert ck.list_checkpoints(tmp_path, "best") == [ck.Checkpoint(tmp_path / "checkpoints" / "best-00000004",

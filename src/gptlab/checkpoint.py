@@ -124,6 +124,8 @@ class Checkpoint:
 def list_checkpoints(run_dir: Path, kind: str) -> list[Checkpoint]:
     found = []
     for p in (run_dir / CKPTS).glob(f"{kind}-*"):
+        if not p.is_dir():  # a stray file named like one (verifying it would raise NotADirectoryError)
+            continue
         try:
             found.append(Checkpoint(p, kind, int(p.name.split("-", 1)[1])))
         except ValueError:
