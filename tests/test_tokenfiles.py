@@ -145,6 +145,8 @@ def test_shards_convert_to_arrays_of_the_dtype_asked_for(stream):
         assert tokens.__array__(dtype).dtype == dtype and tokens.__array__(dtype).tolist() == whole
         assert tokens.astype(dtype).dtype == dtype and tokens.astype(dtype).tolist() == whole
     assert tokens.tolist() == whole
+    one = ShardedTokens([np.array([7, 8, 9], dtype=np.uint32)])  # a split of a single shard reads as that shard
+    assert len(one) == 3 and one[:].dtype == np.uint32 and one[1:].tolist() == [8, 9] and int(one[-1]) == 9
 
 
 # ---- the manifest --------------------------------------------------------------------------------------------------
