@@ -14,6 +14,7 @@ from gptlab.inspect import pictures
 from gptlab.inspect.anatomy import describe
 from gptlab.inspect.pictures import attention_png, lens_png, lens_table
 from gptlab.inspect.trace import (
+    _attention,
     find_word,
     pairwise_cosine,
     token_label,
@@ -24,7 +25,7 @@ from gptlab.inspect.trace import (
 )
 from gptlab.model import GPT, Bigram
 from gptlab.plots import pyplot
-from gptlab.tokenizer import CharTokenizer
+from gptlab.tokenizer import CharTokenizer, GPT2Tokenizer
 
 
 def gpt(seed=0, **kw):
@@ -174,6 +175,32 @@ def test_token_labels_escape_invisible_characters_and_name_the_empty_token():
     assert token_labels(chars, chars.encode("é\r\xa0\u200b\x7fa")) == ["é", "\\r", "\\xa0", "\\u200b", "\\x7f", "a"]
     assert token_label(NoBytes(), 0) == "∅"
 
+
+def test_a_byte_level_piece_is_shown_byte_by_byte():
+    gpt2 = GPT2Tokenizer()
+    assert token_labels(gpt2, gpt2.encode("😀")) == ["\\xf0\\x9f\\x98", "\\x80"]  # F0 9F 98 80, split 3 + 1
+
+
+def test_one_token_is_enough_to_trace():
+    tr = trace(gpt(11), [7])
+    assert tr.logits.shape == (1, 1, 50) and tr.attention[0][0, :, 0, 0].tolist() == [1.0, 1.0]
+
+
+def test_the_causal_mask_is_made_on_the_streams_device():
+    """On the meta device (standing in for an accelerator): a mask left on the CPU could not mask its scores."""
+    with torch.device("meta"):
+        model = GPT(ModelConfig(vocab_size=50, block_size=16, n_layer=1, n_head=2, n_embd=32, dropout=0.0))
+        x = torch.randn(2, 5, 32)
+    added, probs = _attention(model.transformer.h[0], x)
+    assert added.device.type == probs.device.type == "meta" and probs.shape == (2, 2, 5, 5)
+
+
+def test_refusals_name_the_model_and_the_way_out():
+    with pytest.raises(GptlabError, match="this run's model is a Bigram: it has no attention"):
+        trace(Bigram(ModelConfig(vocab_size=10, arch="bigram")), [1])
+    with pytest.raises(GptlabError, match="the prompt plus 9 new tokens is 17 tokens but the model's context is 16; "
+                                          "give a shorter prompt or generate fewer tokens"):
+        trace_generation(gpt(), [1] * 8, SampleConfig(max_new_tokens=9, temperature=0))
 
 def test_a_word_is_read_at_its_last_token_and_a_missing_word_is_refused():
     chars = CharTokenizer("abc ")
