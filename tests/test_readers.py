@@ -208,6 +208,15 @@ def test_strict_refuses_a_bad_record_and_says_what_happens_without_it(tmp_path):
         scan_one(path, strict=True)
 
 
+def test_the_end_of_text_marker_is_refused_only_when_asked(tmp_path):
+    (tmp_path / "a.txt").write_text("one document<|endoftext|>another\n")
+    source = file_source(tmp_path / "a.txt")
+    assert scan_sources([source], "utf-8", "text", False, lambda n: None, False).described[0]["documents"] == 1
+    with pytest.raises(GptlabError, match=rf"^{source.name} contains the text <\|endoftext\|>, which this tokenizer "
+                                          "reserves for the end of a document; pass --allow-special"):
+        scan_sources([source], "utf-8", "text", False, lambda n: None, True)
+
+
 @pytest.mark.parametrize("lines, hint", [
     (["not json at all"], "a .jsonl / .json file must hold one JSON object per line"),
     (["nope", '{"id": 1}'], "a .jsonl / .json file must hold one JSON object per line"),  # as its first line says
@@ -250,3 +259,5 @@ def test_int_of_n_times_the_fraction_documents_are_held_out_else_none():
         mask = val_documents(counted(*counts), fraction, 3)
         assert mask.dtype == np.bool_ and mask.shape == (sum(counts),) and mask.sum() == k
     assert val_documents(counted(4, 5), 0.1, 0) is None  # 9 documents: int(0.9) is none, split by characters
+    again, other = (val_documents(counted(40), 0.5, seed).tolist() for seed in (3, 4))
+    assert again == val_documents(counted(40), 0.5, 3).tolist() != other  # chosen by the seed alone
