@@ -12,7 +12,14 @@ from gptlab.config import ModelConfig, SampleConfig
 from gptlab.errors import GptlabError
 from gptlab.inspect import pictures
 from gptlab.inspect.anatomy import describe
-from gptlab.inspect.pictures import attention_png, lens_png, lens_table
+from gptlab.inspect.pictures import (
+    attention_png,
+    embeddings_png,
+    lens_png,
+    lens_table,
+    pca_2d,
+    similarity_table,
+)
 from gptlab.inspect.trace import (
     _attention,
     find_word,
@@ -353,3 +360,73 @@ def test_a_picture_is_written_into_new_folders_at_100_dpi_cropped_and_closed(tmp
     small.text(0.5, 0.5, "x")
     out = pictures._save(small, tmp_path / "a" / "b" / "small.png")  # the folder already there
     assert max(Image.open(out).size) < 100  # cropped to what is drawn, not 400×400
+
+
+# The word's vectors at 4 depths (static, tok+pos, h.0, h.1) in 3 contexts, chosen so that the cosines are known:
+REPS = torch.tensor([[[1., 0.], [1., 0.], [1., 0.]],     # one static vector: 1, 1, 1
+                     [[1., 0.], [0., 1.], [1., 1.]],     # 0, cos 45° = .7071, .7071
+                     [[1., 0.], [-1., 0.], [0., 2.]],    # -1, 0, 0
+                     [[2., 1.], [1., 2.], [2., 2.]]])    # 4/5 = .8, 6/√40 = .9487, .9487
+SIMS = {(0, 1): [1, 0, -1, .8], (0, 2): [1, 2 ** -.5, 0, 6 / 40 ** .5], (1, 2): [1, 2 ** -.5, 0, 6 / 40 ** .5]}
+
+
+def test_the_similarity_table_by_hand():
+    assert similarity_table(REPS).splitlines() == [
+        "depth        1 vs 2    1 vs 3    2 vs 3",
+        "---------------------------------------",
+        "static       1.0000    1.0000    1.0000",
+        "tok+pos      0.0000    0.7071    0.7071",
+        "h.0         -1.0000    0.0000    0.0000",
+        "h.1          0.8000    0.9487    0.9487"]
+
+
+def test_pca_keeps_the_centred_points_distances_largest_component_first():
+    x = torch.tensor([[1., 0, 0], [-1, 0, 0], [0, 2, 0], [0, -2, 0]]) + 5  # spread 2 along x, 4 along y
+    xy = pca_2d(x)
+    assert torch.allclose(xy.abs(), torch.tensor([[0., 1], [0, 1], [2, 0], [2, 0]]), atol=1e-5)
+    line = pca_2d(torch.tensor([[3.], [5.]]))  # one dimension: the second coordinate is 0
+    assert torch.allclose(line.abs(), torch.tensor([[1., 0], [1, 0]]), atol=1e-6)
+
+
+def test_the_embeddings_picture_plots_each_pairs_similarity_and_each_depths_points(figures, tmp_path):
+    embeddings_png(REPS, "cat", ["the cat", "a cat", "cat!"], tmp_path / "e.png")
+    fig = figures[0]
+    whole, zoom, *subs = fig.axes
+    names = ["static", "tok+pos", "h.0", "h.1"]
+    assert tuple(fig.get_size_inches()) == pytest.approx((9.0, 7.5))  # max(9, 2·4)
+    assert whole.get_subplotspec().colspan == range(2) and zoom.get_subplotspec().colspan == range(2, 4)
+    assert whole.get_subplotspec().rowspan == zoom.get_subplotspec().rowspan == range(1)
+    assert whole.get_subplotspec().get_gridspec().get_height_ratios() == [1.4, 1]
+    for ax, first in ((whole, 0), (zoom, 2)):
+        assert [line.get_label() for line in ax.lines] == ["context 1 vs 2", "context 1 vs 3", "context 2 vs 3"]
+        for line, pair in zip(ax.lines, SIMS):
+            assert list(line.get_xdata()) == list(range(first, 4)) and line.get_marker() == "o"
+            assert line.get_ydata().tolist() == pytest.approx(SIMS[pair][first:], abs=1e-6)
+        assert ticks(ax.get_xticklabels()) == names[first:]
+    assert whole.get_ylabel() == "cosine similarity"
+    assert whole.get_title() == "'cat' in 3 contexts: one static vector, then contextual ones"
+    assert zoom.get_title() == "after each block, zoomed in"
+    assert ticks(zoom.get_legend().get_texts()) == ["context 1 vs 2", "context 1 vs 3", "context 2 vs 3"]
+    assert [ax.get_title() for ax in subs] == names
+    for d, ax in enumerate(subs):
+        assert ax.get_subplotspec().rowspan == range(1, 2) and ax.get_subplotspec().colspan == range(d, d + 1)
+        assert list(ax.get_xticks()) == [] and list(ax.get_yticks()) == []
+        points = torch.tensor([c.get_offsets()[0].tolist() for c in ax.collections])  # one scatter per context
+        assert [t.get_text() for t in ax.texts] == ["1", "2", "3"]
+        assert [t.xy for t in ax.texts] == [tuple(p) for p in points.tolist()]
+        assert torch.allclose(torch.cdist(points, points), torch.cdist(REPS[d], REPS[d]), atol=1e-5)
+        assert [tuple(c.get_facecolor()[0]) for c in ax.collections] == [pyplot().get_cmap("tab10")(n) for n in range(3)]
+    legend = [t for t in fig.texts if t.get_text().startswith("PCA")]
+    assert [t.get_text() for t in legend] == ["PCA per depth; contexts\n1: 'the cat'\n2: 'a cat'\n3: 'cat!'"]
+    assert legend[0].get_position() == (0.01, -0.02) and legend[0].get_va() == "top"
+
+
+@pytest.mark.parametrize("D, width, half", [(3, 9.0, 1), (6, 12.0, 3)])
+def test_the_embeddings_picture_widens_with_depth_and_lists_ten_contexts_cut_at_70(figures, tmp_path, D, width, half):
+    contexts = ["x" * 80] + [f"c{n}" for n in range(11)]
+    embeddings_png(torch.randn(D, 12, 8), "x", contexts, tmp_path / "e.png")
+    fig = figures[0]
+    assert tuple(fig.get_size_inches()) == pytest.approx((width, 7.5))
+    assert fig.axes[0].get_subplotspec().colspan == range(half)
+    legend = next(t.get_text() for t in fig.texts if t.get_text().startswith("PCA")).splitlines()
+    assert legend[1:] == [f"1: '{'x' * 70}'"] + [f"{n + 2}: 'c{n}'" for n in range(9)]
