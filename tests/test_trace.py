@@ -278,6 +278,7 @@ def test_the_attention_grid_draws_each_heads_map_of_the_first_row(figures, tmp_p
     assert attention_png(tr, labels, tmp_path / "a.png") == tmp_path / "a.png"
     fig = figures[0]
     assert tuple(fig.get_size_inches()) == pytest.approx((2 * 2 + 1, 2 * 2 + 0.6))  # cell max(2, 0.11·3) = 2
+    assert fig._suptitle.get_fontsize() == 10 and fig._suptitle.get_position()[1] == 1.0
     assert fig._suptitle.get_text() == "attention: row = query token, column = key token it reads (colour = probability)"
     axes = [ax for ax in fig.axes if ax.images]
     assert len(axes) == 4
@@ -287,6 +288,8 @@ def test_the_attention_grid_draws_each_heads_map_of_the_first_row(figures, tmp_p
         image = ax.images[0]
         assert torch.equal(torch.from_numpy(image.get_array().data), tr.attention[layer][0, head])
         assert image.get_clim() == (0, 1) and image.get_interpolation() == "nearest"
+        assert image.get_cmap().name == "viridis" and ax.title.get_fontsize() == 9
+        assert ax.get_xticklabels()[0].get_rotation() == 90 and ax.xaxis.get_major_ticks()[0].tick1line.get_markersize() == 0
         shown = ["x", "\\u4e2d", "␣"]
         assert ticks(ax.get_xticklabels()) == (shown if layer == 1 else ["", "", ""])
         assert ticks(ax.get_yticklabels()) == (shown if head == 0 else ["", "", ""])
@@ -327,7 +330,9 @@ def test_the_lens_heatmap_shows_the_final_predictions_probability_at_every_depth
     # the final depth predicts é, ␣, a; their probabilities at each depth:
     p_final = torch.tensor([[.1, .3, .25], [.1, .1, .2], [.8, .8, .65]])
     assert torch.allclose(torch.from_numpy(ax.images[0].get_array().data), p_final, atol=1e-6)
-    assert ax.images[0].get_clim() == (0, 1) and ax.get_aspect() == "auto"
+    assert ax.images[0].get_clim() == (0, 1) and ax.get_aspect() == "auto" and ax.images[0].get_cmap().name == "magma"
+    assert {(t.get_ha(), t.get_va(), t.get_fontsize()) for t in ax.texts} == {("center", "center", 7)}
+    assert {t.get_fontsize() for t in ax.get_xticklabels() + ax.get_yticklabels()} == {8} and ax.title.get_fontsize() == 10
     cells = [(t.get_position(), t.get_text(), t.get_color()) for t in ax.texts]
     tops = [["a", "é", "b"], ["b", "é", "␣"], ["é", "␣", "a"]]  # each depth's own top-1
     assert cells == [((t, d), tops[d][t], "black" if d == 2 else "white") for d in range(3) for t in range(3)]
@@ -339,6 +344,11 @@ def test_the_lens_heatmap_shows_the_final_predictions_probability_at_every_depth
                               "that depth)")
     assert tuple(fig.get_size_inches()) == pytest.approx((6.0, 0.55 * 3 + 1.8))  # max(6, 0.42·3 + 2)
 
+
+def test_a_lens_cell_is_written_in_black_only_above_60_percent(figures, tmp_path):
+    lens = torch.tensor([[[[.3, .7]]], [[[.6, .4]]]]).log()  # the final 0.6 is float32's 0.6 exactly
+    lens_png(lens, ["a"], CharTokenizer("ab"), tmp_path / "lens.png")
+    assert [t.get_color() for t in figures[0].axes[0].texts] == ["white", "white"]
 
 def test_a_long_lens_heatmap_widens_with_the_tokens(figures, tmp_path):
     chars = CharTokenizer("ab é")
