@@ -340,6 +340,7 @@ def test_the_lens_heatmap_shows_the_final_predictions_probability_at_every_depth
     assert ticks(ax.get_yticklabels()) == ["emb", "after h.0", "after h.1"]
     assert ax.get_xlabel() == "input token (each column predicts the token after it)"
     assert bar.get_ylabel() == "probability of the final prediction"
+    assert bar.get_position().width == pytest.approx(0.03 * (0.9 - 0.125))  # 3 % of the default axes' span
     assert ax.get_title() == ("logit lens: ln_f + lm_head on the residual stream after each block (text: top-1 at "
                               "that depth)")
     assert tuple(fig.get_size_inches()) == pytest.approx((6.0, 0.55 * 3 + 1.8))  # max(6, 0.42·3 + 2)
@@ -429,6 +430,11 @@ def test_the_embeddings_picture_plots_each_pairs_similarity_and_each_depths_poin
     legend = [t for t in fig.texts if t.get_text().startswith("PCA")]
     assert [t.get_text() for t in legend] == ["PCA per depth; contexts\n1: 'the cat'\n2: 'a cat'\n3: 'cat!'"]
     assert legend[0].get_position() == (0.01, -0.02) and legend[0].get_va() == "top"
+    # the type: titles 10 (8 per depth), ticks 8, point numbers 8, legends 7; points of 30 pt²; a faint grid
+    assert whole.title.get_fontsize() == zoom.title.get_fontsize() == 10 and subs[0].title.get_fontsize() == 8
+    assert {t.get_fontsize() for t in whole.get_xticklabels() + zoom.get_xticklabels() + subs[0].texts} == {8}
+    assert {t.get_fontsize() for t in zoom.get_legend().get_texts() + legend} == {7} and zoom.get_legend()._loc == 3
+    assert subs[0].collections[0].get_sizes().tolist() == [30] and whole.xaxis.get_gridlines()[0].get_alpha() == 0.3
 
 
 @pytest.mark.parametrize("D, width, half", [(3, 9.0, 1), (6, 12.0, 3)])
