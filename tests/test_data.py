@@ -319,9 +319,12 @@ def test_the_refusal_to_replace_data_names_the_runs_trained_on_it():
 
 
 def test_work_run_off_the_main_thread_returns_its_value_or_raises_its_error():
+    import threading
+
     from gptlab.data import _interruptible
 
     assert _interruptible(lambda: ["ünï", 3]) == ["ünï", 3]
+    assert _interruptible(lambda: threading.current_thread().daemon) is True  # abandoned, it dies with the process
 
     def fails():
         raise GptlabError("the vocabulary cannot be trained")
@@ -479,3 +482,35 @@ def test_a_resumed_prepare_says_what_it_keeps_unless_quiet(tmp_path, monkeypatch
     prepare([str(tmp_path / "docs")], tmp_path / "b", "char", quiet=False, workers=1, shard_tokens=1000)
     assert (f"resuming the prepare interrupted in {tmp_path / 'b' / STAGE}: {sum(kept):,} tokens already written, "
             f"{shards} complete shards\n") in capsys.readouterr().err
+
+
+def test_for_a_char_tokenizer_the_end_of_text_marker_is_plain_text(tmp_path):
+    text = "first document<|endoftext|>second, ünïcode\n" * 20
+    (tmp_path / "docs.txt").write_text(text, encoding="utf-8")
+    prepare([str(tmp_path / "docs.txt")], tmp_path / "out", "char", quiet=True)
+    ds = load_dataset(tmp_path / "out")
+    assert ds.tokenizer.decode(ds.train.tolist()) + ds.tokenizer.decode(ds.val.tolist()) == text
+
+
+def test_each_documents_end_of_text_is_on_the_side_of_its_document(tmp_path):
+    (tmp_path / "docs").mkdir()
+    for i in range(20):
+        (tmp_path / "docs" / f"{i:02d}.txt").write_text(f"dokument {i}: {'naïve café ' * (2 + i % 3)}\n", "utf-8")
+    meta = prepare([str(tmp_path / "docs")], tmp_path / "out", "gpt2", quiet=True)
+    ds = load_dataset(tmp_path / "out")
+    assert meta["split"] == "documents" and 0 < meta["val_documents"] < 20
+    assert ds.val.tolist().count(50256) == meta["val_documents"] and ds.train.tolist().count(50256) == 20 - meta[
+        "val_documents"]
+
+
+def test_text_with_the_end_of_text_marker_is_refused_before_anything_is_written(tmp_path, monkeypatch):
+    from gptlab import encoder
+
+    monkeypatch.setattr(encoder, "UNIT_CHARS", 50)  # checkpoints early, were the text encoded
+    (tmp_path / "docs").mkdir()
+    for i in range(30):
+        (tmp_path / "docs" / f"{i:02d}.txt").write_text(f"dokument {i}: naïve café\n" * 3, "utf-8")
+    (tmp_path / "docs" / "99.txt").write_text("the last one<|endoftext|>\n")
+    with pytest.raises(GptlabError, match="99.txt contains the text <|endoftext|>"):
+        prepare([str(tmp_path / "docs")], tmp_path / "out", "gpt2", quiet=True, workers=1, shard_tokens=20)
+    assert not (tmp_path / "out").exists()
