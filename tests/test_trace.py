@@ -17,6 +17,7 @@ from gptlab.inspect.pictures import (
     embeddings_png,
     lens_png,
     lens_table,
+    lens_top,
     pca_2d,
     similarity_table,
 )
@@ -205,6 +206,8 @@ def test_the_causal_mask_is_made_on_the_streams_device():
 def test_refusals_name_the_model_and_the_way_out():
     with pytest.raises(GptlabError, match="this run's model is a Bigram: it has no attention"):
         trace(Bigram(ModelConfig(vocab_size=10, arch="bigram")), [1])
+    with pytest.raises(GptlabError, match="^the prompt is 17 tokens but the model's context is 16; give a shorter prompt$"):
+        trace(gpt(), list(range(17)))
     with pytest.raises(GptlabError, match="the prompt plus 9 new tokens is 17 tokens but the model's context is 16; "
                                           "give a shorter prompt or generate fewer tokens"):
         trace_generation(gpt(), [1] * 8, SampleConfig(max_new_tokens=9, temperature=0))
@@ -256,6 +259,11 @@ def test_the_lens_table_shows_the_top_tokens_of_the_first_row_at_every_depth():
     assert lens_table(LENS, chars, [1, 3], top=2) == LENS_TABLE
     assert lens_table(LENS, chars, [1, 3]).splitlines()[2:] == ["0    a      a 0.60  b 0.70", "1    é      é 0.45  ␣ 0.80"]
 
+
+def test_the_lens_top_is_one_token_unless_asked():
+    values, indices = lens_top(LENS)  # row 0: a at emb/pos 0 (0.6), é at emb/pos 1 (0.45), then b (0.7), ␣ (0.8)
+    assert indices.tolist() == [[[1], [3]], [[2], [0]]]
+    assert torch.allclose(values[..., 0], torch.tensor([[0.6, 0.45], [0.7, 0.8]]), atol=1e-6)
 
 @pytest.fixture
 def figures(monkeypatch):
