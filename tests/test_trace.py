@@ -368,11 +368,14 @@ def test_a_long_lens_heatmap_widens_with_the_tokens(figures, tmp_path):
 def test_a_picture_is_written_into_new_folders_at_100_dpi_cropped_and_closed(tmp_path):
     plt = pyplot()
     full = plt.figure(figsize=(3, 2))
+    later = plt.figure()  # the current figure now: saving `full` closes `full`, not this one
     ax = full.add_axes((0, 0, 1, 1))
     ax.imshow([[0, 1], [1, 0]], aspect="auto")
     ax.set_axis_off()  # the image fills the figure, nothing beyond it
     out = pictures._save(full, tmp_path / "a" / "b" / "full.png")
     assert out == tmp_path / "a" / "b" / "full.png" and not plt.fignum_exists(full.number)
+    assert plt.fignum_exists(later.number)
+    plt.close(later)
     w, h = Image.open(out).size
     assert abs(w - (300 + 20)) <= 1 and abs(h - (200 + 20)) <= 1  # 3×2 inches at 100 dpi, 0.1 inch padding
     small = plt.figure(figsize=(4, 4))
@@ -454,3 +457,5 @@ def test_the_embeddings_picture_widens_with_depth_and_lists_ten_contexts_cut_at_
     assert fig.axes[0].get_subplotspec().colspan == range(half)
     legend = next(t.get_text() for t in fig.texts if t.get_text().startswith("PCA")).splitlines()
     assert legend[1:] == [f"1: '{'x' * 70}'"] + [f"{n + 2}: 'c{n}'" for n in range(9)]
+    tab10 = pyplot().get_cmap("tab10")
+    assert [tuple(c.get_facecolor()[0]) for c in fig.axes[-1].collections] == [tab10(n % 10) for n in range(12)]
