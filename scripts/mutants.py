@@ -69,7 +69,7 @@ MODULES = {
     "staging": _m("staging", "test_tokenfiles test_shards test_corpus"),
     "tokenfiles": _m("tokenfiles", "test_tokenfiles test_data test_shards test_nothing_lost"),
     "data": _m("data", "test_data test_tokenfiles test_corpus test_shards"),
-    "inspect": _m("inspect/anatomy inspect/page inspect/pictures inspect/trace", "test_inspect test_inspect_page"),
+    "inspect": _m("inspect/anatomy inspect/page inspect/pictures inspect/trace", "test_inspect test_inspect_page test_trace"),
     "runs": _m("runs", "test_runs test_cli"),
     "rundir": _m("rundir", "test_nothing_lost test_faults test_runs"),
     "checkpoint": _m("checkpoint", "test_checkpoint test_nothing_lost test_faults test_train test_runtime"),
