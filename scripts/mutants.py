@@ -59,7 +59,7 @@ def _m(sources: str, tests: str) -> Module:
 MODULES = {
     "sampling": _m("sampling", "test_sampling test_engine"),
     "textstream": _m("textstream", "test_textstream test_engine"),
-    "engine": _m("engine", "test_engine test_sampling test_textstream test_fastdecode test_serve_batching test_int8"),
+    "engine": _m("engine", "test_engine test_running_batch test_sampling test_textstream test_fastdecode test_serve_batching test_int8"),
     "serve.api": _m("serve/api", "test_serve test_serve_api test_serve_batching"),
     "serve.app": _m("serve/app", "test_serve test_serve_api test_serve_batching"),
     "serve.scheduler": _m("serve/scheduler", "test_serve test_serve_scheduler test_serve_batching"),
@@ -70,7 +70,7 @@ MODULES = {
     "tokenfiles": _m("tokenfiles", "test_tokenfiles test_data test_shards test_nothing_lost"),
     "data": _m("data", "test_data test_tokenfiles test_corpus test_shards"),
     "inspect": _m("inspect/anatomy inspect/page inspect/pictures inspect/trace", "test_inspect test_inspect_page test_trace"),
-    "runs": _m("runs", "test_runs test_cli"),
+    "runs": _m("runs", "test_runs test_runs_start test_cli"),
     "rundir": _m("rundir", "test_nothing_lost test_faults test_runs"),
     "checkpoint": _m("checkpoint", "test_checkpoint test_nothing_lost test_faults test_train test_runtime"),
     "preflight": _m("preflight", "test_nothing_lost test_train test_shards"),
