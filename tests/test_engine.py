@@ -144,8 +144,8 @@ def test_bad_generation_inputs_are_refused_at_the_call():
 # ---- an outside reference: the model's plain forward over the documented window ------------------------------------
 
 BLOCK = 16
-KEEPS = {9: 6, 16: 12, 24: 18}  # the documented window: a row sees its last block_size tokens; one more slides it
-# to its last 3/4 (rounded down), worked out by hand
+KEEPS = {1: 1, 2: 1, 3: 2, 4: 3, 9: 6, 16: 12, 24: 18}  # the documented window: a row sees its last block_size
+# tokens; one more slides it to its last 3/4 (rounded down, at least 1), worked out by hand
 TEXT = "Grüße aus Köln, schöne Straße. 日本語のテキストです。Ça va très bien? Ωμέγα και άλφα! "
 
 
