@@ -4,6 +4,7 @@ pictures' texts, images and labels read back from matplotlib's figure objects.""
 
 from pathlib import Path
 
+import matplotlib
 import pytest
 import torch
 from PIL import Image
@@ -372,7 +373,8 @@ def test_a_picture_is_written_into_new_folders_at_100_dpi_cropped_and_closed(tmp
     ax = full.add_axes((0, 0, 1, 1))
     ax.imshow([[0, 1], [1, 0]], aspect="auto")
     ax.set_axis_off()  # the image fills the figure, nothing beyond it
-    out = pictures._save(full, tmp_path / "a" / "b" / "full.png")
+    with matplotlib.rc_context({"savefig.dpi": 72}):  # a matplotlibrc's resolution does not apply
+        out = pictures._save(full, tmp_path / "a" / "b" / "full.png")
     assert out == tmp_path / "a" / "b" / "full.png" and not plt.fignum_exists(full.number)
     assert plt.fignum_exists(later.number)
     plt.close(later)
