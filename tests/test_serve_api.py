@@ -354,8 +354,8 @@ def info(token, logprob):
 
 
 EVENTS = [("token", 0, "ab", 1, info("ab", -0.5), None), ("token", 1, "c", 3, info("c", -1.0), None),
-          ("token", 0, "é", 11, info("é", -0.25), "length"), ("token", 1, "d", 4, info("d", -2.0), "stop"),
-          ("done", USAGE)]  # two choices of one prompt, tokens interleaved as a batch gives them
+          ("token", 0, "é", 11, info("é", -0.25), None), ("token", 1, "d", 4, info("d", -2.0), "stop"),
+          ("token", 0, "f", 6, info("f", -0.75), "length"), ("done", USAGE)]  # two choices of one prompt, tokens interleaved as a batch gives them
 
 
 class Client:
@@ -399,14 +399,14 @@ def test_a_collected_completion_joins_each_choices_tokens_and_logprobs():
     assert response.status_code == 200 and re.fullmatch("cmpl-[0-9a-f]{24}", body["id"]) and body["model"] == "run"
     assert body["object"] == "text_completion" and body["usage"] == USAGE
     assert body["choices"] == [
-        {"text": "abé", "index": 0, "finish_reason": "length",
-         "logprobs": {"tokens": ["ab", "é"], "token_logprobs": [-0.5, -0.25], "text_offset": [0, 2],
-                      "top_logprobs": [{"ab": -0.5, "x": -9.0}, {"é": -0.25, "x": -9.0}]}},
+        {"text": "abéf", "index": 0, "finish_reason": "length",
+         "logprobs": {"tokens": ["ab", "é", "f"], "token_logprobs": [-0.5, -0.25, -0.75], "text_offset": [0, 2, 3],
+                      "top_logprobs": [{"ab": -0.5, "x": -9.0}, {"é": -0.25, "x": -9.0}, {"f": -0.75, "x": -9.0}]}},
         {"text": "cd", "index": 1, "finish_reason": "stop",
          "logprobs": {"tokens": ["c", "d"], "token_logprobs": [-1.0, -2.0], "text_offset": [0, 1],
                       "top_logprobs": [{"c": -1.0, "x": -9.0}, {"d": -2.0, "x": -9.0}]}}]
     openai = pytest.importorskip("openai")
-    assert openai.types.Completion.model_validate(body).choices[0].logprobs.text_offset == [0, 2]
+    assert openai.types.Completion.model_validate(body).choices[0].logprobs.text_offset == [0, 2, 3]
 
 
 def test_a_collected_echo_starts_each_choice_with_its_own_prompt():
@@ -453,16 +453,13 @@ def test_a_stream_is_one_chunk_a_token_then_the_usage_then_done():
     chunks = chunks_of(parts)
     assert len({c["id"] for c in chunks}) == 1 and re.fullmatch("cmpl-[0-9a-f]{24}", chunks[0]["id"])
     assert {(c["object"], c["model"]) for c in chunks} == {("text_completion", "run")}
-    assert [c["choices"] for c in chunks] == [
-        [{"text": "ab", "index": 0, "finish_reason": None, "logprobs": {
-            "tokens": ["ab"], "token_logprobs": [-0.5], "top_logprobs": [{"ab": -0.5, "x": -9.0}], "text_offset": [0]}}],
-        [{"text": "c", "index": 1, "finish_reason": None, "logprobs": {
-            "tokens": ["c"], "token_logprobs": [-1.0], "top_logprobs": [{"c": -1.0, "x": -9.0}], "text_offset": [0]}}],
-        [{"text": "é", "index": 0, "finish_reason": "length", "logprobs": {
-            "tokens": ["é"], "token_logprobs": [-0.25], "top_logprobs": [{"é": -0.25, "x": -9.0}], "text_offset": [2]}}],
-        [{"text": "d", "index": 1, "finish_reason": "stop", "logprobs": {
-            "tokens": ["d"], "token_logprobs": [-2.0], "top_logprobs": [{"d": -2.0, "x": -9.0}], "text_offset": [1]}}],
-        []]
+    def one(text, index, reason, logprob, offset):  # a chunk's choice: one token, at `offset` in its choice's text
+        return [{"text": text, "index": index, "finish_reason": reason, "logprobs": {
+            "tokens": [text], "token_logprobs": [logprob], "top_logprobs": [{text: logprob, "x": -9.0}],
+            "text_offset": [offset]}}]
+    assert [c["choices"] for c in chunks] == [one("ab", 0, None, -0.5, 0), one("c", 1, None, -1.0, 0),
+                                              one("é", 0, None, -0.25, 2), one("d", 1, "stop", -2.0, 1),
+                                              one("f", 0, "length", -0.75, 3), []]
     assert chunks[-1]["usage"] == USAGE and "usage" not in chunks[0]
     assert "é" in parts[2]  # UTF-8 as it is, readable in `curl -N`, not a \\u escape
 
@@ -471,6 +468,7 @@ def test_a_streamed_echo_sends_each_choices_prompt_first():
     events = [("token", 1, "a", 1, None, "length"), ("token", 0, "b", 2, None, "length"), ("done", USAGE)]
     parts, _ = streamed({"prompt": ["Où", "z"], "echo": True, "stream": True}, events, prompt_ids=((1, 2), (3,)))
     assert '"Où"' in parts[0]
+    assert {(c["object"], c["model"], c["id"][:5]) for c in chunks_of(parts)} == {("text_completion", "run", "cmpl-")}
     assert [[(c["index"], c["text"], c["logprobs"], c["finish_reason"]) for c in chunk["choices"]]
             for chunk in chunks_of(parts)] == [[(0, "Où", None, None)], [(1, "z", None, None)],
                                                [(1, "a", None, "length")], [(0, "b", None, "length")], []]
