@@ -215,8 +215,9 @@ def only_message_changed(original: ast.FunctionDef, mutant: ast.FunctionDef) -> 
 
 def changed_lines(source: str, original: ast.FunctionDef, mutant: ast.FunctionDef) -> list[str]:
     """The mutant's lines that differ from the original function's (stripped), to show and to check a listing."""
-    old = (ast.get_source_segment(source, original) or "").splitlines()[1:]
-    new = (ast.get_source_segment(source, mutant) or "").splitlines()[1:]
+    real = original.name.rpartition("__mutmut_")[0].rpartition("ǁ")[2].removeprefix("x_")  # the name in src/
+    old = (ast.get_source_segment(source, original) or "").replace(original.name, real, 1).splitlines()
+    new = (ast.get_source_segment(source, mutant) or "").replace(mutant.name, real, 1).splitlines()
     return [line[1:].strip() for line in difflib.unified_diff(old, new, lineterm="", n=0)
             if line.startswith("+") and not line.startswith("+++")]
 
