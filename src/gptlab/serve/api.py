@@ -136,7 +136,8 @@ def parse_completion(body: Any, limits: Limits) -> CompletionRequest:
         raise _too_many(len(prompts), n, limits.max_batch)
     top_k = _integer(body, "top_k", None, 1, 1 << 31)  # an extension (the playground sends it)
     cfg = SampleConfig(
-        max_new_tokens=_integer(body, "max_tokens", 16, 1, limits.max_tokens),
+        # left out: OpenAI's default of 16, or the server's --max-tokens where that is lower
+        max_new_tokens=_integer(body, "max_tokens", min(16, limits.max_tokens), 1, limits.max_tokens),
         temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
         top_p=_number(body, "top_p", 1.0, 1e-9, 1.0), top_k=top_k,
         frequency_penalty=_number(body, "frequency_penalty", 0.0, -2.0, 2.0),
