@@ -156,3 +156,8 @@ def test_compare_refuses_runs_never_evaluated_data_gone_and_an_unwritable_pictur
     shutil.rmtree(tmp_path / "d2")
     with pytest.raises(GptlabError, match=re.escape(f"which it cannot read for {b}: run {b} was trained on")):
         compare([a, b], tmp_path / "mixed.png")
+    config = json.loads((b / rundir.CONFIG).read_text())
+    del config["data"]  # as an imported run's: no data folder recorded (and one in the working folder is not it)
+    (b / rundir.CONFIG).write_text(json.dumps(config))
+    with pytest.raises(GptlabError, match=re.escape(f"cannot read for {b}: it records no data folder")):
+        compare([a, b], tmp_path / "mixed.png")

@@ -261,11 +261,15 @@ def val_bits_per_byte(run: str | Path, curve: tuple[list[int], list[float], list
     from gptlab.data import load_dataset
     from gptlab.evaluate import Score
 
+    why = (f"the runs' tokenizers differ, so compare puts them on bits per byte of each run's validation text, "
+           f"which it cannot read for {run}")
     try:
-        data = load_dataset(run_data_dir(run) or "")
+        data_dir = run_data_dir(run)
+        if data_dir is None:
+            raise GptlabError("it records no data folder (an imported run); compare it with runs of its tokenizer")
+        data = load_dataset(data_dir)
     except GptlabError as exc:
-        raise GptlabError(f"the runs' tokenizers differ, so compare puts them on bits per byte of each run's "
-                          f"validation text, which it cannot read for {run}: {exc}") from None
+        raise GptlabError(f"{why}: {exc}") from None
     tokens, text_bytes = len(data.val), len(data.tokenizer.decode(data.val.tolist()).encode())
     steps, losses, seconds = curve
     return steps, [Score(run, tokens, 0, text_bytes, loss * tokens).bits_per_byte for loss in losses], seconds
