@@ -52,12 +52,10 @@ def server(run_dir):
     running.stop()
 
 
-@pytest.fixture(scope="module")
-def eot_server():
-    """GPT-2's tokenizer over a 1-layer model whose end-of-text logit is 10 above zero at every position (the final
+def eot_model(tokenizer) -> GPT:
+    """A 1-layer model over GPT-2's vocabulary whose end-of-text logit is 10 above zero at every position (the final
     LayerNorm's gain zeroed, its bias along the end-of-text embedding): drawn at temperature 1, about a third of the
-    tokens end the text. Default limits (batch 16, 1 MiB bodies)."""
-    tokenizer = GPT2Tokenizer()
+    tokens end the text."""
     torch.manual_seed(0)
     model = GPT(ModelConfig(vocab_size=50257, block_size=32, n_layer=1, n_head=2, n_embd=32, dropout=0.0)).eval()
     with torch.no_grad():
@@ -65,6 +63,14 @@ def eot_server():
         model.transformer.ln_f.weight.zero_()
         model.transformer.ln_f.bias.copy_(direction)
         model.transformer.wte.weight[tokenizer.eot_id] = 10 * direction
+    return model
+
+
+@pytest.fixture(scope="module")
+def eot_server():
+    """GPT-2's tokenizer over eot_model. Default limits (batch 16, 1 MiB bodies)."""
+    tokenizer = GPT2Tokenizer()
+    model = eot_model(tokenizer)
     served = Served("eot", prepare_for_inference(model, "fp32"), tokenizer, model.num_params(), lambda: model)
     running = start_server(make_app(served, Limits()))
     yield running

@@ -10,10 +10,11 @@ import threading
 import time
 
 import pytest
+import test_serve
 import torch
 from conftest import tiny_config
 
-from gptlab.config import ModelConfig, SampleConfig
+from gptlab.config import SampleConfig
 from gptlab.engine import generate_batch, one_thread
 from gptlab.inference import prepare_for_inference
 from gptlab.model import GPT
@@ -217,15 +218,8 @@ def test_a_stop_string_ends_a_choice_and_is_cut(make, model):
 
 
 def eot_model(tokenizer):
-    """As test_serve's eot_server: a 1-layer model whose end-of-text logit is 10 above zero at every position."""
-    torch.manual_seed(0)
-    model = GPT(ModelConfig(vocab_size=50257, block_size=32, n_layer=1, n_head=2, n_embd=32, dropout=0.0)).eval()
-    with torch.no_grad():
-        direction = torch.nn.functional.normalize(torch.randn(32), dim=0)
-        model.transformer.ln_f.weight.zero_()
-        model.transformer.ln_f.bias.copy_(direction)
-        model.transformer.wte.weight[tokenizer.eot_id] = 10 * direction
-    return prepare_for_inference(model, "fp32")
+    """test_serve's end-of-text model, prepared for inference."""
+    return prepare_for_inference(test_serve.eot_model(tokenizer), "fp32")
 
 
 def test_end_of_text_finishes_a_choice_with_openais_stop(make):
