@@ -4,7 +4,9 @@
 # printed), then the timing-prone files 20 times each, also in random order, a busy process on every core meanwhile
 # (stopped at the end whatever happens). Prints each run's seed and summary line; exits 1 if any run failed. Long:
 # run it on a machine nobody else is using.
-#   scripts/flaky.sh [PYTHON] [RUNS] [REPEATS]     (FLAKY_SUITE, FLAKY_FILES: other tests, for a smoke test)
+#   scripts/flaky.sh [PYTHON] [RUNS] [REPEATS]     (FLAKY_SUITE, FLAKY_FILES: other tests, for a smoke test;
+#   FLAKY_HOGS: how many busy processes (default: one per core; 0 where other work, e.g. a mutation run at the same
+#   nice level, keeps every core busy: each summary line ends with the load average, which shows it)
 set -u
 PY=${1:-.venv/bin/python}
 RUNS=${2:-3}
@@ -21,10 +23,12 @@ trap stop_hogs EXIT INT TERM
 summary() {  # the seed line and the last summary line of a pytest log
     grep -m1 -o 'Using --randomly-seed=[0-9]*' "$1" || true
     grep -E '(passed|failed|error|skipped|no tests ran)' "$1" | tail -1 | tr -d '='
+    echo "(load average $(cut -d' ' -f1-3 /proc/loadavg))"
 }
 
-for _ in $(seq "$(nproc)"); do (while :; do :; done) & hogs+=($!); done
-echo "flaky: $(nproc) busy processes started beside the suite"
+HOGS=${FLAKY_HOGS:-$(nproc)}
+for _ in $(seq "$HOGS"); do (while :; do :; done) & hogs+=($!); done
+echo "flaky: $HOGS busy processes started beside the suite ($(nproc) cores)"
 for i in $(seq "$RUNS"); do
     log=$(mktemp)
     "$PY" -m pytest -p randomly -p no:cacheprovider -v $SUITE >"$log" 2>&1; rc=$?
