@@ -8,6 +8,7 @@ looked for: `--fresh` starts the module over).
     python scripts/mutants.py sampling engine  # these modules
     python scripts/mutants.py --report         # the table from the kept results, nothing run
     python scripts/mutants.py --list           # the modules, their sources and tests
+    python scripts/mutants.py --root OLD --sample 40 engine   # an estimate: 40 random mutants run, the rest not
 
 Score = (killed + timeout) / (generated - message - equivalent), per module:
 - message: a mutant whose only change is a string literal inside a message call (an exception built with it, print,
@@ -18,6 +19,8 @@ Score = (killed + timeout) / (generated - message - equivalent), per module:
 Functions that only a CLI subprocess reaches: mutmut 3 maps tests to functions by the calls it records in the pytest
 process; scripts/mutmut_hooks records the calls a subprocess makes too (tests/conftest.py already puts the mutated
 src/ first on a subprocess's PYTHONPATH, and the subprocess inherits MUTANT_UNDER_TEST).
+--sample N runs N mutants drawn at random (seeded) from those not yet run, marks the rest "not sampled" (left out of
+the score, which then says "sample"): a score of an older checkout (its "before") for a fraction of the time.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ import difflib
 import hashlib
 import json
 import os
+import random
 import shutil
 import subprocess
 import sys
@@ -37,8 +41,10 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parents[1]  # this repository: the hooks and the equivalents list live here
 STATUS = {1: "killed", 3: "killed", 36: "timeout", 24: "timeout", -24: "timeout", 152: "timeout", 255: "timeout",
-          0: "survived", 5: "no tests", 33: "no tests", 34: "message", None: "not checked"}  # the rest: "other"
-COLUMNS = ["generated", "message", "equivalent", "killed", "timeout", "survived", "no tests", "other", "not checked"]
+          0: "survived", 5: "no tests", 33: "no tests", 34: "message", 35: "not sampled",
+          None: "not checked"}  # the rest: "other"
+COLUMNS = ["generated", "message", "equivalent", "killed", "timeout", "survived", "no tests", "other", "not checked",
+           "not sampled"]
 MESSAGE_CALLS = {"print", "warn", "error", "warning", "info", "debug", "exception", "critical", "fail", "exit"}
 MESSAGE_SUFFIXES = ("Error", "Exception", "Exit", "Warning")
 LINKED = ["src", "tests", "README.md", "docs", "scripts", "Makefile"]  # what a module's folder sees of the repo
@@ -243,6 +249,24 @@ def mark_messages(folder: Path, module: Module) -> int:
     return marked
 
 
+def mark_sample(folder: Path, module: Module, size: int | None, seed: int = 0) -> int:
+    """With `size`: keep `size` of the mutants not yet run (or marked not sampled), drawn at random with `seed`, and
+    mark the others not sampled (35); without: unmark every such mark, so that all are run. Returns how many are
+    marked."""
+    entries = [(meta, json.loads(meta.read_text())) for _, meta in metas(folder, module)]
+    open_keys = sorted(k for _, data in entries for k, c in data["exit_code_by_key"].items() if c in (None, 35))
+    keep = set(open_keys) if size is None else set(random.Random(seed).sample(open_keys, min(size, len(open_keys))))
+    marked = 0
+    for meta, data in entries:
+        codes = data["exit_code_by_key"]
+        for key, code in codes.items():
+            if code in (None, 35):
+                codes[key] = None if key in keep else 35
+                marked += codes[key] == 35
+        meta.write_text(json.dumps(data, indent=4))
+    return marked
+
+
 GENERATE = """
 from mutmut.__main__ import copy_src_dir, copy_also_copy_files, setup_source_paths, create_mutants
 import os
@@ -285,7 +309,8 @@ def forget_timeouts(folder: Path, module: Module) -> None:
         meta.write_text(json.dumps(data, indent=4))
 
 
-def run_module(root: Path, name: str, module: Module, children: int, fresh: bool, retry_timeouts: bool = False) -> int:
+def run_module(root: Path, name: str, module: Module, children: int, fresh: bool, retry_timeouts: bool = False,
+               sample: int | None = None) -> int:
     """Generate, mark message mutants, run mutmut for one module; mutmut's exit status."""
     folder = prepare_folder(root, name, module)
     if fresh:
@@ -299,6 +324,9 @@ def run_module(root: Path, name: str, module: Module, children: int, fresh: bool
     (folder / "tests-fingerprint").write_text(fingerprint)  # an interrupted run resumes where it stopped
     subprocess.run([sys.executable, "-c", GENERATE], cwd=folder, env=env, check=True, stdout=subprocess.DEVNULL)
     print(f"mutants: {name}: {mark_messages(folder, module)} message-only mutants marked skipped", flush=True)
+    unsampled = mark_sample(folder, module, sample)
+    if sample is not None:
+        print(f"mutants: {name}: {unsampled} mutants left out of the sample of {sample}", flush=True)
     mutmut = Path(sys.executable).with_name("mutmut")
     return subprocess.run([str(mutmut), "run", "--max-children", str(children)], cwd=folder, env=env).returncode
 
@@ -340,8 +368,9 @@ def tally(folder: Path, module: Module, equivalents: dict[str, dict]) -> tuple[d
 
 
 def score(counts: dict[str, int]) -> str:
-    scored = counts["generated"] - counts["message"] - counts["equivalent"]
+    scored = counts["generated"] - counts["message"] - counts["equivalent"] - counts["not sampled"]
     partial = " (so far)" if counts["not checked"] else ""
+    partial += f" (sample of {scored})" if counts["not sampled"] else ""
     return f"{100 * (counts['killed'] + counts['timeout']) / scored:.1f} %{partial}" if scored else "-"
 
 
@@ -369,6 +398,8 @@ def main(argv=None) -> int:
     parser.add_argument("--retry-timeouts", action="store_true",
                         help="test the mutants counted as timeouts again (mutmut's wall limit is (estimate + 1 s) x 15:"
                              " a run on a loaded machine can time out where an idle one would not)")
+    parser.add_argument("--sample", type=int, metavar="N",
+                        help="run only N mutants drawn at random (seeded) from those not yet run: an estimate")
     parser.add_argument("--max-children", type=int, default=2, help="mutants tested at once (default: 2)")
     parser.add_argument("--root", type=Path, default=HERE,
                         help="the checkout to mutate (default: this one; e.g. a git worktree of an older commit)")
@@ -385,7 +416,7 @@ def main(argv=None) -> int:
     root = args.root.resolve()
     failed = []
     for name in [] if args.report else names:
-        if run_module(root, name, MODULES[name], args.max_children, args.fresh, args.retry_timeouts) != 0:
+        if run_module(root, name, MODULES[name], args.max_children, args.fresh, args.retry_timeouts, args.sample) != 0:
             failed.append(name)
     report(root, [n for n in names if (root / ".mutants" / n / "mutants").exists()], verbose=True)
     if failed:

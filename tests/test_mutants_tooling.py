@@ -2,6 +2,7 @@
 and its refusal of an unknown module. Pure and fast; mutmut itself is not run here."""
 
 import ast
+import json
 import importlib.util
 import sys
 import tomllib
@@ -92,3 +93,26 @@ def test_an_unknown_module_is_refused_in_one_line(capsys):
 def test_the_equivalents_list_parses_and_each_entry_has_a_reason():
     listed = mutants.load_equivalents(ROOT / "docs" / "equivalent-mutants.toml")
     assert all(entry["reason"].strip() for entry in listed.values())
+
+
+def test_a_sample_runs_n_mutants_drawn_by_seed_and_leaves_the_rest_out_of_the_score(tmp_path):
+    module = mutants.Module(("src/gptlab/x.py",), ())
+    meta = tmp_path / "mutants" / "src" / "gptlab" / "x.py.meta"
+    meta.parent.mkdir(parents=True)
+    (meta.parent / "x.py").write_text("")
+    codes = {f"gptlab.x.x_f__mutmut_{i}": (1 if i < 5 else None) for i in range(1, 31)}  # 4 killed, 26 not run
+
+    def run(size, seed=0):
+        meta.write_text(json.dumps({"exit_code_by_key": codes}))
+        marked = mutants.mark_sample(tmp_path, module, size, seed)
+        return marked, json.loads(meta.read_text())["exit_code_by_key"]
+
+    marked, after = run(10)
+    assert marked == 16 and list(after.values()).count(None) == 10 and list(after.values()).count(35) == 16
+    assert all(after[k] == 1 for k, c in codes.items() if c == 1)  # results already in are kept
+    assert run(10)[1] == after and run(10, seed=1)[1] != after  # the draw is the seed's
+    codes.update((k, c) for k, c in after.items())
+    assert run(None) == (0, {k: (1 if c == 1 else None) for k, c in codes.items()})  # no sample: every mutant runs
+    counts = dict.fromkeys(mutants.COLUMNS, 0) | {"generated": 30, "killed": 9, "survived": 1, "not sampled": 20}
+    assert mutants.score(counts) == "90.0 % (sample of 10)"
+
