@@ -18,7 +18,8 @@ TIMING_PRONE=${FLAKY_FILES:-"tests/test_serve*.py tests/test_shards.py tests/tes
 failed=0
 hogs=()
 stop_hogs() { for pid in "${hogs[@]}"; do kill "$pid" 2>/dev/null; done; hogs=(); }
-trap stop_hogs EXIT INT TERM
+trap stop_hogs EXIT
+trap 'echo "flaky: interrupted"; exit 130' INT TERM  # stops here (the EXIT trap then stops the hogs)
 
 summary() {  # the seed line and the last summary line of a pytest log
     grep -m1 -o 'Using --randomly-seed=[0-9]*' "$1" || true
