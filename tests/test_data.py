@@ -300,7 +300,7 @@ def test_tokenizer_from_takes_a_run_a_data_folder_or_a_tokenizer_file_and_nothin
     ({"config.json": '{"model": '}, "hf"),
 ])
 def test_what_a_folder_holds_decides_what_may_be_written_over_it(tmp_path, files, kind):
-    from gptlab.data import folder_kind
+    from gptlab.rundir import folder_kind
 
     for name, text in files.items():
         (tmp_path / name).write_text(text)

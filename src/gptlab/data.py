@@ -28,6 +28,7 @@ from gptlab.encoder import Piece, encode_units, units
 from gptlab.errors import GptlabError
 from gptlab.machine import usable_cores
 from gptlab.readers import Scan, documents, scan_sources, val_documents
+from gptlab.rundir import folder_kind
 from gptlab.staging import CHECKPOINT_UNITS, ShardWriter, Staging
 from gptlab.tokenfiles import SHARD_TOKENS, SPLITS, VERSION, ShardedTokens, read_split, token_dtype
 from gptlab.tokenizer import Tokenizer, load as load_tokenizer, train_tokenizer
@@ -41,22 +42,6 @@ class OtherData(GptlabError):
             "(replaced, it could no longer resume them or evaluate them on their data)" if runs else ""
         super().__init__(f"{out} holds data prepared from other inputs or settings{used}; give --out another "
                          "folder, or pass --overwrite to replace it")
-
-
-def folder_kind(path: str | Path) -> str | None:
-    """What a folder holds, for refusing to write one kind of thing over another: "run" (a gptlab run: its
-    config.json has model and train settings), "data" (a prepared data folder), "hf" (another config.json, e.g.
-    a Hugging Face model), or None."""
-    path = Path(path)
-    if (path / "meta.json").is_file() and ((path / "train.bin").is_file() or any(path.glob("train-*.bin"))):
-        return "data"
-    if (path / "config.json").is_file():
-        try:
-            config = json.loads((path / "config.json").read_text(encoding="utf-8"))
-        except (OSError, ValueError):
-            return "hf"
-        return "run" if isinstance(config, dict) and {"model", "train"} <= set(config) else "hf"
-    return None
 
 
 def _progress(sources: list[Source], desc: str, quiet: bool, total: int | None = None) -> Any:

@@ -25,7 +25,6 @@ from safetensors.torch import load_file, save_file
 from gptlab import checkpoint as ck
 from gptlab import rundir
 from gptlab.config import ModelConfig, TrainConfig, from_dict, to_dict
-from gptlab.data import folder_kind
 from gptlab.errors import GptlabError
 from gptlab.hf_tokenizer import read_hf_tokenizer, write_tokenizer_files
 from gptlab.model import GPT
@@ -175,8 +174,8 @@ def import_hf(folder: str | Path, run_dir: str | Path) -> GPT:
     """Turn the HF GPT-2 folder into a gptlab run at `run_dir` (config, tokenizer, one "best" checkpoint at step
     0) and return the model. Raises GptlabError on bad input or when `run_dir` already holds a run."""
     folder, run = Path(folder), Path(run_dir)
-    if folder_kind(run) is not None:
-        what = {"run": "a run", "data": "prepared data", "hf": "a model (config.json)"}[folder_kind(run)]
+    if rundir.folder_kind(run) is not None:
+        what = {"run": "a run", "data": "prepared data", "hf": "a model (config.json)"}[rundir.folder_kind(run)]
         raise GptlabError(f"{run} already holds {what}; choose another --run or delete it first")
     model_cfg, tensors = read_hf_model(folder)
     tokenizer = read_hf_tokenizer(folder, model_cfg.vocab_size)
@@ -262,9 +261,9 @@ def export_hf(run_dir: str | Path, out_dir: str | Path, which: str = "best") -> 
     model.safetensors and tokenizer files, all or nothing (see staged_folder). Returns the names written; raises
     GptlabError on bad input."""
     out = Path(out_dir)
-    if out.resolve() == Path(run_dir).resolve() or folder_kind(out) in ("run", "data"):
+    if out.resolve() == Path(run_dir).resolve() or rundir.folder_kind(out) in ("run", "data"):
         kind = "the run itself" if out.resolve() == Path(run_dir).resolve() else \
-            {"run": "a gptlab run", "data": "a prepared data folder"}[folder_kind(out)]
+            {"run": "a gptlab run", "data": "a prepared data folder"}[rundir.folder_kind(out)]
         raise GptlabError(f"--out {out} is {kind}; exporting there would overwrite its config.json and "
                           "tokenizer.json, so give --out a folder of its own")
     loaded = ck.load_run(run_dir, which)

@@ -13,7 +13,7 @@ import torch
 from gptlab import checkpoint as ck
 from gptlab import rundir
 from gptlab.config import ModelConfig, TrainConfig, from_dict, to_dict
-from gptlab.data import Dataset, folder_kind
+from gptlab.data import Dataset
 from gptlab.errors import GptlabError
 from gptlab.model import build_model
 from gptlab.tokenizer import load as load_tokenizer
@@ -59,7 +59,7 @@ def check_memory(model_cfg: ModelConfig, cfg: TrainConfig, device: torch.device,
 def check_new_run(run: Path) -> None:
     """A new run may start in a new or empty folder, or over a run folder without checkpoints; never over
     checkpoints (even damaged ones), a prepared data folder, or another program's files."""
-    kind = folder_kind(run)
+    kind = rundir.folder_kind(run)
     if kind == "data":
         raise GptlabError(f"{run} is a prepared data folder; training into it would overwrite its tokenizer, so "
                           "choose another --run")

@@ -82,6 +82,22 @@ def is_run(path: str | Path) -> bool:
     return (Path(path) / CONFIG).is_file() and (Path(path) / TOKENIZER).is_file()
 
 
+def folder_kind(path: str | Path) -> str | None:
+    """What a folder holds, for refusing to write one kind of thing over another: "run" (a gptlab run: its
+    config.json has model and train settings), "data" (a prepared data folder), "hf" (another config.json, e.g.
+    a Hugging Face model), or None."""
+    path = Path(path)
+    if (path / "meta.json").is_file() and ((path / "train.bin").is_file() or any(path.glob("train-*.bin"))):
+        return "data"
+    if (path / "config.json").is_file():
+        try:
+            config = json.loads((path / "config.json").read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            return "hf"
+        return "run" if isinstance(config, dict) and {"model", "train"} <= set(config) else "hf"
+    return None
+
+
 def init_run(run_dir: str | Path, model_cfg: ModelConfig, train_cfg: TrainConfig, tokenizer: Tokenizer,
              extra: dict[str, Any]) -> Path:
     """Fill a new run directory with its resolved settings and tokenizer (a run being resumed keeps both; see

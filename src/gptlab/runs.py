@@ -132,11 +132,10 @@ def start(spec: TrainSpec, quiet: bool = False) -> Any:
 
     init = None
     if spec.train.init_from and not spec.resume:  # the weights to start from, checked against model and data
-        from gptlab.data import folder_kind
         from gptlab.hf import init_tensors
         from gptlab.tokenizer import load as load_tokenizer
 
-        if folder_kind(spec.data) != "data":
+        if rundir.folder_kind(spec.data) != "data":
             raise GptlabError(f"{spec.data} is not a prepared data folder (no meta.json); run `gptlab prepare --out "
                               f"{spec.data}`")
         model_cfg = spec.model
