@@ -10,7 +10,7 @@ from hypothesis import HealthCheck, settings
 
 import gptlab
 from gptlab.config import ModelConfig
-from gptlab.data import prepare
+from gptlab.data.prepare import prepare
 
 CORPUS = (
     "First Citizen:\nBefore we proceed any further, hear me speak.\n\n"

@@ -12,7 +12,7 @@ import torch
 
 import gptlab.plots
 from gptlab.cli import main
-from gptlab.data import prepare
+from gptlab.data.prepare import prepare
 from gptlab.runtime import bf16_supported
 from gptlab.tokenizer import EOT
 

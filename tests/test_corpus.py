@@ -19,9 +19,10 @@ import pyarrow.parquet as pq
 import pytest
 import zstandard
 
-from gptlab import corpus, encoder, readers
 from gptlab.cli import main
-from gptlab.data import load_dataset, prepare
+from gptlab.data import corpus, encoder, readers
+from gptlab.data.batches import load_dataset
+from gptlab.data.prepare import prepare
 from gptlab.errors import GptlabError
 from gptlab.tokenizer import GPT2Tokenizer
 

@@ -8,10 +8,11 @@ import pytest
 import torch
 from conftest import interruptible
 
-from gptlab import corpus
-from gptlab.data import batch_generator, get_batch, load_dataset, prepare
+from gptlab.data import corpus
+from gptlab.data.batches import batch_generator, get_batch, load_dataset
+from gptlab.data.prepare import prepare
+from gptlab.data.tokenfiles import HEADER, TokenWriter, read_tokens
 from gptlab.errors import GptlabError
-from gptlab.tokenfiles import HEADER, TokenWriter, read_tokens
 
 
 def test_prepare_writes_headered_files_split_90_10(char_data, corpus_file):
@@ -176,7 +177,7 @@ def test_ctrl_c_stops_long_native_work_at_once():
     import subprocess
     import sys
 
-    script = ("import hashlib, sys\nfrom gptlab.data import _interruptible\nprint('started', flush=True)\n"
+    script = ("import hashlib, sys\nfrom gptlab.data.prepare import _interruptible\nprint('started', flush=True)\n"
               "try:\n    _interruptible(lambda: hashlib.pbkdf2_hmac('sha256', b'k', b's', 500_000_000))\n"
               "except KeyboardInterrupt:\n    sys.exit(130)")
     proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True,
@@ -308,7 +309,7 @@ def test_what_a_folder_holds_decides_what_may_be_written_over_it(tmp_path, files
 
 
 def test_the_refusal_to_replace_data_names_the_runs_trained_on_it():
-    from gptlab.data import OtherData
+    from gptlab.data.prepare import OtherData
 
     tail = "(replaced, it could no longer resume them or evaluate them on their data); give --out another folder, " \
         "or pass --overwrite to replace it"
@@ -321,7 +322,7 @@ def test_the_refusal_to_replace_data_names_the_runs_trained_on_it():
 def test_work_run_off_the_main_thread_returns_its_value_or_raises_its_error():
     import threading
 
-    from gptlab.data import _interruptible
+    from gptlab.data.prepare import _interruptible
 
     assert _interruptible(lambda: ["ünï", 3]) == ["ünï", 3]
     assert _interruptible(lambda: threading.current_thread().daemon) is True  # abandoned, it dies with the process
@@ -359,7 +360,7 @@ def test_the_fingerprints_of_a_prepare_and_of_its_dataset_follow_their_recipes(t
 
 
 def test_a_split_of_exactly_block_size_plus_one_tokens_has_one_window_and_a_shorter_one_is_refused():
-    from gptlab.tokenfiles import ShardedTokens
+    from gptlab.data.tokenfiles import ShardedTokens
 
     tokens = np.arange(9, dtype=np.uint16) * 3
     for split in (tokens, ShardedTokens([tokens[:4], tokens[4:]])):
@@ -374,7 +375,7 @@ def test_a_split_of_exactly_block_size_plus_one_tokens_has_one_window_and_a_shor
 
 @pytest.mark.parametrize("damage", ["no meta.json", "not JSON", "a list", "counts"])
 def test_a_missing_or_damaged_data_folder_is_refused_in_one_line(char_data, corpus_file, damage):
-    from gptlab.data import OtherData
+    from gptlab.data.prepare import OtherData
 
     meta = json.loads((char_data / "meta.json").read_text())
     said = {"no meta.json": f"{char_data} is not a prepared data folder (no meta.json); run `gptlab prepare --out "
@@ -453,8 +454,8 @@ def test_the_bars_count_the_bytes_read_and_show_the_encoding_rate(tmp_path, monk
 def test_a_resumed_prepare_says_what_it_keeps_unless_quiet(tmp_path, monkeypatch, capsys):
     import shutil
 
-    from gptlab import encoder
-    from gptlab.staging import STAGE, Staging
+    from gptlab.data import encoder
+    from gptlab.data.staging import STAGE, Staging
 
     monkeypatch.setattr(encoder, "UNIT_CHARS", 2000)
     (tmp_path / "docs").mkdir()
@@ -504,7 +505,7 @@ def test_each_documents_end_of_text_is_on_the_side_of_its_document(tmp_path):
 
 
 def test_text_with_the_end_of_text_marker_is_refused_before_anything_is_written(tmp_path, monkeypatch):
-    from gptlab import encoder
+    from gptlab.data import encoder
 
     monkeypatch.setattr(encoder, "UNIT_CHARS", 50)  # checkpoints early, were the text encoded
     (tmp_path / "docs").mkdir()

@@ -75,7 +75,7 @@ def assert_same_weights(run, run_1, step):
 def straight(tmp_path_factory):
     """One process, 8 steps, checkpoints at 5 and 8: what every other run is compared with."""
     from conftest import CORPUS
-    from gptlab.data import prepare
+    from gptlab.data.prepare import prepare
 
     root = tmp_path_factory.mktemp("dist")
     (root / "corpus.txt").write_text(CORPUS)

@@ -14,7 +14,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gptlab.config import ModelConfig
-from gptlab.data import load_dataset, prepare
+from gptlab.data.batches import load_dataset
+from gptlab.data.prepare import prepare
 from gptlab.errors import GptlabError
 from gptlab.evaluate import score, score_files, score_split, total_nats
 from gptlab.model import GPT

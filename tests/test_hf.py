@@ -20,7 +20,8 @@ from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel, GPT2Tokeniz
 
 from gptlab.checkpoint import load_run
 from gptlab.config import PRESETS, ModelConfig, SampleConfig, TrainConfig, build
-from gptlab.data import load_dataset, prepare
+from gptlab.data.batches import load_dataset
+from gptlab.data.prepare import prepare
 from gptlab.engine import generate
 from gptlab.errors import GptlabError
 from gptlab.evaluate import total_nats

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 
 from conftest import tiny_config
 from gptlab.config import ModelConfig, build, get_preset
-from gptlab.data import load_dataset
+from gptlab.data.batches import load_dataset
 from gptlab.model import GPT, Bigram, _attention_mask, build_model
 
 SHAPES = [  # (n_layer, n_head, n_embd, block_size, batch, T)

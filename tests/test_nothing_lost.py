@@ -25,13 +25,13 @@ from test_sweep import TINY, tree
 
 import gptlab
 import gptlab.checkpoint as ck
-import gptlab.data
+import gptlab.data.tokenfiles
 import gptlab.hf
-import gptlab.tokenfiles
 from gptlab import rundir
 from gptlab.cli import main
 from gptlab.config import ModelConfig, TrainConfig, from_dict, to_dict
-from gptlab.data import load_dataset
+from gptlab.data.batches import load_dataset
+from gptlab.data.prepare import prepare
 from gptlab.errors import GptlabError
 from gptlab.preflight import check_data, check_memory, check_new_run, check_resume
 
@@ -52,7 +52,7 @@ def steps(run):
 
 def test_a_refused_resume_leaves_the_run_resumable(trained, char_data, tmp_path, capsys):
     other = tmp_path / "other"
-    gptlab.data.prepare([str(tmp_path / "corpus.txt")], other, "bpe", vocab_size=300, quiet=True)
+    prepare([str(tmp_path / "corpus.txt")], other, "bpe", vocab_size=300, quiet=True)
     before = tree(trained)
     assert main(["train", "--run", str(trained), "--resume", "--n-layer", "3"]) == 2
     assert main(["train", "--run", str(trained), "--resume", "--data", str(other)]) == 2  # a larger vocabulary
@@ -164,7 +164,7 @@ def test_a_full_disk_during_prepare_changes_nothing(char_data, corpus_file, tmp_
     def no_space(self, ids):
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(gptlab.tokenfiles.TokenWriter, "write", no_space)
+    monkeypatch.setattr(gptlab.data.tokenfiles.TokenWriter, "write", no_space)
     before = tree(char_data)
     assert main(["prepare", str(corpus_file), "--out", str(char_data), "--quiet"]) == 2  # over a prepared folder
     assert main(["prepare", str(corpus_file), "--out", str(tmp_path / "new"), "--quiet"]) == 2

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from gptlab.data import prepare
+from gptlab.data.prepare import prepare
 from gptlab.runs import resolve, start
 
 PINNED = Path(__file__).parent / "data" / "char_quick_curve.json"

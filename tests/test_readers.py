@@ -13,10 +13,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from gptlab import corpus, readers
-from gptlab.corpus import Source, UnreadableSource, file_source, read_chunks, read_text
+from gptlab.data import corpus, readers
+from gptlab.data.corpus import Source, UnreadableSource, file_source, read_chunks, read_text
+from gptlab.data.readers import Scan, documents, scan_sources, val_documents
 from gptlab.errors import GptlabError
-from gptlab.readers import Scan, documents, scan_sources, val_documents
 
 
 def in_memory(data: bytes, name: str = "mem.txt", kind: str = "text") -> Source:

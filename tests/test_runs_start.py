@@ -18,7 +18,7 @@ import gptlab.distributed
 from gptlab import checkpoint as ck
 from gptlab import rundir
 from gptlab.cli import main
-from gptlab.data import prepare
+from gptlab.data.prepare import prepare
 from gptlab.errors import GptlabError
 from gptlab.runs import compare, latest_run, pick_run_dir, resolve, start
 from gptlab.train import LOCKED_RUN_ENV

@@ -12,12 +12,13 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from test_sweep import tree
-from gptlab import encoder
 from gptlab.cli import main
-from gptlab.data import batch_generator, get_batch, load_dataset, prepare
+from gptlab.data import encoder
+from gptlab.data.batches import batch_generator, get_batch, load_dataset
+from gptlab.data.prepare import prepare
+from gptlab.data.staging import STAGE, Staging
+from gptlab.data.tokenfiles import ShardedTokens, TokenWriter, read_tokens
 from gptlab.errors import GptlabError
-from gptlab.staging import STAGE, Staging
-from gptlab.tokenfiles import ShardedTokens, TokenWriter, read_tokens
 
 DOCS = [f"Doc {i}: {'the quick brown fox ' * (3 + i % 7)}jumps {i} times — naïve café ☕ 日本.\n" for i in range(300)]
 
@@ -235,7 +236,7 @@ def test_every_checkpoint_follows_its_shards_on_disk(tmp_path, corpus, monkeypat
     size each file had at its last fsync is its header and its count of ids."""
     import os
 
-    from gptlab import staging
+    from gptlab.data import staging
 
     synced: dict[str, int] = {}
     checkpoints = []
@@ -274,8 +275,9 @@ def test_the_cli_reports_the_shards_and_trains_on_them(tmp_path, corpus, capsys)
 
 
 CHILD = """import os, signal, sys
-from gptlab import encoder, rundir
+from gptlab import rundir
 from gptlab.cli import main
+from gptlab.data import encoder
 encoder.UNIT_CHARS = 2000  # as the small_units fixture has it, so that the rerun's units are the same
 real = rundir.fsync_dir
 def fsync_dir(path):  # SIGINT right after the first progress.json is renamed into place, before its folder's fsync
@@ -327,7 +329,8 @@ def ctrl_c_inside_checkpoint(monkeypatch, n: int, point: str) -> list[int]:
     checkpoint begun, as they come."""
     import os
 
-    from gptlab import rundir, staging
+    from gptlab import rundir
+    from gptlab.data import staging
 
     calls: list[int] = []
     armed = lambda here: len(calls) == n and point == here  # noqa: E731

@@ -13,11 +13,13 @@ import numpy as np
 import pytest
 from test_sweep import tree
 
-from gptlab import data, encoder
-from gptlab.data import load_dataset, prepare
+from gptlab.data import encoder
+from gptlab.data import prepare as prepare_module
+from gptlab.data.batches import load_dataset
+from gptlab.data.prepare import prepare
+from gptlab.data.staging import STAGE, ShardWriter, Staging
+from gptlab.data.tokenfiles import ShardedTokens, TokenWriter, data_files, read_split, read_tokens
 from gptlab.errors import GptlabError
-from gptlab.staging import STAGE, ShardWriter, Staging
-from gptlab.tokenfiles import ShardedTokens, TokenWriter, data_files, read_split, read_tokens
 
 DOCS = [f"Dok {i}: {'ünïcode bröwn fox ' * (2 + i % 5)}— café ☕ 日本 {i * 7}.\n" for i in range(300)]
 
@@ -365,8 +367,8 @@ def test_a_resume_reuses_the_tokenizer_it_saved_and_trains_one_only_when_it_is_g
             prepare([str(corpus)], out, "bpe", 300, quiet=True, workers=1, shard_tokens=1000)
     if not tokenizer_kept:
         (out / STAGE / "tokenizer.json").unlink()
-    trained, real = [], data.train_tokenizer
-    monkeypatch.setattr(data, "train_tokenizer", lambda *a: trained.append(1) or real(*a))
+    trained, real = [], prepare_module.train_tokenizer
+    monkeypatch.setattr(prepare_module, "train_tokenizer", lambda *a: trained.append(1) or real(*a))
     prepare([str(corpus)], out, "bpe", 300, quiet=True, workers=1, shard_tokens=1000)
     assert len(trained) == (0 if tokenizer_kept else 1) and tree(out) == tree(tmp_path / "straight")
 

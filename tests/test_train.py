@@ -122,7 +122,7 @@ def test_resume_refuses_a_different_model_shape_or_data(tmp_path, char_data, cor
     train(char_data, tmp_path / "run", model_cfg(), quick(max_steps=6), quiet=True)
     with pytest.raises(GptlabError, match="n_layer=2 \\(now 3\\)"):
         train(char_data, tmp_path / "run", model_cfg(n_layer=3), quick(), resume=True, quiet=True)
-    from gptlab.data import prepare
+    from gptlab.data.prepare import prepare
 
     other = tmp_path / "other"
     corpus_file.write_text(corpus_file.read_text()[::-1])  # same characters, different data
@@ -147,7 +147,7 @@ def test_resume_refuses_data_whose_tokenizer_is_not_the_runs(tmp_path, char_data
 
 
 def test_corpus_shorter_than_a_block_is_refused(tmp_path):
-    from gptlab.data import prepare
+    from gptlab.data.prepare import prepare
 
     (tmp_path / "short.txt").write_text("tiny text, far too short\n" * 2)
     prepare([str(tmp_path / "short.txt")], tmp_path / "d", "char", quiet=True)

@@ -10,8 +10,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from gptlab.corpus import read_text
-from gptlab.data import load_dataset
+from gptlab.data.batches import load_dataset
+from gptlab.data.corpus import read_text
 from gptlab.errors import GptlabError
 from gptlab.runtime import autocast
 from gptlab.tokenizer import Tokenizer

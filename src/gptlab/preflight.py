@@ -13,7 +13,7 @@ import torch
 from gptlab import checkpoint as ck
 from gptlab import rundir
 from gptlab.config import ModelConfig, TrainConfig, from_dict, to_dict
-from gptlab.data import Dataset
+from gptlab.data.batches import Dataset
 from gptlab.errors import GptlabError
 from gptlab.model import build_model
 from gptlab.tokenizer import load as load_tokenizer

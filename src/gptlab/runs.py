@@ -22,7 +22,7 @@ from gptlab import checkpoint as ck
 from gptlab import rundir
 from gptlab.config import (DEFAULT_PRESET, FINETUNE_PRESET, ModelConfig, TrainConfig, build, get_preset,
                            read_config_file, to_dict)
-from gptlab.data import prepare
+from gptlab.data.prepare import prepare
 from gptlab.errors import GptlabError
 
 RUNS = Path("runs")
@@ -257,7 +257,7 @@ def describe(run: str | Path) -> dict[str, Any]:
 def val_bits_per_byte(run: str | Path, curve: tuple[list[int], list[float], list[float]]):
     """`run`'s validation curve with each loss (nats per token) in bits per byte of its validation text, by
     evaluate.Score's rule, the bytes as `gptlab eval` counts them; GptlabError when the run's data is gone."""
-    from gptlab.data import load_dataset
+    from gptlab.data.batches import load_dataset
     from gptlab.evaluate import Score
 
     why = (f"the runs' tokenizers differ, so compare puts them on bits per byte of each run's validation text, "

@@ -9,7 +9,7 @@ from collections.abc import Callable
 import torch
 
 from gptlab.config import TrainConfig
-from gptlab.data import Dataset, batch_generator, get_batch
+from gptlab.data.batches import Dataset, batch_generator, get_batch
 from gptlab.distributed import Parallel
 from gptlab.faults import NonFiniteLoss
 from gptlab.optim import lr_at, step_if_finite

@@ -20,7 +20,7 @@ from gptlab import checkpoint as ck
 from gptlab import __version__, rundir
 from gptlab import distributed
 from gptlab.config import ModelConfig, TrainConfig, to_dict
-from gptlab.data import Dataset, load_dataset
+from gptlab.data.batches import Dataset, load_dataset
 from gptlab.distributed import Parallel
 from gptlab.errors import GptlabError
 from gptlab.preflight import check_data, check_memory, check_new_run, check_resume, settings_changed

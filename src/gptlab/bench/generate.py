@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from gptlab.bench.timing import Clock, LoadWatch, median, read_bandwidth, read_then, time_it
 from gptlab.config import ModelConfig, SampleConfig, build, get_preset
-from gptlab.data import load_dataset
+from gptlab.data.batches import load_dataset
 from gptlab.engine import generate_batch, generate_uncached
 from gptlab.errors import GptlabError
 from gptlab.inference import PRECISIONS, InferenceModel, prepare_for_inference

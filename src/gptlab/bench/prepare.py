@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from gptlab.bench.timing import LoadWatch
-from gptlab.corpus import bundled_source, read_chunks
+from gptlab.data.corpus import bundled_source, read_chunks
 from gptlab.machine import usable_cores
 from gptlab.tokenizer import load as load_tokenizer
 

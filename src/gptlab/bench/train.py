@@ -123,7 +123,7 @@ def run_train_bench(data_dir: str | Path, model_cfg: ModelConfig, cfg: TrainConf
     (tokens/s, ms/step, MFU against the measured peak, ratio to the fp32 reference, validation loss after all
     steps next to fp32's), the headline last, and returns its rows. `variants` defaults to
     train_variants(device); the first is the reference."""
-    from gptlab.data import load_dataset
+    from gptlab.data.batches import load_dataset
     from gptlab.step import estimate_loss, train_step
 
     set_threads()
@@ -161,7 +161,7 @@ def run_train_bench(data_dir: str | Path, model_cfg: ModelConfig, cfg: TrainConf
 
 def _trace(model: torch.nn.Module, dataset: Any, seed: int, step: int, block_size: int, device: torch.device) -> None:
     """What a user looking inside the model between steps does: trace one window of the training split."""
-    from gptlab.data import batch_generator, get_batch
+    from gptlab.data.batches import batch_generator, get_batch
     from gptlab.inspect.trace import trace
 
     x, _ = get_batch(dataset.train, 1, block_size, batch_generator(seed, step, -2))

@@ -10,7 +10,7 @@ from gptlab.cli.common import add_config_flags, add_device, announce, command, o
 from gptlab.config import (DEFAULT_PRESET, INFERENCE_PRECISIONS, PRESETS, TOKENIZERS, ModelConfig, SampleConfig,
                            TrainConfig, build, read_config_file)
 from gptlab.errors import GptlabError
-from gptlab.tokenfiles import SHARD_TOKENS
+from gptlab.data.tokenfiles import SHARD_TOKENS
 from gptlab.tokenizer import EOT
 
 
@@ -18,7 +18,7 @@ from gptlab.tokenizer import EOT
 
 @command("prepare", "tokenize text files (default: the bundled Tiny Shakespeare) into train/val token files")
 def cmd_prepare(args: argparse.Namespace) -> int:
-    from gptlab.data import OtherData, prepare
+    from gptlab.data.prepare import OtherData, prepare
     from gptlab.runs import default_data_dir
 
     out = Path(args.out) if args.out else default_data_dir(args.tokenizer)
@@ -170,7 +170,7 @@ def add_train(p: argparse.ArgumentParser) -> None:
 # ---- sample ------------------------------------------------------------------------------------------------------
 
 def read_prompt(args: argparse.Namespace, tokenizer) -> list[int]:
-    from gptlab.corpus import read_text
+    from gptlab.data.corpus import read_text
 
     if args.prompt_file:
         text = read_text(args.prompt_file, args.encoding)

@@ -22,7 +22,7 @@ import numpy as np
 
 from gptlab.errors import GptlabError
 from gptlab.rundir import write_atomic
-from gptlab.tokenfiles import SPLITS, TokenWriter, data_files
+from gptlab.data.tokenfiles import SPLITS, TokenWriter, data_files
 from gptlab.tokenizer import Tokenizer, load as load_tokenizer
 
 STAGE = ".prepare-partial"

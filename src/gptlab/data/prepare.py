@@ -1,9 +1,9 @@
-"""Text files -> token files -> batches of (x, y) windows.
+"""`prepare`: text files -> token files, streamed, so that corpora larger than memory work.
 
-`prepare` streams its inputs, so corpora larger than memory work, into token files (see tokenfiles: shards, the
-manifest, resuming an interrupted prepare). Batches are windows of block_size + 1 tokens cut at random offsets: x is the first block_size, y the same shifted by one,
-so each window holds block_size next-token lessons. The offsets are a pure function of (seed, step, micro-step,
-rank), which makes training reproducible and resumable without storing the sampler.
+The inputs are collected (corpus), read into documents and scanned (readers), split into train and val (whole
+documents, or the last characters of one long text), encoded in worker processes (encoder) and written as shards
+(tokenfiles) in a staging folder whose checkpoints make an interrupted prepare resumable (staging); the result is
+moved into place at the end, meta.json last. Batches are drawn from the result by `batches`.
 """
 
 from __future__ import annotations
@@ -16,22 +16,21 @@ import signal
 import sys
 import threading
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
 
-from gptlab.corpus import Source, collect_sources
-from gptlab.encoder import Piece, encode_units, units
+from gptlab.data.corpus import Source, collect_sources
+from gptlab.data.encoder import Piece, encode_units, units
+from gptlab.data.readers import Scan, documents, scan_sources, val_documents
+from gptlab.data.staging import CHECKPOINT_UNITS, ShardWriter, Staging
+from gptlab.data.tokenfiles import SHARD_TOKENS, SPLITS, VERSION, token_dtype
 from gptlab.errors import GptlabError
 from gptlab.machine import usable_cores
-from gptlab.readers import Scan, documents, scan_sources, val_documents
 from gptlab.rundir import folder_kind
-from gptlab.staging import CHECKPOINT_UNITS, ShardWriter, Staging
-from gptlab.tokenfiles import SHARD_TOKENS, SPLITS, VERSION, ShardedTokens, read_split, token_dtype
 from gptlab.tokenizer import Tokenizer, load as load_tokenizer, train_tokenizer
+
 
 class OtherData(GptlabError):
     """The output folder holds prepared data made from other inputs or settings, which a run may train on."""
@@ -302,57 +301,3 @@ def _writers(stage: Staging, tok: Tokenizer, shard_tokens: int, quiet: bool) -> 
             stage.reset()
     tok.save(stage.path / "tokenizer.json")
     return [ShardWriter(stage.path, name, tok.vocab_size, shard_tokens) for name in SPLITS], 0
-
-
-@dataclass
-class Dataset:
-    """A prepared data folder: the two splits, the tokenizer and the metadata."""
-
-    path: Path
-    train: np.ndarray | ShardedTokens
-    val: np.ndarray | ShardedTokens
-    tokenizer: Tokenizer
-    meta: dict[str, Any]
-
-    def fingerprint(self) -> str:
-        """sha256 of the metadata, which holds the sha256 of both token files: changes whenever the data does."""
-        return hashlib.sha256(json.dumps(self.meta, sort_keys=True).encode()).hexdigest()
-
-
-def load_dataset(data_dir: str | Path) -> Dataset:
-    """The prepared data in `data_dir`; raises GptlabError when it is missing or damaged."""
-    path = Path(data_dir)
-    if not (path / "meta.json").is_file():
-        raise GptlabError(f"{path} is not a prepared data folder (no meta.json); run `gptlab prepare --out {path}`")
-    try:
-        meta = json.loads((path / "meta.json").read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        raise GptlabError(f"{path / 'meta.json'} is damaged; run `gptlab prepare` again") from None
-    if not isinstance(meta, dict):
-        raise GptlabError(f"{path / 'meta.json'} is damaged; run `gptlab prepare` again")
-    train, val = read_split(path, meta, "train"), read_split(path, meta, "val")
-    if (meta.get("train_tokens"), meta.get("val_tokens")) != (len(train), len(val)):
-        raise GptlabError(f"the token files in {path} do not match its meta.json ({len(train)} / {len(val)} tokens, "
-                          f"meta.json says {meta.get('train_tokens')} / {meta.get('val_tokens')}); run `gptlab "
-                          "prepare` again")
-    return Dataset(path, train, val, load_tokenizer(path / "tokenizer.json"), meta)
-
-
-def batch_generator(seed: int, step: int, micro: int = 0, rank: int = 0) -> torch.Generator:
-    """A generator seeded from (seed, step, micro-step, rank) alone: any batch can be redrawn at any time."""
-    mixed = int.from_bytes(hashlib.blake2b(f"{seed}/{step}/{micro}/{rank}".encode(), digest_size=8).digest(), "little")
-    return torch.Generator().manual_seed(mixed & 0x7FFF_FFFF_FFFF_FFFF)
-
-
-def get_batch(tokens: np.ndarray | ShardedTokens, batch_size: int, block_size: int,
-              generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-    """`batch_size` random windows: x (B, T) and y (B, T) = x shifted left by one, as int64."""
-    if len(tokens) < block_size + 1:
-        raise GptlabError(f"the split has {len(tokens)} tokens, fewer than block_size + 1 = {block_size + 1}; "
-                          "use a longer corpus or a smaller --block-size")
-    starts = torch.randint(len(tokens) - block_size, (batch_size,), generator=generator).numpy()
-    if isinstance(tokens, ShardedTokens):  # the same windows as one file would give: shards are one stream
-        windows = torch.from_numpy(tokens.windows(starts, block_size + 1).astype(np.int64))  # (B, T+1)
-    else:
-        windows = torch.from_numpy(tokens[starts[:, None] + np.arange(block_size + 1)].astype(np.int64))  # (B, T+1)
-    return windows[:, :-1], windows[:, 1:]

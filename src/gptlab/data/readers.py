@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from gptlab.corpus import Source, UnreadableSource, read_chunks
+from gptlab.data.corpus import Source, UnreadableSource, read_chunks
 from gptlab.errors import GptlabError
 from gptlab.tokenizer import EOT
 

@@ -1,0 +1,76 @@
+"""Batches of (x, y) windows from a prepared data folder.
+
+Batches are windows of block_size + 1 tokens cut at random offsets: x is the first block_size, y the same shifted by
+one, so each window holds block_size next-token lessons. The offsets are a pure function of (seed, step, micro-step,
+rank), which makes training reproducible and resumable without storing the sampler.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from gptlab.data.tokenfiles import ShardedTokens, read_split
+from gptlab.errors import GptlabError
+from gptlab.tokenizer import Tokenizer
+from gptlab.tokenizer import load as load_tokenizer
+
+
+@dataclass
+class Dataset:
+    """A prepared data folder: the two splits, the tokenizer and the metadata."""
+
+    path: Path
+    train: np.ndarray | ShardedTokens
+    val: np.ndarray | ShardedTokens
+    tokenizer: Tokenizer
+    meta: dict[str, Any]
+
+    def fingerprint(self) -> str:
+        """sha256 of the metadata, which holds the sha256 of both token files: changes whenever the data does."""
+        return hashlib.sha256(json.dumps(self.meta, sort_keys=True).encode()).hexdigest()
+
+
+def load_dataset(data_dir: str | Path) -> Dataset:
+    """The prepared data in `data_dir`; raises GptlabError when it is missing or damaged."""
+    path = Path(data_dir)
+    if not (path / "meta.json").is_file():
+        raise GptlabError(f"{path} is not a prepared data folder (no meta.json); run `gptlab prepare --out {path}`")
+    try:
+        meta = json.loads((path / "meta.json").read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise GptlabError(f"{path / 'meta.json'} is damaged; run `gptlab prepare` again") from None
+    if not isinstance(meta, dict):
+        raise GptlabError(f"{path / 'meta.json'} is damaged; run `gptlab prepare` again")
+    train, val = read_split(path, meta, "train"), read_split(path, meta, "val")
+    if (meta.get("train_tokens"), meta.get("val_tokens")) != (len(train), len(val)):
+        raise GptlabError(f"the token files in {path} do not match its meta.json ({len(train)} / {len(val)} tokens, "
+                          f"meta.json says {meta.get('train_tokens')} / {meta.get('val_tokens')}); run `gptlab "
+                          "prepare` again")
+    return Dataset(path, train, val, load_tokenizer(path / "tokenizer.json"), meta)
+
+
+def batch_generator(seed: int, step: int, micro: int = 0, rank: int = 0) -> torch.Generator:
+    """A generator seeded from (seed, step, micro-step, rank) alone: any batch can be redrawn at any time."""
+    mixed = int.from_bytes(hashlib.blake2b(f"{seed}/{step}/{micro}/{rank}".encode(), digest_size=8).digest(), "little")
+    return torch.Generator().manual_seed(mixed & 0x7FFF_FFFF_FFFF_FFFF)
+
+
+def get_batch(tokens: np.ndarray | ShardedTokens, batch_size: int, block_size: int,
+              generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """`batch_size` random windows: x (B, T) and y (B, T) = x shifted left by one, as int64."""
+    if len(tokens) < block_size + 1:
+        raise GptlabError(f"the split has {len(tokens)} tokens, fewer than block_size + 1 = {block_size + 1}; "
+                          "use a longer corpus or a smaller --block-size")
+    starts = torch.randint(len(tokens) - block_size, (batch_size,), generator=generator).numpy()
+    if isinstance(tokens, ShardedTokens):  # the same windows as one file would give: shards are one stream
+        windows = torch.from_numpy(tokens.windows(starts, block_size + 1).astype(np.int64))  # (B, T+1)
+    else:
+        windows = torch.from_numpy(tokens[starts[:, None] + np.arange(block_size + 1)].astype(np.int64))  # (B, T+1)
+    return windows[:, :-1], windows[:, 1:]
