@@ -79,7 +79,7 @@ MODULES = {
     "runs": _m("runs", "test_runs test_runs_start test_cli"),
     "rundir": _m("rundir", "test_nothing_lost test_faults test_runs"),
     "checkpoint": _m("checkpoint", "test_checkpoint test_nothing_lost test_faults test_train test_runtime"),
-    "preflight": _m("preflight", "test_nothing_lost test_train test_shards"),
+    "preflight": _m("training/preflight", "test_nothing_lost test_train test_shards"),
     "evaluate": _m("evaluate", "test_evaluate test_hf"),
     "optim": _m("optim", "test_optim test_train"),
     "int8": _m("inference/int8", "test_int8"),

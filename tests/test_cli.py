@@ -171,9 +171,9 @@ def test_stop_strings_read_escapes_as_the_readme_writes_them(prepared, capsys):
 
 
 def test_without_a_terminal_training_prints_plain_progress_lines(prepared, capsys, monkeypatch):
-    import gptlab.train
+    import gptlab.training.train
 
-    monkeypatch.setattr(gptlab.train, "PLAIN_LINE_SECONDS", 0.0)  # every log row, to see them in a short run
+    monkeypatch.setattr(gptlab.training.train, "PLAIN_LINE_SECONDS", 0.0)  # every log row, to see them in a short run
     flags = [f for f in TINY if f != "--quiet"]
     assert main(["train", "--data", "data", "--run", "runs/p", "--max-steps", "10", *flags]) == 0
     out, err = capsys.readouterr()

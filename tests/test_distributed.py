@@ -17,7 +17,7 @@ from gptlab.config import ModelConfig, TrainConfig
 from gptlab.distributed import Parallel
 from gptlab.errors import GptlabError
 from gptlab.model import build_model
-from gptlab.train import train
+from gptlab.training.train import train
 
 # fp32 and no dropout: the runs must differ by nothing but the order of floating-point sums. No biases: the key
 # bias's true gradient is exactly 0, and Adam would blow its rounding noise up into lr-sized random updates.

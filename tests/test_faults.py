@@ -249,12 +249,12 @@ def test_a_second_ctrl_c_stops_at_once_without_corrupting_anything(tmp_path, cha
 
 
 def test_out_of_memory_suggests_a_smaller_micro_batch(tmp_path, char_data, monkeypatch, capsys):
-    import gptlab.train
+    import gptlab.training.train
 
     def oom(*args, **kwargs):
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
 
-    monkeypatch.setattr(gptlab.train, "train_step", oom)
+    monkeypatch.setattr(gptlab.training.train, "train_step", oom)
     code = main(["train", "--data", str(char_data), "--run", str(tmp_path / "r"), "--max-steps", "12", *TINY])
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1

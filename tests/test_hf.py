@@ -30,7 +30,7 @@ from gptlab.hf import CONV1D, export_hf, import_hf, init_tensors, load_hf_model
 from gptlab.hf_tokenizer import gpt2_merges, gpt2_vocab, write_tokenizer_files
 from gptlab.model import GPT
 from gptlab.tokenizer import EOT, GPT2Tokenizer
-from gptlab.train import train
+from gptlab.training.train import train
 
 # Shapes chosen to catch layout bugs: an odd number of heads, widths that are not powers of two, a context
 # shorter than 64, both activations, a non-default LayerNorm epsilon.

@@ -33,7 +33,7 @@ from gptlab.config import ModelConfig, TrainConfig, from_dict, to_dict
 from gptlab.data.batches import load_dataset
 from gptlab.data.prepare import prepare
 from gptlab.errors import GptlabError
-from gptlab.preflight import check_data, check_memory, check_new_run, check_resume
+from gptlab.training.preflight import check_data, check_memory, check_new_run, check_resume
 
 ENV = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1] / "src")}
 
@@ -212,7 +212,7 @@ def test_kill_9_of_the_writer_frees_the_run_at_once(char_data, tmp_path, capsys)
     assert main(["train", "--data", str(char_data), "--run", str(run), "--max-steps", "5", *TINY]) == 0
 
 
-# ---- what training checks before it writes anything (gptlab.preflight, called directly) ----------------------
+# ---- what training checks before it writes anything (gptlab.training.preflight, called directly) ---------------------
 
 def run_settings(run):
     config = json.loads((run / rundir.CONFIG).read_text())

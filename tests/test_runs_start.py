@@ -21,7 +21,7 @@ from gptlab.cli import main
 from gptlab.data.prepare import prepare
 from gptlab.errors import GptlabError
 from gptlab.runs import compare, latest_run, pick_run_dir, resolve, start
-from gptlab.train import LOCKED_RUN_ENV
+from gptlab.training.train import LOCKED_RUN_ENV
 
 
 class Terminal(io.StringIO):

@@ -15,7 +15,7 @@ from gptlab import checkpoint as ck
 from gptlab.config import TrainConfig
 from gptlab.model import GPT
 from gptlab.runtime import bf16_supported, compile_model, peak_cache_file
-from gptlab.train import train
+from gptlab.training.train import train
 
 
 def settings(**overrides) -> TrainConfig:
@@ -103,8 +103,8 @@ def test_where_the_check_is_deferred_a_nan_step_is_skipped_on_the_device_and_rep
     """The CUDA path, run on the CPU: the host learns of the skipped step only at the next log row."""
     from test_faults import inject_nan_at
 
-    from gptlab import step as step_module, train as train_module
-    from gptlab.faults import NonFiniteLoss
+    from gptlab.training import step as step_module, train as train_module
+    from gptlab.training.faults import NonFiniteLoss
 
     for module in (step_module, train_module):  # the step skips on the device, the loop reads it back later
         monkeypatch.setattr(module, "defers_finite_check", lambda device: True)

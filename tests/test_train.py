@@ -14,7 +14,7 @@ from gptlab.errors import GptlabError
 from gptlab.model import GPT
 from gptlab.optim import lr_at, param_groups
 from gptlab.runtime import bf16_supported
-from gptlab.train import train
+from gptlab.training.train import train
 from test_sweep import tree
 
 

@@ -128,7 +128,7 @@ def data_dir_for(data: str | Path | None, preset: str, quiet: bool = False, run:
 
 def start(spec: TrainSpec, quiet: bool = False) -> Any:
     """Train per `spec` (in this process; under torchrun, in each); returns train.TrainResult."""
-    from gptlab.train import train
+    from gptlab.training.train import train
 
     init = None
     if spec.train.init_from and not spec.resume:  # the weights to start from, checked against model and data
@@ -152,7 +152,7 @@ def launch(spec: TrainSpec, nproc: int, argv: list[str], max_restarts: int = 0) 
     writing spec.run, whose lock this process holds for the whole job (elastic restarts included); returns the
     exit code. Settings are checked here, before any process starts."""
     from gptlab.distributed import launch as torchrun
-    from gptlab.train import LOCKED_RUN_ENV
+    from gptlab.training.train import LOCKED_RUN_ENV
 
     if nproc < 1:
         raise GptlabError(f"--nproc must be at least 1, not {nproc}")

@@ -1,12 +1,12 @@
-"""Planted bugs of run handling and training (src/gptlab/runs.py, rundir.py, checkpoint.py, preflight.py, train.py,
-optim.py)."""
+"""Planted bugs of run handling and training (src/gptlab/runs.py, rundir.py, checkpoint.py, optim.py,
+training/preflight.py, training/train.py)."""
 
 from planted import Planted
 
 RUNS = "src/gptlab/runs.py"
-PREFLIGHT = "src/gptlab/preflight.py"
+PREFLIGHT = "src/gptlab/training/preflight.py"
 CHECKPOINT = "src/gptlab/checkpoint.py"
-TRAIN = "src/gptlab/train.py"
+TRAIN = "src/gptlab/training/train.py"
 OPTIM = "src/gptlab/optim.py"
 T_RUNS = "tests/test_runs.py"
 T_TRAIN = "tests/test_train.py"

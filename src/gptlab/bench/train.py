@@ -2,7 +2,7 @@
 reference; with --traced, the same traced by gptlab.inspect before every step; bf16; bf16 + compile; flash
 attention on CUDA; or each attention path in each precision), steps
 interleaved so that a busy machine slows them alike, compared by tokens/s, MFU and the loss reached. Training
-runs through gptlab.train's public functions, as a user's loop would."""
+runs through gptlab.training's public functions, as a user's loop would."""
 
 from __future__ import annotations
 
@@ -101,7 +101,7 @@ def _contender(variant: Variant, model_cfg: ModelConfig, cfg: TrainConfig, datas
                device: torch.device) -> Contender:
     from gptlab.model import build_model
     from gptlab.optim import make_optimizer
-    from gptlab.step import warm_up
+    from gptlab.training.step import warm_up
 
     torch.manual_seed(cfg.seed)
     model_cfg = dataclasses.replace(model_cfg, attention=variant.attention or model_cfg.attention)
@@ -124,7 +124,7 @@ def run_train_bench(data_dir: str | Path, model_cfg: ModelConfig, cfg: TrainConf
     steps next to fp32's), the headline last, and returns its rows. `variants` defaults to
     train_variants(device); the first is the reference."""
     from gptlab.data.batches import load_dataset
-    from gptlab.step import estimate_loss, train_step
+    from gptlab.training.step import estimate_loss, train_step
 
     set_threads()
     reuse_freed_memory()

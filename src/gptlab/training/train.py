@@ -23,14 +23,14 @@ from gptlab.config import ModelConfig, TrainConfig, to_dict
 from gptlab.data.batches import Dataset, load_dataset
 from gptlab.distributed import Parallel
 from gptlab.errors import GptlabError
-from gptlab.preflight import check_data, check_memory, check_new_run, check_resume, settings_changed
-from gptlab.step import defers_finite_check, estimate_loss, train_step, warm_up
 from gptlab.fsdp import load_checkpoint
-from gptlab.faults import GracefulStop, Interrupted, LossSpike, NonFiniteLoss, SpikeGuard, is_out_of_memory
 from gptlab.optim import lr_at, make_optimizer
 from gptlab.plots import plot_loss, read_metrics
 from gptlab.runtime import (Speed, cached_speed, compile_model, configure_matmul, resolve_precision,
                             reuse_freed_memory, set_threads)
+from gptlab.training.faults import GracefulStop, Interrupted, LossSpike, NonFiniteLoss, SpikeGuard, is_out_of_memory
+from gptlab.training.preflight import check_data, check_memory, check_new_run, check_resume, settings_changed
+from gptlab.training.step import defers_finite_check, estimate_loss, train_step, warm_up
 
 log = logging.getLogger("gptlab")
 
