@@ -14,7 +14,7 @@ import torch
 from gptlab import checkpoint as ck
 from gptlab.cli import main
 from gptlab.config import ModelConfig, TrainConfig
-from gptlab.distributed import Parallel
+from gptlab.distributed.distributed import Parallel
 from gptlab.errors import GptlabError
 from gptlab.model import build_model
 from gptlab.training.train import train
@@ -103,7 +103,7 @@ INIT_SCRIPT = """
 import json, sys, torch
 from safetensors.torch import save_file
 from gptlab.config import ModelConfig
-from gptlab.distributed import setup
+from gptlab.distributed.distributed import setup
 par = setup("cpu")
 torch.manual_seed(7)
 model = par.build(ModelConfig(**json.loads(sys.argv[1])), fsdp=True)
@@ -259,7 +259,7 @@ def test_machines_that_see_different_run_folders_are_refused(straight, tmp_path)
 
 START_SCRIPT = """
 import sys
-from gptlab.distributed import setup
+from gptlab.distributed.distributed import setup
 from gptlab.errors import GptlabError
 par = setup("cpu")
 try:

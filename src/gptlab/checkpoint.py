@@ -185,7 +185,7 @@ def save_checkpoint(run_dir: str | Path, kind: str, step: int, model: torch.nn.M
                     extra_files: dict[str, bytes] | None = None, shards: Callable[..., Any] | None = None) -> Path:
     """Write a checkpoint atomically (with `extra_files`, e.g. the tokenizer, inside it) and then prune all but
     the newest `keep` of its kind. Returns its path; raises GptlabError when the disk refuses the write. With
-    `shards` (FSDP, see distributed.py), every process writes its own slices of model and optimizer into the
+    `shards` (FSDP, see distributed/distributed.py), every process writes its own slices of model and optimizer into the
     checkpoint's shards/ through shards(folder, with_optimizer), which returns the optimizer's JSON part."""
     ckpts = Path(run_dir) / CKPTS
     final = ckpts / f"{kind}-{step:08d}"

@@ -151,7 +151,7 @@ def launch(spec: TrainSpec, nproc: int, argv: list[str], max_restarts: int = 0) 
     """`gptlab ARGV` (a train command whose settings resolved to `spec`) in `nproc` processes through torchrun, all
     writing spec.run, whose lock this process holds for the whole job (elastic restarts included); returns the
     exit code. Settings are checked here, before any process starts."""
-    from gptlab.distributed import launch as torchrun
+    from gptlab.distributed.distributed import launch as torchrun
     from gptlab.training.train import LOCKED_RUN_ENV
 
     if nproc < 1:

@@ -125,7 +125,7 @@ def train_spec(args: argparse.Namespace, resume: bool | str):
 
 @command("train", "train a model (no arguments: the default preset on the bundled corpus, into runs/)")
 def cmd_train(args: argparse.Namespace) -> int:
-    from gptlab import distributed
+    from gptlab.distributed import distributed
     from gptlab.runs import launch, start
 
     if args.resume not in RESUME_VALUES:

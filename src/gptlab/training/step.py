@@ -10,7 +10,7 @@ import torch
 
 from gptlab.config import TrainConfig
 from gptlab.data.batches import Dataset, batch_generator, get_batch
-from gptlab.distributed import Parallel
+from gptlab.distributed.distributed import Parallel
 from gptlab.optim import lr_at, step_if_finite
 from gptlab.runtime import autocast, to_device
 from gptlab.training.faults import NonFiniteLoss

@@ -18,12 +18,12 @@ import torch
 
 from gptlab import checkpoint as ck
 from gptlab import __version__, rundir
-from gptlab import distributed
 from gptlab.config import ModelConfig, TrainConfig, to_dict
 from gptlab.data.batches import Dataset, load_dataset
-from gptlab.distributed import Parallel
+from gptlab.distributed import distributed
+from gptlab.distributed.distributed import Parallel
+from gptlab.distributed.fsdp import load_checkpoint
 from gptlab.errors import GptlabError
-from gptlab.fsdp import load_checkpoint
 from gptlab.optim import lr_at, make_optimizer
 from gptlab.plots import plot_loss, read_metrics
 from gptlab.runtime import (Speed, cached_speed, compile_model, configure_matmul, resolve_precision,

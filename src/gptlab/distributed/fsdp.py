@@ -1,6 +1,6 @@
 """FSDP2 from the inside: building a model whose processes each hold only their slices (initialised exactly as a
 whole build would be), writing and reading checkpoints slice by slice, and cutting a process's slice from a whole
-tensor. distributed.py applies it; sharded.py does the file I/O."""
+tensor. distributed.py applies it; sharded.py (beside checkpoint.py) does the file I/O."""
 
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
-"""Data-parallel training across processes, and everything about them: init/teardown, rank helpers, DDP/FSDP
-wrapping, sharded checkpoints.
+"""Data-parallel training across processes: init/teardown, rank helpers, the start-up checks, DDP/FSDP wrapping,
+every process's part of a checkpoint save, launching torchrun. fsdp.py beside it builds and initialises the shards;
+the sharded checkpoints' file I/O is gptlab.sharded's (beside checkpoint.py, which calls it).
 
 torchrun starts the processes and tells each its RANK, LOCAL_RANK and WORLD_SIZE; `setup` joins them into one
 group (gloo on CPUs, NCCL on CUDA GPUs) and `Parallel` is everything the training loop asks of it. In a single
@@ -19,8 +20,8 @@ default, or FSDP2 (`fully_shard`: parameters, gradients and optimizer state shar
 process draws the initial values one whole parameter at a time, in the order and from the generator a whole
 build uses, keeping only its slice, so the initial weights are bit for bit those of one process. Checkpoints
 are written by every process, each its own slices, and read back the same way on any number of processes
-(sharded.py, through torch.distributed.checkpoint); one process on its own reads them whole to sample, export or
-resume. DDP's checkpoints hold whole tensors, written by rank 0, and FSDP processes resume from those too.
+(gptlab.sharded, through torch.distributed.checkpoint); one process on its own reads them whole to sample, export
+or resume. DDP's checkpoints hold whole tensors, written by rank 0, and FSDP processes resume from those too.
 """
 
 from __future__ import annotations
@@ -44,10 +45,10 @@ import torch.distributed as dist
 from gptlab import checkpoint as ck
 from gptlab import rundir
 from gptlab.config import ModelConfig
+from gptlab.distributed.fsdp import (InitRecorder, initialise_shards, local_part, named_tensors, shard_model,
+                                     write_shards)
 from gptlab.errors import GptlabError
 from gptlab.machine import usable_cores
-from gptlab.fsdp import (InitRecorder, initialise_shards, local_part, named_tensors, shard_model,
-                         write_shards)
 from gptlab.model import build_model
 from gptlab.runtime import resolve_device
 
