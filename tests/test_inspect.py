@@ -22,7 +22,7 @@ from gptlab.cli import main
 from gptlab.config import PRESETS, ModelConfig, SampleConfig
 from gptlab.engine import generate
 from gptlab.errors import GptlabError
-from gptlab.hf import load_hf_model
+from gptlab.hf.hf import load_hf_model
 from gptlab.inspect import page
 from gptlab.inspect.anatomy import describe, model_for, totals
 from gptlab.inspect import pictures

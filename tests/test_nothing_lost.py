@@ -26,7 +26,7 @@ from test_sweep import TINY, tree
 import gptlab
 import gptlab.checkpoint as ck
 import gptlab.data.tokenfiles
-import gptlab.hf
+import gptlab.hf.hf
 from gptlab import rundir
 from gptlab.cli import main
 from gptlab.config import ModelConfig, TrainConfig, from_dict, to_dict
@@ -154,7 +154,7 @@ def test_a_full_disk_during_training_keeps_the_previous_checkpoint(trained, monk
 
 
 def test_a_full_disk_during_export_is_one_line_and_leaves_no_temporary_file(trained, tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr(gptlab.hf, "save_file", full)
+    monkeypatch.setattr(gptlab.hf.hf, "save_file", full)
     assert main(["export", str(trained), "--out", str(tmp_path / "hf")]) == 2
     assert "No space left on device" in capsys.readouterr().err
     assert not (tmp_path / "hf").exists() and not [p for p in tmp_path.iterdir() if p.name.startswith(".")]

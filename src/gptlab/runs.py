@@ -90,7 +90,7 @@ def resolve(preset: str | None = None, model: dict[str, Any] | None = None, trai
 def init_from_model_base(source: str | None, model_base: dict[str, Any]) -> dict[str, Any]:
     """With --init-from the model's shape comes from the source; the preset and flags still set dropout, the
     attention path and a shorter block_size."""
-    from gptlab.hf import source_model_config
+    from gptlab.hf.hf import source_model_config
 
     if not source:
         raise GptlabError(f"the {FINETUNE_PRESET} preset continues training a model; name it with --init-from "
@@ -132,7 +132,7 @@ def start(spec: TrainSpec, quiet: bool = False) -> Any:
 
     init = None
     if spec.train.init_from and not spec.resume:  # the weights to start from, checked against model and data
-        from gptlab.hf import init_tensors
+        from gptlab.hf.hf import init_tensors
         from gptlab.tokenizer import load as load_tokenizer
 
         if rundir.folder_kind(spec.data) != "data":

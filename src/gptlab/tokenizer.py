@@ -98,7 +98,7 @@ class CharTokenizer(Tokenizer):
 
 
 @functools.lru_cache(maxsize=1)
-def _byte_decoder() -> dict[str, int]:
+def byte_decoder() -> dict[str, int]:
     """GPT-2's byte-level alphabet: printable stand-ins for the 256 byte values, mapped back to the bytes."""
     printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + \
         list(range(ord("®"), ord("ÿ") + 1))
@@ -144,7 +144,7 @@ class BPETokenizer(Tokenizer):
         return self.hf.encode(text, add_special_tokens=False).ids
 
     def decode_bytes(self, ids: Sequence[int]) -> bytes:
-        table = _byte_decoder()
+        table = byte_decoder()
         out = bytearray()
         for i in ids:
             piece = self._pieces[i]

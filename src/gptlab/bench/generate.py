@@ -78,13 +78,13 @@ def run_transformers(hf: Any, prompts: list[list[int]], new_tokens: int) -> Cloc
 
 
 def transformers_twin(model: GPT) -> Any:
-    """transformers' GPT2LMHeadModel holding `model`'s weights (converted by gptlab.hf), or None when transformers
+    """transformers' GPT2LMHeadModel holding `model`'s weights (converted by gptlab.hf.hf), or None when transformers
     is not installed."""
     try:
         import transformers
     except ImportError:
         return None
-    from gptlab.hf import to_hf_tensors
+    from gptlab.hf.hf import to_hf_tensors
 
     transformers.logging.set_verbosity_error()
     c = model.config

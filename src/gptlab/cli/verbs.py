@@ -356,7 +356,7 @@ def add_info(p: argparse.ArgumentParser) -> None:
 
 @command("import", "turn a local Hugging Face GPT-2 folder into a gptlab run (nothing is downloaded)")
 def cmd_import(args: argparse.Namespace) -> int:
-    from gptlab.hf import import_hf
+    from gptlab.hf.hf import import_hf
     from gptlab.runs import RUNS
 
     run = Path(args.run) if args.run else RUNS / Path(args.path).resolve().name
@@ -375,7 +375,7 @@ def add_import(p: argparse.ArgumentParser) -> None:
 
 @command("export", "write a run's model as a Hugging Face GPT-2 folder that transformers loads")
 def cmd_export(args: argparse.Namespace) -> int:
-    from gptlab.hf import export_hf
+    from gptlab.hf.hf import export_hf
 
     names = export_hf(args.run_dir, args.out)
     print(f"exported {args.run_dir} to {args.out}: {', '.join(names)}")

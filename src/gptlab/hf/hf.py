@@ -26,7 +26,7 @@ from gptlab import checkpoint as ck
 from gptlab import rundir
 from gptlab.config import ModelConfig, TrainConfig, from_dict, to_dict
 from gptlab.errors import GptlabError
-from gptlab.hf_tokenizer import read_hf_tokenizer, write_tokenizer_files
+from gptlab.hf.hf_tokenizer import read_hf_tokenizer, write_tokenizer_files
 from gptlab.model import GPT
 from gptlab.tokenizer import Tokenizer
 

@@ -9,9 +9,9 @@ import json
 from pathlib import Path
 from typing import Any
 
-from gptlab.rundir import write_atomic
 from gptlab.errors import GptlabError
-from gptlab.tokenizer import EOT, CharTokenizer, GPT2Tokenizer, Tokenizer, _byte_decoder, gpt2_ranks
+from gptlab.rundir import write_atomic
+from gptlab.tokenizer import EOT, CharTokenizer, GPT2Tokenizer, Tokenizer, byte_decoder, gpt2_ranks
 from gptlab.tokenizer import load as load_tokenizer
 
 GPTLAB_TOKENIZER = "gptlab_tokenizer.json"  # written by export, so that importing the folder back is exact
@@ -21,7 +21,7 @@ GPTLAB_TOKENIZER = "gptlab_tokenizer.json"  # written by export, so that importi
 
 @functools.lru_cache(maxsize=1)
 def _byte_encoder() -> dict[int, str]:
-    return {b: ch for ch, b in _byte_decoder().items()}
+    return {b: ch for ch, b in byte_decoder().items()}
 
 
 def _byte_piece(token: bytes) -> str:
