@@ -1,4 +1,4 @@
-"""Deliberately broken copies of the fused decode kernel (csrc/decode.cpp): each must fail one of
+"""Deliberately broken copies of the fused decode kernel (inference/csrc/decode.cpp): each must fail one of
 tests/test_fastdecode.py's parity checks, so that those checks are known to catch what they claim to; and copies
 whose structs differ from the ctypes ones (gptlab.inference.native), each of which loading must refuse."""
 

@@ -26,7 +26,7 @@ import tempfile
 from pathlib import Path
 
 log = logging.getLogger("gptlab")
-SOURCE = Path(__file__).parent.parent / "csrc" / "decode.cpp"
+SOURCE = Path(__file__).parent / "csrc" / "decode.cpp"
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
 LAYOUT_VERSION = 2  # decode.cpp's LAYOUT_VERSION: raise both with any change to the structs' fields or meaning
 _P = ctypes.c_void_p
