@@ -1,3 +1,4 @@
 """Benchmarks that measure side by side in one run and print ratios (these machines are shared and noisy), one
-module per `gptlab bench` verb: peak, train (train and attention), generate, decode, matmul; timing.py holds
-what they share. Nothing in the core imports this package. Current figures: docs/benchmarks.md."""
+module per `gptlab bench` verb: peak, train (train and attention), generate, decode, matmul, race, prepare, serve;
+timing.py holds what they share. Only the CLI (cli/bench_verbs.py) imports this package, nothing in the core.
+Current figures: docs/benchmarks.md."""

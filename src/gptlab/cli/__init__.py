@@ -1,7 +1,7 @@
 """The `gptlab` command: it only parses and prints. Every verb is one entry of COMMANDS, made by `@command(name,
 help)` over a function that turns its flags into typed values, calls one library function and prints the result;
 its flags come from the function `add_NAME` beside it, in the same module: verbs.py (prepare, train, sample, eval,
-runs, info, import, export), inspect_verbs.py (inspect), serve_verbs.py (serve) and bench_verbs.py (bench);
+runs, compare, info, import, export), inspect_verbs.py (inspect), serve_verbs.py (serve) and bench_verbs.py (bench);
 common.py holds the registry and the flags generated from config.py, and this module `main`. Policy lives in the library (runs.py: presets, overrides,
 resumes, run folders; evaluate.py: scoring), so a Python caller gets what a command does.
 

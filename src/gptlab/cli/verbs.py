@@ -1,4 +1,4 @@
-"""The verbs of the pipeline: prepare, train, sample, eval, runs, info, import and export."""
+"""The verbs of the pipeline: prepare, train, sample, eval, runs, compare, info, import and export."""
 
 from __future__ import annotations
 
