@@ -1,5 +1,7 @@
 import copy
+import dataclasses
 import json
+import math
 import os
 import re
 import shutil
@@ -7,13 +9,16 @@ import shutil
 import pytest
 import torch
 
-from conftest import tiny_config
+from conftest import CORPUS, tiny_config
 from gptlab import checkpoint as ck
-from gptlab.config import TrainConfig
+from gptlab.config import ModelConfig, TrainConfig
+from gptlab.data.batches import load_dataset
 from gptlab.errors import GptlabError
-from gptlab.model import GPT
+from gptlab.model import GPT, Bigram
 from gptlab.optim import lr_at, param_groups
 from gptlab.runtime import bf16_supported
+from gptlab.training import train as training
+from gptlab.training.step import StepContext, estimate_loss, train_step
 from gptlab.training.train import train
 from test_sweep import tree
 
@@ -161,3 +166,33 @@ def test_bf16_autocast_trains_close_to_fp32(tmp_path, char_data):
     fp32 = train(char_data, tmp_path / "a", model_cfg(), quick(max_steps=20), quiet=True)
     bf16 = train(char_data, tmp_path / "b", model_cfg(), quick(max_steps=20, precision="bf16"), quiet=True)
     assert abs(fp32.val_loss - bf16.val_loss) < 0.05
+
+
+def test_a_step_and_an_evaluation_read_everything_but_the_model_from_one_context(char_data):
+    """A bigram table of zeros predicts every character alike, so its loss is ln V on both splits (V: the corpus's
+    distinct characters); a step at 4 of 10 warm-up steps runs at 5/10 of the peak rate; applied, it lowers the
+    loss."""
+    V = len(set(CORPUS))
+    ctx = StepContext(load_dataset(char_data), quick(lr=1e-2, warmup_steps=10), 16, torch.device("cpu"), "fp32")
+    model = Bigram(ModelConfig(arch="bigram", vocab_size=V, block_size=16, n_layer=1, n_head=1, n_embd=1))
+    assert estimate_loss(model, ctx) == pytest.approx({"train": math.log(V), "val": math.log(V)})
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    loss, _ = train_step(model, optimizer, ctx, 4)
+    assert loss.item() == pytest.approx(math.log(V)) and optimizer.param_groups[0]["lr"] == pytest.approx(5e-3)
+    assert estimate_loss(model, ctx)["train"] < math.log(V) and ctx.parallel.world_size == 1
+
+
+def test_everything_the_loop_carries_is_declared(tmp_path, char_data, monkeypatch):
+    """The loop keeps no state but the Trainer's declared fields: after a run, the trainer holds exactly them."""
+    held = {}
+    loop = training.Trainer.loop
+
+    def watched(self, quiet):
+        result = loop(self, quiet)
+        held.update(vars(self))
+        return result
+
+    monkeypatch.setattr(training.Trainer, "loop", watched)
+    train(char_data, tmp_path / "run", model_cfg(), quick(max_steps=4, eval_interval=2), quiet=True)
+    assert set(held) == {f.name for f in dataclasses.fields(training.Trainer)}
+    assert held["clock"].start_step == 0 and held["progress"].step == 4 and len(held["history"]) == 4

@@ -101,7 +101,7 @@ def _contender(variant: Variant, model_cfg: ModelConfig, cfg: TrainConfig, datas
                device: torch.device) -> Contender:
     from gptlab.model import build_model
     from gptlab.optim import make_optimizer
-    from gptlab.training.step import warm_up
+    from gptlab.training.step import StepContext, warm_up
 
     torch.manual_seed(cfg.seed)
     model_cfg = dataclasses.replace(model_cfg, attention=variant.attention or model_cfg.attention)
@@ -110,8 +110,8 @@ def _contender(variant: Variant, model_cfg: ModelConfig, cfg: TrainConfig, datas
     if variant.compile:
         start = time.perf_counter()
         with contender.running(device):
-            contender.model = compile_model(eager, warm_up(dataset=dataset, cfg=cfg, block_size=model_cfg.block_size,
-                                                           device=device, precision=variant.precision))
+            ctx = StepContext(dataset, cfg, model_cfg.block_size, device, variant.precision)
+            contender.model = compile_model(eager, warm_up(ctx))
         contender.compile_s = time.perf_counter() - start
     return contender
 
@@ -124,7 +124,7 @@ def run_train_bench(data_dir: str | Path, model_cfg: ModelConfig, cfg: TrainConf
     steps next to fp32's), the headline last, and returns its rows. `variants` defaults to
     train_variants(device); the first is the reference."""
     from gptlab.data.batches import load_dataset
-    from gptlab.training.step import estimate_loss, train_step
+    from gptlab.training.step import StepContext, estimate_loss, train_step
 
     set_threads()
     reuse_freed_memory()
@@ -139,21 +139,21 @@ def run_train_bench(data_dir: str | Path, model_cfg: ModelConfig, cfg: TrainConf
     cfg = dataclasses.replace(cfg, grad_accum=1, max_steps=total, warmup_steps=min(cfg.warmup_steps, total // 4),
                               eval_batches=4)
     contenders = [_contender(v, model_cfg, cfg, dataset, device) for v in variants or train_variants(device)]
+    contexts = [StepContext(dataset, cfg, model_cfg.block_size, device, c.variant.precision) for c in contenders]
     for step in range(total):
-        for c in contenders:
+        for c, ctx in zip(contenders, contexts):
             with c.running(device):
                 if c.variant.traced:
                     _trace(c.eager, dataset, cfg.seed, step, model_cfg.block_size, device)
                 start = time.perf_counter()
-                train_step(model=c.model, optimizer=c.optimizer, dataset=dataset, cfg=cfg,
-                           block_size=model_cfg.block_size, step=step, device=device, precision=c.variant.precision)
+                train_step(c.model, c.optimizer, ctx, step)
                 sync(device)
             if step >= warmup:
                 c.times.append(time.perf_counter() - start)
     load = watch.stop()
     configure_matmul(device, "fp32")
-    rows = [_row(c, estimate_loss(model=c.eager, dataset=dataset, cfg=cfg, block_size=model_cfg.block_size,
-                                  device=device, precision="fp32")["val"], peak, cfg.batch_size * model_cfg.block_size)
+    reference = StepContext(dataset, cfg, model_cfg.block_size, device, "fp32")
+    rows = [_row(c, estimate_loss(c.eager, reference)["val"], peak, cfg.batch_size * model_cfg.block_size)
             for c in contenders]
     _print_train_table(rows, peak, model_cfg, cfg, total, contenders[0].eager, load)
     return rows

@@ -12,7 +12,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 import torch
 
@@ -30,7 +30,7 @@ from gptlab.runtime import (Speed, cached_speed, compile_model, configure_matmul
                             reuse_freed_memory, set_threads)
 from gptlab.training.faults import GracefulStop, Interrupted, LossSpike, NonFiniteLoss, SpikeGuard, is_out_of_memory
 from gptlab.training.preflight import check_data, check_memory, check_new_run, check_resume, settings_changed
-from gptlab.training.step import defers_finite_check, estimate_loss, train_step, warm_up
+from gptlab.training.step import StepContext, defers_finite_check, estimate_loss, train_step, warm_up
 
 log = logging.getLogger("gptlab")
 
@@ -146,8 +146,9 @@ def _train_locked(dataset: Dataset, run: Path, model_cfg: ModelConfig, cfg: Trai
             rundir.init_run(run, model_cfg, cfg, dataset.tokenizer, {**where, **extra})
     model, optimizer = dist.wrap(model, optimizer, cfg.fsdp)
     dist.reseed(cfg.seed, progress.step)
+    ctx = StepContext(dataset, cfg, model_cfg.block_size, device, precision, dist)
     if cfg.compile:
-        model = compile_model(model, warm_up(dataset, cfg, model_cfg.block_size, device, precision, dist))
+        model = compile_model(model, warm_up(ctx))
     if dist.is_main:
         ck.clean_stale(run)
         metrics = run / rundir.METRICS
@@ -155,50 +156,77 @@ def _train_locked(dataset: Dataset, run: Path, model_cfg: ModelConfig, cfg: Trai
             _keep_metrics_until(metrics, progress.step)
         elif metrics.exists():
             metrics.unlink()
-    trainer = Trainer(model, optimizer, dataset, model_cfg, cfg, run, progress, device, precision, speed, dist)
+    trainer = Trainer(model, optimizer, ctx, model_cfg, run, progress, speed)
     result = trainer.loop(quiet)
     dist.barrier()  # no process leaves while rank 0 may still be writing
     return result
 
 
 @dataclass
+class Clock:
+    """The loop's time (perf_counter seconds): when this session began and at which step, where the current speed
+    interval began (evaluations and checkpoints are left out of it), the seconds spent in training steps alone, and
+    when the last plain progress line was printed."""
+
+    start: float
+    start_step: int
+    tick: float = 0.0
+    tick_step: int = 0
+    train_seconds: float = 0.0
+    last_line: float = 0.0
+
+    def __post_init__(self) -> None:
+        self.tick, self.tick_step, self.last_line = self.start, self.start_step, self.start
+
+
+@dataclass
 class Trainer:
-    """One training run in progress: what the loop needs, and the small steps it is made of."""
+    """One training run in progress: what the loop is given, what it carries from step to step (declared here, each
+    with its starting value), and the small steps the loop is made of."""
 
     model: torch.nn.Module
     optimizer: torch.optim.Optimizer
-    dataset: Dataset
+    ctx: StepContext  # the data, settings, context length, device, precision and processes every step shares
     model_cfg: ModelConfig
-    cfg: TrainConfig
     run: Path
     progress: Progress
-    device: torch.device
-    precision: str
     speed: Speed
-    dist: Parallel
-    history: list[dict[str, Any]] = field(default_factory=list)
-    last_checkpoint: Path | None = None
-    val_loss: float = math.nan
+    history: list[dict[str, Any]] = field(default_factory=list)  # every row written to metrics.jsonl
+    last_checkpoint: Path | None = None  # the newest step checkpoint: named when the run stops on a fault
+    val_loss: float = math.nan  # of the last evaluation
     held_reported: bool = False  # the first train row says what each process holds (held_bytes)
+    clock: Clock = field(init=False)
+    nonfinite: torch.Tensor = field(init=False)  # steps skipped for a non-finite loss or norm, where deferred
+    eager: torch.nn.Module = field(init=False)  # the model uncompiled: evaluating compiled costs a compilation
+    plain: bool = False  # no terminal (CI, nohup, | tee): a plain progress line now and then instead of a bar
+    metrics: TextIO | None = None  # metrics.jsonl (os.devnull off rank 0), open while the loop runs
+
+    def __post_init__(self) -> None:
+        found = ck.find_checkpoint(self.run, "step")
+        self.last_checkpoint = found.path if found else None
+        self.clock = Clock(time.perf_counter(), self.progress.step)
+        self.nonfinite = torch.zeros((), dtype=torch.int64, device=self.ctx.device)
+        self.eager = getattr(self.model, "_orig_mod", self.model)
+
+    @property
+    def cfg(self) -> TrainConfig:
+        return self.ctx.cfg
+
+    @property
+    def dist(self) -> Parallel:
+        return self.ctx.parallel
 
     def loop(self, quiet: bool) -> TrainResult:
         """Steps until max_steps: train step, log, evaluate and checkpoint at intervals, stop cleanly on a signal."""
         from tqdm import tqdm
 
-        cfg, progress = self.cfg, self.progress
-        found = ck.find_checkpoint(self.run, "step")
-        self.last_checkpoint = found.path if found else None
+        cfg, progress, clock = self.cfg, self.progress, self.clock
         bar = tqdm(total=cfg.max_steps, initial=progress.step, desc="train", unit="step", dynamic_ncols=True,
                    disable=True if quiet or not self.dist.is_main else None)
         spikes = SpikeGuard(cfg.spike_factor, cfg.spike_patience)
-        self.start, self.start_step = time.perf_counter(), progress.step
-        self.tick, self.tick_step = self.start, progress.step  # the speed interval: evaluations and saves left out
-        self.nonfinite = torch.zeros((), dtype=torch.int64, device=self.device)  # steps skipped, when deferred
-        self.eager = getattr(self.model, "_orig_mod", self.model)  # evaluating compiled costs a second compilation
         self.model.train()
         metrics = self.run / rundir.METRICS if self.dist.is_main else os.devnull
-        self.train_seconds, self.last_line = 0.0, self.start
-        self.plain = not quiet and self.dist.is_main and bar.disable  # no terminal: a plain line now and then
+        self.plain = not quiet and self.dist.is_main and bar.disable
         with GracefulStop() as stop, open(metrics, "a") as self.metrics:
             while progress.step < cfg.max_steps:
                 began = time.perf_counter()
@@ -212,29 +240,27 @@ class Trainer:
                     self.check_finite()
                     self.log(loss, norm, bar)
                 bar.update(1)
-                self.train_seconds += time.perf_counter() - began
+                clock.train_seconds += time.perf_counter() - began
                 if progress.step % cfg.eval_interval == 0 or done:
                     self.check_finite()
                     self.evaluate(bar)
                 if self.stopping(stop, log_row) and not done:
                     self.interrupted(stop.signum or signal.SIGTERM, bar)
         bar.close()
-        seconds = time.perf_counter() - self.start
+        seconds = time.perf_counter() - clock.start
         if self.dist.is_main:
             plot_loss(self.run / rundir.METRICS, self.run / "loss.png", title=self.run.name)
-        rate = (progress.step - self.start_step) * self.tokens_per_step / max(self.train_seconds, 1e-9)
+        rate = (progress.step - clock.start_step) * self.tokens_per_step / max(clock.train_seconds, 1e-9)
         return TrainResult(self.run, progress.step, self.val_loss, progress.best_val_loss, seconds, rate,
-                           self.history, self.dist.rank, self.train_seconds)
+                           self.history, self.dist.rank, clock.train_seconds)
 
     @property
     def tokens_per_step(self) -> int:
         return self.cfg.batch_size * self.model_cfg.block_size * self.cfg.grad_accum
 
     def step(self) -> tuple[torch.Tensor, torch.Tensor]:
-        loss, norm = self.guard(train_step, self.model, self.optimizer, self.dataset, self.cfg,
-                                self.model_cfg.block_size, self.progress.step, self.device, self.precision,
-                                self.dist)
-        if defers_finite_check(self.device):
+        loss, norm = self.guard(train_step, self.model, self.optimizer, self.ctx, self.progress.step)
+        if defers_finite_check(self.ctx.device):
             self.nonfinite += ~(loss.isfinite() & norm.isfinite())
         self.progress.step += 1
         self.progress.tokens_seen += self.tokens_per_step
@@ -242,7 +268,7 @@ class Trainer:
 
     def check_finite(self) -> None:
         """Where the check is deferred: stop if any step so far was skipped for a non-finite loss or norm."""
-        skipped = int(self.nonfinite.item()) if defers_finite_check(self.device) else 0
+        skipped = int(self.nonfinite.item()) if defers_finite_check(self.ctx.device) else 0
         if skipped:
             message = (f"{skipped} step(s) up to step {self.progress.step} had a non-finite loss or gradient norm, "
                        "so they were not applied")
@@ -268,45 +294,45 @@ class Trainer:
             if not is_out_of_memory(exc):
                 raise
             B, accum = self.cfg.batch_size, self.cfg.grad_accum
-            raise GptlabError(f"out of memory on {self.device} at batch_size {B} x block_size "
+            raise GptlabError(f"out of memory on {self.ctx.device} at batch_size {B} x block_size "
                               f"{self.model_cfg.block_size}; try --batch-size {max(1, B // 2)} --grad-accum "
                               f"{accum * 2} (the same tokens per step); {last}") from None
 
     def record(self, row: dict[str, Any]) -> None:
+        assert self.metrics is not None, "rows are recorded while the loop runs"
         self.history.append(row)
         self.metrics.write(json.dumps(row) + "\n")
         self.metrics.flush()
 
     def log(self, loss: torch.Tensor, norm: torch.Tensor, bar: Any) -> None:
         """A train row: loss, norm, lr, and the speed since the last row (tokens/s; MFU once the peak is cached)."""
-        now = time.perf_counter()
-        rates = self.speed.report(self.progress.step - self.tick_step, now - self.tick)
-        self.tick, self.tick_step = now, self.progress.step
+        clock, now = self.clock, time.perf_counter()
+        rates = self.speed.report(self.progress.step - clock.tick_step, now - clock.tick)
+        clock.tick, clock.tick_step = now, self.progress.step
         shown = loss.item()
         held = {} if self.held_reported else self.dist.held_bytes(self.model, self.optimizer)  # per process, once
         self.held_reported = True
         self.record({"kind": "train", "step": self.progress.step, "loss": shown, "grad_norm": norm.item(),
                      "lr": lr_at(self.progress.step - 1, self.cfg), "tokens": self.progress.tokens_seen, **rates,
-                     "elapsed_s": round(now - self.start, 3), **held})
+                     "elapsed_s": round(now - clock.start, 3), **held})
         mfu = {"mfu": f"{rates['mfu']:.0%}"} if "mfu" in rates else {}
         bar.set_postfix(loss=f"{shown:.4f}", tok_s=f"{rates['tokens_per_s']:,.0f}", **mfu, refresh=False)
-        if self.plain and (now - self.last_line >= PLAIN_LINE_SECONDS or self.progress.step == self.cfg.max_steps):
-            self.last_line = now
+        if self.plain and (now - clock.last_line >= PLAIN_LINE_SECONDS or self.progress.step == self.cfg.max_steps):
+            clock.last_line = now
             print(f"step {self.progress.step}/{self.cfg.max_steps}: loss {shown:.4f}, "
                   f"{rates['tokens_per_s']:,.0f} tokens/s" + (f", mfu {mfu['mfu']}" if mfu else "") +
-                  f", {now - self.start:,.0f} s", file=sys.stderr, flush=True)
+                  f", {now - clock.start:,.0f} s", file=sys.stderr, flush=True)
 
     def evaluate(self, bar: Any) -> None:
-        losses = estimate_loss(self.eager, self.dataset, self.cfg, self.model_cfg.block_size, self.device,
-                               self.precision, self.dist)
+        losses = estimate_loss(self.eager, self.ctx)
         self.val_loss = losses["val"]
         self.record({"kind": "eval", "step": self.progress.step, "train_loss": losses["train"],
-                     "val_loss": self.val_loss, "elapsed_s": round(time.perf_counter() - self.start, 3),
-                     "train_s": round(self.train_seconds, 3)})  # training steps alone, this session
+                     "val_loss": self.val_loss, "elapsed_s": round(time.perf_counter() - self.clock.start, 3),
+                     "train_s": round(self.clock.train_seconds, 3)})  # training steps alone, this session
         if self.dist.is_main:
             bar.write(f"step {self.progress.step}: train loss {losses['train']:.4f}, val loss {self.val_loss:.4f}")
         self.save(best=self.val_loss < self.progress.best_val_loss)
-        self.tick, self.tick_step = time.perf_counter(), self.progress.step
+        self.clock.tick, self.clock.tick_step = time.perf_counter(), self.progress.step
 
     def interrupted(self, signum: int, bar: Any) -> None:
         """Write a checkpoint of the step just finished (unless evaluation just did) and stop."""
@@ -324,7 +350,7 @@ class Trainer:
         if best:
             progress.best_val_loss = self.val_loss
         state = {"tokens_seen": progress.tokens_seen, "best_val_loss": progress.best_val_loss,
-                 "val_loss": self.val_loss, "data_fingerprint": self.dataset.fingerprint(),
+                 "val_loss": self.val_loss, "data_fingerprint": self.ctx.dataset.fingerprint(),
                  "sampler": {"seed": self.cfg.seed, "next_step": progress.step},
                  "model": to_dict(self.model_cfg), "train": to_dict(self.cfg),
                  "gptlab_version": __version__, "git_commit": rundir.git_commit()}
