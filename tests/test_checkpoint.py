@@ -17,9 +17,12 @@ from safetensors.torch import load_file, save_file
 from test_sweep import TINY
 
 from gptlab import checkpoint as ck
+from gptlab.cli import main
 from gptlab.config import ModelConfig, from_dict, to_dict
 from gptlab.errors import GptlabError
 from gptlab.model import GPT, build_model
+from gptlab.rundir import TrainingState
+from gptlab.runs import summarize
 
 
 def away_from_init(model: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
@@ -34,7 +37,7 @@ def away_from_init(model: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
 def saved(run, step, kind="step", keep=2, seed=0, **kwargs):
     """A checkpoint of a tiny GPT (weights by `seed`) with its model config in state.json."""
     model = away_from_init(GPT(tiny_config()), seed)
-    return ck.save_checkpoint(run, kind, step, model, {"model": to_dict(tiny_config())}, keep=keep, **kwargs)
+    return ck.save_checkpoint(run, kind, step, model, TrainingState(to_dict(tiny_config())), keep=keep, **kwargs)
 
 
 @pytest.fixture(scope="module")
@@ -254,7 +257,7 @@ def test_a_saved_checkpoint_holds_every_part_listed_with_its_size_and_sha256(tmp
     optimizer.step()
     tokenizer = "naïve → ok".encode()
     t0 = time.time()
-    path = ck.save_checkpoint(tmp_path, "step", 12, model, {"model": to_dict(tiny_config()), "note": "é"},
+    path = ck.save_checkpoint(tmp_path, "step", 12, model, TrainingState(to_dict(tiny_config()), imported_from="é"),
                               optimizer, extra_files={"tokenizer.json": tokenizer})
     t1 = time.time()
     assert path == tmp_path / "checkpoints" / "step-00000012" and os.listdir(tmp_path / "checkpoints") == [path.name]
@@ -270,11 +273,12 @@ def test_a_saved_checkpoint_holds_every_part_listed_with_its_size_and_sha256(tmp
     assert len(weights) == len(model.state_dict()) - 1  # the tied head once
     assert set(load_file(path / "optimizer.safetensors")) == {f"{i}.{k}" for i in range(len(list(model.parameters())))
                                                               for k in ("step", "exp_avg", "exp_avg_sq")}
-    text = (path / "state.json").read_text()
+    written = json.loads((path / "state.json").read_text())
+    assert sorted(written) == ["imported_from", "model", "optimizer", "step", "time"]  # what was given, and stamped
     state = ck.read_state(ck.Checkpoint(path, "step", 12))
-    assert text == json.dumps(state, indent=2)
-    assert state["step"] == 12 and state["note"] == "é" and state["model"] == to_dict(tiny_config())
-    assert state["optimizer"]["param_groups"][0]["lr"] == 1e-3 and t0 <= state["time"] <= t1
+    assert state.step == 12 and state.imported_from == "é" and state.model == to_dict(tiny_config())
+    assert state.optimizer["param_groups"][0]["lr"] == 1e-3 and t0 <= state.time <= t1
+    assert (state.train, state.sampler, state.tokens_seen) == (None, None, None)
     umask = os.umask(0o022)
     os.umask(umask)
     mode = 0o666 & ~umask
@@ -299,7 +303,7 @@ def test_a_temp_folder_left_by_an_earlier_process_with_this_pid_is_replaced(tmp_
 
 def test_the_newest_two_are_kept_by_default_and_older_ones_deleted_without_leftovers(tmp_path):
     for step in (1, 2, 3):
-        ck.save_checkpoint(tmp_path, "step", step, GPT(tiny_config()), {})
+        ck.save_checkpoint(tmp_path, "step", step, GPT(tiny_config()), TrainingState({}))
     assert sorted(os.listdir(tmp_path / "checkpoints")) == ["step-00000002", "step-00000003"]
 
 
@@ -364,7 +368,8 @@ def shard_writer(model, calls):
 def test_a_sharded_checkpoint_lists_its_shards_and_reads_back_whole(tmp_path, with_optimizer):
     model, calls = away_from_init(GPT(tiny_config())), []
     optimizer = torch.optim.AdamW(model.parameters()) if with_optimizer else None
-    path = ck.save_checkpoint(tmp_path, "step", 6, model, {}, optimizer, shards=shard_writer(model, calls))
+    path = ck.save_checkpoint(tmp_path, "step", 6, model, TrainingState({}), optimizer,
+                              shards=shard_writer(model, calls))
     assert calls == [("shards", True, with_optimizer)] and ck.verify(path) is None
     assert not (path / "model.safetensors").exists() and not (path / "optimizer.safetensors").exists()
     listed = json.loads((path / "manifest.json").read_text())["files"]
@@ -417,11 +422,50 @@ def test_load_run_takes_the_best_checkpoint_by_default_and_the_newest_step_one_w
     last = ck.load_run(trained, which="last")
     assert last.checkpoint == ck.Checkpoint(trained / "checkpoints" / "step-00000006", "step", 6)
     state = json.loads((last.checkpoint.path / "state.json").read_text())
-    assert last.state == state and to_dict(last.model_cfg) == state["model"]
+    assert (last.state.step, last.state.model, last.state.sampler) == (6, state["model"], state["sampler"])
+    assert to_dict(last.model_cfg) == state["model"]
     assert last.tokenizer.vocab_size == last.model_cfg.vocab_size == len(set(CORPUS))  # a char tokenizer
     weights = load_file(last.checkpoint.path / "model.safetensors")
     assert all(torch.equal(last.model.state_dict()[k], v) for k, v in weights.items())
     assert not last.model.training and {p.device.type for p in last.model.parameters()} == {"cpu"}
+
+
+def write_as_before(checkpoint, state):
+    """`state` as state.json in `checkpoint`, the manifest's entry for it made again with hashlib."""
+    (checkpoint / "state.json").write_text(json.dumps(state, indent=2))
+    manifest = json.loads((checkpoint / "manifest.json").read_text())
+    blob = (checkpoint / "state.json").read_bytes()
+    manifest["files"]["state.json"] = {"bytes": len(blob), "sha256": hashlib.sha256(blob).hexdigest()}
+    (checkpoint / "manifest.json").write_text(json.dumps(manifest))
+
+
+def test_a_state_json_of_the_first_format_still_loads_lists_and_resumes(trained, tmp_path):
+    """The first releases wrote no sampler, no optimizer setting (AdamW was the only one) and none of the training
+    settings added since: such a checkpoint loads, is listed with its numbers, and resumes."""
+    run = shutil.copytree(trained, tmp_path / "old")
+    now = json.loads((run / "checkpoints" / "step-00000006" / "state.json").read_text())
+    old_train = {k: v for k, v in now["train"].items() if k not in ("optimizer", "muon_lr")}
+    first = {"tokens_seen": 6 * 4 * 16, "best_val_loss": 3.25, "val_loss": 3.5,
+             "data_fingerprint": now["data_fingerprint"], "model": now["model"], "train": old_train,
+             "gptlab_version": "0.1.0", "git_commit": "unknown", "optimizer": now["optimizer"], "step": 6,
+             "time": 1.7e9}
+    write_as_before(run / "checkpoints" / "step-00000006", first)
+    state = ck.read_state(ck.find_checkpoint(run))
+    assert (state.step, state.tokens_seen, state.best_val_loss, state.sampler) == (6, 384, 3.25, None)
+    assert "optimizer" not in state.train and ck.load_run(run, which="last").checkpoint.step == 6
+    summary = summarize(run)
+    assert (summary.step, summary.tokens, summary.best_val_loss) == (6, 384, 3.25)
+    assert main(["train", "--run", str(run), "--resume", "--max-steps", "8"]) == 0
+    resumed = json.loads((run / "checkpoints" / "step-00000008" / "state.json").read_text())
+    assert resumed["tokens_seen"] == 8 * 4 * 16 and resumed["sampler"] == {"seed": 1337, "next_step": 8}
+
+
+def test_a_state_json_without_a_step_or_model_is_one_line(trained, tmp_path):
+    run = shutil.copytree(trained, tmp_path / "bad")
+    write_as_before(run / "checkpoints" / "step-00000006", {"step": 6, "model": 5})
+    with pytest.raises(GptlabError, match=r"state\.json holds no checkpoint state \(a step and the model's "
+                                          r"settings\); the checkpoint is damaged$"):
+        ck.read_state(ck.find_checkpoint(run))
 
 
 def test_load_run_puts_the_model_on_the_device_asked_for(trained):
@@ -484,7 +528,7 @@ def test_a_checkpoint_without_its_own_tokenizer_loads_with_the_runs(run):
     cfg = model_cfg_of(run)
     shutil.rmtree(run / "checkpoints")
     model = away_from_init(build_model(cfg))
-    ck.save_checkpoint(run, "step", 1, model, {"model": to_dict(cfg)})
+    ck.save_checkpoint(run, "step", 1, model, TrainingState(to_dict(cfg)))
     loaded = ck.load_run(run)
     assert loaded.checkpoint.step == 1 and loaded.tokenizer.vocab_size == cfg.vocab_size
     assert all(torch.equal(loaded.model.state_dict()[k], v) for k, v in ck.model_tensors(model).items())
@@ -495,10 +539,10 @@ def test_weights_that_do_not_fit_their_config_or_tokenizer_are_refused(run):
     small = model_cfg_of(run, vocab_size=cfg.vocab_size - 1)
     shutil.rmtree(run / "checkpoints")
     wider = to_dict(cfg) | {"n_embd": cfg.n_embd * 2}  # state.json's config is not the weights'
-    path = ck.save_checkpoint(run, "step", 1, build_model(cfg), {"model": wider})
+    path = ck.save_checkpoint(run, "step", 1, build_model(cfg), TrainingState(wider))
     with pytest.raises(GptlabError, match=f"^the weights in {path} do not fit the model described by its config "):
         ck.load_run(run)
-    ck.save_checkpoint(run, "step", 2, build_model(small), {"model": to_dict(small)})
+    ck.save_checkpoint(run, "step", 2, build_model(small), TrainingState(to_dict(small)))
     with pytest.raises(GptlabError) as refused:
         ck.load_run(run)
     assert str(refused.value) == (f"the tokenizer of {run} has {cfg.vocab_size} tokens but the weights only "
@@ -528,7 +572,7 @@ def test_a_checkpoint_pruned_while_it_is_read_is_replaced_by_the_next(run, monke
 def test_loading_gives_up_after_three_checkpoints_vanish(run, monkeypatch):
     model = GPT(model_cfg_of(run))
     for step in (7, 8):
-        ck.save_checkpoint(run, "step", step, model, {"model": to_dict(model_cfg_of(run))}, keep=9)
+        ck.save_checkpoint(run, "step", step, model, TrainingState(to_dict(model_cfg_of(run))), keep=9)
     calls = pruned_while_read(monkeypatch, 9)
     with pytest.raises(FileNotFoundError):
         ck.load_run(run, which="last")

@@ -67,7 +67,7 @@ def test_resume_in_a_new_process_is_bit_exact(tmp_path, char_data, straight):
     assert proc.returncode == 0, proc.stderr
     assert same_weights(weights(straight), weights(run))
     assert train_losses(straight) == train_losses(run)
-    assert state6["sampler"] == {"seed": 1337, "next_step": 6}  # the next batch is drawn from (seed, step 6)
+    assert state6.sampler == {"seed": 1337, "next_step": 6}  # the next batch is drawn from (seed, step 6)
     assert json.loads((run / "config.json").read_text())["resumes"][0]["step"] == 6
 
 

@@ -321,12 +321,12 @@ def test_a_resume_keeps_the_optimizer_the_run_was_trained_with(trained, char_dat
                  *TINY]) == 0
     muon_model, muon_cfg = run_settings(muon)
     ckpt, state = check_resume(muon, data, muon_model, dataclasses.replace(muon_cfg, max_steps=4))
-    assert ckpt.step == 2 and state["train"]["optimizer"] == "muon"
+    assert ckpt.step == 2 and state.train["optimizer"] == "muon"
     read = ck.read_state
 
     def from_before_the_optimizer_setting(ckpt):  # a checkpoint written before there was a choice: AdamW's
         state = read(ckpt)
-        del state["train"]["optimizer"]
+        del state.train["optimizer"]
         return state
 
     monkeypatch.setattr(ck, "read_state", from_before_the_optimizer_setting)

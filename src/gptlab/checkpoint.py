@@ -2,7 +2,8 @@
 
 A run directory holds config.json (resolved settings), tokenizer.json, metrics.jsonl, loss.png and
 checkpoints/. Each checkpoint is a folder: model.safetensors, optimizer.safetensors (or, written by FSDP
-processes, shards/ with each one's slices of both: sharded.py), rng.safetensors, state.json, and manifest.json
+processes, shards/ with each one's slices of both: sharded.py), rng.safetensors, state.json (rundir.TrainingState),
+and manifest.json
 with every file's sha256. It is written as a hidden temp folder, each file fsynced, the manifest last, then
 renamed into place in one step; old checkpoints are deleted only after the new one is committed. Loaders
 accept only a checkpoint whose files match its manifest and fall back to the previous valid one. Nothing is
@@ -15,6 +16,7 @@ import hashlib
 import json
 import logging
 import os
+import dataclasses
 import shutil
 import time
 from collections.abc import Callable
@@ -28,7 +30,8 @@ from safetensors.torch import load_file, save_file
 
 from gptlab.config import ModelConfig, from_dict
 from gptlab.errors import GptlabError
-from gptlab.rundir import CKPTS, TOKENIZER, RunLock, fsync_dir, read_run_config, umask_mode, write_json
+from gptlab.rundir import (CKPTS, TOKENIZER, RunLock, TrainingState, fsync_dir, read_run_config, umask_mode,
+                           write_json)
 from gptlab.model import build_model
 from gptlab.tokenizer import Tokenizer, load as load_tokenizer
 
@@ -180,11 +183,12 @@ def verify_cached(path: Path) -> str | None:
     return _VERIFIED[key]
 
 
-def save_checkpoint(run_dir: str | Path, kind: str, step: int, model: torch.nn.Module, state: dict[str, Any],
+def save_checkpoint(run_dir: str | Path, kind: str, step: int, model: torch.nn.Module, state: TrainingState,
                     optimizer: torch.optim.Optimizer | None = None, keep: int = 2,
                     extra_files: dict[str, bytes] | None = None, shards: Callable[..., Any] | None = None) -> Path:
     """Write a checkpoint atomically (with `extra_files`, e.g. the tokenizer, inside it) and then prune all but
-    the newest `keep` of its kind. Returns its path; raises GptlabError when the disk refuses the write. With
+    the newest `keep` of its kind; its state.json is `state` with the step, the time and (with `optimizer`) the
+    optimizer's JSON part stamped in. Returns its path; raises GptlabError when the disk refuses the write. With
     `shards` (FSDP, see distributed/distributed.py), every process writes its own slices of model and optimizer into the
     checkpoint's shards/ through shards(folder, with_optimizer), which returns the optimizer's JSON part."""
     ckpts = Path(run_dir) / CKPTS
@@ -201,11 +205,10 @@ def save_checkpoint(run_dir: str | Path, kind: str, step: int, model: torch.nn.M
             if optimizer is not None:
                 files["optimizer.safetensors"], optimizer_meta = optimizer_tensors(optimizer)
         files["rng.safetensors"] = rng_tensors()
-        if optimizer is not None:
-            state = {**state, "optimizer": optimizer_meta}
         for name, tensors in files.items():
             save_file(tensors, tmp / name)
-        (tmp / "state.json").write_text(json.dumps({**state, "step": step, "time": time.time()}, indent=2))
+        dataclasses.replace(state, step=step, time=time.time(),
+                            optimizer=optimizer_meta if optimizer is not None else state.optimizer).write(tmp)
         for name, blob in (extra_files or {}).items():
             (tmp / name).write_bytes(blob)
         manifest, mode = {"step": step, "kind": kind, "files": {}}, umask_mode()
@@ -257,8 +260,9 @@ def _discard(path: Path) -> None:
     shutil.rmtree(trash, ignore_errors=True)
 
 
-def read_state(ckpt: Checkpoint) -> dict[str, Any]:
-    return json.loads((ckpt.path / "state.json").read_text())
+def read_state(ckpt: Checkpoint) -> TrainingState:
+    """The checkpoint's state.json (see rundir.TrainingState); GptlabError when it is damaged."""
+    return TrainingState.read(ckpt.path)
 
 
 def load_tensors(path: Path) -> dict[str, torch.Tensor]:
@@ -285,7 +289,7 @@ class LoadedRun:
     model: torch.nn.Module
     tokenizer: Tokenizer
     model_cfg: ModelConfig
-    state: dict[str, Any]
+    state: TrainingState
     checkpoint: Checkpoint
 
 
@@ -315,7 +319,7 @@ def load_run(run_dir: str | Path, which: str = "best", device: torch.device | st
 
 def _load_checkpoint(run_dir: Path, ckpt: Checkpoint, device: torch.device | str) -> LoadedRun:
     state = read_state(ckpt)
-    model_cfg = from_dict(ModelConfig, state["model"])
+    model_cfg = from_dict(ModelConfig, state.model)
     run_tokenizer = run_dir / TOKENIZER
     if (ckpt.path / TOKENIZER).is_file() and (ckpt.path / TOKENIZER).read_bytes() != run_tokenizer.read_bytes():
         raise GptlabError(f"{run_tokenizer} is not the tokenizer the weights in {ckpt.path} were trained with; "

@@ -1,6 +1,6 @@
-"""Run folders: what a run directory holds besides its checkpoints (config.json with the resolved settings,
-tokenizer.json, metrics.jsonl), how its small files are written (atomically: temp file, fsync, rename), and the
-lock that gives a run folder one writer at a time."""
+"""Run folders: what a run directory holds besides its checkpoints' tensors (config.json with the resolved settings,
+tokenizer.json, metrics.jsonl, and each checkpoint's state.json, whose schema is TrainingState), how its small files
+are written (atomically: temp file, fsync, rename), and the lock that gives a run folder one writer at a time."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import socket
 import subprocess
 import sys
 import time
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +22,7 @@ from gptlab.errors import GptlabError
 from gptlab.tokenizer import Tokenizer
 
 CONFIG, TOKENIZER, METRICS, CKPTS, LOCK = "config.json", "tokenizer.json", "metrics.jsonl", "checkpoints", ".lock"
+STATE = "state.json"  # in each checkpoint folder: a TrainingState
 
 
 def fsync_dir(path: Path) -> None:
@@ -122,6 +124,59 @@ def update_run_config(run_dir: str | Path, model_cfg: ModelConfig, train_cfg: Tr
     config.update({"model": to_dict(model_cfg), "train": to_dict(train_cfg), **extra})
     config["resumes"] = [*config.get("resumes", []), resume]
     write_json(path, config)
+
+
+# ---- a checkpoint's state.json -----------------------------------------------------------------------------------
+
+@dataclass
+class TrainingState:
+    """A checkpoint's state.json: where training stood when the checkpoint was written and what it was trained
+    with. The one schema that writes and reads the file. A field a checkpoint has no value for is None and left out
+    of the file: imported weights have no training settings or progress, and files written by earlier versions lack
+    `sampler`, `optimizer` and the `optimizer` training setting (AdamW's, then the only one); keys a later version
+    adds are ignored on reading."""
+
+    model: dict[str, Any]  # the model's settings (a ModelConfig as JSON): what the weights' shapes follow
+    step: int = 0  # optimizer steps taken (save_checkpoint stamps it)
+    train: dict[str, Any] | None = None  # the training settings (a TrainConfig as JSON)
+    tokens_seen: int | None = None
+    best_val_loss: float | None = None  # lowest validation loss so far (Infinity before the first evaluation)
+    val_loss: float | None = None  # of the last evaluation (NaN before the first)
+    data_fingerprint: str | None = None  # batches.Dataset.fingerprint of the data trained on
+    sampler: dict[str, int] | None = None  # {"seed", "next_step"}: the next batch is drawn from (seed, next_step)
+    optimizer: dict[str, Any] | None = None  # the optimizer state's JSON part (step checkpoints; see checkpoint.py)
+    imported_from: str | None = None  # the folder imported weights came from (gptlab import)
+    gptlab_version: str | None = None
+    git_commit: str | None = None
+    time: float | None = None  # when it was written, seconds since the epoch (save_checkpoint stamps it)
+
+    def to_json(self) -> dict[str, Any]:
+        """The file's JSON object: every field that has a value."""
+        return {k: v for k, v in asdict(self).items() if v is not None}
+
+    @classmethod
+    def from_json(cls, data: Any, source: str | Path) -> TrainingState:
+        """The state in `data` (state.json's JSON); GptlabError naming `source` when it has no step and model."""
+        if not isinstance(data, dict) or not isinstance(data.get("model"), dict) or \
+                not isinstance(data.get("step"), int) or isinstance(data.get("step"), bool):
+            raise GptlabError(f"{source} holds no checkpoint state (a step and the model's settings); the checkpoint "
+                              "is damaged")
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in data.items() if k in known})
+
+    def write(self, folder: str | Path) -> None:
+        """Write state.json into `folder` (a checkpoint's temporary folder, made atomic by its rename)."""
+        (Path(folder) / STATE).write_text(json.dumps(self.to_json(), indent=2))
+
+    @classmethod
+    def read(cls, folder: str | Path) -> TrainingState:
+        """The state.json in `folder`; GptlabError when it is not JSON or not a checkpoint's state."""
+        path = Path(folder) / STATE
+        try:
+            data = json.loads(path.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            raise GptlabError(f"{path} is not valid JSON; the checkpoint is damaged") from None
+        return cls.from_json(data, path)
 
 
 # ---- one writer per run folder ---------------------------------------------------------------------------------

@@ -202,7 +202,7 @@ def summarize(run: str | Path) -> RunSummary:
     """Where a run stands; GptlabError when `run` is not a run or its config.json is damaged."""
     config = rundir.read_run_config(run)
     ckpt = ck.find_checkpoint(run, "step") or ck.find_checkpoint(run, "best")
-    state = ck.read_state(ckpt) if ckpt else {}
+    state = ck.read_state(ckpt) if ckpt else None
     step, max_steps = (ckpt.step if ckpt else 0), config["train"]["max_steps"]
     if rundir.RunLock.held(run):
         where = "running"
@@ -212,10 +212,10 @@ def summarize(run: str | Path) -> RunSummary:
         where = "imported"
     else:
         where = "new" if ckpt is None else "finished" if step >= max_steps else "interrupted"
-    best = state.get("best_val_loss")
+    best = state.best_val_loss if state else None
     return RunSummary(Path(run), config.get("preset", "?"), step, max_steps,
                       best if isinstance(best, float) and best != float("inf") else None,
-                      state.get("tokens_seen", 0), training_seconds(run), where)
+                      (state.tokens_seen if state else None) or 0, training_seconds(run), where)
 
 
 def list_runs(root: str | Path = RUNS) -> list[RunSummary]:
@@ -246,7 +246,7 @@ def describe(run: str | Path) -> dict[str, Any]:
     for kind in ("step", "best"):
         for c in ck.list_checkpoints(Path(run), kind):
             problem = ck.verify_cached(c.path)  # summarize() has just hashed the newest
-            val = ck.read_state(c).get("val_loss") if problem is None else None
+            val = ck.read_state(c).val_loss if problem is None else None
             checkpoints.append({"name": c.path.name, "step": c.step, "valid": problem or "valid", "val_loss": val})
     return {"run": asdict(summarize(run)), "data": config.get("data") or config.get("imported_from"),
             "model": config["model"], "train": config["train"], "checkpoints": checkpoints,

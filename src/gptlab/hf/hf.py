@@ -185,7 +185,8 @@ def import_hf(folder: str | Path, run_dir: str | Path) -> GPT:
     with rundir.RunLock(run) as lock:
         try:
             rundir.init_run(run, model_cfg, TrainConfig(), tokenizer, {"imported_from": source})
-            ck.save_checkpoint(run, "best", 0, model, {"model": to_dict(model_cfg), "imported_from": source}, keep=1)
+            ck.save_checkpoint(run, "best", 0, model, rundir.TrainingState(to_dict(model_cfg), imported_from=source),
+                               keep=1)
         except GptlabError:
             lock.undo()
             raise

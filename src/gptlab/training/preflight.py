@@ -69,8 +69,8 @@ def check_new_run(run: Path) -> None:
         raise GptlabError(f"run {run} already has checkpoints; pass --resume to continue it or choose a new --run")
 
 
-def check_resume(run: Path, dataset: Dataset, model_cfg: ModelConfig, cfg: TrainConfig) -> tuple[ck.Checkpoint,
-                                                                                                   dict[str, Any]]:
+def check_resume(run: Path, dataset: Dataset, model_cfg: ModelConfig,
+                 cfg: TrainConfig) -> tuple[ck.Checkpoint, rundir.TrainingState]:
     """Everything a resume must satisfy, checked before anything is written: a valid checkpoint, the same model
     shape and optimizer, the same data and tokenizer (then check_data), and steps left to train. Returns the
     checkpoint and its state."""
@@ -79,30 +79,30 @@ def check_resume(run: Path, dataset: Dataset, model_cfg: ModelConfig, cfg: Train
     if ckpt is None:
         raise GptlabError(f"run {run} has no checkpoint to resume from; drop --resume to start it")
     state = ck.read_state(ckpt)
-    saved = from_dict(ModelConfig, state["model"]).shape()
+    saved = from_dict(ModelConfig, state.model).shape()
     if saved != model_cfg.shape():
         diff = ", ".join(f"{k}={saved[k]} (now {v})" for k, v in model_cfg.shape().items() if saved[k] != v)
         raise GptlabError(f"cannot resume {run}: it was trained with {diff}; drop those overrides or use a new --run")
-    was = state["train"].get("optimizer", "adamw")
+    was = (state.train or {}).get("optimizer", "adamw")  # written before there was a choice: AdamW's
     if was != cfg.optimizer:  # their states differ in kind: AdamW's moments per tensor, Muon's momentum buffers
         raise GptlabError(f"cannot resume {run} with optimizer {cfg.optimizer}: it was trained with {was}, whose "
                           f"state {cfg.optimizer} cannot take over; drop --optimizer, or start a new --run from its "
                           f"weights with --init-from {run} --data {dataset.path}")
-    if state.get("data_fingerprint") != dataset.fingerprint():
+    if state.data_fingerprint != dataset.fingerprint():
         raise GptlabError(f"cannot resume {run}: it was trained on different data than {dataset.path}; "
                           "drop --data (a run resumes on its own data) or start a new --run")
     if dataset.tokenizer.to_dict() != load_tokenizer(run / rundir.TOKENIZER).to_dict():
         raise GptlabError(f"cannot resume {run}: the tokenizer of {dataset.path} is not the run's")
     check_data(dataset, model_cfg)
-    if state["step"] >= cfg.max_steps:
-        raise GptlabError(f"run {run} has already trained {state['step']} steps and max_steps is {cfg.max_steps}: "
+    if state.step >= cfg.max_steps:
+        raise GptlabError(f"run {run} has already trained {state.step} steps and max_steps is {cfg.max_steps}: "
                           f"nothing to do; pass a larger --max-steps to train further")
     return ckpt, state
 
 
-def settings_changed(state: dict[str, Any], model_cfg: ModelConfig, cfg: TrainConfig) -> dict[str, list[Any]]:
+def settings_changed(state: rundir.TrainingState, model_cfg: ModelConfig, cfg: TrainConfig) -> dict[str, list[Any]]:
     """The settings a resume changes deliberately ({name: [before, now]}): training ones and the model's
     non-shape ones (dropout, attention path)."""
     now = {**to_dict(model_cfg), **to_dict(cfg)}
-    before = {**state["model"], **state["train"]}
+    before = {**state.model, **(state.train or {})}
     return {k: [v, now[k]] for k, v in before.items() if k in now and now[k] != v}

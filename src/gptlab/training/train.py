@@ -61,14 +61,14 @@ PLAIN_LINE_SECONDS = 10.0  # without a terminal (CI, nohup, | tee): a progress l
 LOCKED_RUN_ENV = "GPTLAB_LOCKED_RUN"  # set by `gptlab train --nproc`, whose launcher holds the run's lock
 
 
-def resume_state(ckpt: ck.Checkpoint, state: dict[str, Any], model: torch.nn.Module,
+def resume_state(ckpt: ck.Checkpoint, state: rundir.TrainingState, model: torch.nn.Module,
                  optimizer: torch.optim.Optimizer, progress: Progress) -> None:
     """Load a checkpoint (already checked by check_resume) into model, optimizer and the random generators, and
     set `progress` to where training stands."""
-    load_checkpoint(ckpt.path, model, optimizer, state["optimizer"])  # whole or sharded, either way
+    load_checkpoint(ckpt.path, model, optimizer, state.optimizer)  # whole or sharded, either way
     ck.restore_rng(ck.load_tensors(ckpt.path / "rng.safetensors"))
-    progress.step, progress.tokens_seen, progress.best_val_loss = state["step"], state["tokens_seen"], \
-        state["best_val_loss"]
+    progress.step, progress.tokens_seen = state.step, state.tokens_seen or 0
+    progress.best_val_loss = math.inf if state.best_val_loss is None else state.best_val_loss
 
 
 def _keep_metrics_until(path: Path, step: int) -> None:
@@ -138,10 +138,10 @@ def _train_locked(dataset: Dataset, run: Path, model_cfg: ModelConfig, cfg: Trai
         if resume:
             changes = settings_changed(state, model_cfg, cfg)
             if changes:
-                log.warning("resuming %s at step %d with changed settings: %s", run, state["step"],
+                log.warning("resuming %s at step %d with changed settings: %s", run, state.step,
                             ", ".join(f"{k} {a} -> {b}" for k, (a, b) in changes.items()))
             rundir.update_run_config(run, model_cfg, cfg, {**where, **extra},
-                                 {"step": state["step"], "changes": changes, "time": time.time()})
+                                 {"step": state.step, "changes": changes, "time": time.time()})
         else:
             rundir.init_run(run, model_cfg, cfg, dataset.tokenizer, {**where, **extra})
     model, optimizer = dist.wrap(model, optimizer, cfg.fsdp)
@@ -349,11 +349,12 @@ class Trainer:
         progress = self.progress
         if best:
             progress.best_val_loss = self.val_loss
-        state = {"tokens_seen": progress.tokens_seen, "best_val_loss": progress.best_val_loss,
-                 "val_loss": self.val_loss, "data_fingerprint": self.ctx.dataset.fingerprint(),
-                 "sampler": {"seed": self.cfg.seed, "next_step": progress.step},
-                 "model": to_dict(self.model_cfg), "train": to_dict(self.cfg),
-                 "gptlab_version": __version__, "git_commit": rundir.git_commit()}
+        state = rundir.TrainingState(
+            model=to_dict(self.model_cfg), train=to_dict(self.cfg), tokens_seen=progress.tokens_seen,
+            best_val_loss=progress.best_val_loss, val_loss=self.val_loss,
+            data_fingerprint=self.ctx.dataset.fingerprint(),
+            sampler={"seed": self.cfg.seed, "next_step": progress.step}, gptlab_version=__version__,
+            git_commit=rundir.git_commit())
         self.dist.barrier()
         model, optimizer, shards = self.model, self.optimizer, self.dist.shard_writer(self.model, self.optimizer)
         if not self.dist.is_main:
