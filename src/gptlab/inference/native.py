@@ -2,7 +2,8 @@
 structs are the ones this module passes across.
 
 The kernel is C++ with AVX-512 intrinsics, compiled on first use with the machine's g++ into $GPTLAB_KERNELS
-(default ~/.cache/gptlab/kernels; one build per source, compiler and CPU feature set, as it is compiled with
+(default kernels/ in gptlab's cache folder, machine.cache_root; one build per source, compiler and CPU feature set,
+as it is compiled with
 -march=native) and loaded with ctypes; it shares torch's OpenMP runtime and thread count. Where it cannot run (no
 AVX-512, no g++, not a CPU: `missing` says which) `load_library` returns None and the engine decodes with torch.
 
@@ -24,6 +25,8 @@ import shutil
 import subprocess
 import tempfile
 from pathlib import Path
+
+from gptlab.machine import X86_64, cache_root, cpu_flags, cpu_has, cpu_model
 
 log = logging.getLogger("gptlab")
 SOURCE = Path(__file__).parent / "csrc" / "decode.cpp"
@@ -72,25 +75,14 @@ class KernelABIError(KernelBuildError):
     """The library's structs are not the ones this module passes (a stale or mismatched build): never called."""
 
 
-def _cpu_has(*flags: str) -> bool:
-    """Whether this x86-64 CPU reports every one of `flags` in /proc/cpuinfo."""
-    if platform.machine() not in ("x86_64", "AMD64"):
-        return False
-    try:
-        text = Path("/proc/cpuinfo").read_text(errors="replace")
-    except OSError:
-        return False
-    return all(f" {flag}" in text for flag in flags)
-
-
 def cpu_has_avx512() -> bool:
     """Whether this CPU runs the kernel's instructions (AVX-512 F, BW and VL)."""
-    return _cpu_has("avx512f", "avx512bw", "avx512vl")
+    return cpu_has("avx512f", "avx512bw", "avx512vl")
 
 
 def cpu_has_int8_vnni() -> bool:
     """Whether this CPU has AVX512-VNNI (the kernel's int8 byte products, vpdpbusd), besides AVX-512."""
-    return cpu_has_avx512() and _cpu_has("avx512_vnni")
+    return cpu_has_avx512() and cpu_has("avx512_vnni")
 
 
 def _compiler() -> str | None:
@@ -100,7 +92,7 @@ def _compiler() -> str | None:
 def missing() -> str | None:
     """What this machine lacks to build and run the kernel ("not an x86-64 CPU", "no AVX-512", "no g++"), or None
     where it has all of it: there a kernel that fails to build is a bug, not a missing feature."""
-    if platform.machine() not in ("x86_64", "AMD64"):
+    if platform.machine() not in X86_64:
         return f"not an x86-64 CPU ({platform.machine()})"
     if not cpu_has_avx512():
         return "no AVX-512 (F, BW and VL) on this CPU"
@@ -110,12 +102,10 @@ def missing() -> str | None:
 
 
 def _build_dir() -> Path:
-    """$GPTLAB_KERNELS, else kernels/ in $GPTLAB_CACHE (default ~/.cache/gptlab)."""
+    """$GPTLAB_KERNELS, else kernels/ in gptlab's cache folder (machine.cache_root)."""
     if os.environ.get("GPTLAB_KERNELS"):
         return Path(os.environ["GPTLAB_KERNELS"])
-    root = os.environ.get("GPTLAB_CACHE") or os.path.join(os.environ.get("XDG_CACHE_HOME")
-                                                            or os.path.expanduser("~/.cache"), "gptlab")
-    return Path(root) / "kernels"
+    return cache_root() / "kernels"
 
 
 @functools.cache
@@ -127,11 +117,7 @@ def _machine_key(compiler: str) -> str:
     version = subprocess.run([compiler, "--version"], check=True, capture_output=True, text=True, timeout=60).stdout
     target = subprocess.run([compiler, "-march=native", "-Q", "--help=target"], capture_output=True, text=True,
                             timeout=60)  # gcc only; elsewhere the CPU's flags below still tell CPUs apart
-    try:
-        lines = Path("/proc/cpuinfo").read_text(errors="replace").splitlines()
-    except OSError:
-        lines = []
-    cpu = [next((line for line in lines if line.startswith(key)), "") for key in ("model name", "flags")]
+    cpu = [cpu_model(), " ".join(sorted(cpu_flags()))]
     return hashlib.sha256("\n".join([compiler, *FLAGS, version, target.stdout, *cpu]).encode()).hexdigest()[:12]
 
 
