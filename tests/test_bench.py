@@ -2,6 +2,7 @@
 `bench train` trains every variant from the same seed on the same batches and prints its table with the headline
 ratio last; `bench matmul` times a preset's own products; every bench flag says what it does."""
 
+import dataclasses
 import json
 import os
 
@@ -13,7 +14,8 @@ from gptlab.bench import matmul, peak, timing
 from gptlab.bench.train import Variant, attention_variants, run_train_bench, train_variants
 from gptlab.cli import BENCHES, main
 from gptlab.config import TrainConfig
-from gptlab.runtime import bf16_supported, read_peak
+from gptlab.peak import Peak, read_peak
+from gptlab.runtime import bf16_supported
 
 HZ = os.sysconf("SC_CLK_TCK")
 
@@ -52,7 +54,7 @@ def test_a_peak_measured_on_a_busy_machine_is_printed_but_not_cached(monkeypatch
     fake_machine(monkeypatch, others=1.5)
     busy = peak.run_peak(device="cpu", quick=True)
     out = capsys.readouterr().out
-    assert busy["fp32"] > 0 and "fp32 matmul" in out and read_peak(cpu) is None
+    assert busy.fp32 > 0 and "fp32 matmul" in out and read_peak(cpu) is None
     assert "warning: measured while other work was running (1.50 CPUs of other work): not cached" in out
     assert peak.cached_peak(cpu, quick=True) and read_peak(cpu) is None  # training's first measurement, too
     assert "not cached" in capsys.readouterr().out
@@ -60,19 +62,20 @@ def test_a_peak_measured_on_a_busy_machine_is_printed_but_not_cached(monkeypatch
     quiet = peak.run_peak(device="cpu", quick=True)
     out = capsys.readouterr().out
     assert "warning" not in out and "other processes used 0.00 CPUs" in out
-    assert read_peak(cpu)["fp32"] == quiet["fp32"] and read_peak(cpu)["load"].startswith("machine load: ")
+    assert read_peak(cpu).fp32 == quiet.fp32 and read_peak(cpu).load.startswith("machine load: ")
 
 
 def test_peak_is_measured_once_then_read_from_the_cache(monkeypatch, quiet_machine):
     device = torch.device("cpu")
     measured = peak.measure_peak(device, quick=True)
-    assert measured["fp32"] > 1e8 and measured["read_bytes_per_s"] > 1e8
-    assert ("bf16" in measured) == bf16_supported(device) and "tf32" not in measured
+    assert measured.fp32 > 1e8 and measured.read_bytes_per_s > 1e8
+    assert (measured.bf16 is not None) == bf16_supported(device) and measured.tf32 is None
     calls = []
-    monkeypatch.setattr(peak, "measure_peak", lambda device, quick: calls.append(device) or {**measured, "fp32": 123.0})
+    monkeypatch.setattr(peak, "measure_peak", lambda device, quick: calls.append(device) or
+                        dataclasses.replace(measured, fp32=123.0))
     assert read_peak(device) is None
-    assert peak.cached_peak(device)["fp32"] == 123.0 and read_peak(device)["fp32"] == 123.0
-    assert peak.cached_peak(device)["fp32"] == 123.0 and len(calls) == 1
+    assert peak.cached_peak(device).fp32 == 123.0 and read_peak(device).fp32 == 123.0
+    assert peak.cached_peak(device).fp32 == 123.0 and len(calls) == 1
     peak.cached_peak(device, refresh=True)
     assert len(calls) == 2
 
@@ -80,7 +83,7 @@ def test_peak_is_measured_once_then_read_from_the_cache(monkeypatch, quiet_machi
 def bench_rows(char_data, monkeypatch, capsys, variants):
     """bench train's rows and printed lines for `variants` over 2 steps of a tiny model with dropout (interleaved
     variants, yet each draws the masks it would alone), against a fake peak of 1e10 fp32 and 2e10 bf16 FLOP/s."""
-    monkeypatch.setattr(peak, "measure_peak", lambda device, quick: {"device": "test", "fp32": 1e10, "bf16": 2e10})
+    monkeypatch.setattr(peak, "measure_peak", lambda device, quick: Peak(1e10, "test", bf16=2e10))
     cfg = TrainConfig(batch_size=4, lr=3e-3, warmup_steps=1, device="cpu")
     model = tiny_config(vocab_size=0, dropout=0.1)
     rows = run_train_bench(char_data, model, cfg, steps=2, warmup=1, variants=variants)

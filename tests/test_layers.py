@@ -19,8 +19,8 @@ STAGES = ("data", "training", "distributed", "hf")  # packages that are a stage'
 MAY_IMPORT = {
     "data": {"errors", "machine", "tokenizer", "rundir"},  # text -> token files -> batches: no model, no training
     "distributed": {"errors", "machine", "config", "model", "runtime", "rundir", "sharded", "checkpoint"},
-    "training": {"errors", "config", "tokenizer", "rundir", "data", "model", "runtime", "optim", "plots", "checkpoint",
-                 "distributed"},
+    "training": {"errors", "config", "tokenizer", "rundir", "data", "model", "runtime", "peak", "optim", "plots",
+                 "checkpoint", "distributed"},
     "hf": {"errors", "config", "tokenizer", "rundir", "model", "checkpoint"},
     "inference": {"errors", "machine", "config", "model", "runtime"},
     "serve": {"errors", "config", "tokenizer", "checkpoint", "inference", "engine", "textstream", "inspect"},

@@ -14,7 +14,8 @@ from conftest import tiny_config
 from gptlab import checkpoint as ck
 from gptlab.config import TrainConfig
 from gptlab.model import GPT
-from gptlab.runtime import bf16_supported, compile_model, peak_cache_file
+from gptlab.peak import peak_file
+from gptlab.runtime import bf16_supported, compile_model
 from gptlab.training.train import train
 
 
@@ -85,7 +86,7 @@ def test_compile_falls_back_to_eager_with_one_warning_and_keeps_the_random_state
 def test_mfu_is_model_flops_per_second_over_the_cached_peak(tmp_path, char_data):
     without = train(char_data, tmp_path / "a", tiny_config(vocab_size=0), settings(max_steps=2), quiet=True)
     assert all("mfu" not in r for r in without.history)  # never measured here: no MFU, and no measuring
-    path = peak_cache_file(torch.device("cpu"))
+    path = peak_file(torch.device("cpu"))
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({"fp32": 1e9, "bf16": 2e9}))
     result = train(char_data, tmp_path / "b", tiny_config(vocab_size=0), settings(max_steps=2), quiet=True)

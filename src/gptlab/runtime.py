@@ -1,23 +1,19 @@
-"""Where and how tensors run: device, precision, threads, host-to-device copies, torch.compile, and the
-measured peak that MFU is reported against."""
+"""Where and how tensors run: device, precision, threads, host-to-device copies, torch.compile, and what the
+device is called (the measured peak that MFU is reported against is gptlab.peak's)."""
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
-import json
 import logging
 import os
-import platform
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
 from gptlab.errors import GptlabError
-from gptlab.machine import usable_cores
+from gptlab.machine import cpu_model, usable_cores
 
 log = logging.getLogger("gptlab")
 
@@ -121,67 +117,11 @@ def compile_model(model: torch.nn.Module, warm_up: Callable[[torch.nn.Module], N
     return compiled
 
 
-# ---- the measured peak ---------------------------------------------------------------------------------------
+# ---- the device's name ---------------------------------------------------------------------------------------
 
 def device_name(device: torch.device) -> str:
-    """What the device is, as the peak cache keys it: the GPU's name, or the CPU model and thread count."""
+    """What the device is, as the peak's file is named by it: the GPU's name, or the CPU's model and this process's
+    thread count."""
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return f"{cpu} ({torch.get_num_threads()} threads)"
-
-
-def peak_cache_file(device: torch.device) -> Path:
-    """Where `gptlab bench peak` keeps this device's measured peak ($GPTLAB_CACHE, default ~/.cache/gptlab)."""
-    cache = Path(os.environ.get("GPTLAB_CACHE", Path.home() / ".cache" / "gptlab"))
-    key = "".join(c if c.isalnum() else "_" for c in device_name(device))
-    return cache / f"peak-{device.type}-{key}.json"
-
-
-def read_peak(device: torch.device) -> dict | None:
-    """The cached peak of `device`, or None when it was never measured (or the cache is unreadable)."""
-    try:
-        return json.loads(peak_cache_file(device).read_text())
-    except (OSError, json.JSONDecodeError):
-        return None
-
-
-def peak_key(precision: str) -> str:
-    """Which measured peak a run in `precision` is held against: bf16, or fp32 (its products are never TF32)."""
-    return "bf16" if precision == "bf16" else "fp32"
-
-
-@dataclass
-class Speed:
-    """Turns a step rate into tokens/s and MFU: the model's FLOPs per second over the measured peak of the
-    active precision on every process together (None until `gptlab bench peak` has measured the device)."""
-
-    tokens_per_step: int
-    flops_per_token: float
-    peak_flops: float | None = None
-
-    def rates(self, steps: int, seconds: float) -> tuple[float, float | None]:
-        """(tokens per second, MFU or None) for `steps` steps in `seconds`."""
-        tokens_per_s = steps * self.tokens_per_step / max(seconds, 1e-9)
-        return tokens_per_s, tokens_per_s * self.flops_per_token / self.peak_flops if self.peak_flops else None
-
-    def report(self, steps: int, seconds: float) -> dict[str, float]:
-        """The rates as a log row has them: tokens_per_s, and mfu when the peak is known."""
-        tokens_per_s, mfu = self.rates(steps, seconds)
-        return {"tokens_per_s": round(tokens_per_s, 1), **({"mfu": round(mfu, 4)} if mfu is not None else {})}
-
-
-def cached_speed(device: torch.device, precision: str, tokens_per_step: int, flops_per_token: float,
-                 world_size: int = 1) -> Speed:
-    """A Speed held against the cached peak of `device` times world_size; never measures (that would steal time
-    from the run being timed): without a cached peak, MFU is simply not reported."""
-    peak = read_peak(device) or {}
-    per_device = peak.get(peak_key(precision))
-    return Speed(tokens_per_step, flops_per_token, per_device * world_size if per_device else None)
+    return f"{cpu_model()} ({torch.get_num_threads()} threads)"

@@ -19,8 +19,9 @@ import torch
 from gptlab.bench.peak import cached_peak
 from gptlab.bench.timing import Load, LoadWatch, median, sync
 from gptlab.config import ModelConfig, TrainConfig
-from gptlab.runtime import (Speed, bf16_supported, compile_model, configure_matmul, peak_key, read_peak,
-                            resolve_device, reuse_freed_memory, set_threads)
+from gptlab.peak import Peak, Speed, peak_key, read_peak
+from gptlab.runtime import (bf16_supported, compile_model, configure_matmul, resolve_device, reuse_freed_memory,
+                            set_threads)
 
 
 @dataclass(frozen=True)
@@ -168,19 +169,20 @@ def _trace(model: torch.nn.Module, dataset: Any, seed: int, step: int, block_siz
     trace(model, x.to(device))
 
 
-def _row(c: Contender, val_loss: float, peak: dict[str, Any], tokens_per_step: int) -> dict[str, Any]:
+def _row(c: Contender, val_loss: float, peak: Peak, tokens_per_step: int) -> dict[str, Any]:
     seconds = median(c.times)
     key = peak_key(c.variant.precision)
-    tokens_per_s, mfu = Speed(tokens_per_step, c.eager.flops_per_token(), peak.get(key)).rates(1, seconds)
+    tokens_per_s, mfu = Speed(tokens_per_step, c.eager.flops_per_token(), peak.flops(key)).rates(1, seconds)
     return {"variant": c.variant.name, "ms_per_step": seconds * 1e3, "best_ms": min(c.times) * 1e3,
             "tokens_per_s": tokens_per_s, "mfu": float("nan") if mfu is None else mfu, "peak": key,
             "val_loss": val_loss, "compile_s": c.compile_s, "compiled": c.model is not c.eager}
 
 
-def _print_train_table(rows: list[dict[str, Any]], peak: dict[str, Any], model_cfg: ModelConfig, cfg: TrainConfig,
+def _print_train_table(rows: list[dict[str, Any]], peak: Peak, model_cfg: ModelConfig, cfg: TrainConfig,
                        total: int, model: torch.nn.Module, load: Load) -> None:
-    print(f"device: {peak['device']}; peaks measured {peak.get('measured_at', '?')}: "
-          + ", ".join(f"{k} {peak[k] / 1e9:,.0f} GFLOP/s" for k in ("fp32", "tf32", "bf16") if k in peak))
+    flops = {"fp32": peak.fp32, "tf32": peak.tf32, "bf16": peak.bf16}
+    print(f"device: {peak.device}; peaks measured {peak.measured_at or '?'}: "
+          + ", ".join(f"{k} {v / 1e9:,.0f} GFLOP/s" for k, v in flops.items() if v is not None))
     print(load.report())
     print(f"model: {model_cfg.n_layer} layers x {model_cfg.n_embd} wide, context {model_cfg.block_size}, "
           f"{model.num_params() / 1e6:.2f}M parameters, {model.flops_per_token() / 1e6:.1f} MFLOP per token "

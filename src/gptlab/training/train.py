@@ -25,9 +25,9 @@ from gptlab.distributed.distributed import Parallel
 from gptlab.distributed.fsdp import load_checkpoint
 from gptlab.errors import GptlabError
 from gptlab.optim import lr_at, make_optimizer
+from gptlab.peak import Speed, cached_speed
 from gptlab.plots import plot_loss, read_metrics
-from gptlab.runtime import (Speed, cached_speed, compile_model, configure_matmul, resolve_precision,
-                            reuse_freed_memory, set_threads)
+from gptlab.runtime import compile_model, configure_matmul, resolve_precision, reuse_freed_memory, set_threads
 from gptlab.training.faults import GracefulStop, Interrupted, LossSpike, NonFiniteLoss, SpikeGuard, is_out_of_memory
 from gptlab.training.preflight import check_data, check_memory, check_new_run, check_resume, settings_changed
 from gptlab.training.step import StepContext, defers_finite_check, estimate_loss, train_step, warm_up
