@@ -324,3 +324,26 @@ def test_eval_of_a_non_ascii_file_prints_its_scores_per_token_character_and_byte
     assert bits_token == pytest.approx(nats / 39 / math.log(2), abs=1e-4)
     assert bits_char == pytest.approx(nats / math.log(2) / 40, abs=1e-4)
     assert bits_byte == pytest.approx(nats / math.log(2) / len(scored.encode()), abs=1e-4) and bits_byte < bits_char
+
+
+def test_prepare_flags_keep_their_spellings_and_defaults_and_a_switch_takes_no_value():
+    """prepare's settings flags are generated from PrepareConfig: the spellings, defaults and kinds it always had
+    (switches stay switches, so the path after one is an input, and repeatable flags collect every value)."""
+    from gptlab.cli import make_parser
+
+    defaults = make_parser().parse_args(["prepare"])
+    assert {k: v for k, v in vars(defaults).items() if k != "command"} == {
+        "paths": [], "out": None, "overwrite": False, "quiet": False, "tokenizer": "char", "tokenizer_from": "",
+        "allow_special": False, "vocab_size": 1024, "val_fraction": 0.1, "seed": 0, "val": None, "encoding": "utf-8",
+        "text_field": "text", "include": None, "exclude": None, "strict": False, "workers": None,
+        "shard_tokens": 100_000_000}
+    args = make_parser().parse_args([
+        "prepare", "--strict", "--allow-special", "a.txt", "--include", "*.py", "--include", "*.md", "--exclude",
+        "tests/*", "--val", "v/", "--tokenizer", "bpe", "--tokenizer-from", "runs/x", "--vocab-size", "300",
+        "--val-fraction", "0.2", "--seed", "7", "--encoding", "latin-1", "--text-field", "content", "--workers", "3",
+        "--shard-tokens", "5000"])
+    assert args.paths == ["a.txt"] and args.strict and args.allow_special
+    assert (args.include, args.exclude, args.val) == (["*.py", "*.md"], ["tests/*"], ["v/"])
+    assert (args.tokenizer, args.tokenizer_from, args.vocab_size, args.val_fraction, args.seed) == \
+        ("bpe", "runs/x", 300, 0.2, 7)
+    assert (args.encoding, args.text_field, args.workers, args.shard_tokens) == ("latin-1", "content", 3, 5000)

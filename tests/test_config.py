@@ -1,7 +1,7 @@
 import pytest
 
-from gptlab.config import (PRESETS, ModelConfig, SampleConfig, TrainConfig, build, get_preset, parse_value,
-                           read_config_file)
+from gptlab.config import (PRESETS, ModelConfig, PrepareConfig, SampleConfig, TrainConfig, build, field_help,
+                           get_preset, parse_value, read_config_file)
 from gptlab.errors import GptlabError
 
 
@@ -46,6 +46,12 @@ def test_unparseable_values_are_clear_errors(cls, field, text, words):
     (ModelConfig, {"attention": "flash9"}, "attention must be one of"),
     (SampleConfig, {"temperature": -0.1}, "temperature"),
     (SampleConfig, {"top_p": 1.5}, "top_p"),
+    (PrepareConfig, {"tokenizer": "word"}, "tokenizer must be one of char, bpe, gpt2, not 'word'"),
+    (PrepareConfig, {"workers": 0}, "--workers must be at least 1, not 0"),
+    (PrepareConfig, {"shard_tokens": 0}, "--shard-tokens must be at least 1, not 0"),
+    (PrepareConfig, {"val_fraction": 1.0}, r"val_fraction must be in \(0, 1\): training needs a validation split"),
+    (PrepareConfig, {"val_fraction": float("nan")}, "val_fraction must be a finite number"),
+    (PrepareConfig, {"vocab_size": "1024"}, "vocab_size must be an integer, not '1024'"),
 ])
 def test_invalid_settings_are_refused(cls, bad, words):
     with pytest.raises(GptlabError, match=words):
@@ -70,3 +76,16 @@ def test_a_config_file_reads_its_paths_relative_to_its_own_folder(tmp_path):
                     "run": str(folder / "runs" / "x")}
     (folder / "abs.json").write_text(f'{{"data": "{tmp_path / "d"}", "model": {{"n_head": 2}}}}')
     assert read_config_file(folder / "abs.json") == ({"n_head": 2}, {}, {"data": str(tmp_path / "d")})
+
+
+def test_prepare_settings_default_as_prepare_always_did_and_a_validation_corpus_needs_no_fraction():
+    assert vars(PrepareConfig()) == {
+        "tokenizer": "char", "tokenizer_from": "", "allow_special": False, "vocab_size": 1024, "val_fraction": 0.1,
+        "seed": 0, "val": [], "encoding": "utf-8", "text_field": "text", "include": [], "exclude": [], "strict": False,
+        "workers": None, "shard_tokens": 100_000_000}
+    assert PrepareConfig(val=["held-out/"], val_fraction=0.0).val == ["held-out/"]  # the fraction is not used then
+
+
+def test_every_setting_says_what_it_does():
+    for cls in (ModelConfig, TrainConfig, SampleConfig, PrepareConfig):
+        assert all(text for text, _, _ in field_help(cls).values()), cls.__name__

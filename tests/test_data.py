@@ -515,3 +515,15 @@ def test_text_with_the_end_of_text_marker_is_refused_before_anything_is_written(
     with pytest.raises(GptlabError, match="99.txt contains the text <|endoftext|>"):
         prepare([str(tmp_path / "docs")], tmp_path / "out", "gpt2", quiet=True, workers=1, shard_tokens=20)
     assert not (tmp_path / "out").exists()
+
+
+def test_prepare_takes_its_settings_whole_or_by_name_not_both(tmp_path, corpus_file):
+    from gptlab.config import PrepareConfig
+
+    whole = prepare([str(corpus_file)], tmp_path / "a", PrepareConfig(val_fraction=0.3, shard_tokens=5000), quiet=True)
+    named = prepare([str(corpus_file)], tmp_path / "b", "char", val_fraction=0.3, shard_tokens=5000, quiet=True)
+    assert (whole["val_fraction"], whole["shard_tokens"]) == (0.3, 5000)
+    assert {k: v for k, v in whole.items() if k != "sources"} == {k: v for k, v in named.items() if k != "sources"}
+    with pytest.raises(TypeError, match="as a PrepareConfig or by name, not both"):
+        prepare([str(corpus_file)], tmp_path / "c", PrepareConfig(), vocab_size=300, quiet=True)
+    assert not (tmp_path / "c").exists()

@@ -1,4 +1,4 @@
-"""Typed settings for models, training and sampling, the named presets, and their validation.
+"""Typed settings for models, training, sampling and preparing data, the named presets, and their validation.
 
 One source of truth: the CLI builds its flags from these dataclasses, run directories store them as JSON, and
 Python callers construct them directly. Nothing here imports torch.
@@ -58,17 +58,19 @@ def _check_types(obj: Any) -> None:
             _check(math.isfinite(value), f"{name} must be a finite number, not {value}")
 
 
-def setting(default: Any, help: str, choices: tuple[str, ...] | None = None) -> Any:
-    """A dataclass field with the one-line help (and the fixed set of values, if any) that `--help` shows."""
-    meta = {"help": help, "choices": choices}
+def setting(default: Any, help: str, choices: tuple[str, ...] | None = None, metavar: str | None = None) -> Any:
+    """A dataclass field with the one-line help (and the fixed set of values, if any, and the name its value goes
+    by, if not its type's) that `--help` shows."""
+    meta = {"help": help, "choices": choices, "metavar": metavar}
     if isinstance(default, list):
         return field(default_factory=lambda: list(default), metadata=meta)
     return field(default=default, metadata=meta)
 
 
-def field_help(cls: type) -> dict[str, tuple[str, tuple[str, ...] | None]]:
-    """Field name -> (help text, choices or None)."""
-    return {f.name: (f.metadata.get("help", ""), f.metadata.get("choices")) for f in fields(cls)}
+def field_help(cls: type) -> dict[str, tuple[str, tuple[str, ...] | None, str | None]]:
+    """Field name -> (help text, choices or None, the name its value goes by in --help or None)."""
+    return {f.name: (f.metadata.get("help", ""), f.metadata.get("choices"), f.metadata.get("metavar"))
+            for f in fields(cls)}
 
 
 @dataclass
@@ -192,7 +194,7 @@ class SampleConfig:
     presence_penalty: float = setting(0.0, "subtract this from the logit of every token seen so far")
     seed: int = setting(1337, "seed of the sampling, in [0, 2**63)")
     stop: list[str] = setting([], "stop when the generated text contains TEXT (repeatable; \\n, \\t, \\r and "
-                                  "\\\\ are read as escapes)")
+                                  "\\\\ are read as escapes)", metavar="TEXT")
 
     def __post_init__(self) -> None:
         _check_types(self)
@@ -204,6 +206,49 @@ class SampleConfig:
         _check(0 < self.top_p <= 1, f"top_p must be in (0, 1], not {self.top_p}")
         _check(self.repetition_penalty > 0, f"repetition_penalty must be > 0, not {self.repetition_penalty}")
         _check(all(self.stop), "a stop string must not be empty (it would stop before the first token)")
+
+
+SHARD_TOKENS = 100_000_000  # token ids per token file, by default
+
+
+@dataclass
+class PrepareConfig:
+    """How `prepare` turns text into token files: the tokenizer, the validation split, how the inputs are read, and
+    how it is written. `tokenizer_from` "" builds a new tokenizer; `workers` None is one per core available."""
+
+    tokenizer: str = setting("char", "char (one token per character), bpe (a byte-level BPE trained on the text) or "
+                                     "gpt2 (GPT-2's 50,257 tokens)", TOKENIZERS)
+    tokenizer_from: str = setting("", "encode with the tokenizer of this run or data folder instead of building one "
+                                      "(to evaluate a run on new text, or fine-tune it)", metavar="RUN_OR_DATA")
+    allow_special: bool = setting(False, "read <|endoftext|> in the text as the end-of-text token (without it: "
+                                         "refuse such text)")
+    vocab_size: int = setting(1024, "vocabulary size for --tokenizer bpe")
+    val_fraction: float = setting(0.1, "share of the documents held out for validation, whole documents chosen at "
+                                       "random by --seed, in (0, 1); a corpus of fewer than 1 / val-fraction "
+                                       "documents (one book) is split by characters, its last val-fraction")
+    seed: int = setting(0, "seed of the choice of validation documents")
+    val: list[str] = setting([], "the validation corpus: files or folders read like the inputs (instead of "
+                                 "--val-fraction); may be repeated", metavar="PATH")
+    encoding: str = setting("utf-8", "text encoding of the inputs")
+    text_field: str = setting("text", "the field of a JSON line or the Parquet column that holds the text")
+    include: list[str] = setting([], "read only files matching GLOB (against the path below the folder named, or "
+                                     "the bare name); may be repeated", metavar="GLOB")
+    exclude: list[str] = setting([], "skip files matching GLOB; may be repeated", metavar="GLOB")
+    strict: bool = setting(False, "refuse a file found in a folder that is not readable text (binary, another "
+                                  "encoding, damaged) instead of skipping it")
+    workers: int | None = setting(None, "processes that encode, with the same token files as one (default: the "
+                                        "cores available)", metavar="N")
+    shard_tokens: int = setting(SHARD_TOKENS, "token ids per token file: each split is written in shards of at most "
+                                              "N, which training reads as one stream; an interrupted prepare resumes "
+                                              "from its last checkpoint when run again", metavar="N")
+
+    def __post_init__(self) -> None:
+        _check_types(self)
+        _check_choice("tokenizer", self.tokenizer, TOKENIZERS)
+        _check(self.workers is None or self.workers >= 1, f"--workers must be at least 1, not {self.workers}")
+        _check(self.shard_tokens >= 1, f"--shard-tokens must be at least 1, not {self.shard_tokens}")
+        _check(bool(self.val) or 0 < self.val_fraction < 1,
+               f"val_fraction must be in (0, 1): training needs a validation split, not {self.val_fraction}")
 
 
 @dataclass(frozen=True)

@@ -59,30 +59,40 @@ class Subcommands(dict):
         return self[getattr(args, self.dest)][1](args)
 
 
-def add_config_flags(parser: argparse.ArgumentParser, cls: type, title: str) -> None:
-    """One --flag per dataclass field, with the field's help and choices; values stay None unless given, so the
-    preset (or the run being resumed, or a config file) fills the rest."""
+def add_config_flags(parser: argparse.ArgumentParser, cls: type, title: str, defaults: bool = False) -> None:
+    """One --flag per dataclass field, with the field's help, choices and metavar. Without `defaults` (train,
+    sample) values stay None unless given, so the preset (or the run being resumed, or a config file) fills the
+    rest, and `overrides` parses them; a true-or-false field takes an optional value. With `defaults` (prepare,
+    whose settings have no preset) each flag starts at its field's default, said in its help, argparse parses
+    integers and numbers, and a true-or-false field is a switch."""
     group = parser.add_argument_group(title)
-    helps = field_help(cls)
+    instance = cls() if defaults else None
     for name, kind in field_types(cls).items():
-        flag, (text, choices) = "--" + name.replace("_", "-"), helps[name]
-        if kind is bool:
+        flag, (text, choices, metavar) = "--" + name.replace("_", "-"), field_help(cls)[name]
+        default = getattr(instance, name) if instance is not None else None
+        if default is not None and not isinstance(default, bool) and default not in ("", []) and "(default" not in text:
+            text = f"{text} (default {default})"
+        if kind is bool and defaults:
+            group.add_argument(flag, dest=name, action="store_true", help=text)
+        elif kind is bool:
             group.add_argument(flag, dest=name, nargs="?", const="true", default=None, metavar="BOOL",
                                help=f"{text} (true / false; the flag alone: true)")
-        elif name == "stop":
-            group.add_argument(flag, dest=name, action="append", default=None, metavar="TEXT", help=text)
+        elif not isinstance(kind, type):  # list[str]: the flag repeated
+            group.add_argument(flag, dest=name, action="append", default=None, metavar=metavar, help=text)
         else:
-            group.add_argument(flag, dest=name, default=None, choices=choices, help=text,
-                               metavar=None if choices else kind.__name__.upper())
+            typed = {"type": kind} if defaults and kind in (int, float) else {}
+            group.add_argument(flag, dest=name, default=default, choices=choices, help=text,
+                               metavar=metavar or (None if choices else kind.__name__.upper()), **typed)
 
 
 def overrides(args: argparse.Namespace, cls: type) -> dict[str, Any]:
-    """The fields of `cls` that were given on the command line, parsed to their types."""
+    """The fields of `cls` that were given on the command line (or have a default there), as values of their
+    types: text parsed (parse_value), what argparse has typed already as it is."""
     out = {}
     for name in field_types(cls):
         value = getattr(args, name, None)
         if value is not None:
-            out[name] = value if isinstance(value, list) else parse_value(cls, name, value)
+            out[name] = parse_value(cls, name, value) if isinstance(value, str) else value
     return out
 
 

@@ -7,10 +7,9 @@ import sys
 from pathlib import Path
 
 from gptlab.cli.common import add_config_flags, add_device, announce, command, overrides, unescape
-from gptlab.config import (DEFAULT_PRESET, INFERENCE_PRECISIONS, PRESETS, TOKENIZERS, ModelConfig, SampleConfig,
+from gptlab.config import (DEFAULT_PRESET, INFERENCE_PRECISIONS, PRESETS, ModelConfig, PrepareConfig, SampleConfig,
                            TrainConfig, build, read_config_file)
 from gptlab.errors import GptlabError
-from gptlab.data.tokenfiles import SHARD_TOKENS
 from gptlab.tokenizer import EOT
 
 
@@ -21,12 +20,10 @@ def cmd_prepare(args: argparse.Namespace) -> int:
     from gptlab.data.prepare import OtherData, prepare
     from gptlab.runs import default_data_dir
 
-    out = Path(args.out) if args.out else default_data_dir(args.tokenizer)
+    cfg = build(PrepareConfig, {}, overrides(args, PrepareConfig))
+    out = Path(args.out) if args.out else default_data_dir(cfg.tokenizer)
     try:
-        meta = prepare(args.paths, out, args.tokenizer, args.vocab_size, args.val_fraction, args.encoding,
-                       args.quiet, args.allow_special, args.tokenizer_from, args.text_field, args.include,
-                       args.exclude, args.strict, args.val, args.seed, args.workers, args.shard_tokens,
-                       overwrite=args.overwrite)
+        meta = prepare(args.paths, out, cfg, quiet=args.quiet, overwrite=args.overwrite)
     except OtherData:
         raise OtherData(out, runs_trained_on(out)) from None
     held = "split by characters" if meta["split"] == "characters" else f"{meta['val_documents']:,} held out"
@@ -35,14 +32,14 @@ def cmd_prepare(args: argparse.Namespace) -> int:
           f"with {meta['vocab_size']:,} ids ({meta['dtype']})")
     shards = {split: len(meta["shards"][split]) for split in ("train", "val")}
     if max(shards.values()) > 1:
-        print(f"in {shards['train']:,} train and {shards['val']:,} val shards of at most {args.shard_tokens:,} tokens, "
+        print(f"in {shards['train']:,} train and {shards['val']:,} val shards of at most {cfg.shard_tokens:,} tokens, "
               f"listed with their sha256 in {out / 'meta.json'}")
     folders, files = meta["skipped_folders"], meta["skipped_files"]
     if folders:
         print(f"skipped {folders:,} hidden or __pycache__ folder{'s' * (folders != 1)}")
     if files:
         shown = ", ".join(s["path"] for s in meta["skipped"][:3]) + (f" and {files - 3:,} more" if files > 3 else "")
-        print(f"skipped {files:,} unreadable file{'s' * (files != 1)} ({shown}): binary, not {args.encoding}, or "
+        print(f"skipped {files:,} unreadable file{'s' * (files != 1)} ({shown}): binary, not {cfg.encoding}, or "
               f"not the kind their names say; the reasons are in {out / 'meta.json'}, and --strict refuses them")
     records = meta["skipped_records"]
     if records:
@@ -74,38 +71,11 @@ def add_prepare(p: argparse.ArgumentParser) -> None:
                    "skipped), or - for standard input (default: bundled Tiny Shakespeare). Text files are one "
                    "document each; .jsonl / .json (one JSON object per line) and .parquet give a document per "
                    "record; .gz, .zst and .bz2 files are decompressed")
-    p.add_argument("--text-field", default="text", help="the field of a JSON line or the Parquet column that holds "
-                   "the text (default text)")
-    p.add_argument("--include", action="append", metavar="GLOB", help="read only files matching GLOB (against the "
-                   "path below the folder named, or the bare name); may be repeated")
-    p.add_argument("--exclude", action="append", metavar="GLOB", help="skip files matching GLOB; may be repeated")
-    p.add_argument("--strict", action="store_true", help="refuse a file found in a folder that is not readable "
-                   "text (binary, another encoding, damaged) instead of skipping it")
-    p.add_argument("--tokenizer", choices=TOKENIZERS, default="char",
-                   help="char (one token per character), bpe (a byte-level BPE trained on the text) or gpt2 (GPT-2's "
-                        "50,257 tokens) (default char)")
-    p.add_argument("--tokenizer-from", metavar="RUN_OR_DATA",
-                   help="encode with the tokenizer of this run or data folder instead of building one (to evaluate a "
-                        "run on new text, or fine-tune it)")
-    p.add_argument("--allow-special", action="store_true",
-                   help=f"read {EOT} in the text as the end-of-text token (default: refuse such text)")
-    p.add_argument("--vocab-size", type=int, default=1024, help="vocabulary size for --tokenizer bpe (default 1024)")
     p.add_argument("--out", help="output folder (default: data/tinyshakespeare-TOKENIZER)")
     p.add_argument("--overwrite", action="store_true", help="replace the data in --out even when it was prepared "
                    "from other inputs or settings (runs trained on it can then no longer resume)")
-    p.add_argument("--val-fraction", type=float, default=0.1, help="share of the documents held out for "
-                   "validation, whole documents chosen at random by --seed, in (0, 1); a corpus of fewer than "
-                   "1 / val-fraction documents (one book) is split by characters, its last val-fraction (default 0.1)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the choice of validation documents (default 0)")
-    p.add_argument("--val", action="append", metavar="PATH", help="the validation corpus: files or folders read "
-                   "like the inputs (instead of --val-fraction); may be repeated")
-    p.add_argument("--encoding", default="utf-8", help="text encoding of the inputs (default utf-8)")
-    p.add_argument("--workers", type=int, metavar="N", help="processes that encode, with the same token files as "
-                   "one (default: the cores available)")
-    p.add_argument("--shard-tokens", type=int, default=SHARD_TOKENS, metavar="N", help="token ids per token file: "
-                   "each split is written in shards of at most N, which training reads as one stream (default "
-                   f"{SHARD_TOKENS:,}); an interrupted prepare resumes from its last checkpoint when run again")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
+    add_config_flags(p, PrepareConfig, "preparing settings", defaults=True)
 
 
 # ---- train -------------------------------------------------------------------------------------------------------

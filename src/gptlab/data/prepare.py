@@ -21,11 +21,12 @@ from typing import Any
 
 import numpy as np
 
+from gptlab.config import PrepareConfig, build
 from gptlab.data.corpus import Source, collect_sources
 from gptlab.data.encoder import Piece, encode_units, units
 from gptlab.data.readers import Scan, documents, scan_sources, val_documents
 from gptlab.data.staging import CHECKPOINT_UNITS, ShardWriter, Staging
-from gptlab.data.tokenfiles import SHARD_TOKENS, SPLITS, VERSION, token_dtype
+from gptlab.data.tokenfiles import SPLITS, VERSION, token_dtype
 from gptlab.errors import GptlabError
 from gptlab.machine import usable_cores
 from gptlab.rundir import folder_kind
@@ -108,94 +109,119 @@ def _sigint_raises() -> Iterator[None]:
             signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
+def prepare_config(tokenizer: str = "char", vocab_size: int | None = None, val_paths: list[str] | None = None,
+                   tokenizer_from: str | Path | None = None, **named: Any) -> PrepareConfig:
+    """The PrepareConfig that `prepare`'s short form names: the tokenizer's kind, `vocab_size`, any other field by
+    its name (`val_paths` for `val`; a path for `tokenizer_from`); what is not named (or None) keeps its default.
+    Raises GptlabError on a setting that is out of range or unknown."""
+    given = {"tokenizer": tokenizer, "vocab_size": vocab_size, "val": list(val_paths) if val_paths else None,
+             "tokenizer_from": str(tokenizer_from) if tokenizer_from else None, **named}
+    return build(PrepareConfig, {}, {k: v for k, v in given.items() if v is not None})
+
+
 @_sigint_raises()
-def prepare(paths: list[str], out_dir: str | Path, tokenizer: str = "char", vocab_size: int = 1024,
-            val_fraction: float = 0.1, encoding: str = "utf-8", quiet: bool = False, allow_special: bool = False,
-            tokenizer_from: str | Path | None = None, text_field: str = "text", include: list[str] | None = None,
-            exclude: list[str] | None = None, strict: bool = False, val_paths: list[str] | None = None,
-            seed: int = 0, workers: int | None = None, shard_tokens: int = SHARD_TOKENS,
-            overwrite: bool = False) -> dict[str, Any]:
+def prepare(paths: list[str], out_dir: str | Path, settings: PrepareConfig | str = "char",
+            vocab_size: int | None = None, *, quiet: bool = False, overwrite: bool = False,
+            **named: Any) -> dict[str, Any]:
     """Tokenize files and folders (default: the bundled Tiny Shakespeare; see corpus.collect_sources and
-    readers.documents for what is read) into `out_dir`/{train,val}.bin, tokenizer.json and meta.json, with a new
-    tokenizer of kind `tokenizer` or the one of `tokenizer_from` (a run or data folder). Every document ends with
-    the end-of-text token where the tokenizer has one. The validation split is the documents of `val_paths` when
-    given, else whole documents chosen by `seed` (see readers.val_documents), else (fewer than 1 / val_fraction
-    documents) the last val_fraction of the characters. Files found in folders that cannot be read are skipped and
-    listed in the metadata (refused with `strict`). `workers` processes encode (default: the cores available),
-    with the same output as one. Each split is written in shards of at most `shard_tokens` ids (see tokenfiles).
-    A folder of prepared data is replaced only by the same data (same inputs and settings) or with `overwrite`
-    (OtherData otherwise). Everything is checked before anything is written; the files are written in a hidden staging folder and moved
-    into place at the end (meta.json last), so a failure or Ctrl-C leaves the prepared folder as it was; the
-    staging folder keeps the last checkpoint, and the same call again resumes from it. Returns the metadata;
-    raises GptlabError on bad input or a full disk."""
-    workers = usable_cores() if workers is None else workers
-    if workers < 1:
-        raise GptlabError(f"--workers must be at least 1, not {workers}")
-    if shard_tokens < 1:
-        raise GptlabError(f"--shard-tokens must be at least 1, not {shard_tokens}")
-    if not val_paths and not 0 < val_fraction < 1:
-        raise GptlabError(f"val_fraction must be in (0, 1): training needs a validation split, not {val_fraction}")
-    out = Path(out_dir)
+    readers.documents for what is read) into `out_dir`/{train,val}.bin, tokenizer.json and meta.json, as `settings`
+    say (a PrepareConfig; or for short the tokenizer's kind, with `vocab_size` and other fields named: see
+    prepare_config): with a new tokenizer of kind `tokenizer` or the one of `tokenizer_from` (a run or data folder).
+    Every document ends with the end-of-text token where the tokenizer has one. The validation split is the
+    documents of `val` when given, else whole documents chosen by `seed` (see readers.val_documents), else (fewer
+    than 1 / val_fraction documents) the last val_fraction of the characters. Files found in folders that cannot be
+    read are skipped and listed in the metadata (refused with `strict`). `workers` processes encode (default: the
+    cores available), with the same output as one. Each split is written in shards of at most `shard_tokens` ids
+    (see tokenfiles). A folder of prepared data is replaced only by the same data (same inputs and settings) or with
+    `overwrite` (OtherData otherwise). Everything is checked before anything is written; the files are written in a
+    hidden staging folder and moved into place at the end (meta.json last), so a failure or Ctrl-C leaves the
+    prepared folder as it was; the staging folder keeps the last checkpoint, and the same call again resumes from
+    it. Returns the metadata; raises GptlabError on bad input or a full disk."""
+    if isinstance(settings, PrepareConfig):
+        if vocab_size is not None or named:
+            raise TypeError("give prepare's settings as a PrepareConfig or by name, not both")
+        cfg = settings
+    else:
+        cfg = prepare_config(settings, vocab_size, **named)
+    return _prepare(paths, Path(out_dir), cfg, quiet, overwrite)
+
+
+def _prepare(paths: list[str], out: Path, cfg: PrepareConfig, quiet: bool, overwrite: bool) -> dict[str, Any]:
+    """prepare(), once its settings are one PrepareConfig: check everything, then stage, encode and commit."""
     kind = folder_kind(out)
     if kind in ("run", "hf"):
         raise GptlabError(f"{out} holds a {'gptlab run' if kind == 'run' else 'model (config.json)'}; "
                           "preparing data there would overwrite its files, so give --out a folder of its own")
-    fixed = tokenizer_of(tokenizer_from) if tokenizer_from else None
-    has_special = fixed.eot_id is not None if fixed else tokenizer != "char"
+    fixed = tokenizer_of(cfg.tokenizer_from) if cfg.tokenizer_from else None
     pruned: list[str] = []
-    scan = _scan_inputs([paths] + ([val_paths] if val_paths else []), include, exclude, pruned, encoding,
-                        text_field, strict, quiet, has_special and not allow_special,
-                        (fixed.kind if fixed else tokenizer) == "char")
+    scan = _scan_inputs([paths] + ([cfg.val] if cfg.val else []), cfg, pruned, quiet, fixed)
     if fixed:
-        _check_covers(fixed, scan.chars, str(tokenizer_from))
-
-    def all_chunks() -> Iterator[str]:
-        for source in scan.sources:
-            for doc in documents(source, encoding, text_field):
-                yield from doc
-
-    held = val_documents(scan, val_fraction, seed)
-    split = {"split": "characters" if held is None else "validation files" if val_paths else "documents",
-             "val_fraction": None if val_paths else val_fraction, "seed": seed,
+        _check_covers(fixed, scan.chars, cfg.tokenizer_from)
+    held = val_documents(scan, cfg.val_fraction, cfg.seed)
+    split = {"split": "characters" if held is None else "validation files" if cfg.val else "documents",
+             "val_fraction": None if cfg.val else cfg.val_fraction, "seed": cfg.seed,
              "val_documents": None if held is None else int(held.sum()),
              "skipped_folders": len(pruned), "skipped_files": len(scan.skipped), "skipped": scan.skipped[:20],
              "skipped_records": len(scan.bad_records), "bad_records": scan.bad_records[:20]}
-    settings = {"tokenizer": fixed.to_dict() if fixed else [tokenizer, vocab_size], "encoding": encoding,
-                "text_field": text_field, "allow_special": allow_special, "shard_tokens": shard_tokens,
-                "val_fraction": val_fraction, "held": None if held is None else hashlib.sha256(held).hexdigest()}
+    settings = {"tokenizer": fixed.to_dict() if fixed else [cfg.tokenizer, cfg.vocab_size], "encoding": cfg.encoding,
+                "text_field": cfg.text_field, "allow_special": cfg.allow_special, "shard_tokens": cfg.shard_tokens,
+                "val_fraction": cfg.val_fraction, "held": None if held is None else hashlib.sha256(held).hexdigest()}
     fingerprint = _fingerprint(scan, settings)
     if not overwrite and folder_kind(out) == "data" and _made_by(out) != fingerprint:
         raise OtherData(out)
     with Staging(out, fingerprint) as stage:
-        tok: Tokenizer = fixed or stage.tokenizer() or _interruptible(lambda: train_tokenizer(
-            tokenizer, [scan.chars] if tokenizer == "char" else all_chunks(), vocab_size))
-        encode = {"held": held, "encoding": encoding, "text_field": text_field, "quiet": quiet,
-                  "allow_special": allow_special, "workers": workers}
+        tok: Tokenizer = fixed or stage.tokenizer() or _interruptible(lambda: _new_tokenizer(cfg, scan))
         try:
-            split_at = int(scan.total * (1 - val_fraction))
-            scanned = sum(d["bytes"] for d in scan.described)  # the encoding bar's total: its time left
-            writers, written = _encode_split(scan.sources, tok, stage, split_at, shard_tokens, scanned, **encode)
-            meta = {"format_version": VERSION, "tokenizer": tok.kind, "vocab_size": tok.vocab_size,
-                    "dtype": token_dtype(tok.vocab_size).name, **written, **split,
-                    "shard_tokens": shard_tokens, "encoding": encoding, "text_field": text_field,
-                    "documents": sum(d["documents"] for d in scan.described), "sources": scan.described,
-                    "fingerprint": fingerprint}
-            return stage.commit(writers, meta)
+            return stage.commit(*_encode(scan, tok, stage, cfg, held, quiet, {**split, "fingerprint": fingerprint}))
         except OSError as exc:
             raise GptlabError(f"cannot write the token files in {out}: {exc.strerror}; free some space or fix the "
                               "permissions (the prepared folder was not changed)") from None
 
 
-def _scan_inputs(groups: list[list[str]], include: list[str] | None, exclude: list[str] | None, pruned: list[str],
-                 encoding: str, text_field: str, strict: bool, quiet: bool, refuse_special: bool,
-                 collect_chars: bool) -> Scan:
+def _new_tokenizer(cfg: PrepareConfig, scan: Scan) -> Tokenizer:
+    """A tokenizer of kind cfg.tokenizer built from the text: the characters the scan found, or a BPE vocabulary
+    trained over every document."""
+    def all_chunks() -> Iterator[str]:
+        for source in scan.sources:
+            for doc in documents(source, cfg.encoding, cfg.text_field):
+                yield from doc
+
+    return train_tokenizer(cfg.tokenizer, [scan.chars] if cfg.tokenizer == "char" else all_chunks(), cfg.vocab_size)
+
+
+def _encode(scan: Scan, tok: Tokenizer, stage: Staging, cfg: PrepareConfig, held: np.ndarray | None, quiet: bool,
+            split: dict[str, Any]) -> tuple[list[ShardWriter], dict[str, Any]]:
+    """Encode the scanned corpus into the staging folder's shards: their writers and the metadata of the result
+    (`split`: how it was split, and the fingerprint), for Staging.commit."""
+    workers = usable_cores() if cfg.workers is None else cfg.workers
+    val_fraction, shard_tokens = cfg.val_fraction, cfg.shard_tokens
+    encode = {"held": held, "encoding": cfg.encoding, "text_field": cfg.text_field, "quiet": quiet,
+              "allow_special": cfg.allow_special, "workers": workers}
+    split_at = int(scan.total * (1 - val_fraction))
+    scanned = sum(d["bytes"] for d in scan.described)  # the encoding bar's total: its time left
+    writers, written = _encode_split(scan.sources, tok, stage, split_at, shard_tokens, scanned, **encode)
+    fingerprint = {"fingerprint": split.pop("fingerprint")}
+    return writers, {"format_version": VERSION, "tokenizer": tok.kind, "vocab_size": tok.vocab_size,
+                     "dtype": token_dtype(tok.vocab_size).name, **written, **split, "shard_tokens": shard_tokens,
+                     "encoding": cfg.encoding, "text_field": cfg.text_field,
+                     "documents": sum(d["documents"] for d in scan.described), "sources": scan.described,
+                     **fingerprint}
+
+
+def _scan_inputs(groups: list[list[str]], cfg: PrepareConfig, pruned: list[str], quiet: bool,
+                 fixed: Tokenizer | None) -> Scan:
     """The scan (readers.scan_sources) of the corpus, followed by that of the validation corpus when `groups`
-    names one; each must hold some text. Every source is collected before any is read."""
+    names one; each must hold some text. Every source is collected before any is read. Text holding the
+    end-of-text token is refused where the tokenizer has one, unless cfg.allow_special; characters are collected
+    for a char tokenizer."""
+    has_special = fixed.eot_id is not None if fixed else cfg.tokenizer != "char"
+    refuse_special = has_special and not cfg.allow_special
+    collect_chars = (fixed.kind if fixed else cfg.tokenizer) == "char"
     scans = []
-    for sources, what in zip([collect_sources(g, include, exclude, pruned) for g in groups],
+    for sources, what in zip([collect_sources(g, cfg.include, cfg.exclude, pruned) for g in groups],
                              ("corpus", "validation corpus")):
         with _progress(sources, "scan", quiet) as bar:
-            scans.append(scan_sources(sources, encoding, text_field, strict, bar.update, refuse_special,
+            scans.append(scan_sources(sources, cfg.encoding, cfg.text_field, cfg.strict, bar.update, refuse_special,
                                       collect_chars))
         _check_not_empty(scans[-1], sources, what)
     return scans[0].joined(scans[1]) if len(scans) > 1 else scans[0]

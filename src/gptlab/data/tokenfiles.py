@@ -24,7 +24,6 @@ from gptlab.errors import GptlabError
 MAGIC = b"GPTLABTK"
 VERSION = 1
 HEADER = struct.Struct("<8sIIQ8x")  # magic, version, bytes per token, token count, padding: 32 bytes
-SHARD_TOKENS = 100_000_000
 SPLITS = ("train", "val")
 
 
