@@ -148,18 +148,22 @@ def test_every_bench_flag_says_what_it_does():
 
 def test_bench_train_times_finetune_on_gpt2_124m_at_context_256(monkeypatch, tmp_path):
     """finetune's shape comes from --init-from, which a bench has not: it times GPT-2 124M at context 256 with the
-    preset's dropout, not the default model config with GPT-2's vocabulary."""
-    import argparse
+    preset's dropout, not the default model config with GPT-2's vocabulary. The bench wing resolves it."""
+    import gptlab.runs
+    from gptlab.bench.presets import train_bench_settings
 
-    from gptlab.cli import bench_verbs
-
-    monkeypatch.setattr(bench_verbs, "data_dir_for", lambda data, preset, quiet: tmp_path)
-    args = argparse.Namespace(preset="finetune", batch_size=4, steps=1, warmup=0, device="cpu", data=None)
-    _, model, train = bench_verbs._bench_train_settings(args)
+    monkeypatch.setattr(gptlab.runs, "data_dir_for", lambda data, preset, quiet: tmp_path / preset)
+    data, model, train = train_bench_settings("finetune", 4, "cpu")
     assert (model.n_layer, model.n_head, model.n_embd, model.block_size, model.vocab_size) == (12, 12, 768, 256, 50257)
-    assert model.dropout == 0.1 and train.batch_size == 4
-    args.preset = "char-small"
-    assert bench_verbs._bench_train_settings(args)[1].n_embd == 384  # other presets keep their own shape
+    assert model.dropout == 0.1 and train.batch_size == 4 and data == tmp_path / "finetune"
+    assert train_bench_settings("char-small", 4, "cpu")[1].n_embd == 384  # other presets keep their own shape
+    assert train_bench_settings("char-small", 4, "cpu", attention="naive")[1].attention == "naive"
+
+
+def test_bench_matmul_takes_the_presets_that_name_a_gpts_shape():
+    from gptlab.bench.presets import SHAPED_PRESETS
+
+    assert SHAPED_PRESETS == ("char-quick", "char-small", "gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")
 
 
 def test_variants_put_the_fp32_reference_first():

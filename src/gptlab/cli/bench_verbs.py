@@ -5,9 +5,9 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from gptlab.cli.common import Subcommands, add_device, at_least, command, data_dir_for
-from gptlab.config import (FINETUNE_PRESET, INFERENCE_PRECISIONS, PRESETS, TOKENIZERS, ModelConfig, TrainConfig,
-                           build, get_preset)
+from gptlab.bench.presets import SHAPED_PRESETS, train_bench_settings
+from gptlab.cli.common import Subcommands, add_device, at_least, command
+from gptlab.config import INFERENCE_PRECISIONS, PRESETS, TOKENIZERS, ModelConfig, TrainConfig
 from gptlab.errors import GptlabError
 
 
@@ -15,8 +15,6 @@ from gptlab.errors import GptlabError
 
 BENCHES = Subcommands("bench", "BENCH")
 bench = BENCHES  # the decorator that registers one
-# presets that name a GPT's shape (bigram has none; finetune only changes dropout)
-SHAPED_PRESETS = tuple(n for n, p in PRESETS.items() if "n_embd" in p.model and p.model.get("arch") != "bigram")
 
 
 @bench("peak", "measure the device's matmul peak (fp32, bf16, tf32) and memory bandwidth, and the machine's load; "
@@ -57,20 +55,11 @@ def bench_train(args: argparse.Namespace) -> int:
     return 0
 
 
-FINETUNE_SHAPE = {**get_preset("gpt2").model, "block_size": 256}
-
-
 def _bench_train_settings(args: argparse.Namespace) -> tuple[Path, ModelConfig, TrainConfig]:
     if args.steps < 1 or args.warmup < 0 or args.batch_size < 1:
         raise GptlabError("--steps and --batch-size must be at least 1 and --warmup at least 0")
-    preset = get_preset(args.preset)
-    attention = getattr(args, "attention", None)
-    # finetune's shape comes from --init-from, which a bench has not: it times what is fine-tuned most, GPT-2 124M
-    # at context 256 (FINETUNE_SHAPE), with the preset's dropout
-    shape = FINETUNE_SHAPE if args.preset == FINETUNE_PRESET else {}
-    model_cfg = build(ModelConfig, {**shape, **preset.model}, {"attention": attention} if attention else {})
-    train_cfg = build(TrainConfig, preset.train, {"batch_size": args.batch_size, "device": args.device})
-    return data_dir_for(args.data, args.preset, quiet=True), model_cfg, train_cfg
+    return train_bench_settings(args.preset, args.batch_size, args.device, getattr(args, "attention", None),
+                                args.data)
 
 
 @bench("attention", "time a training step with each attention path (sdpa, naive) in each precision, side by side",

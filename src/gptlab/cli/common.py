@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 from typing import Any
 
 from gptlab.config import DEVICES, field_help, field_types, parse_value
@@ -94,13 +93,6 @@ def overrides(args: argparse.Namespace, cls: type) -> dict[str, Any]:
         if value is not None:
             out[name] = parse_value(cls, name, value) if isinstance(value, str) else value
     return out
-
-
-def data_dir_for(data: str | None, preset: str, quiet: bool = False) -> Path:
-    """--data, or the bundled corpus prepared for the preset's tokenizer (see runs.data_dir_for)."""
-    from gptlab.runs import data_dir_for as resolve_data
-
-    return resolve_data(data, preset, quiet)
 
 
 def add_device(p: argparse.ArgumentParser) -> None:
