@@ -22,7 +22,7 @@ MAY_IMPORT = {
     "training": {"errors", "config", "tokenizer", "rundir", "data", "model", "runtime", "peak", "optim", "plots",
                  "checkpoint", "distributed"},
     "hf": {"errors", "config", "tokenizer", "rundir", "model", "checkpoint"},
-    "inference": {"errors", "machine", "config", "model", "runtime"},
+    "inference": {"errors", "machine", "config", "tokenizer", "model", "runtime", "checkpoint"},
     "serve": {"errors", "config", "tokenizer", "checkpoint", "inference", "engine", "textstream", "inspect"},
 }
 # ... and which rooms may import each of these packages besides itself: the later ones that use it, no others.

@@ -155,11 +155,10 @@ def read_prompt(args: argparse.Namespace, tokenizer) -> list[int]:
 
 @command("sample", "generate text from a trained run, streamed as it is produced")
 def cmd_sample(args: argparse.Namespace) -> int:
-    from gptlab.checkpoint import load_run
-    from gptlab.textstream import TextStream
-    from gptlab.inference import prepare_for_inference
+    from gptlab.inference import load_for_inference
     from gptlab.runs import latest_run
-    from gptlab.runtime import resolve_device, resolve_precision, set_threads
+    from gptlab.runtime import resolve_device, set_threads
+    from gptlab.textstream import TextStream
 
     set_threads()
     settings = overrides(args, SampleConfig)
@@ -168,14 +167,12 @@ def cmd_sample(args: argparse.Namespace) -> int:
     cfg = build(SampleConfig, {}, settings)
     if args.num_samples < 1:  # before loading the model (the engine checks it too, for Python callers)
         raise GptlabError(f"--num-samples must be >= 1, not {args.num_samples}")
-    device = resolve_device(args.device)
-    loaded = load_run(args.run or latest_run(), device=device)
-    prompt = read_prompt(args, loaded.tokenizer)
-    model = prepare_for_inference(loaded.model, resolve_precision(args.precision, device))
+    ready = load_for_inference(args.run or latest_run(), resolve_device(args.device), args.precision)
+    prompt = read_prompt(args, ready.tokenizer)
     # the server's path (gptlab.serve), so the same seed and settings give the same text there
-    stream = TextStream(model, loaded.tokenizer, [prompt], cfg, args.num_samples, batch_invariant=True)
-    announce(loaded)
-    echo = loaded.tokenizer.decode(prompt) if args.echo_prompt else ""
+    stream = TextStream(ready.model, ready.tokenizer, [prompt], cfg, args.num_samples, batch_invariant=True)
+    announce(ready)
+    echo = ready.tokenizer.decode(prompt) if args.echo_prompt else ""
     sys.stdout.write(echo)
     for pieces in stream:  # the first sample streams; the others are printed once they are done
         sys.stdout.write(pieces[0])
@@ -207,32 +204,27 @@ def add_sample(p: argparse.ArgumentParser) -> None:
 
 @command("eval", "loss, perplexity and bits per character / byte on the validation split or on text files")
 def cmd_eval(args: argparse.Namespace) -> int:
-    from gptlab.checkpoint import load_run
     from gptlab.evaluate import score_files, score_split
+    from gptlab.inference import load_for_inference
     from gptlab.runs import latest_run, run_data_dir
-    from gptlab.inference import prepare_for_inference
-    from gptlab.runtime import resolve_device, resolve_precision, set_threads
+    from gptlab.runtime import resolve_device, set_threads
 
     set_threads()
     if args.batch_size < 1:
         raise GptlabError(f"--batch-size must be >= 1, not {args.batch_size}")
     run = args.run or latest_run()
-    device = resolve_device(args.device)
-    precision = resolve_precision(args.precision, device)
-    loaded = load_run(run, device=device)
-    model = loaded.model
-    if precision == "int8":  # the weights sample --precision int8 decodes with, through the torch reference path
-        model = prepare_for_inference(model, "int8", fused=False, huge_pages=False).model
+    ready = load_for_inference(run, resolve_device(args.device), args.precision, decode=False)
+    model, precision = ready.model.model, ready.precision  # int8: the weights sample decodes with, run by torch
     if args.files:
-        scores = score_files(model, loaded.tokenizer, args.files, args.encoding, args.batch_size, precision)
+        scores = score_files(model, ready.tokenizer, args.files, args.encoding, args.batch_size, precision)
     else:
         data_dir = args.data or run_data_dir(run)
         if not data_dir:
             raise GptlabError(f"run {run} has no data of its own (it was imported); give text files to score or "
                               "--data")
-        scores = [score_split(model, loaded.tokenizer, data_dir, args.batch_size, source=f"run {run}",
+        scores = [score_split(model, ready.tokenizer, data_dir, args.batch_size, source=f"run {run}",
                               precision=precision)]
-    announce(loaded)
+    announce(ready)
     print(f"{'text':<40} {'tokens':>10} {'loss':>8} {'ppl':>9} {'bits/tok':>9} {'bits/char':>9} {'bits/byte':>9}")
     for s in scores:
         print(f"{s.name[-40:]:<40} {s.tokens:>10,} {s.loss:>8.4f} {s.perplexity:>9.3f} {s.bits_per_token:>9.4f} "

@@ -1,5 +1,6 @@
 """The inference wing: a model made fast to generate with, as one object the engine takes.
 
+`load_for_inference(run, device, precision)` loads a run's model and makes it ready (sample, eval, serve);
 `prepare_for_inference(model, precision)` returns an `InferenceModel`: the model (eval mode, weights in fp32 or
 bf16, packed for oneDNN where it can run them: `weights`), its decoder (the step that turns one new token per row
 into next-token logits: the fused native step of `fused` where the CPU and a compiler allow it, else `TorchStep`,
@@ -15,7 +16,8 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Protocol
+from pathlib import Path
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 import torch.nn as nn
@@ -26,15 +28,19 @@ from gptlab.inference.fused import FusedDecoder, fused_decoder
 from gptlab.inference.int8 import BF16_ROWS, Int8Linear, quantize_model
 from gptlab.inference.weights import InferenceLinear, can_pack, move_to_huge_pages, pack_linears
 from gptlab.model import KVCache
-from gptlab.runtime import bf16_supported
+from gptlab.runtime import bf16_supported, resolve_device, resolve_precision
+
+if TYPE_CHECKING:
+    from gptlab.checkpoint import Checkpoint
+    from gptlab.tokenizer import Tokenizer
 
 log = logging.getLogger("gptlab")
 PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16}  # the float precisions, by their torch dtype
 # what a model is prepared in: the CLI's choices (gptlab.config) once "auto" is resolved; int8: weight-only
 INFERENCE_PRECISIONS = tuple(p for p in config.INFERENCE_PRECISIONS if p != "auto")
 __all__ = ["INFERENCE_PRECISIONS", "PRECISIONS", "Decoder", "FusedDecoder", "InferenceLinear", "InferenceModel",
-           "Int8Linear", "TorchStep", "as_inference", "cache_dtype", "can_pack", "move_to_huge_pages",
-           "prepare_for_inference"]
+           "InferenceRun", "Int8Linear", "TorchStep", "as_inference", "cache_dtype", "can_pack", "load_for_inference",
+           "move_to_huge_pages", "prepare_for_inference"]
 
 
 class Decoder(Protocol):
@@ -139,3 +145,38 @@ def prepare_for_inference(model: nn.Module, precision: str = "fp32", fused: bool
                     "path dequantizes every weight at every step, slower than fp32; it is the reference")
     return InferenceModel(model, decoder, cache_dtype(device, dtype, native is not None, precision == "int8"),
                           precision)
+
+
+@dataclass(frozen=True)
+class InferenceRun:
+    """A run loaded for inference (`load_for_inference`): its model made ready, its tokenizer, the checkpoint the
+    weights came from, the precision they are in, and the model's parameter count (before any packing)."""
+
+    model: InferenceModel
+    tokenizer: Tokenizer
+    checkpoint: Checkpoint
+    precision: str  # "fp32", "bf16" or "int8": "auto" resolved
+    parameters: int
+
+
+def load_for_inference(run: str | Path, device: torch.device | str = "cpu", precision: str = "fp32",
+                       decode: bool = True) -> InferenceRun:
+    """A run's best (else latest) checkpoint on `device` ("auto" picks it), in `precision` ("auto": bf16 where the
+    hardware computes it natively, else fp32). With `decode` (sample, serve) the model is made fast to generate
+    with (`prepare_for_inference`); without it (eval, which scores through the model's forward) it keeps its fp32
+    weights, bf16 being autocast by the caller, and int8 weights run through the torch reference path. Raises
+    GptlabError, before loading anything, for a precision or device this machine lacks, and for a folder that is
+    not a run or has no usable checkpoint."""
+    from gptlab.checkpoint import load_run  # loading a run is the checkpoint module's; only this entry point needs it
+
+    device = resolve_device(device) if isinstance(device, str) else device
+    precision = resolve_precision(precision, device)
+    loaded = load_run(run, device=device)
+    parameters = loaded.model.num_params()
+    if decode:
+        model = prepare_for_inference(loaded.model, precision)
+    elif precision == "int8":  # the weights sample --precision int8 decodes with, through the torch reference path
+        model = prepare_for_inference(loaded.model, "int8", fused=False, huge_pages=False)
+    else:
+        model = as_inference(loaded.model)
+    return InferenceRun(model, loaded.tokenizer, loaded.checkpoint, precision, parameters)

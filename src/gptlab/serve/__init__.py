@@ -54,15 +54,14 @@ def make_app(served, limits: Limits, api_key: str | None = None):
 
 
 def load_served(run: str | Path, precision: str, device):
-    """A run's best (else latest) checkpoint, prepared for decoding, as a Served; /inspect reloads it plain."""
+    """A run's best (else latest) checkpoint, prepared for decoding (load_for_inference), as a Served; /inspect
+    reloads it plain."""
     from gptlab.checkpoint import load_run
-    from gptlab.inference import prepare_for_inference
+    from gptlab.inference import load_for_inference
     from gptlab.serve.app import Served
 
-    loaded = load_run(run, device=device)
-    parameters = loaded.model.num_params()
-    model = prepare_for_inference(loaded.model, precision)
-    return Served(Path(run).name, model, loaded.tokenizer, parameters,
+    ready = load_for_inference(run, device, precision)
+    return Served(Path(run).name, ready.model, ready.tokenizer, ready.parameters,
                   lambda: load_run(run, device=device).model)
 
 

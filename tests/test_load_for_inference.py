@@ -1,0 +1,55 @@
+"""load_for_inference: the one way sample, eval, serve and `bench serve` load a run's model: which checkpoint, in
+which precision (checked before anything is loaded), prepared to decode or kept for scoring."""
+
+import pytest
+import torch
+from conftest import CORPUS, tiny_run
+from safetensors.torch import load_file
+from test_sweep import TINY
+
+from gptlab.errors import GptlabError
+from gptlab.inference import InferenceModel, Int8Linear, TorchStep, load_for_inference
+
+V = len(set(CORPUS))  # the char tokenizer's vocabulary
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    """A 6-step run of TINY's model (1 layer, 2 heads, 16 wide, context 16): a best checkpoint and step ones."""
+    return tiny_run(tmp_path_factory.mktemp("inference"), 6, [*TINY, "--eval-interval", "3"])
+
+
+def test_a_run_loads_from_its_best_checkpoint_with_its_parameter_count(run):
+    ready = load_for_inference(run, "cpu", "fp32")
+    assert ready.checkpoint.kind == "best" and ready.precision == "fp32" and ready.model.precision == "fp32"
+    # wte V x 16, wpe 16 x 16, one block (2 LayerNorms, c_attn 16 -> 48, c_proj 16 -> 16, c_fc 16 -> 64, mlp's
+    # c_proj 64 -> 16, with biases), ln_f; the head is tied to wte
+    block = 2 * 32 + (16 * 48 + 48) + (16 * 16 + 16) + (16 * 64 + 64) + (64 * 16 + 16)
+    assert ready.parameters == V * 16 + 16 * 16 + block + 32
+    assert isinstance(ready.model, InferenceModel) and not ready.model.model.training
+    assert ready.tokenizer.vocab_size == V
+
+
+def test_for_scoring_fp32_keeps_the_checkpoints_own_weights(run):
+    ready = load_for_inference(run, "cpu", "fp32", decode=False)
+    weights = load_file(ready.checkpoint.path / "model.safetensors")
+    own = ready.model.model.state_dict()
+    assert all(torch.equal(own[name], tensor) for name, tensor in weights.items())
+    assert isinstance(ready.model.decoder, TorchStep)
+
+
+def test_for_scoring_int8_runs_the_int8_weights_through_the_torch_reference(run):
+    ready = load_for_inference(run, "cpu", "int8", decode=False)
+    block = ready.model.model.transformer.h[0]
+    linears = [block.attn.c_attn, block.attn.c_proj, block.mlp.c_fc, block.mlp.c_proj]
+    assert all(isinstance(m, Int8Linear) for m in linears) and isinstance(ready.model.decoder, TorchStep)
+    assert ready.precision == "int8"
+
+
+def test_a_precision_this_machine_lacks_is_refused_before_anything_is_loaded(tmp_path, monkeypatch, run):
+    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: False)  # no AVX-512 BF16, no AMX
+    with pytest.raises(GptlabError, match="no native bf16 support; use --precision fp32"):
+        load_for_inference(tmp_path / "not-a-run", "cpu", "bf16")
+    assert load_for_inference(run, "cpu", "auto").precision == "fp32"  # auto falls back where bf16 is not native
+    with pytest.raises(GptlabError, match="does not exist"):
+        load_for_inference(tmp_path / "not-a-run", "cpu", "fp32")
