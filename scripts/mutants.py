@@ -77,7 +77,8 @@ MODULES = {
     "data": _m("data/prepare data/batches", "test_data test_tokenfiles test_corpus test_shards"),
     "inspect": _m("inspect/anatomy inspect/page inspect/pictures inspect/trace", "test_inspect test_inspect_page test_trace"),
     "runs": _m("runs", "test_runs test_runs_start test_cli"),
-    "rundir": _m("rundir", "test_nothing_lost test_faults test_runs test_data"),  # test_data: folder_kind
+    # test_data: folder_kind; test_checkpoint: state.json's schema (TrainingState), old files included
+    "rundir": _m("rundir", "test_nothing_lost test_faults test_runs test_data test_checkpoint"),
     "checkpoint": _m("checkpoint", "test_checkpoint test_nothing_lost test_faults test_train test_runtime"),
     "preflight": _m("training/preflight", "test_nothing_lost test_train test_shards"),
     "evaluate": _m("evaluate", "test_evaluate test_hf"),
