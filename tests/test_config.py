@@ -1,7 +1,8 @@
 import pytest
 
 from gptlab.config import (PRESETS, ModelConfig, PrepareConfig, SampleConfig, TrainConfig, build, field_help,
-                           get_preset, parse_value, read_config_file)
+                           get_preset, parse_value)
+from gptlab.configfile import read_config_file
 from gptlab.errors import GptlabError
 
 

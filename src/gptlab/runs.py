@@ -20,8 +20,8 @@ from typing import Any
 
 from gptlab import checkpoint as ck
 from gptlab import rundir
-from gptlab.config import (DEFAULT_PRESET, FINETUNE_PRESET, ModelConfig, TrainConfig, build, get_preset,
-                           read_config_file, to_dict)
+from gptlab.config import DEFAULT_PRESET, FINETUNE_PRESET, ModelConfig, TrainConfig, build, get_preset, to_dict
+from gptlab.configfile import read_config_file
 from gptlab.data.prepare import prepare
 from gptlab.errors import GptlabError
 

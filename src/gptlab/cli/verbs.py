@@ -8,7 +8,8 @@ from pathlib import Path
 
 from gptlab.cli.common import add_config_flags, add_device, announce, command, overrides, unescape
 from gptlab.config import (DEFAULT_PRESET, INFERENCE_PRECISIONS, PRESETS, ModelConfig, PrepareConfig, SampleConfig,
-                           TrainConfig, build, read_config_file)
+                           TrainConfig, build)
+from gptlab.configfile import read_config_file
 from gptlab.errors import GptlabError
 from gptlab.tokenizer import EOT
 
