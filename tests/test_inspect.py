@@ -376,8 +376,9 @@ def test_bench_train_traced_gives_the_references_numbers(char_data, monkeypatch,
     from gptlab.bench import peak
     from gptlab.bench.train import run_train_bench, train_variants
     from gptlab.config import TrainConfig
+    from gptlab.peak import Peak
 
-    monkeypatch.setattr(peak, "measure_peak", lambda device, quick: {"device": "test", "fp32": 1e10})
+    monkeypatch.setattr(peak, "measure_peak", lambda device, quick: Peak(1e10, "test"))
     variants = train_variants(torch.device("cpu"), traced=True)[:2]
     assert [v.traced for v in variants] == [False, True]
     calls = []
