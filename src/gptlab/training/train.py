@@ -88,11 +88,11 @@ def train(data_dir: str | Path, run_dir: str | Path, model_cfg: ModelConfig, cfg
     Under torchrun, every process runs this and trains its share of each batch (see distributed.py)."""
     set_threads()
     reuse_freed_memory()
-    dist = distributed.setup(cfg.device)
-    device = dist.device
+    parallel = distributed.setup(cfg.device)
+    device = parallel.device
     precision = resolve_precision(cfg.precision, device)
     configure_matmul(device, precision)
-    dist.check_batch(cfg.batch_size)
+    parallel.check_batch(cfg.batch_size)
     dataset = load_dataset(data_dir)
     if model_cfg.vocab_size == 0:
         model_cfg.vocab_size = dataset.tokenizer.vocab_size
@@ -100,14 +100,14 @@ def train(data_dir: str | Path, run_dir: str | Path, model_cfg: ModelConfig, cfg
         raise GptlabError(f"init_from {cfg.init_from!r} needs its weights: start the run with gptlab.runs.start")
     if not resume:  # a resume checks first that the data is the run's (check_resume): what is wrong when it is not
         check_data(dataset, model_cfg)
-    check_memory(model_cfg, cfg, device, dist.world_size)
+    check_memory(model_cfg, cfg, device, parallel.world_size)
     run = Path(run_dir)
-    own_lock = dist.is_main and os.environ.get(LOCKED_RUN_ENV) != str(run.resolve())
+    own_lock = parallel.is_main and os.environ.get(LOCKED_RUN_ENV) != str(run.resolve())
     lock = rundir.RunLock(run) if own_lock else contextlib.nullcontext()
     with lock:
         progress = Progress()
         try:
-            return _train_locked(dataset, run, model_cfg, cfg, resume, quiet, extra or {}, init, dist, precision,
+            return _train_locked(dataset, run, model_cfg, cfg, resume, quiet, extra or {}, init, parallel, precision,
                                  progress)
         except GptlabError as exc:
             if own_lock and progress.step == 0 and not isinstance(exc, Interrupted):
@@ -116,25 +116,25 @@ def train(data_dir: str | Path, run_dir: str | Path, model_cfg: ModelConfig, cfg
 
 
 def _train_locked(dataset: Dataset, run: Path, model_cfg: ModelConfig, cfg: TrainConfig, resume: bool, quiet: bool,
-                  extra: dict[str, Any], init: dict[str, torch.Tensor] | None, dist: Parallel, precision: str,
+                  extra: dict[str, Any], init: dict[str, torch.Tensor] | None, parallel: Parallel, precision: str,
                   progress: Progress) -> TrainResult:
     """train(), once this process may write the run: check, then write, then train."""
-    device = dist.device
-    dist.check_shared_folder(run)  # several machines: each must see the folder rank 0 writes
+    device = parallel.device
+    parallel.check_shared_folder(run)  # several machines: each must see the folder rank 0 writes
     ckpt, state = check_resume(run, dataset, model_cfg, cfg) if resume else (None, None)
     if not resume:
         check_new_run(run)
-    dist.check_same_start(resume, ckpt.step if ckpt else None)
+    parallel.check_same_start(resume, ckpt.step if ckpt else None)
     torch.manual_seed(cfg.seed)
-    model = dist.build(model_cfg, cfg.fsdp, init, cfg.init_from)  # with FSDP: only this process's slices
+    model = parallel.build(model_cfg, cfg.fsdp, init, cfg.init_from)  # with FSDP: only this process's slices
     speed = cached_speed(device, precision, cfg.batch_size * model_cfg.block_size * cfg.grad_accum,
-                         model.flops_per_token(), dist.world_size)
+                         model.flops_per_token(), parallel.world_size)
     optimizer = make_optimizer(model, cfg)
     if ckpt is not None:
         resume_state(ckpt, state, model, optimizer, progress)
-    if dist.is_main:  # every check has passed: now the run folder may change
+    if parallel.is_main:  # every check has passed: now the run folder may change
         where = {"data": str(dataset.path.resolve()), "precision": precision, "device": str(device),
-                 "processes": dist.world_size}
+                 "processes": parallel.world_size}
         if resume:
             changes = settings_changed(state, model_cfg, cfg)
             if changes:
@@ -144,12 +144,12 @@ def _train_locked(dataset: Dataset, run: Path, model_cfg: ModelConfig, cfg: Trai
                                  {"step": state.step, "changes": changes, "time": time.time()})
         else:
             rundir.init_run(run, model_cfg, cfg, dataset.tokenizer, {**where, **extra})
-    model, optimizer = dist.wrap(model, optimizer, cfg.fsdp)
-    dist.reseed(cfg.seed, progress.step)
-    ctx = StepContext(dataset, cfg, model_cfg.block_size, device, precision, dist)
+    model, optimizer = parallel.wrap(model, optimizer, cfg.fsdp)
+    parallel.reseed(cfg.seed, progress.step)
+    ctx = StepContext(dataset, cfg, model_cfg.block_size, device, precision, parallel)
     if cfg.compile:
         model = compile_model(model, warm_up(ctx))
-    if dist.is_main:
+    if parallel.is_main:
         ck.clean_stale(run)
         metrics = run / rundir.METRICS
         if resume:
@@ -158,7 +158,7 @@ def _train_locked(dataset: Dataset, run: Path, model_cfg: ModelConfig, cfg: Trai
             metrics.unlink()
     trainer = Trainer(model, optimizer, ctx, model_cfg, run, progress, speed)
     result = trainer.loop(quiet)
-    dist.barrier()  # no process leaves while rank 0 may still be writing
+    parallel.barrier()  # no process leaves while rank 0 may still be writing
     return result
 
 
@@ -213,7 +213,7 @@ class Trainer:
         return self.ctx.cfg
 
     @property
-    def dist(self) -> Parallel:
+    def parallel(self) -> Parallel:
         return self.ctx.parallel
 
     def loop(self, quiet: bool) -> TrainResult:
@@ -222,11 +222,11 @@ class Trainer:
 
         cfg, progress, clock = self.cfg, self.progress, self.clock
         bar = tqdm(total=cfg.max_steps, initial=progress.step, desc="train", unit="step", dynamic_ncols=True,
-                   disable=True if quiet or not self.dist.is_main else None)
+                   disable=True if quiet or not self.parallel.is_main else None)
         spikes = SpikeGuard(cfg.spike_factor, cfg.spike_patience)
         self.model.train()
-        metrics = self.run / rundir.METRICS if self.dist.is_main else os.devnull
-        self.plain = not quiet and self.dist.is_main and bar.disable
+        metrics = self.run / rundir.METRICS if self.parallel.is_main else os.devnull
+        self.plain = not quiet and self.parallel.is_main and bar.disable
         with GracefulStop() as stop, open(metrics, "a") as self.metrics:
             while progress.step < cfg.max_steps:
                 began = time.perf_counter()
@@ -248,11 +248,11 @@ class Trainer:
                     self.interrupted(stop.signum or signal.SIGTERM, bar)
         bar.close()
         seconds = time.perf_counter() - clock.start
-        if self.dist.is_main:
+        if self.parallel.is_main:
             plot_loss(self.run / rundir.METRICS, self.run / "loss.png", title=self.run.name)
         rate = (progress.step - clock.start_step) * self.tokens_per_step / max(clock.train_seconds, 1e-9)
         return TrainResult(self.run, progress.step, self.val_loss, progress.best_val_loss, seconds, rate,
-                           self.history, self.dist.rank, clock.train_seconds)
+                           self.history, self.parallel.rank, clock.train_seconds)
 
     @property
     def tokens_per_step(self) -> int:
@@ -277,9 +277,9 @@ class Trainer:
     def stopping(self, stop: GracefulStop, log_row: bool) -> bool:
         """Whether to stop for a signal now: after this step in one process; at a log row, agreed by all, in
         several (each must stop at the same step)."""
-        if not self.dist.active:
+        if not self.parallel.active:
             return stop.signum is not None
-        return log_row and self.dist.any(stop.signum is not None)
+        return log_row and self.parallel.any(stop.signum is not None)
 
     def guard(self, fn: Any, *args: Any) -> Any:
         """Run fn; turn a non-finite loss, a spike or running out of memory into one message that says where the
@@ -310,7 +310,7 @@ class Trainer:
         rates = self.speed.report(self.progress.step - clock.tick_step, now - clock.tick)
         clock.tick, clock.tick_step = now, self.progress.step
         shown = loss.item()
-        held = {} if self.held_reported else self.dist.held_bytes(self.model, self.optimizer)  # per process, once
+        held = {} if self.held_reported else self.parallel.held_bytes(self.model, self.optimizer)  # per process, once
         self.held_reported = True
         self.record({"kind": "train", "step": self.progress.step, "loss": shown, "grad_norm": norm.item(),
                      "lr": lr_at(self.progress.step - 1, self.cfg), "tokens": self.progress.tokens_seen, **rates,
@@ -329,7 +329,7 @@ class Trainer:
         self.record({"kind": "eval", "step": self.progress.step, "train_loss": losses["train"],
                      "val_loss": self.val_loss, "elapsed_s": round(time.perf_counter() - self.clock.start, 3),
                      "train_s": round(self.clock.train_seconds, 3)})  # training steps alone, this session
-        if self.dist.is_main:
+        if self.parallel.is_main:
             bar.write(f"step {self.progress.step}: train loss {losses['train']:.4f}, val loss {self.val_loss:.4f}")
         self.save(best=self.val_loss < self.progress.best_val_loss)
         self.clock.tick, self.clock.tick_step = time.perf_counter(), self.progress.step
@@ -355,10 +355,10 @@ class Trainer:
             data_fingerprint=self.ctx.dataset.fingerprint(),
             sampler={"seed": self.cfg.seed, "next_step": progress.step}, gptlab_version=__version__,
             git_commit=rundir.git_commit())
-        self.dist.barrier()
-        model, optimizer, shards = self.model, self.optimizer, self.dist.shard_writer(self.model, self.optimizer)
-        if not self.dist.is_main:
-            self.dist.join_saves(model, optimizer, 2 if best else 1)
+        self.parallel.barrier()
+        model, optimizer, shards = self.model, self.optimizer, self.parallel.shard_writer(self.model, self.optimizer)
+        if not self.parallel.is_main:
+            self.parallel.join_saves(model, optimizer, 2 if best else 1)
             self.last_checkpoint = self.run / rundir.CKPTS / f"step-{progress.step:08d}"  # where rank 0 writes it
             return
         extra = {rundir.TOKENIZER: (self.run / rundir.TOKENIZER).read_bytes()}
