@@ -24,7 +24,7 @@ from gptlab.engine import generate
 from gptlab.errors import GptlabError
 from gptlab.hf.hf import load_hf_model
 from gptlab.inspect import page
-from gptlab.inspect.anatomy import describe, model_for, totals
+from gptlab.inspect.anatomy import anatomy_table, model_for, totals
 from gptlab.inspect import pictures
 from gptlab.inspect.pictures import attention_png, embeddings_png, lens_png, panels
 from gptlab.inspect.trace import (
@@ -252,12 +252,12 @@ def test_gpt2_has_124m_parameters_split_by_kind():
 
 def test_anatomy_counts_what_the_model_holds():
     model = tiny_gpt(n_layer=3, bias=False)
-    text = describe(model)
+    text = anatomy_table(model)
     assert text.splitlines()[-1].split() == ["total", f"{model.num_params():,}"]
     assert "heads × d_k = 2 × 16" in text and "γ of C = 32" in text
     assert totals(model)["total"] == sum(p.numel() for p in model.parameters())
     bigram = Bigram(ModelConfig(vocab_size=10, arch="bigram"))
-    assert totals(bigram)["total"] == 100 and "V×V = 10×10" in describe(bigram)
+    assert totals(bigram)["total"] == 100 and "V×V = 10×10" in anatomy_table(bigram)
 
 
 # ---- the commands ------------------------------------------------------------------------------------------------

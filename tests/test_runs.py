@@ -13,7 +13,7 @@ from gptlab import checkpoint as ck
 from gptlab import rundir
 from gptlab.cli import main
 from gptlab.errors import GptlabError
-from gptlab.runs import RunSummary, describe, latest_run, list_runs, pick_run_dir, resolve, start
+from gptlab.runs import RunSummary, latest_run, list_runs, pick_run_dir, resolve, run_info, start
 
 SMALL = dict(n_layer=1, n_head=2, n_embd=16, block_size=16)
 QUICK = dict(batch_size=4, eval_interval=5, eval_batches=2, log_interval=5, precision="fp32", max_steps=5)
@@ -213,7 +213,7 @@ def test_info_lists_every_checkpoint_with_its_validity_and_loss(tmp_path, char_d
     assert main(["train", "--data", str(char_data), "--run", str(run), "--max-steps", "10", *TINY]) == 0
     damage_every(run, "best")
     config = json.loads((run / rundir.CONFIG).read_text())
-    info = describe(run)
+    info = run_info(run)
     bad = info["checkpoints"][2]["valid"]
     assert "checksum" in bad or "damaged" in bad, bad
     assert info == {"run": asdict(list_runs(run)[0]), "data": str(char_data.resolve()), "model": config["model"],
@@ -223,9 +223,9 @@ def test_info_lists_every_checkpoint_with_its_validity_and_loss(tmp_path, char_d
                         for s in (10, 5)] + [{"name": f"best-{s:08d}", "step": s, "valid": bad, "val_loss": None}
                                              for s in [c.step for c in ck.list_checkpoints(run, "best")]]}
     assert main(["train", "--run", str(run), "--resume", "--max-steps", "12"]) == 0
-    assert [r["step"] for r in describe(run)["resumes"]] == [10]
+    assert [r["step"] for r in run_info(run)["resumes"]] == [10]
     edit_config(run, imported_from="/models/gpt2", data=None)
-    assert describe(run)["data"] == "/models/gpt2"
+    assert run_info(run)["data"] == "/models/gpt2"
 
 
 def test_without_data_the_bundled_corpus_is_prepared_once_for_the_presets_tokenizer(tmp_path, char_data, monkeypatch,

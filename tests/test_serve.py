@@ -26,8 +26,8 @@ from gptlab.cli import main
 from gptlab.config import ModelConfig
 from gptlab.inference import prepare_for_inference
 from gptlab.model import GPT
-from gptlab.serve import Limits, load_served, make_app, start_server
-from gptlab.serve.app import Served
+from gptlab.serve import Limits, load_served, start_server
+from gptlab.serve.app import Served, make_app
 from gptlab.tokenizer import GPT2Tokenizer
 
 TINY = ["--n-layer", "2", "--n-head", "2", "--n-embd", "32", "--block-size", "32", "--batch-size", "4",

@@ -11,7 +11,8 @@ from importlib import resources
 import pytest
 from PIL import Image
 
-from gptlab.serve import Limits, load_served, make_app, start_server
+from gptlab.serve import Limits, load_served, start_server
+from gptlab.serve.app import make_app
 
 TINY = ["--n-layer", "2", "--n-head", "2", "--n-embd", "32", "--block-size", "64", "--batch-size", "4",
         "--eval-interval", "10", "--eval-batches", "2", "--log-interval", "10", "--precision", "fp32", "--quiet"]

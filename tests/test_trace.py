@@ -12,7 +12,7 @@ from PIL import Image
 from gptlab.config import ModelConfig, SampleConfig
 from gptlab.errors import GptlabError
 from gptlab.inspect import pictures
-from gptlab.inspect.anatomy import describe
+from gptlab.inspect.anatomy import anatomy_table
 from gptlab.inspect.pictures import (
     attention_png,
     embeddings_png,
@@ -115,17 +115,17 @@ total                  100"""
 
 
 def test_the_anatomy_table_of_a_gpt_with_biases_row_by_row():
-    assert describe(gpt(n_layer=3)) == BIASED
+    assert anatomy_table(gpt(n_layer=3)) == BIASED
 
 
 def test_the_anatomy_of_one_block_without_biases():
-    lines = describe(gpt(n_layer=1, n_head=4, bias=False)).splitlines()
+    lines = anatomy_table(gpt(n_layer=1, n_head=4, bias=False)).splitlines()
     assert lines[0].split() == ["component", "shape", "parameters"] and set(lines[1]) == {"-"}
     assert "\n".join(lines[6:]) == UNBIASED_ONE_BLOCK
 
 
 def test_the_anatomy_of_the_bigram_table():
-    assert describe(Bigram(ModelConfig(vocab_size=10, arch="bigram"))) == BIGRAM
+    assert anatomy_table(Bigram(ModelConfig(vocab_size=10, arch="bigram"))) == BIGRAM
 
 
 # ---- the trace ---------------------------------------------------------------------------------------------------

@@ -17,8 +17,9 @@ from gptlab.errors import GptlabError
 ATTENTION_PATHS = ("auto", "sdpa", "naive")
 ACTIVATIONS = ("gelu", "gelu_tanh")
 ARCHS = ("gpt", "bigram")
-PRECISIONS = ("auto", "fp32", "bf16")  # training
-INFERENCE_PRECISIONS = (*PRECISIONS, "int8")  # sample, eval: int8 is weight-only (gptlab.inference.int8)
+TRAIN_PRECISIONS = ("auto", "fp32", "bf16")  # train's --precision
+# sample, eval, serve and bench serve's --precision: int8 is weight-only (gptlab.inference.int8)
+INFERENCE_PRECISIONS = (*TRAIN_PRECISIONS, "int8")
 DEVICES = ("auto", "cpu", "cuda", "mps")
 TOKENIZERS = ("char", "bpe", "gpt2")
 OPTIMIZERS = ("adamw", "muon")
@@ -135,7 +136,7 @@ class TrainConfig:
     log_interval: int = setting(10, "steps between log rows (metrics.jsonl, the progress bar)")
     seed: int = setting(1337, "seed of the initial weights and of every batch, in [0, 2**63)")
     precision: str = setting("auto", "fp32, bf16 (autocast over fp32 weights) or auto (bf16 where the hardware "
-                                     "computes it natively)", PRECISIONS)
+                                     "computes it natively)", TRAIN_PRECISIONS)
     device: str = setting("auto", "where to train (auto: cuda, then mps, then cpu)", DEVICES)
     compile: bool = setting(False, "torch.compile the model (eager, with a warning, where it cannot)")
     fsdp: bool = setting(False, "with several processes: shard weights, gradients and AdamW state (FSDP2)")
@@ -166,7 +167,7 @@ class TrainConfig:
         _check(self.spike_patience >= 1, f"spike_patience must be >= 1, not {self.spike_patience}")
         _check(self.precision != "int8", "precision int8 is for inference only (gptlab sample / eval --precision "
                                          "int8); train in fp32, bf16 or auto")
-        _check_choice("precision", self.precision, PRECISIONS)
+        _check_choice("precision", self.precision, TRAIN_PRECISIONS)
         _check_choice("device", self.device, DEVICES)
         _check_choice("optimizer", self.optimizer, OPTIMIZERS)
         _check(self.muon_lr > 0, f"muon_lr must be > 0, not {self.muon_lr}")

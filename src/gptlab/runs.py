@@ -238,7 +238,7 @@ def _summary_or_damaged(run: Path) -> RunSummary:
         return RunSummary(run, "?", 0, 0, None, 0, 0.0, "damaged")
 
 
-def describe(run: str | Path) -> dict[str, Any]:
+def run_info(run: str | Path) -> dict[str, Any]:
     """A run's resolved settings and checkpoints, for `gptlab info`: {"run": summary fields, "data", "model",
     "train", "checkpoints": [{name, step, valid, val_loss}], "resumes"}."""
     config = rundir.read_run_config(run)

@@ -35,7 +35,7 @@ def read_into(folder: Path, targets: dict[str, torch.Tensor]) -> None:
         dcp.load(targets, storage_reader=HuggingFaceStorageReader(str(folder)))
 
 
-def describe(folder: Path) -> dict[str, tuple[torch.Size, torch.dtype]]:
+def stored_shapes(folder: Path) -> dict[str, tuple[torch.Size, torch.dtype]]:
     """The whole shape and dtype of every tensor in the shards in `folder` (read from the files' headers)."""
     metadata = HuggingFaceStorageReader(str(folder)).read_metadata()
     return {name: (m.size, m.properties.dtype) for name, m in metadata.state_dict_metadata.items()}
@@ -44,7 +44,7 @@ def describe(folder: Path) -> dict[str, tuple[torch.Size, torch.dtype]]:
 def read_whole(folder: Path, prefix: str) -> dict[str, torch.Tensor]:
     """The tensors in `folder` whose names start with `prefix`, whole, by name without it: what one process (no
     process group needed) uses to sample, export or resume from a sharded checkpoint."""
-    tensors = {name: torch.empty(shape, dtype=dtype) for name, (shape, dtype) in describe(folder).items()
+    tensors = {name: torch.empty(shape, dtype=dtype) for name, (shape, dtype) in stored_shapes(folder).items()
                if name.startswith(prefix)}
     read_into(folder, tensors)
     return {name.removeprefix(prefix): t for name, t in tensors.items()}

@@ -43,8 +43,8 @@ class DecodeRow:
         return 8 * self.batch1_s / self.batch8_s
 
 
-def measure(base: torch.nn.Module, precision: str, layouts: list[str], rounds: int, positions: int,
-            buffer: torch.Tensor) -> list[DecodeRow] | None:
+def measure_precision(base: torch.nn.Module, precision: str, layouts: list[str], rounds: int, positions: int,
+                      buffer: torch.Tensor) -> list[DecodeRow] | None:
     """The rows of one precision, layouts alternating round by round (the same moments of the machine); None
     where this machine has no fused decode step."""
     models = {pages: prepare_for_inference(copy.deepcopy(base), precision, huge_pages=pages == "2M")
@@ -88,7 +88,7 @@ def run_decode(*, rounds: int = 60, pages: str = "2M", config: ModelConfig | Non
     layouts = ["2M", "4K"] if pages == "both" else [pages]
     rows, lines = [], []
     for precision in ("fp32", "bf16", "int8"):
-        measured = measure(base, precision, layouts, rounds, positions, buffer)
+        measured = measure_precision(base, precision, layouts, rounds, positions, buffer)
         if measured is None:
             lines.append(f"{precision}: no fused decode step on this machine")
             continue

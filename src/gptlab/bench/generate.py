@@ -18,7 +18,7 @@ from gptlab.config import ModelConfig, SampleConfig, build, get_preset
 from gptlab.data.batches import load_dataset
 from gptlab.engine import generate_batch, generate_uncached
 from gptlab.errors import GptlabError
-from gptlab.inference import PRECISIONS, InferenceModel, prepare_for_inference
+from gptlab.inference import FLOAT_DTYPES, InferenceModel, prepare_for_inference
 from gptlab.inference.native import has_int8_vnni, load_library
 from gptlab.inference.weights import InferenceLinear, can_pack
 from gptlab.model import GPT
@@ -137,9 +137,9 @@ def bench_model(config: ModelConfig, device: torch.device, precisions: list[str]
         # not for int8, whose torch path (the reference) dequantizes every weight at every step
         torch_ops = model.fused and precision != "int8"
         ops = prepare_for_inference(copy.deepcopy(base), precision, fused=False) if torch_ops else None
-        twin = hf if precision in PRECISIONS else None  # transformers has no weight-only int8 of its own on a CPU
+        twin = hf if precision in FLOAT_DTYPES else None  # transformers has no weight-only int8 of its own on a CPU
         if twin is not None:
-            twin.to(PRECISIONS[precision])
+            twin.to(FLOAT_DTYPES[precision])
         for batch in batch_sizes:
             prompts = prompts_of[batch]
             variants: dict[str, Callable[[int], Clock]] = {ENGINE: lambda n: run_gptlab(model, prompts, n)}
@@ -293,7 +293,7 @@ def int8_quality(run: str, prompts: int = 8, prompt_tokens: int = 16, new_tokens
 def linear_kernel_times(model: torch.nn.Module, precision: str, device: torch.device) -> dict[str, float]:
     """Seconds to pass one row through every Linear of `model` (the matrices a batch-1 decode step reads): with
     F.linear, with oneDNN-packed weights, and packed with the row padded to 4 rows (what the engine does)."""
-    dtype = PRECISIONS[precision]
+    dtype = FLOAT_DTYPES[precision]
     linears = [copy.deepcopy(m).to(dtype) for m in model.modules() if isinstance(m, torch.nn.Linear)]
     packed = [InferenceLinear(m) for m in linears]
     xs = [torch.randn(1, m.in_features, dtype=dtype, device=device) for m in linears]
@@ -374,7 +374,7 @@ def run_generate(*, device: str = "auto", new_tokens: int = 256, prompt_tokens: 
     print(f"gptlab (KV cache) decodes with: {step}; int8 products by {int8}")
     model = GPT(config).to(dev)
     if can_pack(dev, torch.float32):
-        print_kernel_lines(model, [p for p in precisions if p in PRECISIONS], dev)
+        print_kernel_lines(model, [p for p in precisions if p in FLOAT_DTYPES], dev)
     bytes_per_token = {p: weight_bytes_per_token(model, p) for p in precisions}
     del model
     results = bench_model(config, dev, precisions, [1, 8], prompt_tokens, new_tokens, repeats, uncached,
@@ -398,7 +398,7 @@ def run_generate(*, device: str = "auto", new_tokens: int = 256, prompt_tokens: 
 def headline(results: list[GenResult], precisions: list[str], bytes_per_token: dict[str, int]) -> str:
     """Batch-1 decode against transformers' generate, or (without transformers) against the bandwidth floor; and
     int8's step against bf16's (or fp32's) with its share of its own floor."""
-    floats = [p for p in precisions if p in PRECISIONS]
+    floats = [p for p in precisions if p in FLOAT_DTYPES]
     ours = {p: find(results, ENGINE, p, 1) for p in precisions}
     theirs = {p: find(results, "transformers generate", p, 1) for p in floats}
     if all(theirs.values()):

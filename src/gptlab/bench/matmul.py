@@ -6,7 +6,7 @@ per training step: the forward x W^T, the input gradient g W and the weight grad
 and bf16 (best of `repeats`, torch's threads), and prints the GFLOP/s and the ratio of the totals: if everything
 else in a step cost nothing, bf16 could not train faster than that ratio. With profile it also profiles one
 whole training step in each precision (torch.profiler) and prints the time in matrix products and in the rest,
-and what the rest is made of (`KINDS`): where bf16's step goes once its products are fast.
+and what the rest is made of (`OP_KINDS`): where bf16's step goes once its products are fast.
 """
 
 from __future__ import annotations
@@ -81,19 +81,19 @@ def time_products(result: MatmulResult, shapes: list[tuple[int, int]], repeats: 
 # What a profiled op's self time is counted as: the first of these found in the op's name or in one of its
 # callers' (the innermost first), else "other"; modules of these types are labelled "module:<type>" while they run,
 # so that all the work of a Dropout (its mask, its cast, its product) counts as dropout
-KINDS = (("module:Dropout", "dropout"), ("optimizer", "optimizer (AdamW)"), ("zero_grad", "zero_grad"),
-         ("_to_copy", "casts"), ("ToCopyBackward", "casts"),
-         ("aten::mm", "products"), ("aten::addmm", "products"), ("aten::bmm", "products"),
-         ("layer_norm", "LayerNorm"), ("LayerNorm", "LayerNorm"), ("gelu", "GELU"), ("Gelu", "GELU"),
-         ("log_softmax", "cross-entropy"), ("LogSoftmax", "cross-entropy"), ("nll_loss", "cross-entropy"),
-         ("NllLoss", "cross-entropy"), ("softmax", "attention softmax"), ("Softmax", "attention softmax"),
-         ("scaled_dot_product", "attention (sdpa)"), ("ScaledDotProduct", "attention (sdpa)"),
-         ("module:Embedding", "embedding"), ("EmbeddingBackward", "embedding"), ("AccumulateGrad", "gradient adds"))
+OP_KINDS = (("module:Dropout", "dropout"), ("optimizer", "optimizer (AdamW)"), ("zero_grad", "zero_grad"),
+            ("_to_copy", "casts"), ("ToCopyBackward", "casts"),
+            ("aten::mm", "products"), ("aten::addmm", "products"), ("aten::bmm", "products"),
+            ("layer_norm", "LayerNorm"), ("LayerNorm", "LayerNorm"), ("gelu", "GELU"), ("Gelu", "GELU"),
+            ("log_softmax", "cross-entropy"), ("LogSoftmax", "cross-entropy"), ("nll_loss", "cross-entropy"),
+            ("NllLoss", "cross-entropy"), ("softmax", "attention softmax"), ("Softmax", "attention softmax"),
+            ("scaled_dot_product", "attention (sdpa)"), ("ScaledDotProduct", "attention (sdpa)"),
+            ("module:Embedding", "embedding"), ("EmbeddingBackward", "embedding"), ("AccumulateGrad", "gradient adds"))
 LABELLED = ("Dropout", "Embedding")  # module types whose whole forward counts as theirs
 
 
 def kind_of(event: Any) -> str:
-    """The KINDS label of one profiler event, from its own name and its callers'."""
+    """The OP_KINDS label of one profiler event, from its own name and its callers'."""
     names = []
     while event is not None:
         names.append(event.name)
@@ -101,7 +101,7 @@ def kind_of(event: Any) -> str:
     if any("module:Dropout" in n for n in names):  # a dropout's mask, cast and product, wherever autograd puts them
         return "dropout"
     for name in names:
-        for key, kind in KINDS:
+        for key, kind in OP_KINDS:
             if key in name:
                 return kind
     return "other"
@@ -122,7 +122,7 @@ def label_modules(model: torch.nn.Module) -> None:
 def profile_steps(config: ModelConfig, batch_size: int) -> tuple[dict[str, tuple[float, float, float]],
                                                                  dict[str, dict[str, float]]]:
     """One training step (the preset's dropout) per precision, after two warm-up steps: (step seconds, self time
-    of the matrix products (mm, addmm, bmm), self time of everything else), and everything else by kind (KINDS)."""
+    of the matrix products (mm, addmm, bmm), self time of everything else), and everything else by kind (OP_KINDS)."""
     from torch.profiler import ProfilerActivity, profile, record_function
 
     torch.manual_seed(0)

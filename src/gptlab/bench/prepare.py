@@ -134,8 +134,8 @@ def limit_seconds(kind: str, data: Path, shards: list[str], workers: int) -> flo
     return time.perf_counter() - start
 
 
-def measure(kind: str, corpus: Path, shards: list[str], megabytes: float, workers: int, work: Path,
-            bpe_from: Path | None) -> PrepareRow:
+def measure_tokenizer(kind: str, corpus: Path, shards: list[str], megabytes: float, workers: int, work: Path,
+                      bpe_from: Path | None) -> PrepareRow:
     out = work / f"{kind}-{megabytes:g}"
     argv = [sys.executable, "-m", "gptlab", "prepare", str(corpus), "--out", str(out), "--workers", str(workers),
             "--quiet"]
@@ -171,7 +171,7 @@ def run_prepare_bench(sizes_mb: tuple[float, float], tokenizers: list[str], work
             corpus = work / f"corpus-{megabytes:g}"
             shards = make_corpus(corpus, megabytes)
             for kind in tokenizers:
-                row = measure(kind, corpus, shards, megabytes, workers, work, bpe_from)
+                row = measure_tokenizer(kind, corpus, shards, megabytes, workers, work, bpe_from)
                 rows.append(row)
                 limit = "-" if row.limit_s is None else f"{megabytes / row.limit_s:.2f}"
                 share = "-" if row.share is None else f"{row.share:.0%}"

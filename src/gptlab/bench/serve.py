@@ -17,7 +17,8 @@ from gptlab.bench.timing import LoadWatch
 from gptlab.config import ModelConfig, build, get_preset
 from gptlab.errors import GptlabError
 from gptlab.runtime import device_name, resolve_precision, set_threads
-from gptlab.serve import Limits, load_served, make_app, start_server
+from gptlab.serve import Limits, load_served, start_server
+from gptlab.serve.app import make_app
 
 
 @dataclass

@@ -7,18 +7,17 @@ from pathlib import Path
 
 from gptlab.bench.presets import SHAPED_PRESETS, train_bench_settings
 from gptlab.cli.common import Subcommands, add_device, at_least, command
-from gptlab.config import INFERENCE_PRECISIONS, PRESETS, TOKENIZERS, ModelConfig, TrainConfig
+from gptlab.config import INFERENCE_PRECISIONS, PRESETS, TOKENIZERS, TRAIN_PRECISIONS, ModelConfig, TrainConfig
 from gptlab.errors import GptlabError
 
 
 # ---- bench -------------------------------------------------------------------------------------------------------
 
-BENCHES = Subcommands("bench", "BENCH")
-bench = BENCHES  # the decorator that registers one
+BENCHES = Subcommands("bench", "BENCH")  # also the decorator that registers one: @BENCHES(name, help, add)
 
 
-@bench("peak", "measure the device's matmul peak (fp32, bf16, tf32) and memory bandwidth, and the machine's load; "
-       "cached per device for MFU unless other work was running", add_device)
+@BENCHES("peak", "measure the device's matmul peak (fp32, bf16, tf32) and memory bandwidth, and the machine's load; "
+         "cached per device for MFU unless other work was running", add_device)
 def bench_peak(args: argparse.Namespace) -> int:
     from gptlab.bench.peak import run_peak
 
@@ -43,8 +42,8 @@ def add_bench_train(p: argparse.ArgumentParser) -> None:
                    "every step: tracing leaves the step's speed and result alone")
 
 
-@bench("train", "train one model side by side: fp32 eager (the reference), bf16, bf16 + compile (+ flash attention "
-       "on CUDA): tokens/s, ms/step, MFU, and the loss after the same steps", add_bench_train)
+@BENCHES("train", "train one model side by side: fp32 eager (the reference), bf16, bf16 + compile (+ flash attention "
+         "on CUDA): tokens/s, ms/step, MFU, and the loss after the same steps", add_bench_train)
 def bench_train(args: argparse.Namespace) -> int:
     from gptlab.bench.train import run_train_bench, train_variants
     from gptlab.runtime import resolve_device
@@ -62,8 +61,8 @@ def _bench_train_settings(args: argparse.Namespace) -> tuple[Path, ModelConfig, 
                                 args.data)
 
 
-@bench("attention", "time a training step with each attention path (sdpa, naive) in each precision, side by side",
-       add_bench_attention)
+@BENCHES("attention", "time a training step with each attention path (sdpa, naive) in each precision, side by side",
+         add_bench_attention)
 def bench_attention(args: argparse.Namespace) -> int:
     from gptlab.bench.train import attention_variants, run_train_bench
     from gptlab.runtime import resolve_device
@@ -90,9 +89,9 @@ def add_bench_generate(p: argparse.ArgumentParser) -> None:
                    "comparison of --quality (default 8)")
 
 
-@bench("generate", "KV-cache generation on a GPT-2-124M-shaped model and a char model: prefill, decode, time to "
-       "first token, fp32, bf16 and int8, beside no cache, transformers' generate and the memory-bandwidth floor",
-       add_bench_generate)
+@BENCHES("generate", "KV-cache generation on a GPT-2-124M-shaped model and a char model: prefill, decode, time to "
+         "first token, fp32, bf16 and int8, beside no cache, transformers' generate and the memory-bandwidth floor",
+         add_bench_generate)
 def bench_generate(args: argparse.Namespace) -> int:
     from gptlab.bench.generate import run_generate
 
@@ -111,8 +110,8 @@ def add_bench_decode(p: argparse.ArgumentParser) -> None:
                         "or both, round by round (default 2M)")
 
 
-@bench("decode", "the fused decode step of a GPT-2-124M-shaped model (CPU) against the memory-bandwidth floor read "
-       "beside each step, batch 1 and batch 8, fp32, bf16 and int8", add_bench_decode)
+@BENCHES("decode", "the fused decode step of a GPT-2-124M-shaped model (CPU) against the memory-bandwidth floor read "
+         "beside each step, batch 1 and batch 8, fp32, bf16 and int8", add_bench_decode)
 def bench_decode(args: argparse.Namespace) -> int:
     from gptlab.bench.decode import run_decode
 
@@ -131,8 +130,8 @@ def add_bench_matmul(p: argparse.ArgumentParser) -> None:
                    help="also profile one training step per precision: matrix products against the rest")
 
 
-@bench("matmul", "a preset's own matrix products (forward, input and weight gradients) in fp32 and bf16 on the CPU: "
-       "the ceiling on bf16's training speed-up", add_bench_matmul)
+@BENCHES("matmul", "a preset's own matrix products (forward, input and weight gradients) in fp32 and bf16 on the CPU: "
+         "the ceiling on bf16's training speed-up", add_bench_matmul)
 def bench_matmul(args: argparse.Namespace) -> int:
     from gptlab.bench.matmul import run_matmul
 
@@ -150,9 +149,9 @@ def add_bench_prepare(p: argparse.ArgumentParser) -> None:
                    "cores available)")
 
 
-@bench("prepare", "prepare's throughput (MB/s, tokens/s) on a generated FineWeb-shaped corpus beside the tokenizer "
-       "library's own batch encoding with as many threads, and its peak memory at two corpus sizes",
-       add_bench_prepare)
+@BENCHES("prepare", "prepare's throughput (MB/s, tokens/s) on a generated FineWeb-shaped corpus beside the tokenizer "
+         "library's own batch encoding with as many threads, and its peak memory at two corpus sizes",
+         add_bench_prepare)
 def bench_prepare(args: argparse.Namespace) -> int:
     from gptlab.bench.prepare import run_prepare_bench
 
@@ -165,15 +164,15 @@ def bench_prepare(args: argparse.Namespace) -> int:
 def add_bench_race(p: argparse.ArgumentParser) -> None:
     p.add_argument("--optimizers", nargs="+", choices=("adamw", "muon"), default=["adamw", "muon"],
                    help="the default preset is raced once with each (default: adamw muon)")
-    p.add_argument("--precisions", nargs="+", choices=("auto", "fp32", "bf16"), default=["auto"],
+    p.add_argument("--precisions", nargs="+", choices=TRAIN_PRECISIONS, default=["auto"],
                    help="... in each of these precisions (default auto: bf16 where the CPU computes it natively; "
                         "fp32 shows what a CPU without native bf16 gets)")
     p.add_argument("--target", type=float, help="validation loss to reach (default: the reference's final loss)")
     p.add_argument("--eval-every", type=int, default=25, help="steps between evaluations (default 25)")
 
 
-@bench("race", "training time to reach the nanoGPT CPU recipe's final validation loss: the recipe itself (the "
-       "reference) beside the default preset with each optimizer, in one run", add_bench_race)
+@BENCHES("race", "training time to reach the nanoGPT CPU recipe's final validation loss: the recipe itself (the "
+         "reference) beside the default preset with each optimizer, in one run", add_bench_race)
 def bench_race(args: argparse.Namespace) -> int:
     from gptlab.bench.race import run_race
 
@@ -201,9 +200,9 @@ def add_bench_serve(p: argparse.ArgumentParser) -> None:
                    "request, per phase (default 60)")
 
 
-@bench("serve", "concurrent streaming clients against a `gptlab serve` it starts on 127.0.0.1 (continuous "
-       "batching), beside the same requests one at a time: tokens/s, p50 / p95 time to first token and latency, "
-       "429s, errors", add_bench_serve)
+@BENCHES("serve", "concurrent streaming clients against a `gptlab serve` it starts on 127.0.0.1 (continuous "
+         "batching), beside the same requests one at a time: tokens/s, p50 / p95 time to first token and latency, "
+         "429s, errors", add_bench_serve)
 def bench_serve(args: argparse.Namespace) -> int:
     import math
 

@@ -136,7 +136,7 @@ def add_inspect_model(p: argparse.ArgumentParser) -> None:
 @inspector("model", "the architecture: each component with its shape and parameters, and the total by kind",
            add_inspect_model)
 def inspect_model(args: argparse.Namespace) -> int:
-    from gptlab.inspect.anatomy import describe, model_for
+    from gptlab.inspect.anatomy import anatomy_table, model_for
 
     if args.preset and args.run:
         raise GptlabError("give --run or --preset, not both")
@@ -148,7 +148,7 @@ def inspect_model(args: argparse.Namespace) -> int:
         loaded = inspect_load(args)[0]
         announce(loaded)
         model = loaded.model
-    print(describe(model))
+    print(anatomy_table(model))
     return 0
 
 

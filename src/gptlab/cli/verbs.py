@@ -294,9 +294,9 @@ def add_compare(p: argparse.ArgumentParser) -> None:
 
 @command("info", "one run's resolved settings, data, checkpoints and resumes")
 def cmd_info(args: argparse.Namespace) -> int:
-    from gptlab.runs import describe
+    from gptlab.runs import run_info
 
-    info = describe(args.run)
+    info = run_info(args.run)
     run = info["run"]
     print(f"run {run['path']}: {run['state']}, step {run['step']:,} of {run['max_steps']:,}, preset {run['preset']}, "
           f"{run['tokens']:,} tokens in {run['train_seconds']:.1f} s of training")

@@ -27,7 +27,7 @@ def load_checkpoint(folder: Path, model: torch.nn.Module, optimizer: torch.optim
         return
     whole = None
     if (folder / ck.SHARDS).is_dir():
-        listing = sharded.describe(folder / ck.SHARDS)
+        listing = sharded.stored_shapes(folder / ck.SHARDS)
     else:
         whole = {f"{part}.{name}": t for part in ("model", "optimizer")
                  for name, t in ck.load_tensors(folder / f"{part}.safetensors").items()}

@@ -33,7 +33,7 @@ from gptlab.tokenizer import Tokenizer
 HF_CONFIG = "config.json"
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")  # in order of preference
 CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
-ACTIVATIONS = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu"}  # HF name -> ours
+HF_ACTIVATIONS = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu"}  # HF name -> ours
 # transformers' GPT2Config defaults, which apply to any key a config.json leaves out
 GPT2_DEFAULTS: dict[str, Any] = dict(vocab_size=50257, n_positions=1024, n_embd=768, n_layer=12, n_head=12,
                                      n_inner=None, activation_function="gelu_new", layer_norm_epsilon=1e-5)
@@ -67,15 +67,15 @@ def read_hf_config(folder: str | Path) -> ModelConfig:
     for key, implemented in VARIANTS.items():
         if hf.get(key, implemented) != implemented:
             raise GptlabError(f"{path} sets {key}={hf[key]}, a GPT-2 variant gptlab does not implement")
-    if hf["activation_function"] not in ACTIVATIONS:
+    if hf["activation_function"] not in HF_ACTIVATIONS:
         raise GptlabError(f"{path} uses activation {hf['activation_function']!r}; gptlab implements GPT-2's "
-                          f"{', '.join(ACTIVATIONS)} only")
+                          f"{', '.join(HF_ACTIVATIONS)} only")
     try:
         if hf["n_inner"] not in (None, 4 * int(hf["n_embd"])):
             raise GptlabError(f"{path} sets n_inner={hf['n_inner']}; gptlab's MLP is always 4 x n_embd wide")
         return ModelConfig(vocab_size=int(hf["vocab_size"]), block_size=int(hf["n_positions"]),
                            n_layer=int(hf["n_layer"]), n_head=int(hf["n_head"]), n_embd=int(hf["n_embd"]),
-                           dropout=0.0, bias=True, activation=ACTIVATIONS[hf["activation_function"]],
+                           dropout=0.0, bias=True, activation=HF_ACTIVATIONS[hf["activation_function"]],
                            layer_norm_eps=float(hf["layer_norm_epsilon"]))
     except (TypeError, ValueError):
         raise GptlabError(f"{path} has a non-numeric model size; the file is damaged") from None

@@ -35,10 +35,10 @@ if TYPE_CHECKING:
     from gptlab.tokenizer import Tokenizer
 
 log = logging.getLogger("gptlab")
-PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16}  # the float precisions, by their torch dtype
-# what a model is prepared in: the CLI's choices (gptlab.config) once "auto" is resolved; int8: weight-only
-INFERENCE_PRECISIONS = tuple(p for p in config.INFERENCE_PRECISIONS if p != "auto")
-__all__ = ["INFERENCE_PRECISIONS", "PRECISIONS", "Decoder", "FusedDecoder", "InferenceLinear", "InferenceModel",
+FLOAT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}  # the float precisions -> their torch dtype
+# what a model is prepared in: the CLI's choices (gptlab.config.INFERENCE_PRECISIONS) once "auto" is resolved
+PREPARED_PRECISIONS = tuple(p for p in config.INFERENCE_PRECISIONS if p != "auto")
+__all__ = ["FLOAT_DTYPES", "PREPARED_PRECISIONS", "Decoder", "FusedDecoder", "InferenceLinear", "InferenceModel",
            "InferenceRun", "Int8Linear", "TorchStep", "as_inference", "cache_dtype", "can_pack", "load_for_inference",
            "move_to_huge_pages", "prepare_for_inference"]
 
@@ -124,9 +124,9 @@ def prepare_for_inference(model: nn.Module, precision: str = "fp32", fused: bool
     where oneDNN supports it. Its decoder is the fused native step (gptlab.inference.fused) where the CPU and a
     compiler allow it and `fused` is true (the weights moved into 2 MB pages first unless `huge_pages` is false),
     else the torch step. Raises GptlabError for an unknown precision or bf16 on a device without it."""
-    if precision not in INFERENCE_PRECISIONS:
-        raise GptlabError(f"precision must be one of {', '.join(INFERENCE_PRECISIONS)}, not {precision!r}")
-    dtype = PRECISIONS.get(precision, torch.float32)  # int8's activations and vectors are fp32
+    if precision not in PREPARED_PRECISIONS:
+        raise GptlabError(f"precision must be one of {', '.join(PREPARED_PRECISIONS)}, not {precision!r}")
+    dtype = FLOAT_DTYPES.get(precision, torch.float32)  # int8's activations and vectors are fp32
     device = next(model.parameters()).device
     if dtype == torch.bfloat16 and device.type == "cpu" and not bf16_supported(device):
         raise GptlabError("this CPU has no native bf16 support; use --precision fp32")

@@ -85,7 +85,7 @@ def totals(model: torch.nn.Module) -> dict[str, int]:
     return out
 
 
-def describe(model: torch.nn.Module) -> str:
+def anatomy_table(model: torch.nn.Module) -> str:
     """The anatomy as a text table, then the totals by kind with their shares."""
     c = model.config
     rows = [("component", "shape", "parameters")]

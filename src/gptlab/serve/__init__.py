@@ -2,9 +2,10 @@
 
 Rooms: `api` (the request body checked into typed settings, limits, OpenAI's error shape), `scheduler` (the thread
 that owns the model: a `RunningBatch` that requests join and leave between decode steps; the metrics), `app` (the
-FastAPI routes), `playground.html` (the page at /, one self-contained file). `serve_run` checks everything, loads
-the run and serves it with uvicorn until SIGINT / SIGTERM; `start_server` runs an app in a thread on a loopback
-port (the tests and `gptlab bench serve`).
+FastAPI routes, `make_app`), `playground.html` (the page at /, one self-contained file). `serve_run` checks
+everything, loads the run and serves it with uvicorn until SIGINT / SIGTERM; `start_server` runs an app in a
+thread on a loopback port (the tests and `gptlab bench serve`). FastAPI is imported with `app` only, on first use,
+so that the CLI's other verbs never pay for it.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from pathlib import Path
 from gptlab.errors import GptlabError
 from gptlab.serve.api import Limits
 
-__all__ = ["Limits", "check_bind", "listen", "load_served", "make_app", "serve_run", "start_server"]
+__all__ = ["Limits", "check_bind", "listen", "load_served", "serve_run", "start_server"]
 
 
 def is_loopback(host: str) -> bool:
@@ -43,14 +44,6 @@ def check_bind(host: str, port: int, api_key: str | None) -> None:
     if not is_loopback(host) and api_key is None:
         raise GptlabError(f"--host {host} would let other machines in: give --api-key KEY (clients then send "
                           "'Authorization: Bearer KEY'), or keep the default --host 127.0.0.1")
-
-
-def make_app(served, limits: Limits, api_key: str | None = None):
-    """The FastAPI app serving `served` (gptlab.serve.app.make_app; FastAPI is imported here, on first use, so that
-    the CLI's other verbs never pay for it)."""
-    from gptlab.serve.app import make_app as make
-
-    return make(served, limits, api_key)
 
 
 def load_served(run: str | Path, precision: str, device):
@@ -83,6 +76,8 @@ def serve_run(served, sock: socket.socket, limits: Limits, api_key: str | None) 
     """Serve on `sock` (from `listen`) until SIGINT / SIGTERM: then stop accepting, give in-flight requests
     `limits.grace` seconds, cancel the rest and return."""
     import uvicorn
+
+    from gptlab.serve.app import make_app
 
     app = make_app(served, limits, api_key)
     # the grace starts at the signal: the scheduler then refuses new work (503, and /health says so) and at the
