@@ -301,6 +301,28 @@ def test_bf16_on_a_cpu_without_it_is_one_line_and_auto_falls_back_to_fp32(prepar
                   "--precision", "auto", "--temperature", "0") == fp32
 
 
+def test_sample_and_eval_default_to_auto_and_eval_names_the_precision_it_used(prepared, capsys, monkeypatch):
+    from gptlab.cli import make_parser
+
+    assert [make_parser().parse_args([verb]).precision for verb in ("sample", "eval")] == ["auto", "auto"]
+    header, row = run_ok(capsys, "eval", "--run", "runs/r", "--precision", "int8").splitlines()
+    assert header.split()[-1] == "precision" and row.split()[-1] == "int8"
+    fp32_row = run_ok(capsys, "eval", "--run", "runs/r", "--precision", "fp32").splitlines()[1].split()
+    val_tokens = json.loads((prepared / "data" / "meta.json").read_text())["val_tokens"]
+    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: False)  # auto: fp32
+    report = json.loads(run_ok(capsys, "eval", "--run", "runs/r", "--json"))
+    assert report["precision"] == "fp32" and report["run"] == "runs/r"
+    assert report["checkpoint"] == "runs/r/checkpoints/best-00000005"
+    [score] = report["scores"]
+    tokens, loss = fp32_row[-7:-5]  # the name is "data (val)"; the precision is the last column
+    assert score["tokens"] == val_tokens - 1 == int(tokens.replace(",", ""))  # every token but the first
+    assert f"{score['loss']:.4f}" == loss and score["perplexity"] == pytest.approx(math.exp(score["loss"]))
+    assert score["bits_per_token"] == pytest.approx(score["loss"] / math.log(2))
+    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: True)  # auto: bf16
+    assert json.loads(run_ok(capsys, "eval", "--run", "runs/r", "--json"))["precision"] == "bf16"
+    assert run_ok(capsys, "eval", "--run", "runs/r").splitlines()[1].split()[-1] == "bf16"
+
+
 def test_eval_of_a_non_ascii_file_prints_its_scores_per_token_character_and_byte(tmp_path, monkeypatch, capsys):
     from gptlab.checkpoint import load_run
 
@@ -311,8 +333,9 @@ def test_eval_of_a_non_ascii_file_prints_its_scores_per_token_character_and_byte
     run_ok(capsys, "train", "--data", "data", "--run", "r", "--max-steps", "5", *TINY)
     scored = text[5:45]  # 40 characters: 39 predicted tokens in windows of block_size 16
     (tmp_path / "s.txt").write_text(scored, encoding="utf-8")
-    row = run_ok(capsys, "eval", "--run", "r", "s.txt").splitlines()[1].split()
-    tokens, loss, ppl, bits_token, bits_char, bits_byte = int(row[1]), *map(float, row[2:])
+    row = run_ok(capsys, "eval", "--run", "r", "s.txt", "--precision", "fp32").splitlines()[1].split()
+    assert row[-1] == "fp32"
+    tokens, loss, ppl, bits_token, bits_char, bits_byte = int(row[1]), *map(float, row[2:-1])
     loaded = load_run("r")  # the reference: plain windows of 16 tokens, each predicting the next 16
     ids = torch.tensor(loaded.tokenizer.encode(scored))
     with torch.no_grad():

@@ -17,7 +17,7 @@ from gptlab.config import ModelConfig
 from gptlab.data.batches import load_dataset
 from gptlab.data.prepare import prepare
 from gptlab.errors import GptlabError
-from gptlab.evaluate import score, score_files, score_split, total_nats
+from gptlab.evaluate import Score, score, score_files, score_split, total_nats
 from gptlab.model import GPT
 from gptlab.tokenizer import EOT, BPETokenizer, CharTokenizer
 
@@ -93,6 +93,13 @@ def test_bits_per_byte_count_utf8_bytes_and_bits_per_char_characters(tmp_path):
     assert score.bits_per_token == pytest.approx(nats / 95 / math.log(2), rel=1e-5)
     assert score.bits_per_char == pytest.approx(nats / math.log(2) / chars, rel=1e-5)
     assert score.bits_per_byte == pytest.approx(nats / math.log(2) / n_bytes, rel=1e-5)
+
+
+def test_a_score_as_json_holds_its_counts_and_every_measure():
+    # 10 tokens costing ln 2 nats each over 20 characters in 40 bytes: 1 bit per token, 1/2 per char, 1/4 per byte
+    assert Score("t.txt", 10, 20, 40, 10 * math.log(2)).as_dict() == pytest.approx(
+        {"text": "t.txt", "tokens": 10, "chars": 20, "bytes": 40, "loss": math.log(2), "perplexity": 2.0,
+         "bits_per_token": 1.0, "bits_per_char": 0.5, "bits_per_byte": 0.25})
 
 
 def test_a_data_folders_validation_split_is_scored_over_its_own_bytes(tmp_path):

@@ -45,6 +45,13 @@ class Score:
     def bits_per_byte(self) -> float:
         return self.nats / math.log(2) / max(self.bytes, 1)
 
+    def as_dict(self) -> dict[str, str | int | float]:
+        """The counts and every measure (`gptlab eval --json`): text, tokens, chars, bytes, loss, perplexity,
+        bits_per_token, bits_per_char, bits_per_byte."""
+        return {"text": self.name, "tokens": self.tokens, "chars": self.chars, "bytes": self.bytes,
+                "loss": self.loss, "perplexity": self.perplexity, "bits_per_token": self.bits_per_token,
+                "bits_per_char": self.bits_per_char, "bits_per_byte": self.bits_per_byte}
+
 
 @torch.no_grad()
 def total_nats(model: torch.nn.Module, tokens: np.ndarray | list[int], batch_size: int = 16,

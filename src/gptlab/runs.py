@@ -166,6 +166,19 @@ def launch(spec: TrainSpec, nproc: int, argv: list[str], max_restarts: int = 0) 
     return code
 
 
+def runs_trained_on(data: Path, root: Path = RUNS) -> list[Path]:
+    """The runs in `root` whose config.json names `data` as their data folder."""
+    found = []
+    for run in sorted(root.iterdir()) if root.is_dir() else []:
+        try:
+            saved = rundir.read_run_config(run).get("data") if rundir.is_run(run) else None
+        except (GptlabError, OSError):
+            continue
+        if isinstance(saved, str) and Path(saved).resolve() == data.resolve():
+            found.append(run)
+    return found
+
+
 def latest_run(root: Path = RUNS) -> Path:
     """The most recently trained run under `root`, for `gptlab sample` and `eval` without --run."""
     runs = [p for p in root.glob("*") if rundir.is_run(p)] if root.is_dir() else []

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
@@ -19,7 +20,7 @@ from gptlab.tokenizer import EOT
 @command("prepare", "tokenize text files (default: the bundled Tiny Shakespeare) into train/val token files")
 def cmd_prepare(args: argparse.Namespace) -> int:
     from gptlab.data.prepare import OtherData, prepare
-    from gptlab.runs import default_data_dir
+    from gptlab.runs import default_data_dir, runs_trained_on
 
     cfg = build(PrepareConfig, {}, overrides(args, PrepareConfig))
     out = Path(args.out) if args.out else default_data_dir(cfg.tokenizer)
@@ -49,22 +50,6 @@ def cmd_prepare(args: argparse.Namespace) -> int:
         print(f"skipped {records:,} bad record{'s' * (records != 1)} ({shown}): not JSON, or no string in the "
               f"text field; the reasons are in {out / 'meta.json'}, and --strict refuses them")
     return 0
-
-
-def runs_trained_on(data: Path) -> list[Path]:
-    """The runs in the default runs folder whose config.json names `data` as their data folder."""
-    from gptlab import rundir
-    from gptlab.runs import RUNS
-
-    found = []
-    for run in sorted(RUNS.iterdir()) if RUNS.is_dir() else []:
-        try:
-            saved = rundir.read_run_config(run).get("data") if rundir.is_run(run) else None
-        except (GptlabError, OSError):
-            continue
-        if isinstance(saved, str) and Path(saved).resolve() == data.resolve():
-            found.append(run)
-    return found
 
 
 def add_prepare(p: argparse.ArgumentParser) -> None:
@@ -226,10 +211,15 @@ def cmd_eval(args: argparse.Namespace) -> int:
         scores = [score_split(model, ready.tokenizer, data_dir, args.batch_size, source=f"run {run}",
                               precision=precision)]
     announce(ready)
-    print(f"{'text':<40} {'tokens':>10} {'loss':>8} {'ppl':>9} {'bits/tok':>9} {'bits/char':>9} {'bits/byte':>9}")
+    if args.json:
+        print(json.dumps({"run": str(run), "checkpoint": str(ready.checkpoint.path), "precision": precision,
+                          "scores": [s.as_dict() for s in scores]}, indent=2))
+        return 0
+    print(f"{'text':<40} {'tokens':>10} {'loss':>8} {'ppl':>9} {'bits/tok':>9} {'bits/char':>9} {'bits/byte':>9} "
+          f"{'precision':>9}")
     for s in scores:
         print(f"{s.name[-40:]:<40} {s.tokens:>10,} {s.loss:>8.4f} {s.perplexity:>9.3f} {s.bits_per_token:>9.4f} "
-              f"{s.bits_per_char:>9.4f} {s.bits_per_byte:>9.4f}")
+              f"{s.bits_per_char:>9.4f} {s.bits_per_byte:>9.4f} {precision:>9}")
     return 0
 
 
@@ -240,9 +230,12 @@ def add_eval(p: argparse.ArgumentParser) -> None:
     p.add_argument("--encoding", default="utf-8", help="text encoding of the files (default utf-8)")
     p.add_argument("--batch-size", type=int, default=16, help="sequences scored at once (default 16)")
     add_device(p)
-    p.add_argument("--precision", choices=INFERENCE_PRECISIONS, default="fp32",
+    p.add_argument("--precision", choices=INFERENCE_PRECISIONS, default="auto",
                    help="fp32 (the reference), bf16 (autocast), int8 (weight-only int8 weights, as sample "
-                        "--precision int8 uses them), or auto (bf16 where native, else fp32) (default fp32)")
+                        "--precision int8 uses them), or auto (bf16 where native, else fp32; as sample) (default "
+                        "auto); the table and the JSON name the one used")
+    p.add_argument("--json", action="store_true", help="print the scores as one JSON object (run, checkpoint, "
+                   "precision, scores) instead of the table")
 
 
 # ---- runs and info -------------------------------------------------------------------------------------------------
