@@ -1,15 +1,149 @@
-"""The house rules of DESIGN.md, checked over the whole package:
+"""The house rules of DESIGN.md, checked over the whole package and the README:
 
+- no measured figure (a time, a rate, a share, a speed-up, a loss value, a before -> after history, an issue number)
+  in src/ or README.md outside a link to docs/benchmarks.md: figures live in docs/benchmarks.md only, with their
+  command, machine and date, so that no copy of one can drift;
 - no public name defined at the top of two modules (one name, one meaning), but for the few listed in SAME_MEANING.
 
 Each scanner is also run on planted examples, so that a scanner that finds nothing fails its own test.
 """
 
 import ast
+import re
+import shutil
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "src" / "gptlab"
+
+# ---- measured figures ------------------------------------------------------------------------------------------
+
+NUMBER = r"(?<![\w.])\d(?:[\d,]*\d)?(?:\.\d+)?"  # 12, 1,513, 9.4; not inside a name or another number
+FIGURES = {  # what counts as a measured figure, by kind (at one place, the first kind that matches)
+    "a history": rf"{NUMBER}\s?[^\s\d]{{0,5}}\s?(?:->|→)\s?{NUMBER}",
+    "a time": rf"{NUMBER}\s?(?:ms|µs|ns)\b|{NUMBER}\s(?:s|secs?|seconds?|mins?|minutes?|hours?)\b",
+    "a rate": rf"{NUMBER}\s?(?:[kKM]?tokens/s|tok/s|[kMGT]i?B/s|it/s|steps/s|[GT]?FLOP/?s|[GT]FLOPS)",
+    "a share": rf"{NUMBER}\s?%",
+    "a speed-up": rf"{NUMBER}\s?(?:x|×|times)\s+(?:faster|slower|quicker|fewer|less|more|smaller|larger)\b",
+    "a loss value": rf"\bloss(?:es)?\s+(?:of\s+|at\s+|near\s+|about\s+|around\s+|below\s+|under\s+|[<>~≈=]\s*)?{NUMBER}",
+    "an issue number": r"\bissues?\s+#?\d+",
+    "a duration in words": r"\b(?:under|within|about|in)\s+(?:a\s+few|a|one)\s+(?:seconds?|minutes?|hours?)\b"
+                           r"|\ba\s+few\s+(?:seconds|minutes|hours)\b",
+}
+# README prose only (src/ is full of settings written this way): a number read off a run, like 0.93 or 1.836
+README_READING = r"(?<![\w.])\d+\.\d{2,}\b"
+FIGURE = re.compile("|".join(f"(?P<k{i}>{pattern})" for i, pattern in enumerate(FIGURES.values())), re.IGNORECASE)
+KINDS = list(FIGURES)
+
+# settings and tolerances that read like figures, each with what it is
+ALLOWED = [
+    r"every 10 s",  # README: the plain progress line's interval (PLAIN_LINE_SECONDS), a setting
+    r"10 s for in-flight requests",  # serve/api.py: --grace's default
+    r"every 50 ms",  # bench/prepare.py: how often the bench samples a process's memory
+    r"\(1/5/15 min\)",  # the load average's three windows
+    r"at most 0\.55 of one process's bytes",  # README: FSDP's bound on 2 processes, tests/test_distributed.py
+    r"(?:width|height):\s*\d+%|hsl\([^)]*\)|,\d+%,\d+%\)",  # playground.html: CSS lengths, hsl() colours
+    r"Python ≥ \d+\.\d+",  # README: the Python version required
+]
+BENCHMARKS_LINK = r"\[[^\]]*\]\(docs/benchmarks\.md[^)]*\)"  # a figure may sit in the text of a link to them
+FORMAT_SPEC = r"\{[^{}\n]*:[^{}\n]*\}"  # an f-string's {value:.0%} prints a figure, it holds none
+CODE = r"```.*?```|`[^`]+`"  # README code, where no reading of a run is looked for
+
+
+def _blank(match: re.Match) -> str:
+    """The match as spaces (its newlines kept), so that what is found keeps its line number."""
+    return re.sub(r"[^\n]", " ", match.group(0))
+
+
+def figures(text: str, readings: bool = False) -> list[tuple[int, str, str]]:
+    """(line, kind, text) of each measured figure in `text`; `readings`: README prose, where a number with two
+    or more decimals outside code counts too."""
+    for pattern in (BENCHMARKS_LINK, FORMAT_SPEC, *ALLOWED):
+        text = re.sub(pattern, _blank, text, flags=re.DOTALL)
+    found = [(m, KINDS[int(m.lastgroup[1:])]) for m in FIGURE.finditer(text)]
+    if readings:
+        prose = re.sub(CODE, _blank, text, flags=re.DOTALL)
+        found += [(m, "a reading") for m in re.finditer(README_READING, prose)]
+    return sorted((text.count("\n", 0, m.start()) + 1, kind, m.group(0)) for m, kind in found)
+
+
+def measured_figures(root: Path) -> list[str]:
+    """Every measured figure in `root`'s README.md and in the text files under its src/gptlab, as FILE:LINE."""
+    files = [p for p in sorted((root / "src" / "gptlab").rglob("*"))
+             if p.is_file() and "__pycache__" not in p.parts and p.suffix not in (".gz", ".pyc", ".so")]
+    out = []
+    for path in [root / "README.md", *files]:
+        for line, kind, text in figures(path.read_text(encoding="utf-8"), readings=path.name == "README.md"):
+            out.append(f"{path.relative_to(root)}:{line}: {kind}: {text!r}")
+    return out
+
+
+def test_no_measured_figure_in_the_code_the_help_texts_or_the_readme():
+    assert measured_figures(ROOT) == []
+
+
+PLANTED = [  # (text, the kind found in it)
+    ("# a step takes 9.4 ms here", "a time"),
+    ("decodes in 2.41 ms/step", "a time"),
+    ("training took 17.7 s", "a time"),
+    ("prepare reads 12,345 tokens/s", "a rate"),
+    ("memory read 52.9 GB/s now", "a rate"),
+    ("96% of the bandwidth floor", "a share"),
+    ('"4x faster than transformers"', "a speed-up"),
+    ("int8 is 2 times faster", "a speed-up"),
+    ("to a validation loss of 1.836", "a loss value"),
+    ("(val loss ~2.5)", "a loss value"),
+    ("reach val loss < 1.88", "a loss value"),
+    ("the step 1513 -> 1361 ms", "a history"),
+    ("bf16 10.4 → 9.4", "a history"),
+    ("with the changes of issue 16:", "an issue number"),
+    ("on Tiny Shakespeare in under a minute", "a duration in words"),
+    ("the suite (offline, a few minutes on 2 cores)", "a duration in words"),
+]
+NOT_FIGURES = [
+    "training prints a plain progress line at most every 10 s instead",  # allowed: a setting
+    "logits within 1e-5 of the reference",  # a tolerance
+    'print(f"{share:.0%} of the floor, {seconds:.1f} s")',  # format specs, then a unit alone
+    "the timings: [bench decode, 9.4 ms](docs/benchmarks.md#gptlab-bench-decode)",  # inside a link to them
+    "GPT-2s imported into gptlab, 429s from a small queue",  # a model's plural, a status code's
+    "def read_bandwidth(megabytes: int = 512, seconds: float = 1.0)",  # defaults
+    "--max-tokens 512, --max-batch 16, --queue 64",
+    "several times slower than one",  # words
+]
+
+
+@pytest.mark.parametrize("text, kind", PLANTED)
+def test_each_kind_of_figure_is_found_on_its_line(text, kind):
+    assert [(line, found) for line, found, _ in figures(f"first line\n\n{text}\n")] == [(3, kind)]
+
+
+@pytest.mark.parametrize("text", NOT_FIGURES)
+def test_settings_tolerances_format_specs_and_links_to_the_figures_are_not_figures(text):
+    assert figures(text, readings=True) == []
+
+
+def test_a_reading_counts_in_readme_prose_but_not_in_its_code_or_in_the_source():
+    text = "after `wha` the lens gives `t` 0.93\n```\ngptlab sample --top-p 0.95\n```\n`torch==2.13.0`\n"
+    assert figures(text, readings=True) == [(1, "a reading", "0.93")]
+    assert figures(text) == []  # src/: init std 0.02, beta2 0.95 are settings
+
+
+def test_a_figure_planted_in_the_readme_or_a_module_is_found(tmp_path):
+    shutil.copy(ROOT / "README.md", tmp_path / "README.md")
+    shutil.copytree(PACKAGE, tmp_path / "src" / "gptlab", ignore=shutil.ignore_patterns("__pycache__"))
+    assert measured_figures(tmp_path) == []
+    with open(tmp_path / "README.md", "a", encoding="utf-8") as f:
+        f.write("\nThe fused step decodes at 415.7 tokens/s.\n")
+    with open(tmp_path / "src" / "gptlab" / "sampling.py", "a", encoding="utf-8") as f:
+        f.write("# measured: 1.2 ms -> 0.9 ms\n")
+    readme_lines = len((ROOT / "README.md").read_text(encoding="utf-8").splitlines())
+    sampling_lines = len((PACKAGE / "sampling.py").read_text(encoding="utf-8").splitlines())
+    assert measured_figures(tmp_path) == [
+        f"README.md:{readme_lines + 2}: a rate: '415.7 tokens/s'",
+        f"src/gptlab/sampling.py:{sampling_lines + 1}: a history: '1.2 ms -> 0.9'"]
+
 
 # ---- one name, one meaning ---------------------------------------------------------------------------------------
 

@@ -270,8 +270,8 @@ PRESETS: dict[str, Preset] = {
         dict(batch_size=32, max_steps=3000, lr=1e-1, min_lr=1e-2, warmup_steps=0, weight_decay=0.0,
              eval_interval=500)),
     "char-quick": Preset(
-        "the default: a small char-level GPT tuned to reach val loss < 1.88 on Tiny Shakespeare in under a minute "
-        "on 2 CPU cores",
+        "the default: a small char-level GPT tuned to beat the nanoGPT CPU recipe's validation loss on Tiny "
+        "Shakespeare in a short run on a CPU (docs/benchmarks.md, `make run`)",
         dict(block_size=64, n_layer=4, n_head=4, n_embd=128, dropout=0.0),
         dict(batch_size=32, max_steps=600, lr=6e-3, min_lr=6e-4, warmup_steps=50, beta2=0.99,
              weight_decay=0.1, eval_interval=300, eval_batches=20)),

@@ -73,8 +73,8 @@ def reuse_freed_memory() -> bool:
     """Keep the memory a training step frees for the next step instead of handing it back to the OS. glibc serves
     large blocks (32 MB and up always; smaller ones by a sliding threshold) with a fresh mmap and unmaps them on
     free, so every step page-faults its largest tensors anew: the bf16 copies autocast makes of the weights, their
-    gradients, the logits (`gptlab bench train --preset finetune`, docs/benchmarks.md, with the other changes of
-    issue 16: GPT-2 124M's bf16 step 1513 -> 1361 ms). Process-wide, and the process keeps its peak memory until
+    gradients, the logits (what that costs a step: `gptlab bench train --preset finetune`, docs/benchmarks.md).
+    Process-wide, and the process keeps its peak memory until
     it ends; the numbers computed do not change. Returns whether the allocator took the settings (glibc on Linux;
     elsewhere nothing changes)."""
     if not sys.platform.startswith("linux"):

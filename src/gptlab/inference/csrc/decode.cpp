@@ -581,8 +581,8 @@ static void attend(const Model& m, const Step& s, int l, int r, int hh, float* s
         y[c] = _mm512_setzero_ps();
     }
     // The cache is read from memory (the weights streamed through since), one head's positions in order: fetched
-    // CACHE_AHEAD positions ahead, or each step waited on memory one position at a time (`gptlab bench decode`,
-    // batch 8 at 144 positions: bf16 10.4 -> 9.4 ms, int8 6.9 -> 5.9 ms). Scores four positions at a time: four
+    // CACHE_AHEAD positions ahead, or each step waited on memory one position at a time (`gptlab bench decode`'s
+    // batch-8 steps, docs/benchmarks.md). Scores four positions at a time: four
     // independent sums reduced together, the same additions in the same order as _mm512_reduce_add_ps.
     const int row_bytes = D * (int)sizeof(CT);
     int64_t j = 0;
