@@ -6,8 +6,9 @@ import torch
 
 from conftest import tiny_config
 from gptlab.bench.decode import run_decode
-from gptlab.bench.generate import (GEN_MODELS, bench_model, generation_ratios, headline, print_generation_table,
-                                   transformers_twin, weight_bytes_per_token)
+from gptlab.bench.engines import (GEN_MODELS, bench_model, generation_ratios, print_generation_table, transformers_twin,
+                                  weight_bytes_per_token)
+from gptlab.bench.generate import headline
 from gptlab.config import ModelConfig, build
 from gptlab.inference.native import load_library
 from gptlab.model import GPT

@@ -15,7 +15,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from conftest import tiny_config
-from gptlab.bench.generate import int8_quality
+from gptlab.bench.quality import int8_quality
 from gptlab.cli import main
 from gptlab.config import SampleConfig, TrainConfig
 from gptlab.engine import generate_batch, generate_uncached

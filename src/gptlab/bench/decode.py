@@ -1,5 +1,5 @@
 """`gptlab bench decode`: how close one fused decode step comes to the memory-bandwidth floor, with the floor
-measured beside each step, fp32, bf16 and int8 weights (int8's floor: its own bytes, gptlab.bench.generate).
+measured beside each step, fp32, bf16 and int8 weights (int8's floor: its own bytes, gptlab.bench.engines).
 
 A shared machine's read bandwidth drifts by tens of percent within seconds, so this alternates, `rounds` times: a
 read of a 512 MB buffer (its rate is the floor of the moment), then one batch-1 decode step of a
@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from gptlab.bench.generate import GEN_MODELS, weight_bytes_per_token
+from gptlab.bench.engines import GEN_MODELS, weight_bytes_per_token
 from gptlab.bench.timing import LoadWatch, median, read_then
 from gptlab.config import ModelConfig, build
 from gptlab.inference import prepare_for_inference
