@@ -35,10 +35,10 @@ class Served:
 
 
 def make_app(served: Served, limits: Limits, api_key: str | None = None) -> FastAPI:
-    """The app, with its scheduler started with the app and stopped (within limits.grace) with it."""
+    """The app, with its scheduler started with the app and stopped (within limits.grace) with it: completions,
+    the pages and their refusals in OpenAI's error shape; every route but /health and / asks for `api_key` when
+    one is set."""
     scheduler = Scheduler(served.model, served.tokenizer, limits.max_batch, limits.queue)
-    context = served.model.config.block_size
-    inspector = _Inspector(served)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -48,14 +48,20 @@ def make_app(served: Served, limits: Limits, api_key: str | None = None) -> Fast
 
     app = FastAPI(title="gptlab", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.scheduler = scheduler
-    page = resources.files("gptlab.serve").joinpath("playground.html").read_text(encoding="utf-8")
-    playground_page = page.replace("__MODEL__", json.dumps(served.name).replace("</", "<\\/"))
 
     @app.exception_handler(ApiError)
     async def refuse(request: Request, exc: ApiError) -> JSONResponse:
         """Every route's refusal, in OpenAI's error shape (completions counts its own in the metrics first)."""
         return JSONResponse(exc.body(), exc.status, headers=exc.headers)
 
+    check_key = _key_check(api_key)
+    _add_completions(app, served, limits, scheduler, check_key)
+    _add_pages(app, served, limits, scheduler, check_key)
+    return app
+
+
+def _key_check(api_key: str | None) -> Callable[[Request], None]:
+    """What a route calls first: ApiError 401 unless the request carries `api_key` (nothing when it is None)."""
     def check_key(request: Request) -> None:
         if api_key is None:
             return
@@ -63,6 +69,14 @@ def make_app(served: Served, limits: Limits, api_key: str | None = None) -> Fast
         if not secrets.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
             raise ApiError(401, "a valid API key is required: send the header 'Authorization: Bearer KEY'",
                            code="invalid_api_key")
+    return check_key
+
+
+def _add_completions(app: FastAPI, served: Served, limits: Limits, scheduler: Scheduler,
+                     check_key: Callable[[Request], None]) -> None:
+    """POST /v1/completions: the request checked and queued (429 when the queue is full, 503 while shutting
+    down), answered as JSON or as server-sent events; every answer counted in the metrics by its status."""
+    context = served.model.config.block_size
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
@@ -85,6 +99,16 @@ def make_app(served: Served, limits: Limits, api_key: str | None = None) -> Fast
             return StreamingResponse(_stream(job, served), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         return await _collect(job, served, request)
+
+
+def _add_pages(app: FastAPI, served: Served, limits: Limits, scheduler: Scheduler,
+               check_key: Callable[[Request], None]) -> None:
+    """GET /v1/models, /health, /metrics (Prometheus text), / (the playground page) and POST /inspect (the
+    attention page of a text)."""
+    context = served.model.config.block_size
+    inspector = _Inspector(served)
+    page = resources.files("gptlab.serve").joinpath("playground.html").read_text(encoding="utf-8")
+    playground_page = page.replace("__MODEL__", json.dumps(served.name).replace("</", "<\\/"))
 
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
@@ -116,8 +140,6 @@ def make_app(served: Served, limits: Limits, api_key: str | None = None) -> Fast
         if not isinstance(text, str) or not text:
             raise ApiError(400, "text must be a non-empty string", "text")
         return HTMLResponse(await asyncio.to_thread(inspector.page, text))
-
-    return app
 
 
 async def _read_json(request: Request, limit: int) -> Any:
