@@ -3,6 +3,8 @@
 - no measured figure (a time, a rate, a share, a speed-up, a loss value, a before -> after history, an issue number)
   in src/ or README.md outside a link to docs/benchmarks.md: figures live in docs/benchmarks.md only, with their
   command, machine and date, so that no copy of one can drift;
+- no Python module of more than MAX_MODULE_LINES lines, no function of more than MAX_FUNCTION_LINES (the C++
+  kernel is not Python, and is not walked);
 - no public name defined at the top of two modules (one name, one meaning), but for the few listed in SAME_MEANING.
 
 Each scanner is also run on planted examples, so that a scanner that finds nothing fails its own test.
@@ -143,6 +145,46 @@ def test_a_figure_planted_in_the_readme_or_a_module_is_found(tmp_path):
     assert measured_figures(tmp_path) == [
         f"README.md:{readme_lines + 2}: a rate: '415.7 tokens/s'",
         f"src/gptlab/sampling.py:{sampling_lines + 1}: a history: '1.2 ms -> 0.9'"]
+
+
+# ---- sizes -------------------------------------------------------------------------------------------------------
+
+MAX_MODULE_LINES = 400  # every line of the file, blank lines, comments and docstrings included
+MAX_FUNCTION_LINES = 50  # from its `def` line to its last line, docstring and nested functions included
+
+
+def oversized(package: Path) -> list[str]:
+    """Every module under `package` longer than MAX_MODULE_LINES and every function longer than
+    MAX_FUNCTION_LINES, as 'PATH: N lines' / 'PATH:LINE NAME: N lines'."""
+    out = []
+    for path in sorted(package.rglob("*.py")):
+        text = path.read_text(encoding="utf-8")
+        name = path.relative_to(package).as_posix()
+        if len(text.splitlines()) > MAX_MODULE_LINES:
+            out.append(f"{name}: {len(text.splitlines())} lines")
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                length = node.end_lineno - node.lineno + 1
+                if length > MAX_FUNCTION_LINES:
+                    out.append(f"{name}:{node.lineno} {node.name}: {length} lines")
+    return out
+
+
+def test_no_module_over_400_lines_and_no_function_over_50():
+    assert oversized(PACKAGE) == []
+
+
+def test_the_size_limits_are_found_at_their_boundaries(tmp_path):
+    def function(name: str, lines: int) -> str:  # `def` + a docstring + lines - 2 statements
+        return f"def {name}():\n    '''doc'''\n" + "    x = 1\n" * (lines - 2)
+
+    (tmp_path / "fits.py").write_text(function("fifty", 50) + "\n" * 350)  # 50 + 350 = 400 lines
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "long.py").write_text(function("fifty_one", 51) + "\n" * 350)  # 401 lines
+    nested = "class C:\n    def method(self):\n        def inner():\n" + "            x = 1\n" * 49
+    (tmp_path / "nested.py").write_text(nested)  # method: 51 lines, inner: 50
+    assert oversized(tmp_path) == ["nested.py:2 method: 51 lines", "sub/long.py: 401 lines",
+                                   "sub/long.py:1 fifty_one: 51 lines"]
 
 
 # ---- one name, one meaning ---------------------------------------------------------------------------------------
