@@ -65,7 +65,7 @@ def _m(sources: str, tests: str) -> Module:
 MODULES = {
     "sampling": _m("sampling", "test_sampling test_engine"),
     "textstream": _m("textstream", "test_textstream test_engine"),
-    "engine": _m("engine", "test_engine test_running_batch test_sampling test_textstream test_fastdecode test_serve_batching test_int8"),
+    "engine": _m("engine", "test_engine test_running_batch test_sampling test_textstream test_fused test_serve_batching test_int8"),
     "serve.api": _m("serve/api", "test_serve test_serve_api test_serve_batching"),
     "serve.app": _m("serve/app", "test_serve test_serve_api test_serve_batching"),
     "serve.scheduler": _m("serve/scheduler", "test_serve test_serve_scheduler test_serve_batching"),

@@ -1,24 +1,15 @@
 import os
 import shutil
-import signal
 import tempfile
 from pathlib import Path
 
 import pytest
 import torch
+from helpers import CORPUS
 from hypothesis import HealthCheck, settings
 
 import gptlab
-from gptlab.config import ModelConfig
 from gptlab.data.prepare import prepare
-
-CORPUS = (
-    "First Citizen:\nBefore we proceed any further, hear me speak.\n\n"
-    "All:\nSpeak, speak.\n\n"
-    "First Citizen:\nYou are all resolved rather to die than to famish?\n\n"
-    "All:\nResolved. resolved.\n\n"
-) * 40
-
 
 CHROMIUM = Path("/usr/bin/chromium")  # Debian's package: Playwright's own browser download cannot reach its host
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
@@ -39,22 +30,6 @@ def browser():
         b.close()
 
 
-def interruptible() -> None:
-    """preexec_fn of a child process a test interrupts with SIGINT: SIGINT back to its default action, so that
-    Python turns it into KeyboardInterrupt even where the test run itself ignores SIGINT (a shell starts background
-    jobs, `make test &`, with SIGINT ignored, children inherit that, and Python then leaves it ignored)."""
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
-
-
-def tiny_run(root, steps: int, flags: list[str]):
-    """A run trained for `steps` steps on CORPUS in `root`/run (its data in `root`/data), with `flags`."""
-    from gptlab.cli import main
-
-    (root / "corpus.txt").write_text(CORPUS, encoding="utf-8")
-    assert main(["prepare", str(root / "corpus.txt"), "--out", str(root / "data"), "--quiet"]) == 0
-    assert main(["train", "--data", str(root / "data"), "--run", str(root / "run"), "--max-steps", str(steps),
-                 *flags]) == 0
-    return root / "run"
 # Property-based tests are derandomised (the same examples every run) with a fixed budget; a test may ask for fewer.
 settings.register_profile("gptlab", derandomize=True, database=None, max_examples=60, deadline=None,
                           suppress_health_check=[HealthCheck.too_slow])
@@ -135,11 +110,6 @@ def char_data(tmp_path, corpus_file):
     out = tmp_path / "data"
     prepare([str(corpus_file)], out, "char", quiet=True)
     return out
-
-
-def tiny_config(**overrides) -> ModelConfig:
-    base = dict(vocab_size=50, block_size=16, n_layer=2, n_head=2, n_embd=32, dropout=0.0)
-    return ModelConfig(**{**base, **overrides})
 
 
 # ---- which device paths ran: one line at the end of the run -------------------------------------------------

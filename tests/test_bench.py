@@ -9,7 +9,7 @@ import os
 import pytest
 import torch
 
-from conftest import tiny_config
+from helpers import tiny_config
 from gptlab.bench import matmul, peak, timing
 from gptlab.bench.train import Variant, attention_variants, run_train_bench, train_variants
 from gptlab.cli import BENCHES, main

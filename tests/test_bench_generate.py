@@ -4,7 +4,7 @@ the engines agree, the tables and ratios come out (timings themselves are never 
 import pytest
 import torch
 
-from conftest import tiny_config
+from helpers import tiny_config
 from gptlab.bench.decode import run_decode
 from gptlab.bench.engines import (GEN_MODELS, bench_model, generation_ratios, print_generation_table, transformers_twin,
                                   weight_bytes_per_token)

@@ -4,6 +4,7 @@ queue's 429s beside accepted requests that all complete."""
 import re
 
 import pytest
+from helpers import tiny_run
 
 from gptlab.bench.serve import percentile
 from gptlab.cli import main
@@ -14,7 +15,6 @@ TINY = ["--n-layer", "1", "--n-head", "2", "--n-embd", "16", "--block-size", "32
 
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory):
-    from conftest import tiny_run
 
     return tiny_run(tmp_path_factory.mktemp("bench-serve"), 5, TINY)
 

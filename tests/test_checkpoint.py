@@ -11,10 +11,9 @@ import time
 
 import pytest
 import torch
-from conftest import CORPUS, tiny_config, tiny_run
+from helpers import CORPUS, TINY, tiny_config, tiny_run
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
-from test_sweep import TINY
 
 from gptlab import checkpoint as ck
 from gptlab.cli import main

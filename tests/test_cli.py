@@ -3,12 +3,12 @@
 import json
 import math
 import os
-import shutil
 import subprocess
 import sys
 
 import pytest
 import torch
+from helpers import TINY, evaluated_run, run_bad, run_ok
 
 import gptlab.plots
 from gptlab.cli import main
@@ -16,30 +16,11 @@ from gptlab.data.prepare import prepare
 from gptlab.runtime import bf16_supported
 from gptlab.tokenizer import EOT
 
-TINY = ["--n-layer", "1", "--n-head", "2", "--n-embd", "16", "--block-size", "16", "--batch-size", "4",
-        "--eval-interval", "5", "--eval-batches", "2", "--log-interval", "5", "--precision", "fp32", "--quiet"]
-
 
 @pytest.fixture
 def workdir(tmp_path, monkeypatch, corpus_file):
     monkeypatch.chdir(tmp_path)
     return tmp_path
-
-
-def run_ok(capsys, *argv):
-    code = main(list(argv))
-    out = capsys.readouterr()
-    assert code == 0, out.err
-    return out.out
-
-
-def run_bad(capsys, *argv):
-    code = main(list(argv))
-    err = capsys.readouterr().err.strip()
-    assert code == 2
-    lines = [line for line in err.splitlines() if not line.startswith("gptlab: warning")]
-    assert len(lines) == 1 and lines[0].startswith("gptlab: error: "), err
-    return lines[0]
 
 
 def test_prepare_train_sample_eval_end_to_end(workdir, capsys, corpus_file):
@@ -202,18 +183,6 @@ def test_an_unknown_flag_points_to_the_help_of_its_verb(capsys, argv, help_of):
     line = run_bad(capsys, *argv)
     assert f"unrecognized arguments: {argv[-1] if argv[0] != '--bogus' else '--bogus'}" in line
     assert line.endswith(f"(see `{help_of} --help`)"), line
-
-
-def evaluated_run(root, name, data, losses):
-    """A run folder trained on `data` whose metrics hold an evaluation (step, val_loss) per pair of `losses`."""
-    run = root / name
-    run.mkdir()
-    (run / "config.json").write_text(json.dumps({"model": {}, "train": {"max_steps": 10}, "data": str(data),
-                                                 "preset": "char-quick"}))
-    shutil.copy(data / "tokenizer.json", run / "tokenizer.json")
-    rows = [{"kind": "eval", "step": step, "val_loss": loss, "elapsed_s": step / 10} for step, loss in losses]
-    (run / "metrics.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
-    return run
 
 
 @pytest.fixture

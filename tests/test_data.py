@@ -6,7 +6,7 @@ from typing import ClassVar
 import numpy as np
 import pytest
 import torch
-from conftest import interruptible
+from helpers import interruptible, tree
 
 from gptlab.data import corpus
 from gptlab.data.batches import batch_generator, get_batch, load_dataset
@@ -194,7 +194,6 @@ def test_ctrl_c_stops_long_native_work_at_once():
 # ---- a prepared folder is replaced only by the same data, or with --overwrite ----------------------------------
 
 def test_prepare_refuses_to_replace_data_made_from_other_inputs_or_settings(tmp_path, corpus_file):
-    from test_sweep import tree
 
     out = tmp_path / "data"
     prepare([str(corpus_file)], out, "char", quiet=True)
@@ -214,7 +213,6 @@ def test_prepare_refuses_to_replace_data_made_from_other_inputs_or_settings(tmp_
 
 def test_the_prepare_verb_names_the_runs_that_train_on_the_folder_it_refuses(tmp_path, corpus_file, monkeypatch,
                                                                            capsys):
-    from test_sweep import tree
 
     from gptlab.cli import main
 

@@ -32,7 +32,8 @@ def test_on_a_gpu_too():
 
 
 def test_the_summary_names_each_device_path_with_what_its_tests_did(tmp_path):
-    shutil.copy(Path(__file__).with_name("conftest.py"), tmp_path)
+    for name in ("conftest.py", "helpers.py"):  # conftest.py imports helpers
+        shutil.copy(Path(__file__).with_name(name), tmp_path)
     (tmp_path / "test_session.py").write_text(SESSION)
     out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(tmp_path)],
                          capture_output=True, text=True, cwd=tmp_path, timeout=300)

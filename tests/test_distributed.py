@@ -11,6 +11,7 @@ import sys
 import pytest
 import torch
 
+from helpers import CORPUS
 from gptlab import checkpoint as ck
 from gptlab.cli import main
 from gptlab.config import ModelConfig, TrainConfig
@@ -74,7 +75,6 @@ def assert_same_weights(run, run_1, step):
 @pytest.fixture(scope="module")
 def straight(tmp_path_factory):
     """One process, 8 steps, checkpoints at 5 and 8: what every other run is compared with."""
-    from conftest import CORPUS
     from gptlab.data.prepare import prepare
 
     root = tmp_path_factory.mktemp("dist")

@@ -1,12 +1,11 @@
 import copy
 from dataclasses import dataclass, field, replace
 
-import numpy as np
 import pytest
 import torch
 
-from conftest import tiny_config
-from test_sampling import reference_probs
+from helpers import (CORPUS, pair, perturbed, reference_continuation, reference_greedy, reference_window, rows_of,
+                     tiny_config)
 from gptlab.config import SampleConfig
 from gptlab.engine import RunningBatch, generate, generate_batch, generate_uncached, one_thread, window_keep
 from gptlab.textstream import Completion, TextStream, complete
@@ -29,27 +28,6 @@ def _one_thread():
 GREEDY_200 = SampleConfig(max_new_tokens=200, temperature=0, frequency_penalty=0.05)
 SHAPES = [dict(), dict(n_layer=3, n_head=3, n_embd=48, block_size=24), dict(n_layer=1, n_head=4, n_embd=32,
                                                                            block_size=9, bias=False)]
-
-
-def perturbed(model):
-    """`model` with every weight moved off its init (LayerNorm gains off 1, biases off 0): fresh init hides a
-    LayerNorm or bias bug, and its greedy text soon repeats one token, which hides a window bug."""
-    noise = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn(p.shape, generator=noise) * 0.1)
-    return model
-
-
-def pair(**shape):
-    """A plain fp32 model (perturbed) and its inference-prepared (packed) twin, an InferenceModel."""
-    plain = perturbed(GPT(tiny_config(**shape))).eval()
-    return plain, prepare_for_inference(copy.deepcopy(plain), "fp32")
-
-
-def rows_of(stream):
-    """Yields per position -> one list of ids per row."""
-    return [list(row) for row in zip(*stream)]
 
 
 @pytest.mark.parametrize("shape", SHAPES)
@@ -141,11 +119,9 @@ def test_bad_generation_inputs_are_refused_at_the_call():
         prepare_for_inference(model, "fp16")
 
 
-# ---- an outside reference: the model's plain forward over the documented window ------------------------------------
+# ---- an outside reference: the model's plain forward over the documented window (helpers.reference_window) -------
 
 BLOCK = 16
-KEEPS = {1: 1, 2: 1, 3: 2, 4: 3, 9: 6, 16: 12, 24: 18}  # the documented window: a row sees its last block_size
-# tokens; one more slides it to its last 3/4 (rounded down, at least 1), worked out by hand
 TEXT = "Grüße aus Köln, schöne Straße. 日本語のテキストです。Ça va très bien? Ωμέγα και άλφα! "
 
 
@@ -171,35 +147,6 @@ def trained():
     return tokenizer, model.eval()
 
 
-def reference_window(prompt, generated, block=BLOCK):
-    """The documented window after `generated`, step by step, in plain Python."""
-    window = list(prompt[-block:])
-    for token in generated:
-        window.append(token)
-        if len(window) > block:
-            window = window[-KEEPS[block]:]
-    return window
-
-
-def reference_greedy(logits, prompt, generated, cfg, block=BLOCK) -> int:
-    """The greedy choice from plain-forward logits (V,), with cfg's penalties over the row's context (the prompt's
-    window and every generated token), worked out in numpy (test_sampling.reference_probs)."""
-    counts = np.bincount(list(prompt[-block:]) + list(generated), minlength=len(logits))
-    one = replace(cfg, temperature=1.0, top_k=1, top_p=1.0)
-    return int(reference_probs(logits.double().numpy(), counts, one)[0].argmax())
-
-
-@torch.no_grad()
-def reference_continuation(plain, prompt, cfg) -> list[int]:
-    """cfg.max_new_tokens greedy ids after `prompt`: each step the plain forward (no cache) over the documented
-    window, penalties by hand."""
-    block, generated = plain.config.block_size, []
-    for _ in range(cfg.max_new_tokens):
-        logits = plain(torch.tensor([reference_window(prompt, generated, block)]))[0][0, -1]
-        generated.append(reference_greedy(logits, prompt, generated, cfg, block))
-    return generated
-
-
 def reference_text(tokenizer, generated, stops) -> tuple[str, str]:
     """(text, finish reason) of a row's ids: decoded whole, cut at the first stop string; the end-of-text token
     ends it."""
@@ -223,13 +170,13 @@ class Track:
 def check_step(plain, track, token, logits, where):
     """Hold one drawn row to the reference: its logits within 1e-5 of the plain forward over its window; a greedy
     row's token the argmax of the hand-penalised logits."""
-    window = reference_window(track.prompt, track.generated)
+    window = reference_window(track.prompt, track.generated, BLOCK)
     with torch.no_grad():
         expected = plain(torch.tensor([window]))[0][0, -1]  # no cache: the whole window, every step
     error = (logits[0] - expected).abs().max().item()
     assert error <= 1e-5, f"{where}: logits differ from the plain forward by {error:.2e} (window {len(window)})"
     if track.cfg.temperature == 0:
-        want = reference_greedy(expected, track.prompt, track.generated, track.cfg)
+        want = reference_greedy(expected, track.prompt, track.generated, track.cfg, BLOCK)
         assert token == want, f"{where}: token {token}, the reference takes {want}"
         track.penalty_mattered |= token != int(expected.argmax())
 
@@ -406,7 +353,6 @@ def test_the_readmes_python_example_runs(tmp_path):
     import re
     from pathlib import Path
 
-    from conftest import CORPUS
     from gptlab.cli import main
     from gptlab.runtime import bf16_supported
 

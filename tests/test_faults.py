@@ -10,6 +10,7 @@ import time
 
 import pytest
 import torch
+from helpers import inject_nan_at
 
 from gptlab import checkpoint as ck
 from gptlab.cli import main
@@ -112,23 +113,6 @@ def test_sigterm_writes_a_checkpoint_exits_143_and_resumes_exactly(tmp_path, cha
     assert main(["train", "--data", str(char_data), "--run", str(tmp_path / "ref"), "--max-steps", target,
                  *flags]) == 0
     assert same_weights(weights(tmp_path / "ref"), weights(run))
-
-
-def inject_nan_at(monkeypatch, step):
-    """Make the training forward pass of `step` (1-based) return a NaN loss; remember the model."""
-    forward, calls, seen = GPT.forward, [0], {}
-
-    def poisoned(self, idx, targets=None, **kwargs):
-        logits, loss = forward(self, idx, targets, **kwargs)
-        if self.training and targets is not None:
-            calls[0] += 1
-            seen["model"] = self
-            if calls[0] == step:
-                loss = loss * float("nan")
-        return logits, loss
-
-    monkeypatch.setattr(GPT, "forward", poisoned)
-    return seen
 
 
 def test_a_nan_loss_stops_before_the_weights_change(tmp_path, char_data, monkeypatch, capsys):

@@ -5,7 +5,6 @@ import argparse
 import dataclasses
 import errno
 import gzip
-import hashlib
 import json
 import os
 import shutil
@@ -15,9 +14,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
-from test_cli import run_bad, run_ok
 from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel, GPT2TokenizerFast, PreTrainedTokenizerFast
 
+from helpers import HF_SHAPES, HF_VOCAB, hf_folder, run_bad, run_ok, tree
 from gptlab.checkpoint import load_run
 from gptlab.config import PRESETS, ModelConfig, SampleConfig, TrainConfig, build
 from gptlab.data.batches import load_dataset
@@ -32,27 +31,9 @@ from gptlab.model import GPT
 from gptlab.tokenizer import EOT, GPT2Tokenizer
 from gptlab.training.train import train
 
-# Shapes chosen to catch layout bugs: an odd number of heads, widths that are not powers of two, a context
-# shorter than 64, both activations, a non-default LayerNorm epsilon.
-SHAPES = {
-    "5-heads-60-wide": dict(n_embd=60, n_head=5, n_layer=2, n_positions=128),
-    "3-heads-context-40-exact-gelu": dict(n_embd=48, n_head=3, n_layer=3, n_positions=40,
-                                          activation_function="gelu", layer_norm_epsilon=1e-6),
-    "4-heads-96-wide": dict(n_embd=96, n_head=4, n_layer=2, n_positions=96),
-}
-VOCAB = 300
 PROMPT = [5, 17, 99, 3, 250, 7, 8, 9]
 VARIED = ("Héllo wörld — naïve café 😀🚀 👩‍👩‍👧 日本語テキスト, Ελληνικά, العربية; e\u0301\n\n\n\t  spaces   and\r\n"
           "12345 3.14159 1,000,000 don't we'll I'M they've she'd it's 'quoted' ''double''   \n \n  x\u00a0y   ")
-
-
-def hf_folder(path, seed=0, **shape):
-    """A random GPT2LMHeadModel saved with save_pretrained; wide init so greedy choices are not near-ties."""
-    torch.manual_seed(seed)
-    config = GPT2Config(**{"vocab_size": VOCAB, "bos_token_id": None, "eos_token_id": None,
-                           "initializer_range": 0.1, **shape})
-    GPT2LMHeadModel(config).save_pretrained(path)
-    return path
 
 
 def load_hf(path):
@@ -74,38 +55,38 @@ def hf_greedy(model, prompt, n):
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory):
     root = tmp_path_factory.mktemp("hf")
-    return {name: hf_folder(root / name, seed=i, **shape) for i, (name, shape) in enumerate(SHAPES.items())}
+    return {name: hf_folder(root / name, seed=i, **shape) for i, (name, shape) in enumerate(HF_SHAPES.items())}
 
 
 # ---- import parity ---------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("name", SHAPES)
+@pytest.mark.parametrize("name", HF_SHAPES)
 def test_imported_logits_equal_transformers(folders, name):
     hf, ours = load_hf(folders[name]), load_hf_model(folders[name])
-    x = torch.randint(VOCAB, (3, SHAPES[name]["n_positions"]))
+    x = torch.randint(HF_VOCAB, (3, HF_SHAPES[name]["n_positions"]))
     with torch.no_grad():
         diff = (ours(x)[0] - hf(x).logits).abs().max().item()
     assert diff <= 1e-5
 
 
-@pytest.mark.parametrize("name", SHAPES)
+@pytest.mark.parametrize("name", HF_SHAPES)
 def test_greedy_generation_gives_identical_ids(folders, name):
     # 64 new tokens where the context allows; transformers cannot go past n_positions, where gptlab slides its
     # window instead, so the context-40 model is compared on the 32 tokens that fit.
-    n = min(64, SHAPES[name]["n_positions"] - len(PROMPT))
+    n = min(64, HF_SHAPES[name]["n_positions"] - len(PROMPT))
     hf, ours = load_hf(folders[name]), load_hf_model(folders[name])
     mine = our_greedy(ours, PROMPT, n)
     assert len(mine) == n and mine == hf_greedy(hf, PROMPT, n)
     assert len(set(mine)) > 1  # not a degenerate constant continuation
 
 
-@pytest.mark.parametrize("name", SHAPES)
+@pytest.mark.parametrize("name", HF_SHAPES)
 def test_gradients_of_the_loss_match(folders, name):
     hf, ours = load_hf(folders[name]), load_hf_model(folders[name])
-    T = SHAPES[name]["n_positions"]
-    x, y = torch.randint(VOCAB, (2, T)), torch.randint(VOCAB, (2, T))
+    T = HF_SHAPES[name]["n_positions"]
+    x, y = torch.randint(HF_VOCAB, (2, T)), torch.randint(HF_VOCAB, (2, T))
     ours(x, y)[1].backward()
-    F.cross_entropy(hf(x).logits.view(-1, VOCAB), y.view(-1)).backward()
+    F.cross_entropy(hf(x).logits.view(-1, HF_VOCAB), y.view(-1)).backward()
     theirs = dict(hf.named_parameters())
     mine = dict(ours.named_parameters())
     assert set(mine) == set(theirs)
@@ -128,7 +109,7 @@ def test_old_sharded_and_pickled_checkpoints_import_the_same(tmp_path, folders):
     legacy.mkdir()
     shutil.copy(source / "config.json", legacy)
     state = {k.removeprefix("transformer."): v for k, v in load_file(source / "model.safetensors").items()}
-    n = SHAPES["5-heads-60-wide"]["n_positions"]
+    n = HF_SHAPES["5-heads-60-wide"]["n_positions"]
     for layer in range(2):
         state[f"h.{layer}.attn.bias"] = torch.ones(n, n).tril().view(1, 1, n, n)
         state[f"h.{layer}.attn.masked_bias"] = torch.tensor(-1e4)
@@ -200,12 +181,6 @@ def test_export_then_import_is_the_same_run(tmp_path, corpus_file, capsys, monke
     x = torch.as_tensor(data.val[:96].astype("int64"))[None]
     with torch.no_grad():
         assert torch.equal(after.model(x)[0], before.model(x)[0][..., :data.tokenizer.vocab_size])
-
-
-def tree(root):
-    """Every folder and every file's sha256 under `root` (hidden ones included)."""
-    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest() if p.is_file() else "folder"
-            for p in sorted(root.rglob("*"))}
 
 
 def no_space(*args, **kwargs):

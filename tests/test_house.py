@@ -6,6 +6,7 @@
 - no Python module of more than MAX_MODULE_LINES lines, no function of more than MAX_FUNCTION_LINES (the C++
   kernel is not Python, and is not walked);
 - no public name defined at the top of two modules (one name, one meaning), but for the few listed in SAME_MEANING.
+- what test files share lives in tests/helpers.py: no test file imports conftest.py or another test file.
 
 Each scanner is also run on planted examples, so that a scanner that finds nothing fails its own test.
 """
@@ -29,7 +30,7 @@ FIGURES = {  # what counts as a measured figure, by kind (at one place, the firs
     "a rate": rf"{NUMBER}\s?(?:[kKM]?tokens/s|tok/s|[kMGT]i?B/s|it/s|steps/s|[GT]?FLOP/?s|[GT]FLOPS)",
     "a share": rf"{NUMBER}\s?%",
     "a speed-up": rf"{NUMBER}\s?(?:x|×|times)\s+(?:faster|slower|quicker|fewer|less|more|smaller|larger)\b",
-    "a loss value": rf"\bloss(?:es)?\s+(?:of\s+|at\s+|near\s+|about\s+|around\s+|below\s+|under\s+|[<>~≈=]\s*)?{NUMBER}",
+    "a loss value": rf"\bloss(?:es)?\s+(?:(?:of|at|near|about|around|below|under)\s+|[<>~≈=]\s*)?{NUMBER}",
     "an issue number": r"\bissues?\s+#?\d+",
     "a duration in words": r"\b(?:under|within|about|in)\s+(?:a\s+few|a|one)\s+(?:seconds?|minutes?|hours?)\b"
                            r"|\ba\s+few\s+(?:seconds|minutes|hours)\b",
@@ -227,3 +228,33 @@ def test_a_name_defined_in_two_modules_is_found(tmp_path):
     (tmp_path / "config.py").write_text("PRECISIONS: tuple = ()\nclass describe: pass\ndef _private(): pass\n")
     assert defined_twice(tmp_path) == {"describe": {"config.py", "runs.py"},
                                        "PRECISIONS": {"config.py", "serve/app.py"}}
+
+
+# ---- what tests share --------------------------------------------------------------------------------------------
+
+def shared_imports(folder: Path) -> list[str]:
+    """Imports of conftest or of a test file (test_*) in the Python files directly in `folder`, at the top or inside
+    a function, as 'FILE:LINE MODULE': what test files share belongs in helpers.py."""
+    out = []
+    for path in sorted(folder.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                modules = [node.module]
+            elif isinstance(node, ast.Import):
+                modules = [alias.name for alias in node.names]
+            else:
+                continue
+            top = [m for m in modules if m.split(".")[0] == "conftest" or m.split(".")[0].startswith("test_")]
+            out += [f"{path.name}:{node.lineno} {m}" for m in top]
+    return out
+
+
+def test_test_files_share_helpers_through_helpers_py_only():
+    assert shared_imports(ROOT / "tests") == []
+
+
+def test_an_import_of_conftest_or_of_a_test_file_is_found(tmp_path):
+    (tmp_path / "test_a.py").write_text("import os\nfrom helpers import tree\nfrom conftest import CORPUS\n")
+    (tmp_path / "test_b.py").write_text("def f():\n    from test_a import x\n    import test_c as t\n"
+                                        "code = 'import test_b'  # a string is no import\n")
+    assert shared_imports(tmp_path) == ["test_a.py:3 conftest", "test_b.py:2 test_a", "test_b.py:3 test_c"]

@@ -10,13 +10,10 @@ from pathlib import Path
 import matplotlib
 import pytest
 import torch
-from conftest import CORPUS
 from PIL import Image
-from test_cli import TINY, run_bad, run_ok
-from test_fastdecode import trained_like
-from test_hf import SHAPES, VOCAB, hf_folder
 from transformers import GPT2LMHeadModel
 
+from helpers import CORPUS, HF_SHAPES, HF_VOCAB, TINY, hf_folder, run_bad, run_ok, trained_like
 from gptlab.checkpoint import load_run
 from gptlab.cli import main
 from gptlab.config import PRESETS, ModelConfig, SampleConfig
@@ -46,7 +43,7 @@ def hf_pairs(tmp_path_factory):
     ln_1 belongs, or leaving out a bias, differs from transformers."""
     root = tmp_path_factory.mktemp("hf-inspect")
     out = {}
-    for i, (name, shape) in enumerate(SHAPES.items()):
+    for i, (name, shape) in enumerate(HF_SHAPES.items()):
         folder = hf_folder(root / name, seed=10 + i, **shape)
         hf = GPT2LMHeadModel.from_pretrained(folder, attn_implementation="eager").eval()
         with torch.no_grad():
@@ -66,14 +63,14 @@ def tiny_gpt(seed=0, **kw):
 
 # ---- parity with transformers ----------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("name", SHAPES)
+@pytest.mark.parametrize("name", HF_SHAPES)
 def test_attention_and_residual_stream_equal_transformers(hf_pairs, name):
     hf, ours = hf_pairs[name]
-    x = torch.randint(VOCAB, (2, min(33, SHAPES[name]["n_positions"])))
+    x = torch.randint(HF_VOCAB, (2, min(33, HF_SHAPES[name]["n_positions"])))
     with torch.no_grad():
         ref = hf(x, output_attentions=True, output_hidden_states=True)
     tr = trace(ours, x)
-    assert tr.n_layer == len(ref.attentions) == SHAPES[name]["n_layer"]
+    assert tr.n_layer == len(ref.attentions) == HF_SHAPES[name]["n_layer"]
     for layer, probs in enumerate(ref.attentions):
         assert tr.attention[layer].shape == probs.shape  # (B, H, T, T)
         assert (tr.attention[layer] - probs).abs().max().item() <= 1e-5, layer
@@ -89,7 +86,7 @@ def test_attention_and_residual_stream_equal_transformers(hf_pairs, name):
 
 def test_rows_sum_to_one_and_nothing_above_the_diagonal(hf_pairs):
     _, ours = hf_pairs["5-heads-60-wide"]
-    tr = trace(ours, torch.randint(VOCAB, (3, 20)))
+    tr = trace(ours, torch.randint(HF_VOCAB, (3, 20)))
     upper = torch.ones(20, 20, dtype=torch.bool).triu(1)
     for probs in tr.attention:
         assert torch.allclose(probs.sum(-1), torch.ones(3, 5, 20), atol=1e-6)

@@ -1,7 +1,7 @@
 """Weight-only int8 (gptlab.inference.int8): quantization itself, the torch path against fp32, the native kernel
 (its fp32-FMA and VNNI products) against the torch int8 path, the choice between them, and the CLI end to end.
 
-Kernel comparisons run on trained-like parameters (test_fastdecode.trained_like: every vector moved off its initial
+Kernel comparisons run on trained-like parameters (helpers.trained_like: every vector moved off its initial
 value) at widths, head sizes and vocabularies that are not multiples of 16 or 64 (the products' masked tails).
 tests/test_kernel_mutants.py holds these checks to broken copies of the int8 kernel.
 """
@@ -14,7 +14,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from conftest import tiny_config
+from helpers import FMA_TOLERANCE, INT8_SHAPES, VNNI_TOLERANCE, int8_error, int8_model, trained_like
 from gptlab.bench.quality import int8_quality
 from gptlab.cli import main
 from gptlab.config import SampleConfig, TrainConfig
@@ -24,38 +24,9 @@ from gptlab.inference import TorchStep, cache_dtype, native, prepare_for_inferen
 from gptlab.inference.fused import FusedDecoder
 from gptlab.inference.int8 import BF16_ROWS, Int8Linear, dequantize_rows, quantize_model, quantize_rows
 from gptlab.runtime import bf16_supported
-from test_fastdecode import run_both, trained_like
 
-# n_embd 75 (heads of 25) and 200 (heads of 50, no biases, tanh GELU): K tails of 11 and 8 under 64 (75 is not a
-# multiple of 4 either: VNNI's packing pads the inputs of each group of 4), 200 = 3 x 64 + 8; vocabularies 97 and 1001
-SHAPES = [dict(n_layer=2, n_head=3, n_embd=75, vocab_size=97, block_size=40),
-          dict(n_layer=2, n_head=4, n_embd=200, vocab_size=1001, block_size=40, activation="gelu_tanh", bias=False)]
-# the FMA product computes what the torch path computes, in another order: measured up to 1e-6
-FMA_TOLERANCE = 1e-5
-# VNNI rounds x to 16 bits per row as well: measured up to 9e-5 on logits of magnitude ~1.8 (the int8 weights
-# themselves move these logits by up to 0.019 from fp32's; x rounded to 8 bits, as a first version did, by 0.022);
-# a scale, an offset or a byte gone wrong moves them by far more
-VNNI_TOLERANCE = 5e-4
 # the int8 torch path against fp32 on the same (trained-like) weights: measured up to 0.019
 QUANTIZATION_TOLERANCE = 0.05
-
-
-def int8_model(shape: dict) -> nn.Module:
-    model = trained_like(shape)
-    quantize_model(model)
-    return model
-
-
-def int8_error(shape: dict, rows: int, lib=None, vnni: bool | None = False) -> float:
-    """The largest difference of logits and cached keys/values between the fused int8 step (on `lib`, default the
-    package's kernel; `vnni` as FusedDecoder takes it) and the torch int8 path over 6 steps of `rows` rows; inf
-    where the positions advanced otherwise."""
-    model = int8_model(shape)
-    fused = FusedDecoder(model, lib or native.load_library(), vnni=vnni)
-    expected, got, (ref, out) = run_both(model, fused, rows, steps=6)
-    if not torch.equal(out.pos, ref.pos):
-        return float("inf")
-    return max((got - expected).abs().max(), (out.k - ref.k).abs().max(), (out.v - ref.v).abs().max()).item()
 
 
 # ---- quantization ---------------------------------------------------------------------------------------------
@@ -135,13 +106,13 @@ def test_prompts_take_the_bf16_product_where_the_cpu_computes_bf16_and_decode_st
         few, many = torch.randn(15, 72), torch.randn(2, 8, 72)
         assert torch.equal(layer(few), F.linear(few, layer.dequantized(), layer.bias))
         assert torch.equal(layer(many), layer.forward_bf16(many))
-    model = prepare_for_inference(trained_like(SHAPES[0]), "int8", fused=False).model
+    model = prepare_for_inference(trained_like(INT8_SHAPES[0]), "int8", fused=False).model
     expected = BF16_ROWS if bf16_supported(torch.device("cpu")) else None
     assert {m.bf16_rows for m in model.modules() if isinstance(m, Int8Linear)} == {expected}
 
 
 def test_the_int8_torch_path_stays_near_fp32_and_ties_embedding_and_head():
-    shape = SHAPES[1]
+    shape = INT8_SHAPES[1]
     fp32 = trained_like(shape)
     prepared = prepare_for_inference(copy.deepcopy(fp32), "int8", fused=False)
     model = prepared.model
@@ -167,20 +138,20 @@ def test_training_in_int8_is_refused_with_a_clear_message():
     with pytest.raises(GptlabError, match="int8 is for inference only"):
         TrainConfig(precision="int8")
     with pytest.raises(GptlabError, match="precision must be one of fp32, bf16, int8"):
-        prepare_for_inference(trained_like(SHAPES[0]), "int4")
+        prepare_for_inference(trained_like(INT8_SHAPES[0]), "int4")
 
 
 # ---- the native kernel ----------------------------------------------------------------------------------------
 
 @pytest.mark.device_path("fused decode (AVX-512)")
-@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("shape", INT8_SHAPES)
 @pytest.mark.parametrize("rows", [1, 3, 5])
 def test_the_fused_int8_fma_step_equals_the_torch_int8_path(fused_kernel, shape, rows):
     assert int8_error(shape, rows, fused_kernel, vnni=False) <= FMA_TOLERANCE
 
 
 @pytest.mark.device_path("int8 native (VNNI)")
-@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("shape", INT8_SHAPES)
 @pytest.mark.parametrize("rows", [1, 3, 8])
 def test_the_fused_int8_vnni_step_stays_within_its_tolerance_of_the_torch_int8_path(vnni_kernel, shape, rows):
     assert int8_error(shape, rows, vnni_kernel, vnni=True) <= VNNI_TOLERANCE
@@ -188,7 +159,7 @@ def test_the_fused_int8_vnni_step_stays_within_its_tolerance_of_the_torch_int8_p
 
 @pytest.mark.device_path("int8 native (VNNI)")
 def test_int8_decodes_with_vnni_where_the_cpu_has_it(vnni_kernel):
-    prepared = prepare_for_inference(trained_like(SHAPES[0]), "int8")
+    prepared = prepare_for_inference(trained_like(INT8_SHAPES[0]), "int8")
     assert prepared.fused and prepared.decoder.weights == "int8 vnni"
 
 
@@ -197,7 +168,7 @@ def test_a_rows_vnni_logits_do_not_depend_on_the_rows_beside_it(vnni_kernel):
     """Every step takes the VNNI product, whose sums are exact integers, and the rest of the step works row by row:
     row 0 decoded alone, beside 1 other row and beside 4 gets the same logits, bit for bit (the server's
     continuous batching relies on it)."""
-    model = int8_model(SHAPES[1])
+    model = int8_model(INT8_SHAPES[1])
     fused = FusedDecoder(model, vnni_kernel, vnni=True)
     ids = torch.randint(0, 1001, (5, 6))
     logits = {}
@@ -216,11 +187,11 @@ def test_a_kernel_built_without_vnni_decodes_int8_by_fma_and_refuses_vnni(fused_
     (tmp_path / "decode.cpp").write_text(source.replace("#ifdef __AVX512VNNI__", "#ifdef GPTLAB_NO_SUCH_ISA"))
     lib = native.build_library(tmp_path / "decode.cpp", tmp_path)
     assert not native.has_int8_vnni(lib)
-    model = int8_model(SHAPES[1])
+    model = int8_model(INT8_SHAPES[1])
     assert FusedDecoder(model, lib).weights == "int8 fma"
     with pytest.raises(ValueError, match="without AVX512-VNNI"):
         FusedDecoder(model, lib, vnni=True)
-    assert int8_error(SHAPES[1], 5, lib, vnni=None) <= FMA_TOLERANCE
+    assert int8_error(INT8_SHAPES[1], 5, lib, vnni=None) <= FMA_TOLERANCE
 
 
 def int8_fallback_case():

@@ -1,15 +1,15 @@
-"""Deliberately broken copies of the fused decode kernel (inference/csrc/decode.cpp): each must fail one of
-tests/test_fastdecode.py's parity checks, so that those checks are known to catch what they claim to; and copies
-whose structs differ from the ctypes ones (gptlab.inference.native), each of which loading must refuse."""
+"""Deliberately broken copies of the fused decode kernel (inference/csrc/decode.cpp): each must fail one of the
+parity checks of tests/test_fused.py and tests/test_int8.py (tests/helpers.py holds them), so that those checks
+are known to catch what they claim to; and copies whose structs differ from the ctypes ones
+(gptlab.inference.native), each of which loading must refuse."""
 
 from pathlib import Path
 
 import pytest
 
+from helpers import (BF16_TOLERANCE, FMA_TOLERANCE, FP32_TOLERANCE, INT8_SHAPES, KERNEL_SHAPES, VNNI_TOLERANCE,
+                     bf16_cache_errors, bf16_errors, fp32_error, int8_error)
 from gptlab.inference import native
-from test_fastdecode import BF16_TOLERANCE, FP32_TOLERANCE, SHAPES, bf16_cache_errors, bf16_errors, fp32_error
-from test_int8 import FMA_TOLERANCE, VNNI_TOLERANCE, int8_error
-from test_int8 import SHAPES as INT8_SHAPES
 
 pytestmark = [pytest.mark.device_path("fused decode (AVX-512)"), pytest.mark.usefixtures("fused_kernel")]
 
@@ -43,15 +43,15 @@ MUTANTS = {
 
 
 def fp32_passes(lib) -> bool:
-    return all(fp32_error(shape, rows, lib) <= FP32_TOLERANCE for shape in SHAPES for rows in (1, 2, 5, 8))
+    return all(fp32_error(shape, rows, lib) <= FP32_TOLERANCE for shape in KERNEL_SHAPES for rows in (1, 2, 5, 8))
 
 
 def bf16_weights_pass(lib) -> bool:
-    return all(bf16_errors(shape, lib)[1] <= BF16_TOLERANCE for shape in SHAPES)
+    return all(bf16_errors(shape, lib)[1] <= BF16_TOLERANCE for shape in KERNEL_SHAPES)
 
 
 def bf16_cache_passes(lib) -> bool:
-    errors = (bf16_cache_errors(shape, lib) for shape in SHAPES)
+    errors = (bf16_cache_errors(shape, lib) for shape in KERNEL_SHAPES)
     return all(logits_error <= BF16_TOLERANCE and wrongly_rounded == 0 for logits_error, wrongly_rounded in errors)
 
 
@@ -63,7 +63,7 @@ def int8_vnni_passes(lib) -> bool:
     return all(int8_error(shape, rows, lib, vnni=True) <= VNNI_TOLERANCE for shape in INT8_SHAPES for rows in (2, 8))
 
 
-# test_fastdecode's and test_int8's parity checks, each over every shape there (stopping at the first that fails)
+# test_fused's and test_int8's parity checks, each over every shape there (stopping at the first that fails)
 CHECKS = {"fp32": fp32_passes, "bf16 weights": bf16_weights_pass, "bf16 cache": bf16_cache_passes,
           "int8 fma": int8_fma_passes, "int8 vnni": int8_vnni_passes}
 

@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import tiny_config
+from helpers import tiny_config
 from gptlab.config import ModelConfig, build, get_preset
 from gptlab.data.batches import load_dataset
 from gptlab.model import GPT, Bigram, _attention_mask, build_model

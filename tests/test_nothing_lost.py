@@ -19,9 +19,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import CORPUS
+from helpers import CORPUS, TINY, tree
 from safetensors import SafetensorError
-from test_sweep import TINY, tree
 
 import gptlab
 import gptlab.checkpoint as ck

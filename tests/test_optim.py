@@ -4,6 +4,7 @@ import json
 
 import pytest
 import torch
+from helpers import TINY, tiny_config, tree
 
 from gptlab.optim import step_if_finite
 
@@ -30,7 +31,6 @@ def test_a_non_finite_step_changes_nothing_and_a_finite_one_steps(fused):
 # ---- Muon (the blocks' matrices) with AdamW (the rest) ----------------------------------------------------------
 
 def muon_model_and_grads(seed: int = 0):
-    from conftest import tiny_config
 
     from gptlab.config import TrainConfig
     from gptlab.model import GPT
@@ -110,7 +110,6 @@ def test_muon_updates_match_a_written_out_reference():
 
 
 def test_muon_trains_and_resumes_exactly(tmp_path, char_data):
-    from test_sweep import TINY
 
     from gptlab.checkpoint import find_checkpoint, load_run
     from gptlab.cli import main
@@ -132,7 +131,6 @@ def test_muon_trains_and_resumes_exactly(tmp_path, char_data):
 @pytest.mark.parametrize("trained, asked", [("adamw", "muon"), ("muon", "adamw")])
 def test_a_resume_with_the_other_optimizer_is_one_line_and_changes_nothing(tmp_path, char_data, capsys, trained,
                                                                          asked):
-    from test_sweep import TINY, tree
 
     from gptlab.cli import main
 
@@ -154,7 +152,6 @@ def test_a_resume_with_the_other_optimizer_is_one_line_and_changes_nothing(tmp_p
 def trained_looking_model(seed: int = 1):
     """A tiny GPT whose weights are far from their init (so decay and moments are visible), with names for
     telling the groups apart."""
-    from conftest import tiny_config
 
     from gptlab.model import GPT
 

@@ -1,11 +1,11 @@
-"""The engine at its edges, held to test_engine's outside reference (the model's plain forward over the documented
-window, penalties worked out in numpy): each penalty alone, windows of 1 to 4 tokens on the cached path and the
-server's RunningBatch, the pad row of the fused step, the prompts' checks, and tensors put on the model's device."""
+"""The engine at its edges, held to test_engine's outside reference (in helpers: the model's plain forward over the
+documented window, penalties worked out in numpy): each penalty alone, windows of 1 to 4 tokens on the cached path
+and the server's RunningBatch, the pad row of the fused step, the prompts' checks, and tensors put on the model's
+device."""
 
 import pytest
 import torch
-from conftest import tiny_config
-from test_engine import pair, reference_continuation, rows_of
+from helpers import pair, reference_continuation, rows_of, tiny_config
 
 from gptlab.config import SampleConfig
 from gptlab.engine import RunningBatch, check_prompts, generate, generate_batch, one_thread
@@ -41,7 +41,7 @@ def test_each_penalty_alone_counts_the_prompt_and_the_generated_tokens_on_both_p
 
 @pytest.mark.parametrize("block_size", [1, 2, 3, 4])
 def test_windows_of_a_few_tokens_slide_as_documented_on_both_paths(block_size):
-    """Windows this short keep 1, 1, 2, 3 tokens when they slide (test_engine.KEEPS): a rebuild from nothing (keep
+    """Windows this short keep 1, 1, 2, 3 tokens when they slide (helpers.KEEPS): a rebuild from nothing (keep
     1), from one token (keep 2), a slide every token or two, several rows sliding in the same step."""
     plain, fast = pair(n_layer=2, n_head=2, n_embd=32, block_size=block_size)
     cfg = SampleConfig(max_new_tokens=12, temperature=0, frequency_penalty=0.3)

@@ -7,16 +7,13 @@ from dataclasses import asdict
 from pathlib import Path
 
 import pytest
-from test_sweep import TINY
+from helpers import QUICK, SMALL, TINY
 
 from gptlab import checkpoint as ck
 from gptlab import rundir
 from gptlab.cli import main
 from gptlab.errors import GptlabError
 from gptlab.runs import RunSummary, latest_run, list_runs, pick_run_dir, resolve, run_info, start
-
-SMALL = dict(n_layer=1, n_head=2, n_embd=16, block_size=16)
-QUICK = dict(batch_size=4, eval_interval=5, eval_batches=2, log_interval=5, precision="fp32", max_steps=5)
 
 
 def test_a_python_caller_resolves_and_trains_as_the_cli_does(tmp_path, char_data, monkeypatch, capsys):

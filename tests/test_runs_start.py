@@ -9,10 +9,8 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers import QUICK, SMALL, TINY, evaluated_run
 from safetensors.torch import load_file
-from test_cli import evaluated_run
-from test_runs import QUICK, SMALL
-from test_sweep import TINY
 
 import gptlab.distributed.distributed
 from gptlab import checkpoint as ck

@@ -10,7 +10,7 @@ import time
 import pytest
 import torch
 
-from conftest import tiny_config
+from helpers import inject_nan_at, tiny_config
 from gptlab import checkpoint as ck
 from gptlab.config import TrainConfig
 from gptlab.model import GPT
@@ -102,7 +102,6 @@ def result_vocab(run) -> int:
 def test_where_the_check_is_deferred_a_nan_step_is_skipped_on_the_device_and_reported_at_the_next_log_row(
         tmp_path, char_data, monkeypatch):
     """The CUDA path, run on the CPU: the host learns of the skipped step only at the next log row."""
-    from test_faults import inject_nan_at
 
     from gptlab.training import step as step_module, train as train_module
     from gptlab.training.faults import NonFiniteLoss

@@ -4,6 +4,7 @@ import torch
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
+from helpers import reference_probs, tiny_config
 from gptlab.config import SampleConfig
 from gptlab.engine import one_thread
 from gptlab.sampling import apply_penalties, next_token, top_k_filter, top_p_filter
@@ -91,7 +92,6 @@ def test_top_k_unset_keeps_every_token_and_penalties_apply_before_the_choice():
 
 
 def test_the_engine_counts_prompt_and_generated_tokens_for_penalties():
-    from conftest import tiny_config
     from gptlab.engine import generate
     from gptlab.model import GPT
 
@@ -104,27 +104,6 @@ def test_the_engine_counts_prompt_and_generated_tokens_for_penalties():
 
 
 # ---- references in plain numpy: the documented order (penalties, temperature, top-k, top-p), ties to the lower id
-
-def reference_probs(logits, counts, cfg: SampleConfig) -> tuple[np.ndarray, float]:
-    """The distribution next_token draws from for one row, worked out in float64 numpy from the docstrings, and how
-    far the nearest top-p boundary is (a cumulative mass that close to p may round either way in float32)."""
-    x, c = np.asarray(logits, np.float64), np.asarray(counts, np.float64)
-    seen = c > 0
-    rep = cfg.repetition_penalty
-    x = np.where(seen, np.where(x > 0, x / rep, x * rep), x) - cfg.frequency_penalty * c - cfg.presence_penalty * seen
-    x = x / cfg.temperature
-    kept = np.argsort(-x, kind="stable")  # most likely first; equal logits: the lower id first
-    if cfg.top_k is not None:
-        kept = kept[:cfg.top_k]
-    p = np.exp(x[kept] - x[kept].max())
-    p /= p.sum()
-    before = np.cumsum(p) - p  # mass of the tokens ahead of each
-    margin = float(np.abs(before - cfg.top_p).min()) if cfg.top_p < 1 else 1.0
-    if cfg.top_p < 1:
-        kept = kept[before < cfg.top_p]
-    probs = np.zeros(len(x))
-    probs[kept] = np.exp(x[kept] - x[kept].max())
-    return probs / probs.sum(), margin
 
 
 def test_top_k_breaks_a_tie_among_a_hundred_logits_toward_the_lower_ids():

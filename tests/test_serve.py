@@ -20,12 +20,11 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
+from helpers import CORPUS, eot_model, tiny_run
 
 from gptlab.checkpoint import load_run
 from gptlab.cli import main
-from gptlab.config import ModelConfig
 from gptlab.inference import prepare_for_inference
-from gptlab.model import GPT
 from gptlab.serve import Limits, load_served, start_server
 from gptlab.serve.app import Served, make_app
 from gptlab.tokenizer import GPT2Tokenizer
@@ -38,7 +37,6 @@ GPTLAB = str(Path(sys.executable).parent / "gptlab")
 
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory):
-    from conftest import tiny_run
 
     return tiny_run(tmp_path_factory.mktemp("serve"), 20, TINY)
 
@@ -50,20 +48,6 @@ def server(run_dir):
     running.app = app
     yield running
     running.stop()
-
-
-def eot_model(tokenizer) -> GPT:
-    """A 1-layer model over GPT-2's vocabulary whose end-of-text logit is 10 above zero at every position (the final
-    LayerNorm's gain zeroed, its bias along the end-of-text embedding): drawn at temperature 1, about a third of the
-    tokens end the text."""
-    torch.manual_seed(0)
-    model = GPT(ModelConfig(vocab_size=50257, block_size=32, n_layer=1, n_head=2, n_embd=32, dropout=0.0)).eval()
-    with torch.no_grad():
-        direction = torch.nn.functional.normalize(torch.randn(32), dim=0)
-        model.transformer.ln_f.weight.zero_()
-        model.transformer.ln_f.bias.copy_(direction)
-        model.transformer.wte.weight[tokenizer.eot_id] = 10 * direction
-    return model
 
 
 @pytest.fixture(scope="module")
@@ -155,7 +139,6 @@ def test_usage_counts_each_prompt_once_however_many_choices(client, stream):
 
 
 def test_a_prompt_as_long_as_the_context_is_accepted(client, run_dir):
-    from conftest import CORPUS
 
     prompt = CORPUS[:32]  # 32 characters, 32 tokens: the whole context, and the model still predicts the next one
     got = client.completions.create(model="run", prompt=prompt, max_tokens=1, temperature=0)

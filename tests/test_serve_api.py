@@ -13,8 +13,8 @@ import time
 
 import pytest
 import torch
-from conftest import tiny_config
 from fastapi.testclient import TestClient
+from helpers import tiny_config
 
 from gptlab.config import SEED_LIMIT
 from gptlab.errors import GptlabError

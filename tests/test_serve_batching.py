@@ -6,7 +6,7 @@ from dataclasses import replace
 
 import pytest
 import torch
-from conftest import tiny_config
+from helpers import tiny_config
 
 from gptlab.config import SampleConfig
 from gptlab.engine import RunningBatch, _prefill, generate_batch, one_thread, row_seed

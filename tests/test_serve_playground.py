@@ -9,6 +9,7 @@ import time
 from importlib import resources
 
 import pytest
+from helpers import tiny_run
 from PIL import Image
 
 from gptlab.serve import Limits, load_served, start_server
@@ -26,13 +27,11 @@ def test_the_page_is_one_file_with_no_address_in_it():
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    from conftest import tiny_run
 
     run = tiny_run(tmp_path_factory.mktemp("playground"), 10, TINY)
     running = start_server(make_app(load_served(run, "fp32", "cpu"), Limits()))
     yield running
     running.stop()
-
 
 
 @pytest.mark.device_path("browser")

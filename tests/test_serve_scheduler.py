@@ -10,9 +10,8 @@ import threading
 import time
 
 import pytest
-import test_serve
 import torch
-from conftest import tiny_config
+from helpers import eot_model, tiny_config
 
 from gptlab.config import SampleConfig
 from gptlab.engine import generate_batch, one_thread
@@ -217,14 +216,14 @@ def test_a_stop_string_ends_a_choice_and_is_cut(make, model):
     assert text == full[:full.index(stop)] and reasons[-1] == "stop" and ids == reference[:len(ids)]
 
 
-def eot_model(tokenizer):
-    """test_serve's end-of-text model, prepared for inference."""
-    return prepare_for_inference(test_serve.eot_model(tokenizer), "fp32")
+def prepared_eot_model(tokenizer):
+    """helpers.eot_model (test_serve's server runs it too), prepared for inference."""
+    return prepare_for_inference(eot_model(tokenizer), "fp32")
 
 
 def test_end_of_text_finishes_a_choice_with_openais_stop(make):
     tokenizer = GPT2Tokenizer()
-    scheduler = make(tokenizer=tokenizer, over=eot_model(tokenizer))
+    scheduler = make(tokenizer=tokenizer, over=prepared_eot_model(tokenizer))
     scheduler.start()
     mine = job(["Grüße"], n=2, tokenizer=tokenizer, max_new_tokens=4)
     assert scheduler.submit(mine)

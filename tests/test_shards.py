@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from test_sweep import tree
+from helpers import tree
 from gptlab.cli import main
 from gptlab.data import encoder
 from gptlab.data.batches import batch_generator, get_batch, load_dataset

@@ -1,22 +1,18 @@
 """Every CLI verb against a catalogue of bad inputs: exit code 2, one line naming the problem, and not one byte
 changed, added or removed anywhere in the folder it ran in (runs, data, everything)."""
 
-import hashlib
 import json
 import shutil
 
 import pytest
+from helpers import CORPUS, TINY, tree
 
 from gptlab.cli import main
-
-TINY = ["--n-layer", "1", "--n-head", "2", "--n-embd", "16", "--block-size", "16", "--batch-size", "4",
-        "--eval-interval", "5", "--eval-batches", "2", "--log-interval", "5", "--precision", "fp32", "--quiet"]
 
 
 @pytest.fixture(scope="module")
 def world(tmp_path_factory):
     """A folder with a prepared corpus, a trained run and an assortment of bad files."""
-    from conftest import CORPUS
 
     root = tmp_path_factory.mktemp("sweep")
     (root / "corpus.txt").write_text(CORPUS)
@@ -52,12 +48,6 @@ def world(tmp_path_factory):
         (config[key[0]] if len(key) == 2 else config)[key[-1]] = value
         (root / name / "config.json").write_text(json.dumps(config))
     return root
-
-
-def tree(root):
-    """Every folder and every file's sha256 under `root`: the state a refused command must leave alone."""
-    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest() if p.is_file() else "folder"
-            for p in sorted(root.rglob("*"))}
 
 
 CASES = [

@@ -6,7 +6,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from conftest import tiny_config
+from helpers import tiny_config
 from gptlab.config import SampleConfig
 from gptlab.engine import one_thread
 from gptlab.model import GPT, Bigram
@@ -101,7 +101,6 @@ def test_same_seed_same_text():
     texts = [c.text for c in complete(model, CHARS, [char_ids("ab")], cfg, 2)]
     assert texts == [c.text for c in complete(model, CHARS, [char_ids("ab")], cfg, 2)]
     assert texts[0] != texts[1]
-
 
 
 # ---- properties: any text, cut into tokens anywhere (inside a character, inside a stop string) ---------------------

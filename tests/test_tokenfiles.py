@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from test_sweep import tree
+from helpers import tree
 
 from gptlab.data import encoder
 from gptlab.data import prepare as prepare_module

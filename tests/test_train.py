@@ -9,7 +9,7 @@ import shutil
 import pytest
 import torch
 
-from conftest import CORPUS, tiny_config
+from helpers import CORPUS, tiny_config, tree
 from gptlab import checkpoint as ck
 from gptlab.config import ModelConfig, TrainConfig
 from gptlab.data.batches import load_dataset
@@ -20,7 +20,6 @@ from gptlab.runtime import bf16_supported
 from gptlab.training import train as training
 from gptlab.training.step import StepContext, estimate_loss, train_step
 from gptlab.training.train import train
-from test_sweep import tree
 
 
 def quick(**overrides) -> TrainConfig:

@@ -9,7 +9,7 @@ where the CPU has it, else widened to fp32; gptlab.inference.int8 is the referen
 
 The library is built, loaded and its structs checked by gptlab.inference.native. Where it cannot run
 `fused_decoder` returns None, and where a cache is neither fp32 nor bf16 `accepts` says no: the engine then
-decodes with the torch step (gptlab.inference.TorchStep), which stays the reference (tests/test_fastdecode.py
+decodes with the torch step (gptlab.inference.TorchStep), which stays the reference (tests/test_fused.py
 holds the two together; tests/test_kernel_mutants.py checks that those tests catch a broken kernel).
 """
 

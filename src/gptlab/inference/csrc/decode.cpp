@@ -11,7 +11,7 @@
 // AVX512-VNNI, multiplied as bytes by vpdpbusd against x quantized per row to 16 bits, in two bytes
 // (see gemv_vnni).
 //
-// The math is the model's (gptlab/model.py), step by step; tests/test_fastdecode.py holds it to the torch path
+// The math is the model's (gptlab/model.py), step by step; tests/test_fused.py holds it to the torch path
 // (gptlab/inference/fused.py calls it).
 // Layout of the KV cache: k, v (n_layer, R, n_head, max_len, head_dim) fp32 or bf16, as gptlab.model.KVCache.
 #include <immintrin.h>

@@ -2,8 +2,9 @@
 
 Every comparison runs on parameters away from their initial values (at init every bias is 0 and every LayerNorm
 gain 1, so ln_1 equals ln_2 and a kernel that skips a bias or a gain, or swaps the two norms, still matches), at
-widths and head sizes that are not multiples of 16 (the kernel's masked tails). tests/test_kernel_mutants.py
-holds these checks to deliberately broken copies of the kernel: each must fail one of them.
+widths and head sizes that are not multiples of 16 (the kernel's masked tails). The checks themselves
+(fp32_error, bf16_errors, bf16_cache_errors) are in tests/helpers.py, because tests/test_kernel_mutants.py holds
+them to deliberately broken copies of the kernel: each must fail one of them.
 """
 
 import copy
@@ -16,9 +17,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import (BF16_TOLERANCE, FP32_TOLERANCE, KERNEL_SHAPES, bf16_cache_errors, bf16_errors, fp32_error,
+                     tiny_config, trained_like)
 
-from conftest import tiny_config
-from gptlab.config import ModelConfig, SampleConfig
+from gptlab.config import SampleConfig
 from gptlab.engine import generate_batch, generate_uncached
 from gptlab.inference import TorchStep, native, prepare_for_inference
 from gptlab.inference.fused import FusedDecoder, fused_decoder
@@ -28,113 +30,20 @@ from gptlab.runtime import bf16_supported
 
 pytestmark = [pytest.mark.device_path("fused decode (AVX-512)"), pytest.mark.usefixtures("fused_kernel")]
 
-# widths 60, 75 and 100 and head sizes 12 and 25 (the products' and the attention's masked tails; the bf16 dot
-# products take 32 at a time), odd head counts, GPT-2's head size 64, no biases, GPT-2's tanh GELU
-SHAPES = [dict(n_layer=2, n_head=5, n_embd=60, vocab_size=101, block_size=40, activation="gelu_tanh"),
-          dict(n_layer=2, n_head=3, n_embd=75, vocab_size=67, block_size=40, bias=False),
-          dict(n_layer=3, n_head=4, n_embd=100, vocab_size=65, block_size=64, layer_norm_eps=1e-6),
-          dict(n_layer=2, n_head=3, n_embd=192, vocab_size=70, block_size=40)]
-FP32_TOLERANCE = 1e-5  # max abs difference of logits and cached keys/values; measured: up to 1e-6
-# bf16 weights and activations (logits of these models are ~0.1-1): measured against fp32 on the same weights,
-# torch path 0.0049, fused 0.0020; fused over a bf16 cache against the torch path over one, 0.005. No logits
-# tolerance tells a bf16 cache written by truncation instead of rounding (measured: 0.0048) from a right one, so
-# bf16_cache_errors checks the rounding itself, exactly.
-BF16_TOLERANCE = 0.02
 
-
-def trained_like(shape: dict, dtype=torch.float32, seed: int = 0) -> GPT:
-    """A GPT of `shape` whose every vector (LayerNorm gains and biases, linear biases) is moved off its initial
-    value by seeded noise of 0.3, as training moves it, then cast to `dtype`."""
-    model = GPT(ModelConfig(**shape)).eval()
-    noise = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() == 1:
-                p.add_(0.3 * torch.randn(p.shape, generator=noise))
-    return model.to(dtype)
-
-
-def decoder(model: GPT, lib=None) -> FusedDecoder:
-    """The fused step for `model`, on the kernel `lib` (a ctypes library; default: the package's kernel)."""
-    return fused_decoder(model) if lib is None else FusedDecoder(model, lib)
-
-
-def run_both(model: GPT, fused: FusedDecoder, rows: int, steps: int, cache_dtype=torch.float32):
-    """Prefill `rows` ragged rows, then feed the same random tokens to the torch forward and to the fused step,
-    each with its own cache; returns the logits and caches of both."""
-    config = model.config
-    prompts = torch.randint(0, config.vocab_size, (rows, 7))
-    caches = [model.new_kv_cache(rows, dtype=cache_dtype) for _ in range(2)]
-    torch_logits, fused_logits = [], []
-    with torch.inference_mode():
-        for cache in caches:
-            model(prompts, kv_cache=cache)
-            cache.pos -= torch.arange(rows) % 3  # rows at different positions
-        for _ in range(steps):
-            ids = torch.randint(0, config.vocab_size, (rows,))
-            torch_logits.append(model(ids[:, None], kv_cache=caches[0], last_only=True)[0][:, -1].float())
-            fused_logits.append(fused.step(ids, caches[1]).clone())  # valid until the next step
-    return torch.stack(torch_logits), torch.stack(fused_logits), caches
-
-
-def fp32_error(shape: dict, rows: int, lib=None) -> float:
-    """The largest difference of logits, keys and values between the fused step and the torch forward over 12
-    steps of `rows` rows in fp32; inf where the fused step advanced the positions otherwise."""
-    model = trained_like(shape)
-    expected, got, (ref, fused) = run_both(model, decoder(model, lib), rows, steps=12)
-    if not torch.equal(fused.pos, ref.pos):  # advanced by one per step, row by row
-        return float("inf")
-    return max((got - expected).abs().max(), (fused.k - ref.k).abs().max(), (fused.v - ref.v).abs().max()).item()
-
-
-def bf16_errors(shape: dict, lib=None) -> tuple[float, float]:
-    """Logits of the torch forward and of the fused step with bf16 weights, each against the same (bf16-rounded)
-    weights computed in fp32: the largest differences (torch's, fused's) over 8 steps of 4 rows."""
-    model = trained_like(shape, torch.bfloat16)
-    exact = copy.deepcopy(model).float()
-    torch.manual_seed(1)  # the same prompts and tokens for both runs
-    reference, _, _ = run_both(exact, decoder(exact, lib), 4, steps=8)
-    torch.manual_seed(1)
-    torch_bf16, fused_bf16, _ = run_both(model, decoder(model, lib), 4, steps=8)
-    return (torch_bf16 - reference).abs().max().item(), (fused_bf16 - reference).abs().max().item()
-
-
-def bf16_cache_errors(shape: dict, lib=None) -> tuple[float, int]:
-    """A bf16 model over a bf16 cache, 8 steps of 3 rows: the largest difference of the fused step's logits from
-    the torch forward's (inf where the positions differ), and how many keys and values the fused step wrote into
-    layer 0 of a bf16 cache differ from those it wrote into an fp32 one, rounded to nearest even (torch's
-    .to(torch.bfloat16)). Layer 0's are exactly comparable: they depend on the token and position only."""
-    model = trained_like(shape, torch.bfloat16)
-    expected, got, (ref, fused) = run_both(model, decoder(model, lib), 3, steps=8, cache_dtype=torch.bfloat16)
-    same_pos = fused.k.dtype == torch.bfloat16 and torch.equal(fused.pos, ref.pos)
-    logits_error = (got - expected).abs().max().item() if same_pos else float("inf")
-    caches = [model.new_kv_cache(3, dtype=dtype) for dtype in (torch.float32, torch.bfloat16)]
-    step = decoder(model, lib).step
-    with torch.inference_mode():
-        model(torch.randint(0, model.config.vocab_size, (3, 5)), kv_cache=caches[0])
-        for name in ("k", "v", "pos"):
-            getattr(caches[1], name).copy_(getattr(caches[0], name))  # the prefill, rounded to nearest even
-        for _ in range(8):
-            ids = torch.randint(0, model.config.vocab_size, (3,))
-            for cache in caches:
-                step(ids, cache)
-    wrong = sum(int((getattr(caches[1], n)[0] != getattr(caches[0], n)[0].to(torch.bfloat16)).sum()) for n in "kv")
-    return logits_error, wrong
-
-
-@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("shape", KERNEL_SHAPES)
 @pytest.mark.parametrize("rows", [1, 2, 5, 8])
 def test_fused_step_equals_the_torch_forward_in_fp32(shape, rows):
     assert fp32_error(shape, rows) <= FP32_TOLERANCE
 
 
-@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("shape", KERNEL_SHAPES)
 def test_fused_bf16_step_stays_as_close_to_fp32_as_the_torch_bf16_path(shape):
     torch_error, fused_error = bf16_errors(shape)
     assert torch_error <= BF16_TOLERANCE and fused_error <= BF16_TOLERANCE
 
 
-@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("shape", KERNEL_SHAPES)
 def test_the_bf16_cache_holds_keys_and_values_rounded_to_nearest_even(shape):
     logits_error, wrongly_rounded = bf16_cache_errors(shape)
     assert logits_error <= BF16_TOLERANCE
@@ -199,7 +108,7 @@ def test_a_refused_step_raises_and_changes_nothing():
 
 def test_a_refused_step_raises_under_python_O_too():
     """python -O drops assert statements: the previous test, run there, still sees every refusal raise."""
-    code = ("import sys; sys.path.insert(0, sys.argv[1]); import test_fastdecode as t; "
+    code = ("import sys; sys.path.insert(0, sys.argv[1]); import test_fused as t; "
             "t.test_a_refused_step_raises_and_changes_nothing(); print('optimize', sys.flags.optimize)")
     out = subprocess.run([sys.executable, "-O", "-c", code, str(Path(__file__).parent)], capture_output=True,
                          text=True, timeout=300)
