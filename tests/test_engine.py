@@ -13,7 +13,7 @@ from gptlab.inference import InferenceModel, TorchStep, as_inference, prepare_fo
 from gptlab.inference.weights import InferenceLinear, can_pack
 from gptlab.errors import GptlabError
 from gptlab.model import GPT, Bigram
-from gptlab.tokenizer import BPETokenizer, CharTokenizer
+from gptlab.tokenizer import BPETokenizer
 
 @pytest.fixture(autouse=True)
 def _one_thread():

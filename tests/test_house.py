@@ -192,7 +192,6 @@ def test_the_size_limits_are_found_at_their_boundaries(tmp_path):
 
 # public names defined at the top of two modules that mean the same thing in both
 SAME_MEANING = {
-    "data_dir_for": {"cli/common.py", "runs.py"},  # the CLI's is runs.data_dir_for, imported on first use
     "launch": {"distributed/distributed.py", "runs.py"},  # runs.launch is distributed.launch for a run's spec
     "from_dict": {"config.py", "tokenizer.py"},  # each rebuilds its own module's object from its JSON
 }

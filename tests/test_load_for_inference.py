@@ -3,9 +3,8 @@ which precision (checked before anything is loaded), prepared to decode or kept 
 
 import pytest
 import torch
-from conftest import CORPUS, tiny_run
+from helpers import CORPUS, TINY, tiny_run
 from safetensors.torch import load_file
-from test_sweep import TINY
 
 from gptlab.errors import GptlabError
 from gptlab.inference import InferenceModel, Int8Linear, TorchStep, load_for_inference

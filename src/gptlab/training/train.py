@@ -163,7 +163,7 @@ def _train_locked(dataset: Dataset, run: Path, model_cfg: ModelConfig, cfg: Trai
 
 
 @dataclass
-class Clock:
+class LoopClock:
     """The loop's time (perf_counter seconds): when this session began and at which step, where the current speed
     interval began (evaluations and checkpoints are left out of it), the seconds spent in training steps alone, and
     when the last plain progress line was printed."""
@@ -195,7 +195,7 @@ class Trainer:
     last_checkpoint: Path | None = None  # the newest step checkpoint: named when the run stops on a fault
     val_loss: float = math.nan  # of the last evaluation
     held_reported: bool = False  # the first train row says what each process holds (held_bytes)
-    clock: Clock = field(init=False)
+    clock: LoopClock = field(init=False)
     nonfinite: torch.Tensor = field(init=False)  # steps skipped for a non-finite loss or norm, where deferred
     eager: torch.nn.Module = field(init=False)  # the model uncompiled: evaluating compiled costs a compilation
     plain: bool = False  # no terminal (CI, nohup, | tee): a plain progress line now and then instead of a bar
@@ -204,7 +204,7 @@ class Trainer:
     def __post_init__(self) -> None:
         found = ck.find_checkpoint(self.run, "step")
         self.last_checkpoint = found.path if found else None
-        self.clock = Clock(time.perf_counter(), self.progress.step)
+        self.clock = LoopClock(time.perf_counter(), self.progress.step)
         self.nonfinite = torch.zeros((), dtype=torch.int64, device=self.ctx.device)
         self.eager = getattr(self.model, "_orig_mod", self.model)
 
