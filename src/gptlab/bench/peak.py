@@ -1,7 +1,7 @@
 """`gptlab bench peak`: what the device can do, now: dense matmul throughput per precision and memory read
-bandwidth. The result is kept per device (gptlab.peak: its file, schema and atomic write) so that training reports
-MFU against a measured, not a datasheet, peak; a peak measured while other work ran is printed but not cached, since it would
-understate the device and inflate every later MFU figure."""
+bandwidth. The result is kept per device (gptlab.peak: its file, schema and atomic write) so that training
+reports MFU against a measured, not a datasheet, peak; a peak measured while other work ran is printed but not
+cached, since it would understate the device and inflate every later MFU figure."""
 
 from __future__ import annotations
 

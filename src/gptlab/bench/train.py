@@ -64,6 +64,7 @@ class Contender:
     """A variant's own model and optimizer, built from the same seed as every other, and its step times."""
 
     variant: Variant
+    ctx: Any  # its StepContext: the data, settings and device every variant shares, in its own precision
     model: torch.nn.Module
     optimizer: torch.optim.Optimizer
     eager: torch.nn.Module
@@ -107,11 +108,11 @@ def _contender(variant: Variant, model_cfg: ModelConfig, cfg: TrainConfig, datas
     torch.manual_seed(cfg.seed)
     model_cfg = dataclasses.replace(model_cfg, attention=variant.attention or model_cfg.attention)
     eager = build_model(model_cfg).to(device)
-    contender = Contender(variant, eager, make_optimizer(eager, cfg), eager, _rng_state(device))
+    ctx = StepContext(dataset, cfg, model_cfg.block_size, device, variant.precision)
+    contender = Contender(variant, ctx, eager, make_optimizer(eager, cfg), eager, _rng_state(device))
     if variant.compile:
         start = time.perf_counter()
         with contender.running(device):
-            ctx = StepContext(dataset, cfg, model_cfg.block_size, device, variant.precision)
             contender.model = compile_model(eager, warm_up(ctx))
         contender.compile_s = time.perf_counter() - start
     return contender
@@ -140,14 +141,13 @@ def run_train_bench(data_dir: str | Path, model_cfg: ModelConfig, cfg: TrainConf
     cfg = dataclasses.replace(cfg, grad_accum=1, max_steps=total, warmup_steps=min(cfg.warmup_steps, total // 4),
                               eval_batches=4)
     contenders = [_contender(v, model_cfg, cfg, dataset, device) for v in variants or train_variants(device)]
-    contexts = [StepContext(dataset, cfg, model_cfg.block_size, device, c.variant.precision) for c in contenders]
     for step in range(total):
-        for c, ctx in zip(contenders, contexts):
+        for c in contenders:
             with c.running(device):
                 if c.variant.traced:
                     _trace(c.eager, dataset, cfg.seed, step, model_cfg.block_size, device)
                 start = time.perf_counter()
-                train_step(c.model, c.optimizer, ctx, step)
+                train_step(c.model, c.optimizer, c.ctx, step)
                 sync(device)
             if step >= warmup:
                 c.times.append(time.perf_counter() - start)

@@ -277,8 +277,8 @@ def _pieces(sources: list[Source], split_at: int, held: np.ndarray | None, encod
 
 
 def _encode_split(sources: list[Source], tok: Tokenizer, stage: Staging, split_at: int, shard_tokens: int,
-                  scanned: int, held: np.ndarray | None, encoding: str, text_field: str, quiet: bool, allow_special: bool,
-                  workers: int) -> tuple[list[ShardWriter], dict[str, Any]]:
+                  scanned: int, held: np.ndarray | None, encoding: str, text_field: str, quiet: bool,
+                  allow_special: bool, workers: int) -> tuple[list[ShardWriter], dict[str, Any]]:
     """Encode everything into the train and val shards (see `_pieces`) in `workers` processes, from the staging
     folder's checkpoint when it has one: the units before it are read again (to count characters and find the
     place) but not encoded."""
