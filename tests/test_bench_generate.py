@@ -96,3 +96,17 @@ def test_bench_decode_holds_each_step_to_the_floor_read_beside_it(fused_kernel, 
     assert all("of the floor (median of 3; " in line and "x batch 1's tokens/s (" in line for line in table)
     with pytest.raises(ValueError, match="pages"):
         run_decode(pages="1G")
+
+
+def test_the_floor_and_the_gains_are_the_arithmetic_their_docstrings_state():
+    """Worked out by hand: every row's token from one read of the weights; batch 8's tokens/s over batch 1's; the
+    leading ids two generations share, also where one is the other's prefix."""
+    from gptlab.bench.decode import DecodeRow
+    from gptlab.bench.engines import GenResult, agreeing_prefix
+
+    result = GenResult("gptlab (KV cache)", "fp32", 4, 0.1, 10.0, 100.0, [], bandwidth=2e9)
+    assert result.floor_tok_s(1_000_000) == 8000.0  # 4 rows x 2e9 B/s / 1e6 B per token
+    assert DecodeRow("fp32", "2M", [0.5], 0.010, 0.020, 0.015).batch8_gain == pytest.approx(4.0)  # 8 x 10 ms / 20 ms
+    assert agreeing_prefix([1, 2, 3], [1, 2, 4]) == 2
+    assert agreeing_prefix([1, 2, 3], [1, 2]) == 2 and agreeing_prefix([5], [5, 6, 7]) == 1
+    assert agreeing_prefix([], [1]) == 0
