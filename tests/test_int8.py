@@ -8,6 +8,7 @@ tests/test_kernel_mutants.py holds these checks to broken copies of the int8 ker
 
 import copy
 import dataclasses
+import re
 
 import pytest
 import torch
@@ -249,6 +250,8 @@ def test_sample_and_eval_run_in_int8_end_to_end(tmp_path, monkeypatch, capsys, c
     assert abs(int8_loss - fp32_loss) <= 0.01 * fp32_loss
     perplexity, *greedy = int8_quality("runs/tiny", prompts=2, new_tokens=4)  # bench generate --quality
     assert perplexity.startswith("int8 vs ") and "validation perplexity" in perplexity and "%)" in perplexity
+    ours, base, change = re.search(r"perplexity ([\d.]+) vs ([\d.]+) \(([-+][\d.]+)%\)", perplexity).groups()
+    assert float(change) / 100 == pytest.approx(float(ours) / float(base) - 1, abs=2e-4)  # int8's change over base
     pairs = ["int8 vs bf16", "bf16 vs fp32", "int8 vs fp32"] if bf16_supported(torch.device("cpu")) else \
         ["int8 vs fp32"]
     pairs += ["int8 (torch step) vs fp32"] if native.load_library() is not None else []
