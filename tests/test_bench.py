@@ -198,3 +198,22 @@ def test_the_profiled_rest_is_told_by_kind_and_a_dropout_owns_its_mask_and_cast(
         assert abs(sum(rest[precision].values()) - steps[precision][2]) < 1e-9  # the kinds add up to the rest
         assert {"dropout", "LayerNorm", "GELU", "optimizer (AdamW)", "cross-entropy"} <= set(rest[precision])
         assert "products" not in rest[precision] and rest[precision]["dropout"] > 0
+
+
+def test_a_profiled_op_is_counted_as_its_innermost_known_kind_and_all_of_a_dropout_as_dropout():
+    """Hand-made profiler events (name, cpu_parent), labels read off OP_KINDS by hand: a product inside a Dropout
+    module counts as dropout wherever the Dropout sits among its callers; otherwise the op's own name decides
+    before its callers'; an unknown op under no known caller is other."""
+    from types import SimpleNamespace
+
+    def chain(*names):  # the op first, then its callers outwards
+        event = None
+        for name in reversed(names):
+            event = SimpleNamespace(name=name, cpu_parent=event)
+        return event
+
+    assert matmul.kind_of(chain("aten::mm", "aten::linear", "module:Dropout")) == "dropout"
+    assert matmul.kind_of(chain("aten::mm", "module:Dropout")) == "dropout"
+    assert matmul.kind_of(chain("aten::gelu", "aten::mm")) == "GELU"
+    assert matmul.kind_of(chain("aten::add_", "AccumulateGrad")) == "gradient adds"
+    assert matmul.kind_of(chain("aten::fill_")) == "other"
