@@ -525,3 +525,13 @@ def test_prepare_takes_its_settings_whole_or_by_name_not_both(tmp_path, corpus_f
     with pytest.raises(TypeError, match="as a PrepareConfig or by name, not both"):
         prepare([str(corpus_file)], tmp_path / "c", PrepareConfig(), vocab_size=300, quiet=True)
     assert not (tmp_path / "c").exists()
+
+
+def test_the_short_form_takes_the_tokenizer_by_its_name_too(tmp_path, corpus_file):
+    """prepare(paths, out, tokenizer="char", ...) is how Python callers named the tokenizer before PrepareConfig."""
+    by_name = prepare([str(corpus_file)], tmp_path / "a", tokenizer="char", val_fraction=0.3, quiet=True)
+    in_place = prepare([str(corpus_file)], tmp_path / "b", "char", val_fraction=0.3, quiet=True)
+    assert {k: v for k, v in by_name.items() if k != "sources"} == {k: v for k, v in in_place.items() if k != "sources"}
+    with pytest.raises(TypeError, match="tokenizer twice"):
+        prepare([str(corpus_file)], tmp_path / "c", "bpe", tokenizer="char", quiet=True)
+    assert not (tmp_path / "c").exists()

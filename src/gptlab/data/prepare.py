@@ -125,23 +125,27 @@ def prepare(paths: list[str], out_dir: str | Path, settings: PrepareConfig | str
             **named: Any) -> dict[str, Any]:
     """Tokenize files and folders (default: the bundled Tiny Shakespeare; see corpus.collect_sources and
     readers.documents for what is read) into `out_dir`/{train,val}.bin, tokenizer.json and meta.json, as `settings`
-    say (a PrepareConfig; or for short the tokenizer's kind, with `vocab_size` and other fields named: see
-    prepare_config): with a new tokenizer of kind `tokenizer` or the one of `tokenizer_from` (a run or data folder).
-    Every document ends with the end-of-text token where the tokenizer has one. The validation split is the
-    documents of `val` when given, else whole documents chosen by `seed` (see readers.val_documents), else (fewer
-    than 1 / val_fraction documents) the last val_fraction of the characters. Files found in folders that cannot be
-    read are skipped and listed in the metadata (refused with `strict`). `workers` processes encode (default: the
-    cores available), with the same output as one. Each split is written in shards of at most `shard_tokens` ids
-    (see tokenfiles). A folder of prepared data is replaced only by the same data (same inputs and settings) or with
-    `overwrite` (OtherData otherwise). Everything is checked before anything is written; the files are written in a
-    hidden staging folder and moved into place at the end (meta.json last), so a failure or Ctrl-C leaves the
-    prepared folder as it was; the staging folder keeps the last checkpoint, and the same call again resumes from
-    it. Returns the metadata; raises GptlabError on bad input or a full disk."""
+    say (a PrepareConfig; or for short the tokenizer's kind, in place or as `tokenizer=`, with `vocab_size` and
+    other fields named: see prepare_config): with a new tokenizer of kind `tokenizer` or the one of `tokenizer_from`
+    (a run or data folder). Every document ends with the end-of-text token where the tokenizer has one. The
+    validation split is the documents of `val` when given, else whole documents chosen by `seed` (see
+    readers.val_documents), else (fewer than 1 / val_fraction documents) the last val_fraction of the characters.
+    Files found in folders that cannot be read are skipped and listed in the metadata (refused with `strict`).
+    `workers` processes encode (default: the cores available), with the same output as one. Each split is written in
+    shards of at most `shard_tokens` ids (see tokenfiles). A folder of prepared data is replaced only by the same
+    data (same inputs and settings) or with `overwrite` (OtherData otherwise). Everything is checked before anything
+    is written; the files are written in a hidden staging folder and moved into place at the end (meta.json last),
+    so a failure or Ctrl-C leaves the prepared folder as it was; the staging folder keeps the last checkpoint, and
+    the same call again resumes from it. Returns the metadata; raises GptlabError on bad input or a full disk."""
     if isinstance(settings, PrepareConfig):
         if vocab_size is not None or named:
             raise TypeError("give prepare's settings as a PrepareConfig or by name, not both")
         cfg = settings
     else:
+        if "tokenizer" in named:  # the short form's kind by its name, as prepare(..., tokenizer="bpe") always took it
+            if settings != "char":
+                raise TypeError("prepare() got the tokenizer twice: positionally and as tokenizer=")
+            settings = named.pop("tokenizer")
         cfg = prepare_config(settings, vocab_size, **named)
     return _prepare(paths, Path(out_dir), cfg, quiet, overwrite)
 
