@@ -3,7 +3,7 @@ which precision (checked before anything is loaded), prepared to decode or kept 
 
 import pytest
 import torch
-from helpers import CORPUS, TINY, tiny_run
+from helpers import CORPUS, TINY, run_bad, tiny_run
 from safetensors.torch import load_file
 
 from gptlab.errors import GptlabError
@@ -52,3 +52,14 @@ def test_a_precision_this_machine_lacks_is_refused_before_anything_is_loaded(tmp
     assert load_for_inference(run, "cpu", "auto").precision == "fp32"  # auto falls back where bf16 is not native
     with pytest.raises(GptlabError, match="does not exist"):
         load_for_inference(tmp_path / "not-a-run", "cpu", "fp32")
+
+
+def test_sample_refuses_a_prompt_its_tokenizer_cannot_read_before_the_model_is_prepared(run, monkeypatch, capsys):
+    """Preparing (packing the weights, building the fused step on first use) is work a bad prompt must not wait for:
+    sample reads its prompt with the run's tokenizer first, as it did before load_for_inference."""
+    import gptlab.inference
+
+    prepared = []
+    monkeypatch.setattr(gptlab.inference, "prepare_for_inference", lambda *args, **kw: prepared.append(args))
+    line = run_bad(capsys, "sample", "--run", str(run), "--prompt", "\u2603", "--precision", "fp32")
+    assert "never seen" in line and prepared == []

@@ -153,8 +153,9 @@ def cmd_sample(args: argparse.Namespace) -> int:
     cfg = build(SampleConfig, {}, settings)
     if args.num_samples < 1:  # before loading the model (the engine checks it too, for Python callers)
         raise GptlabError(f"--num-samples must be >= 1, not {args.num_samples}")
-    ready = load_for_inference(args.run or latest_run(), resolve_device(args.device), args.precision)
-    prompt = read_prompt(args, ready.tokenizer)
+    prompt: list[int] = []  # read with the run's tokenizer before the model is prepared: a bad one is refused first
+    ready = load_for_inference(args.run or latest_run(), resolve_device(args.device), args.precision,
+                               check=lambda tokenizer: prompt.extend(read_prompt(args, tokenizer)))
     # the server's path (gptlab.serve), so the same seed and settings give the same text there
     stream = TextStream(ready.model, ready.tokenizer, [prompt], cfg, args.num_samples, batch_invariant=True)
     announce(ready)

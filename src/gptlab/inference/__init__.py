@@ -15,6 +15,7 @@ step, fp32, bf16 or int8 weights).
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
@@ -160,18 +161,21 @@ class InferenceRun:
 
 
 def load_for_inference(run: str | Path, device: torch.device | str = "cpu", precision: str = "fp32",
-                       decode: bool = True) -> InferenceRun:
+                       decode: bool = True, check: Callable[[Tokenizer], object] | None = None) -> InferenceRun:
     """A run's best (else latest) checkpoint on `device` ("auto" picks it), in `precision` ("auto": bf16 where the
     hardware computes it natively, else fp32). With `decode` (sample, serve) the model is made fast to generate
     with (`prepare_for_inference`); without it (eval, which scores through the model's forward) it keeps its fp32
     weights, bf16 being autocast by the caller, and int8 weights run through the torch reference path. Raises
     GptlabError, before loading anything, for a precision or device this machine lacks, and for a folder that is
-    not a run or has no usable checkpoint."""
+    not a run or has no usable checkpoint. `check`, given the run's tokenizer once the run is loaded and before the
+    model is prepared, is where a caller refuses what it reads with it (sample's prompt) before that work."""
     from gptlab.checkpoint import load_run  # loading a run is the checkpoint module's; only this entry point needs it
 
     device = resolve_device(device) if isinstance(device, str) else device
     precision = resolve_precision(precision, device)
     loaded = load_run(run, device=device)
+    if check is not None:
+        check(loaded.tokenizer)
     parameters = loaded.model.num_params()
     if decode:
         model = prepare_for_inference(loaded.model, precision)
