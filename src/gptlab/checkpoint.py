@@ -3,20 +3,19 @@
 A run directory holds config.json (resolved settings), tokenizer.json, metrics.jsonl, loss.png and
 checkpoints/. Each checkpoint is a folder: model.safetensors, optimizer.safetensors (or, written by FSDP
 processes, shards/ with each one's slices of both: sharded.py), rng.safetensors, state.json (rundir.TrainingState),
-and manifest.json
-with every file's sha256. It is written as a hidden temp folder, each file fsynced, the manifest last, then
-renamed into place in one step; old checkpoints are deleted only after the new one is committed. Loaders
+and manifest.json with every file's sha256. It is written as a hidden temp folder, each file fsynced, the manifest
+last, then renamed into place in one step; old checkpoints are deleted only after the new one is committed. Loaders
 accept only a checkpoint whose files match its manifest and fall back to the previous valid one. Nothing is
 pickled: tensors go to safetensors, everything else to JSON.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
 import os
-import dataclasses
 import shutil
 import time
 from collections.abc import Callable
