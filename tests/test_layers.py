@@ -20,9 +20,11 @@ MAY_IMPORT = {
     "data": {"errors", "machine", "config", "tokenizer", "rundir"},  # text -> token files -> batches: no model
     "distributed": {"errors", "machine", "config", "model", "runtime", "rundir", "sharded", "checkpoint"},
     "training": {"errors", "config", "tokenizer", "rundir", "data", "model", "runtime", "peak", "optim", "plots",
-                 "checkpoint", "distributed"},
+                 "checkpoint", "distributed", "reference"},
     "hf": {"errors", "config", "tokenizer", "rundir", "model", "checkpoint"},
-    "inference": {"errors", "machine", "config", "tokenizer", "model", "runtime", "checkpoint"},
+    "inference": {"errors", "machine", "compiled", "config", "tokenizer", "model", "runtime", "checkpoint"},
+    # the naive C++ engine: the equations beside the model, needing nothing after the optimizer's groups
+    "reference": {"errors", "machine", "compiled", "config", "model", "optim"},
     "serve": {"errors", "config", "tokenizer", "checkpoint", "inference", "engine", "textstream", "inspect"},
 }
 # ... and which rooms may import each of these packages besides itself: the later ones that use it, no others.
@@ -33,6 +35,7 @@ IMPORTED_ONLY_BY = {
     "inspect": {"serve", "cli", "bench"},
     "serve": {"cli", "bench"},
     "bench": {"cli"},
+    "reference": {"training", "cli", "bench"},
 }
 
 

@@ -23,6 +23,7 @@ INFERENCE_PRECISIONS = (*TRAIN_PRECISIONS, "int8")
 DEVICES = ("auto", "cpu", "cuda", "mps")
 TOKENIZERS = ("char", "bpe", "gpt2")
 OPTIMIZERS = ("adamw", "muon")
+ENGINES = ("torch", "reference")  # train's and sample's --engine
 
 
 def _check(ok: bool, message: str) -> None:
@@ -147,6 +148,8 @@ class TrainConfig:
     optimizer: str = setting("adamw", "adamw, or muon: Muon (orthogonalised momentum) for the blocks' matrices and "
                                       "AdamW for embeddings, gains and biases", OPTIMIZERS)
     muon_lr: float = setting(0.02, "peak learning rate of Muon's matrices (the schedule scales it like lr)")
+    engine: str = setting("torch", "torch (autograd and every fast path) or reference (the naive C++ engine: "
+                                   "hand-written backward and AdamW, fp32, CPU, one process)", ENGINES)
 
     def __post_init__(self) -> None:
         _check_types(self)
@@ -173,10 +176,22 @@ class TrainConfig:
         _check(self.muon_lr > 0, f"muon_lr must be > 0, not {self.muon_lr}")
         _check(not (self.optimizer == "muon" and self.fsdp), "optimizer muon orthogonalises whole matrices, which "
                "FSDP splits across processes; use --optimizer adamw with --fsdp")
+        _check_choice("engine", self.engine, ENGINES)
+        if self.engine == "reference":
+            _check_reference(self)
 
     @property
     def decay_steps(self) -> int:
         return self.lr_decay_steps or self.max_steps
+
+
+def _check_reference(cfg: TrainConfig) -> None:
+    """The settings the reference engine does not implement, each refused in one line that says so."""
+    unsupported = {"optimizer muon": cfg.optimizer == "muon", f"precision {cfg.precision}": cfg.precision == "bf16",
+                   "compile": cfg.compile, "fsdp": cfg.fsdp, f"device {cfg.device}": cfg.device in ("cuda", "mps")}
+    for name, given in unsupported.items():
+        _check(not given, f"the reference engine does not implement {name} (it trains with AdamW in fp32 on the "
+                          "CPU, one process); drop that setting or use --engine torch")
 
 
 @dataclass

@@ -214,7 +214,9 @@ class Block(nn.Module):
 def _loss(logits: torch.Tensor, targets: torch.Tensor | None) -> torch.Tensor | None:
     if targets is None:
         return None
-    return F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1)
+    if logits.dtype != torch.float64:  # in at least fp32 (bf16 logits are upcast; an fp64 model keeps fp64)
+        logits = logits.float()
+    return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1)
 
 
 class GPT(nn.Module):

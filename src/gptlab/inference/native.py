@@ -21,12 +21,12 @@ import hashlib
 import logging
 import os
 import platform
-import shutil
 import subprocess
-import tempfile
 from pathlib import Path
 
-from gptlab.machine import X86_64, cache_root, cpu_flags, cpu_has, cpu_model
+from gptlab import compiled
+from gptlab.compiled import ABIError, BuildError, compiler
+from gptlab.machine import X86_64, cpu_flags, cpu_has, cpu_model
 
 log = logging.getLogger("gptlab")
 SOURCE = Path(__file__).parent / "csrc" / "decode.cpp"
@@ -67,12 +67,8 @@ class Step(ctypes.Structure):
 STRUCTS = (Layer, Model, Step)  # every struct passed across, by its C name
 
 
-class KernelBuildError(RuntimeError):
-    """The kernel's source did not compile or load on a machine that has what it needs."""
-
-
-class KernelABIError(KernelBuildError):
-    """The library's structs are not the ones this module passes (a stale or mismatched build): never called."""
+KernelBuildError = BuildError  # the kernel's source did not compile or load on a machine that has what it needs
+KernelABIError = ABIError  # the library's structs are not the ones this module passes: never called
 
 
 def cpu_has_avx512() -> bool:
@@ -86,7 +82,7 @@ def cpu_has_int8_vnni() -> bool:
 
 
 def _compiler() -> str | None:
-    return shutil.which(os.environ.get("CXX", "g++"))
+    return compiler()
 
 
 def missing() -> str | None:
@@ -102,10 +98,8 @@ def missing() -> str | None:
 
 
 def _build_dir() -> Path:
-    """$GPTLAB_KERNELS, else kernels/ in gptlab's cache folder (machine.cache_root)."""
-    if os.environ.get("GPTLAB_KERNELS"):
-        return Path(os.environ["GPTLAB_KERNELS"])
-    return cache_root() / "kernels"
+    """$GPTLAB_KERNELS, else kernels/ in gptlab's cache folder (compiled.build_folder)."""
+    return compiled.build_folder()
 
 
 @functools.cache
@@ -134,7 +128,7 @@ def build_library(source: Path = SOURCE, build_dir: Path | None = None) -> ctype
         machine, code = _machine_key(compiler), hashlib.sha256(source.read_bytes()).hexdigest()[:12]
         target = (build_dir or _build_dir()) / f"decode-{machine}-{code}.so"
         if not target.is_file():
-            _compile(compiler, source, target)
+            compiled.compile_into(compiler, FLAGS, source, target)
             # this CPU's builds of earlier sources, and those named before builds were keyed by CPU (decode-KEY.so)
             for old in target.parent.glob("decode-*.so"):
                 if old != target and (old.name.startswith(f"decode-{machine}-") or old.stem.count("-") == 1):
@@ -151,52 +145,10 @@ def build_library(source: Path = SOURCE, build_dir: Path | None = None) -> ctype
     return lib
 
 
-def _compile(compiler: str, source: Path, target: Path) -> None:
-    """Compile `source` into `target`: aside in a temporary folder, then published atomically."""
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-        built = Path(tmp) / target.name
-        subprocess.run([compiler, *FLAGS, str(source), "-o", str(built)], check=True, capture_output=True,
-                       text=True, timeout=300)
-        os.replace(built, target)
-
-
 def check_layout(lib: ctypes.CDLL, name: str = "the decode library") -> None:
-    """Raises KernelABIError unless `lib` reports this module's LAYOUT_VERSION, and for every struct in STRUCTS
-    the size, the number of fields and the offset of every field that ctypes gives it (the message names the
-    struct or field and both values)."""
-    version, sizeof, fields, offsetof = _layout_functions(lib, name)
-    if version() != LAYOUT_VERSION:
-        raise KernelABIError(f"{name} has struct layout version {version()}, gptlab passes version "
-                             f"{LAYOUT_VERSION}; it is not called")
-    for struct in STRUCTS:
-        c_name = struct.__name__.encode()
-        if sizeof(c_name) != ctypes.sizeof(struct):
-            raise KernelABIError(f"struct {struct.__name__} is {sizeof(c_name)} bytes in {name} but "
-                                 f"{ctypes.sizeof(struct)} bytes in gptlab's ctypes; it is not called")
-        if fields(c_name) != len(struct._fields_):
-            raise KernelABIError(f"struct {struct.__name__} has {fields(c_name)} fields in {name} but "
-                                 f"{len(struct._fields_)} in gptlab's ctypes; it is not called")
-        for field, _ in struct._fields_:
-            c_offset, offset = offsetof(c_name, field.encode()), getattr(struct, field).offset
-            if c_offset != offset:
-                where = "absent" if c_offset < 0 else f"at byte {c_offset}"
-                raise KernelABIError(f"{struct.__name__}.{field} is {where} in {name} but at byte {offset} in "
-                                     "gptlab's ctypes; it is not called")
-
-
-def _layout_functions(lib: ctypes.CDLL, name: str) -> tuple:
-    """The library's gptlab_layout_version(), gptlab_sizeof(struct), gptlab_fields(struct) and
-    gptlab_offsetof(struct, field), typed; KernelABIError where it lacks them."""
-    try:
-        functions = lib.gptlab_layout_version, lib.gptlab_sizeof, lib.gptlab_fields, lib.gptlab_offsetof
-    except AttributeError:
-        raise KernelABIError(f"{name} exports no struct layout (built from an older source); "
-                             "it is not called") from None
-    for fn, restype, argtypes in zip(functions, (ctypes.c_int, ctypes.c_long, ctypes.c_int, ctypes.c_long),
-                                     ([], [ctypes.c_char_p], [ctypes.c_char_p], [ctypes.c_char_p] * 2)):
-        fn.restype, fn.argtypes = restype, argtypes
-    return functions
+    """Raises KernelABIError unless `lib` reports this module's LAYOUT_VERSION and the size, field count and field
+    offsets of every struct in STRUCTS (compiled.check_abi)."""
+    compiled.check_abi(lib, name, STRUCTS, LAYOUT_VERSION)
 
 
 def has_int8_vnni(lib: ctypes.CDLL) -> bool:

@@ -69,10 +69,22 @@ def check_new_run(run: Path) -> None:
         raise GptlabError(f"run {run} already has checkpoints; pass --resume to continue it or choose a new --run")
 
 
+def check_engine(cfg: TrainConfig, model_cfg: ModelConfig, world_size: int) -> None:
+    """What the reference engine cannot train, refused in one line before anything is written (config.py refuses
+    the settings it does not implement)."""
+    if cfg.engine != "reference":
+        return
+    if model_cfg.arch != "gpt":
+        raise GptlabError(f"the reference engine implements the GPT, not arch {model_cfg.arch}; use --engine torch")
+    if world_size > 1:
+        raise GptlabError(f"the reference engine trains in one process, not {world_size}; drop --nproc or use "
+                          "--engine torch")
+
+
 def check_resume(run: Path, dataset: Dataset, model_cfg: ModelConfig,
                  cfg: TrainConfig) -> tuple[ck.Checkpoint, rundir.TrainingState]:
     """Everything a resume must satisfy, checked before anything is written: a valid checkpoint, the same model
-    shape and optimizer, the same data and tokenizer (then check_data), and steps left to train. Returns the
+    shape, optimizer and engine, the same data and tokenizer (then check_data), and steps left to train. Returns the
     checkpoint and its state."""
     rundir.read_run_config(run)
     ckpt = ck.find_checkpoint(run, "step")
@@ -88,6 +100,11 @@ def check_resume(run: Path, dataset: Dataset, model_cfg: ModelConfig,
         raise GptlabError(f"cannot resume {run} with optimizer {cfg.optimizer}: it was trained with {was}, whose "
                           f"state {cfg.optimizer} cannot take over; drop --optimizer, or start a new --run from its "
                           f"weights with --init-from {run} --data {dataset.path}")
+    engine = (state.train or {}).get("engine", "torch")  # written before there was a choice: torch's
+    if engine != cfg.engine:
+        raise GptlabError(f"cannot resume {run} with engine {cfg.engine}: it was trained with engine {engine} (a "
+                          f"resume continues on the engine it started with); drop --engine, or start a new --run "
+                          f"from its weights with --init-from {run} --data {dataset.path}")
     if state.data_fingerprint != dataset.fingerprint():
         raise GptlabError(f"cannot resume {run}: it was trained on different data than {dataset.path}; "
                           "drop --data (a run resumes on its own data) or start a new --run")

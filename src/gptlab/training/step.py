@@ -13,6 +13,7 @@ from gptlab.config import TrainConfig
 from gptlab.data.batches import Dataset, batch_generator, get_batch
 from gptlab.distributed.distributed import Parallel
 from gptlab.optim import lr_at, step_if_finite
+from gptlab.reference.optim import NaiveAdamW, clip_grad_norm
 from gptlab.runtime import autocast, to_device
 from gptlab.training.faults import NonFiniteLoss
 
@@ -79,7 +80,11 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, ctx: St
             loss = ctx.loss(model, x, y)
             (loss / cfg.grad_accum).backward()
         loss_sum += loss.detach()
-    norm = parallel.clip_grad_norm(model, cfg.grad_clip if cfg.grad_clip > 0 else math.inf)
+    limit = cfg.grad_clip if cfg.grad_clip > 0 else math.inf
+    if isinstance(optimizer, NaiveAdamW):  # the reference engine clips in C++ too
+        norm = clip_grad_norm(model.parameters(), limit)
+    else:
+        norm = parallel.clip_grad_norm(model, limit)
     loss = parallel.mean(loss_sum / cfg.grad_accum)
     applied = step_if_finite(optimizer, loss, norm)
     optimizer.zero_grad(set_to_none=True)

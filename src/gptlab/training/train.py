@@ -29,7 +29,9 @@ from gptlab.peak import Speed, cached_speed
 from gptlab.plots import plot_loss, read_metrics
 from gptlab.runtime import compile_model, configure_matmul, resolve_precision, reuse_freed_memory, set_threads
 from gptlab.training.faults import GracefulStop, Interrupted, LossSpike, NonFiniteLoss, SpikeGuard, is_out_of_memory
-from gptlab.training.preflight import check_data, check_memory, check_new_run, check_resume, settings_changed
+from gptlab.reference.train import naive_model, naive_optimizer
+from gptlab.training.preflight import (check_data, check_engine, check_memory, check_new_run, check_resume,
+                                       settings_changed)
 from gptlab.training.step import StepContext, defers_finite_check, estimate_loss, train_step, warm_up
 
 log = logging.getLogger("gptlab")
@@ -88,9 +90,11 @@ def train(data_dir: str | Path, run_dir: str | Path, model_cfg: ModelConfig, cfg
     Under torchrun, every process runs this and trains its share of each batch (see distributed.py)."""
     set_threads()
     reuse_freed_memory()
-    parallel = distributed.setup(cfg.device)
+    reference = cfg.engine == "reference"  # the naive C++ engine: fp32 on the CPU, whatever auto would pick
+    parallel = distributed.setup("cpu" if reference else cfg.device)
     device = parallel.device
-    precision = resolve_precision(cfg.precision, device)
+    precision = "fp32" if reference else resolve_precision(cfg.precision, device)
+    check_engine(cfg, model_cfg, parallel.world_size)
     configure_matmul(device, precision)
     parallel.check_batch(cfg.batch_size)
     dataset = load_dataset(data_dir)
@@ -129,7 +133,10 @@ def _train_locked(dataset: Dataset, run: Path, model_cfg: ModelConfig, cfg: Trai
     model = parallel.build(model_cfg, cfg.fsdp, init, cfg.init_from)  # with FSDP: only this process's slices
     speed = cached_speed(device, precision, cfg.batch_size * model_cfg.block_size * cfg.grad_accum,
                          model.flops_per_token(), parallel.world_size)
-    optimizer = make_optimizer(model, cfg)
+    if cfg.engine == "reference":
+        model, optimizer = naive_model(model), naive_optimizer(model, cfg)
+    else:
+        optimizer = make_optimizer(model, cfg)
     if ckpt is not None:
         resume_state(ckpt, state, model, optimizer, progress)
     if parallel.is_main:  # every check has passed: now the run folder may change

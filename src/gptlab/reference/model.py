@@ -1,0 +1,163 @@
+"""A gptlab GPT's weights handed to the naive C++ engine, and its logits, loss and gradients handed back.
+
+`step` runs the engine on a GPT's own parameters (fp32 or fp64, on the CPU): the logits, the loss and, asked for,
+the gradient of the loss in every parameter, computed by the hand-written backward (no autograd). `NaiveGPT` is a
+GPT whose forward is the engine's: its state dict, checkpoints and run folders are a GPT's, and `loss.backward()`
+puts the engine's gradients into `.grad` (a loss computed by the engine is a torch tensor whose backward hands the
+engine's gradients on, scaled by the incoming gradient, so gradient accumulation works as the torch path's does).
+"""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+
+import torch
+
+from gptlab.model import GPT
+from gptlab.reference import native
+
+DTYPES = {torch.float32: "f32", torch.float64: "f64"}
+
+
+def layer_names(i: int) -> dict[str, str]:
+    """Layer struct field -> the GPT parameter it holds, for block i."""
+    h = f"transformer.h.{i}."
+    return {"ln_1_w": h + "ln_1.weight", "ln_1_b": h + "ln_1.bias", "c_attn_w": h + "attn.c_attn.weight",
+            "c_attn_b": h + "attn.c_attn.bias", "attn_proj_w": h + "attn.c_proj.weight",
+            "attn_proj_b": h + "attn.c_proj.bias", "ln_2_w": h + "ln_2.weight", "ln_2_b": h + "ln_2.bias",
+            "c_fc_w": h + "mlp.c_fc.weight", "c_fc_b": h + "mlp.c_fc.bias", "mlp_proj_w": h + "mlp.c_proj.weight",
+            "mlp_proj_b": h + "mlp.c_proj.bias"}
+
+
+TOP_NAMES = {"wte": "transformer.wte.weight", "wpe": "transformer.wpe.weight", "ln_f_w": "transformer.ln_f.weight",
+             "ln_f_b": "transformer.ln_f.bias"}
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+def model_struct(model: GPT, tensors: dict[str, torch.Tensor]) -> tuple[native.Model, ctypes.Array]:
+    """A Model struct over `tensors` (parameter name -> tensor: the weights, or gradients of the same shapes); a
+    name missing from `tensors` (a bias the model has not) is NULL. Returns the struct and its layers' array, which
+    must stay alive while the struct is used."""
+    c = model.config
+    layers = (native.Layer * c.n_layer)(*[
+        native.Layer(**{field: _ptr(tensors.get(name)) for field, name in layer_names(i).items()})
+        for i in range(c.n_layer)])
+    struct = native.Model(n_layer=c.n_layer, n_head=c.n_head, n_embd=c.n_embd, vocab_size=c.vocab_size,
+                          block_size=c.block_size, gelu_tanh=int(c.activation == "gelu_tanh"),
+                          eps=c.layer_norm_eps, layers=layers,
+                          **{field: _ptr(tensors.get(name)) for field, name in TOP_NAMES.items()})
+    return struct, layers
+
+
+@dataclass
+class DropoutMasks:
+    """The multipliers (0 or 1 / (1 - p)) of every dropout of one forward, drawn by the caller: after the
+    embeddings (B, T, C); per block on the attention probabilities (B, H, T, T) and on the attention's and the
+    MLP's outputs (B, T, C). A None is no dropout there."""
+
+    emb: torch.Tensor | None
+    attn: list[torch.Tensor | None]
+    attn_resid: list[torch.Tensor | None]
+    mlp_resid: list[torch.Tensor | None]
+
+    @classmethod
+    def draw(cls, model: GPT, B: int, T: int, p: float, dtype: torch.dtype) -> DropoutMasks:
+        """Masks with each element kept with probability 1 - p (torch's generator draws them)."""
+        c = model.config
+
+        def mask(*shape: int) -> torch.Tensor:
+            return (torch.rand(shape) >= p).to(dtype) / (1 - p)
+        return cls(mask(B, T, c.n_embd), [mask(B, c.n_head, T, T) for _ in range(c.n_layer)],
+                   [mask(B, T, c.n_embd) for _ in range(c.n_layer)], [mask(B, T, c.n_embd) for _ in range(c.n_layer)])
+
+
+def _contiguous(t: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
+    return None if t is None else t.detach().to(dtype).contiguous()
+
+
+def step(model: GPT, idx: torch.Tensor, targets: torch.Tensor | None = None, masks: DropoutMasks | None = None,
+         grads: bool = False) -> tuple[torch.Tensor, float | None, dict[str, torch.Tensor] | None]:
+    """The engine on `model`'s parameters: logits (B, T, V), the mean cross-entropy against `targets` (-1
+    ignored; None without targets) and, with `grads`, the gradient of that loss in every parameter (name ->
+    tensor; the tied LM head's is wte's). Parameters must be fp32 or fp64 on the CPU, all one dtype."""
+    params = dict(model.named_parameters())
+    dtype = params[TOP_NAMES["wte"]].dtype
+    if dtype not in DTYPES or any(p.dtype != dtype or p.device.type != "cpu" for p in params.values()):
+        raise ValueError("the reference engine takes fp32 or fp64 parameters on the CPU, all one dtype")
+    if grads and targets is None:
+        raise ValueError("gradients need targets")
+    lib, suffix = native.load_library(), DTYPES[dtype]
+    weights = {name: p.detach().contiguous() for name, p in params.items()}
+    B, T = idx.shape
+    idx = idx.to(torch.int64).contiguous()
+    tgt = None if targets is None else targets.to(torch.int64).contiguous()
+    logits = torch.empty(B, T, model.config.vocab_size, dtype=dtype)
+    keep = [weights, idx, tgt, logits]
+    struct, layers = model_struct(model, weights)
+    grad_tensors = {name: torch.zeros_like(p) for name, p in weights.items()} if grads else None
+    grad_struct = model_struct(model, grad_tensors) if grads else None
+    batch = native.Batch(B=B, T=T, idx=idx.data_ptr(), targets=_ptr(tgt), logits=logits.data_ptr())
+    if masks is not None:
+        keep.append(masks := _as(masks, dtype))
+        batch.emb_mask = _ptr(masks.emb)
+        mask_structs = (native.Masks * model.config.n_layer)(*[
+            native.Masks(_ptr(a), _ptr(r), _ptr(m)) for a, r, m in zip(masks.attn, masks.attn_resid, masks.mlp_resid)])
+        batch.masks = mask_structs
+    fn = getattr(lib, f"gptlab_step_{suffix}")
+    rc = fn(ctypes.byref(struct), ctypes.byref(grad_struct[0]) if grad_struct else None, ctypes.byref(batch))
+    del layers, keep
+    if rc == 1:
+        raise ValueError(f"the reference engine cannot take a batch of {B} x {T} with block size "
+                         f"{model.config.block_size}")
+    if rc == 2:
+        raise ValueError(f"a token id outside the vocabulary of {model.config.vocab_size}")
+    return logits, (batch.loss if targets is not None else None), grad_tensors
+
+
+def _as(masks: DropoutMasks, dtype: torch.dtype) -> DropoutMasks:
+    return DropoutMasks(_contiguous(masks.emb, dtype), [_contiguous(m, dtype) for m in masks.attn],
+                        [_contiguous(m, dtype) for m in masks.attn_resid],
+                        [_contiguous(m, dtype) for m in masks.mlp_resid])
+
+
+class _EngineLoss(torch.autograd.Function):
+    """The engine's loss as a torch scalar: forward runs the engine (gradients included), backward hands them on
+    scaled by the incoming gradient. The logits come out too, outside autograd."""
+
+    @staticmethod
+    def forward(ctx, model: GPT, idx: torch.Tensor, targets: torch.Tensor, masks: DropoutMasks | None,
+                *params: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        logits, loss, grads = step(model, idx, targets, masks, grads=True)
+        ctx.grads = [grads[name] for name, _ in model.named_parameters()]
+        ctx.mark_non_differentiable(logits)
+        return torch.tensor(loss, dtype=params[0].dtype), logits
+
+    @staticmethod
+    def backward(ctx, grad_loss: torch.Tensor, grad_logits: torch.Tensor) -> tuple:
+        return (None, None, None, None, *[g * grad_loss for g in ctx.grads])
+
+
+class NaiveGPT(GPT):
+    """A GPT computed by the naive engine (no KV cache: every forward runs over its whole input): the same
+    parameters and state dict, so its checkpoints are ordinary gptlab checkpoints. In training mode with dropout,
+    each forward draws its masks with torch's generator and hands them to the engine."""
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, kv_cache=None,
+                last_only: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if kv_cache is not None:
+            raise ValueError("the reference engine has no KV cache: every step runs over the whole window")
+        B, T = idx.shape
+        dtype = self.transformer.wte.weight.dtype
+        p = self.config.dropout
+        masks = DropoutMasks.draw(self, B, T, p, dtype) if self.training and p > 0 else None
+        params = [param for _, param in self.named_parameters()]
+        if targets is not None and torch.is_grad_enabled() and any(q.requires_grad for q in params):
+            loss, logits = _EngineLoss.apply(self, idx, targets, masks, *params)
+        else:
+            logits, loss_value, _ = step(self, idx, targets, masks)
+            loss = None if targets is None else torch.tensor(loss_value, dtype=dtype)
+        return (logits[:, -1:] if last_only else logits), loss

@@ -1,0 +1,65 @@
+"""The naive engine's optimizer step: global-norm clipping and AdamW, computed by reference.cpp.
+
+`NaiveAdamW` is a torch Optimizer (so the schedule sets each group's lr, and checkpoints hold its state as they
+hold torch's AdamW: `step`, `exp_avg` and `exp_avg_sq` per tensor) whose update is the C++ `adamw`; its groups are
+the torch path's (optim.param_groups: the matrices decay, biases and LayerNorm gains do not).
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Iterable
+
+import torch
+
+from gptlab.reference import native
+from gptlab.reference.model import DTYPES
+
+
+def _suffix(t: torch.Tensor) -> str:
+    if t.dtype not in DTYPES or t.device.type != "cpu" or not t.is_contiguous():
+        raise ValueError("the reference engine takes contiguous fp32 or fp64 tensors on the CPU")
+    return DTYPES[t.dtype]
+
+
+def clip_grad_norm(params: Iterable[torch.Tensor], max_norm: float) -> torch.Tensor:
+    """The global norm of the parameters' gradients (each tensor once), computed by the engine, which scales them
+    all by max_norm / (norm + 1e-6) when that is below 1 (max_norm 0 or inf: no clipping). Returns the norm
+    before clipping, as a 0-dim fp32 tensor."""
+    grads = [p.grad for p in dict.fromkeys(params) if p.grad is not None]
+    if not grads:
+        return torch.zeros(())
+    suffix = _suffix(grads[0])
+    if any(_suffix(g) != suffix for g in grads):
+        raise ValueError("the reference engine clips gradients of one dtype")
+    pointers = (ctypes.c_void_p * len(grads))(*[g.data_ptr() for g in grads])
+    sizes = torch.tensor([g.numel() for g in grads], dtype=torch.int64)
+    fn = getattr(native.load_library(), f"gptlab_clip_grad_norm_{suffix}")
+    limit = 0.0 if max_norm == float("inf") else float(max_norm)
+    return torch.tensor(fn(pointers, sizes.data_ptr(), len(grads), limit), dtype=torch.float32)
+
+
+class NaiveAdamW(torch.optim.Optimizer):
+    """AdamW whose update is the engine's (decoupled weight decay per group, bias correction), on fp32 or fp64
+    CPU tensors."""
+
+    def __init__(self, groups: list[dict], lr: float, betas: tuple[float, float], eps: float = 1e-8):
+        super().__init__(groups, dict(lr=lr, betas=betas, eps=eps, weight_decay=0.0))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        lib = native.load_library()
+        for group in self.param_groups:
+            beta1, beta2 = group["betas"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if not state:
+                    state.update(step=torch.zeros((), dtype=torch.float32), exp_avg=torch.zeros_like(p),
+                                 exp_avg_sq=torch.zeros_like(p))
+                state["step"] += 1
+                grad = p.grad.contiguous()
+                fn = getattr(lib, f"gptlab_adamw_{_suffix(p)}")
+                fn(p.data_ptr(), grad.data_ptr(), state["exp_avg"].data_ptr(), state["exp_avg_sq"].data_ptr(),
+                   p.numel(), group["lr"], beta1, beta2, group["eps"], group["weight_decay"], int(state["step"]))
