@@ -73,6 +73,31 @@ def bench_attention(args: argparse.Namespace) -> int:
     return 0
 
 
+def add_bench_reference(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--presets", nargs="+", choices=SHAPED_PRESETS, default=["char-quick", "char-small"],
+                   help="presets whose model and training settings are timed (default: char-quick char-small)")
+    p.add_argument("--steps", type=int, default=2, help="timed steps per contender (default 2)")
+    p.add_argument("--warmup", type=int, default=1, help="untimed steps per contender first (default 1)")
+    p.add_argument("--batch-size", type=int, help="sequences per step for every preset (default: the preset's, or "
+                   "1 where a naive step of it is over a TFLOP, as char-small's is)")
+    p.add_argument("--json", action="store_true", help="print the results as one JSON object instead of the tables")
+    p.add_argument("--tiny", action="store_true", help=argparse.SUPPRESS)  # tests: each preset at a tiny shape
+
+
+@BENCHES("reference", "one training step of each preset computed by the naive C++ engine (fp32), by torch in fp32 "
+         "and by the fastest torch path on this CPU: ms/step, tokens/s, GFLOP/s and the share of the measured peak, "
+         "and the naive step's time by function", add_bench_reference)
+def bench_reference(args: argparse.Namespace) -> int:
+    from gptlab.bench.reference import reference_shapes, run_reference_bench
+
+    at_least(args, steps=1, warmup=0)
+    if args.batch_size is not None and args.batch_size < 1:
+        raise GptlabError(f"--batch-size must be >= 1, not {args.batch_size}")
+    shapes = reference_shapes(args.presets, args.batch_size, tiny=args.tiny)
+    run_reference_bench(shapes, steps=args.steps, warmup=args.warmup, as_json=args.json)
+    return 0
+
+
 def add_bench_generate(p: argparse.ArgumentParser) -> None:
     add_device(p)
     p.add_argument("--new-tokens", type=int, default=256, help="tokens generated per row (default 256)")
