@@ -154,3 +154,16 @@ def pytest_terminal_summary(terminalreporter):
         else:
             parts.append(f"{path} skipped ({'; '.join(dict.fromkeys(seen['skipped']))})")
     terminalreporter.write_line("device paths: " + "; ".join(parts))
+
+
+@pytest.fixture(scope="session")
+def reference_engine():
+    """The naive C++ engine (gptlab.reference.native), built. Skips only where there is no C++ compiler; on a machine
+    with one, an engine that fails to build fails every test that uses it (compiled.BuildError, with the compiler's
+    message)."""
+    from gptlab.reference import native
+
+    reason = native.missing()
+    if reason is not None:
+        pytest.skip(reason)
+    return native.load_library()

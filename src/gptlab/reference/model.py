@@ -115,6 +115,9 @@ def step(model: GPT, idx: torch.Tensor, targets: torch.Tensor | None = None, mas
                          f"{model.config.block_size}")
     if rc == 2:
         raise ValueError(f"a token id outside the vocabulary of {model.config.vocab_size}")
+    if rc == 3:
+        raise ValueError(f"a target that is neither -1 (ignored) nor a token id of the vocabulary of "
+                         f"{model.config.vocab_size}")
     return logits, (batch.loss if targets is not None else None), grad_tensors
 
 
@@ -152,8 +155,7 @@ class NaiveGPT(GPT):
             raise ValueError("the reference engine has no KV cache: every step runs over the whole window")
         B, T = idx.shape
         dtype = self.transformer.wte.weight.dtype
-        p = self.config.dropout
-        masks = DropoutMasks.draw(self, B, T, p, dtype) if self.training and p > 0 else None
+        masks = self.draw_masks(B, T)
         params = [param for _, param in self.named_parameters()]
         if targets is not None and torch.is_grad_enabled() and any(q.requires_grad for q in params):
             loss, logits = _EngineLoss.apply(self, idx, targets, masks, *params)
@@ -161,3 +163,10 @@ class NaiveGPT(GPT):
             logits, loss_value, _ = step(self, idx, targets, masks)
             loss = None if targets is None else torch.tensor(loss_value, dtype=dtype)
         return (logits[:, -1:] if last_only else logits), loss
+
+    def draw_masks(self, B: int, T: int) -> DropoutMasks | None:
+        """This forward's dropout masks: drawn by torch's generator in training mode with dropout, else None."""
+        p = self.config.dropout
+        if not (self.training and p > 0):
+            return None
+        return DropoutMasks.draw(self, B, T, p, self.transformer.wte.weight.dtype)

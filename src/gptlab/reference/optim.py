@@ -25,7 +25,7 @@ def _suffix(t: torch.Tensor) -> str:
 def clip_grad_norm(params: Iterable[torch.Tensor], max_norm: float) -> torch.Tensor:
     """The global norm of the parameters' gradients (each tensor once), computed by the engine, which scales them
     all by max_norm / (norm + 1e-6) when that is below 1 (max_norm 0 or inf: no clipping). Returns the norm
-    before clipping, as a 0-dim fp32 tensor."""
+    before clipping, as a 0-dim tensor of the gradients' dtype."""
     grads = [p.grad for p in dict.fromkeys(params) if p.grad is not None]
     if not grads:
         return torch.zeros(())
@@ -36,7 +36,7 @@ def clip_grad_norm(params: Iterable[torch.Tensor], max_norm: float) -> torch.Ten
     sizes = torch.tensor([g.numel() for g in grads], dtype=torch.int64)
     fn = getattr(native.load_library(), f"gptlab_clip_grad_norm_{suffix}")
     limit = 0.0 if max_norm == float("inf") else float(max_norm)
-    return torch.tensor(fn(pointers, sizes.data_ptr(), len(grads), limit), dtype=torch.float32)
+    return torch.tensor(fn(pointers, sizes.data_ptr(), len(grads), limit), dtype=grads[0].dtype)
 
 
 class NaiveAdamW(torch.optim.Optimizer):

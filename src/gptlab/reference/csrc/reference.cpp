@@ -468,6 +468,8 @@ int model_step(const Model& m, const Model* grads, Batch& batch) {
     if (T > m.block_size || T < 1 || B < 1 || C % m.n_head) return 1;
     for (int i = 0; i < N; i++)
         if (batch.idx[i] < 0 || batch.idx[i] >= V) return 2;
+    for (int i = 0; batch.targets && i < N; i++)  // a target is a token id, or -1: ignored
+        if (batch.targets[i] < -1 || batch.targets[i] >= V) return 3;
     const size_t NC = (size_t)N * C;
     Vec<R> x0(NC), x(NC);
     embedding_forward(batch.idx, at<R>(m.wte), at<R>(m.wpe), B, T, C, x0.data());
@@ -540,7 +542,7 @@ void adamw(R* theta, const R* g, R* mom, R* vel, int64_t n, double lr, double b1
 
 // ---- the exported entry points: _f32 on float tensors, _f64 on double ----
 // gptlab_step: logits (and loss with targets; gradients added into `grads` unless it is NULL). Returns 0, or 1 for
-// a shape the model cannot take, 2 for a token id outside the vocabulary.
+// a shape the model cannot take, 2 for a token id outside the vocabulary, 3 for a target neither an id nor -1.
 #define EXPORT(S, R)                                                                                             \
     extern "C" int gptlab_step_##S(const Model* m, const Model* grads, Batch* batch) {                          \
         return model_step<R>(*m, grads, *batch);                                                                 \
