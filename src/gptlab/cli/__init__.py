@@ -15,14 +15,16 @@ from __future__ import annotations
 import logging
 import sys
 
-from gptlab.cli import verbs  # noqa: F401  (each import registers its verbs; --help lists them in this order)
-from gptlab.cli import inspect_verbs  # noqa: F401
-from gptlab.cli import serve_verbs  # noqa: F401
-from gptlab.cli import bench_verbs  # noqa: F401
+from gptlab.cli import (
+    bench_verbs,  # noqa: F401
+    inspect_verbs,  # noqa: F401
+    reference_verbs,  # noqa: F401
+    serve_verbs,  # noqa: F401
+    verbs,  # noqa: F401  (each import registers its verbs; --help lists them in this order)
+)
 from gptlab.cli.bench_verbs import BENCHES  # noqa: F401  (tests list the bench verbs)
 from gptlab.cli.common import COMMANDS, Parser
 from gptlab.errors import GptlabError
-
 
 # ---- main --------------------------------------------------------------------------------------------------------
 

@@ -10,7 +10,6 @@ from gptlab.cli.common import Subcommands, add_device, at_least, command
 from gptlab.config import INFERENCE_PRECISIONS, PRESETS, TOKENIZERS, TRAIN_PRECISIONS, ModelConfig, TrainConfig
 from gptlab.errors import GptlabError
 
-
 # ---- bench -------------------------------------------------------------------------------------------------------
 
 BENCHES = Subcommands("bench", "BENCH")  # also the decorator that registers one: @BENCHES(name, help, add)

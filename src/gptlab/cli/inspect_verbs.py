@@ -9,7 +9,6 @@ from gptlab.cli.common import Subcommands, announce, at_least, command, unescape
 from gptlab.config import PRESETS, ModelConfig, SampleConfig, build, get_preset
 from gptlab.errors import GptlabError
 
-
 # ---- inspect -----------------------------------------------------------------------------------------------------
 
 INSPECTORS = Subcommands("inspect", "WHAT")

@@ -8,12 +8,20 @@ import sys
 from pathlib import Path
 
 from gptlab.cli.common import add_config_flags, add_device, announce, command, overrides, unescape
-from gptlab.config import (DEFAULT_PRESET, INFERENCE_PRECISIONS, PRESETS, ModelConfig, PrepareConfig, SampleConfig,
-                           TrainConfig, build)
+from gptlab.config import (
+    DEFAULT_PRESET,
+    ENGINES,
+    INFERENCE_PRECISIONS,
+    PRESETS,
+    ModelConfig,
+    PrepareConfig,
+    SampleConfig,
+    TrainConfig,
+    build,
+)
 from gptlab.configfile import read_config_file
 from gptlab.errors import GptlabError
 from gptlab.tokenizer import EOT
-
 
 # ---- prepare -----------------------------------------------------------------------------------------------------
 
@@ -154,8 +162,11 @@ def cmd_sample(args: argparse.Namespace) -> int:
     if args.num_samples < 1:  # before loading the model (the engine checks it too, for Python callers)
         raise GptlabError(f"--num-samples must be >= 1, not {args.num_samples}")
     prompt: list[int] = []  # read with the run's tokenizer before the model is prepared: a bad one is refused first
-    ready = load_for_inference(args.run or latest_run(), resolve_device(args.device), args.precision,
-                               check=lambda tokenizer: prompt.extend(read_prompt(args, tokenizer)))
+    if args.engine == "reference":
+        ready = load_naive(args, prompt)
+    else:
+        ready = load_for_inference(args.run or latest_run(), resolve_device(args.device), args.precision,
+                                   check=lambda tokenizer: prompt.extend(read_prompt(args, tokenizer)))
     # the server's path (gptlab.serve), so the same seed and settings give the same text there
     stream = TextStream(ready.model, ready.tokenizer, [prompt], cfg, args.num_samples, batch_invariant=True)
     announce(ready)
@@ -168,6 +179,27 @@ def cmd_sample(args: argparse.Namespace) -> int:
     for completion in stream.completions[1:]:
         sys.stdout.write("-" * 40 + "\n" + echo + completion.text + "\n")
     return 0
+
+
+def load_naive(args: argparse.Namespace, prompt: list[int]):
+    """The run's model decoded by the naive C++ engine (fp32, CPU, no KV cache: each step recomputes the window),
+    the prompt read first; what the engine cannot do is refused in one line before the model is loaded."""
+    from gptlab.inference import load_for_inference
+    from gptlab.model import GPT
+    from gptlab.reference.native import load_library
+    from gptlab.reference.train import naive_model
+    from gptlab.runs import latest_run
+
+    if args.precision not in ("auto", "fp32") or args.device not in ("auto", "cpu"):
+        raise GptlabError("the reference engine decodes in fp32 on the CPU: drop --precision and --device, or use "
+                          "--engine torch")
+    load_library()  # no compiler: refused in one line
+    ready = load_for_inference(args.run or latest_run(), "cpu", "fp32", decode=False,
+                               check=lambda tokenizer: prompt.extend(read_prompt(args, tokenizer)))
+    if type(ready.model.model) is not GPT:
+        raise GptlabError("the reference engine implements the GPT, not the bigram; use --engine torch")
+    naive_model(ready.model.model)  # the same object, computed by the engine from now on
+    return ready
 
 
 def add_sample(p: argparse.ArgumentParser) -> None:
@@ -184,6 +216,9 @@ def add_sample(p: argparse.ArgumentParser) -> None:
                    help="inference weights: fp32 (the reference), bf16 (faster where the hardware computes it "
                         "natively; see docs/benchmarks.md), int8 (weight-only, per-row scales, fp32 activations: "
                         "half bf16's bytes to read per token), or auto (bf16 where native, else fp32) (default auto)")
+    p.add_argument("--engine", choices=ENGINES, default="torch",
+                   help="torch (the KV-cached engine and its fast paths) or reference (the naive C++ engine: fp32, "
+                        "no KV cache, every step recomputes the window) (default torch)")
     add_config_flags(p, SampleConfig, "sampling settings")
 
 
@@ -272,7 +307,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
     summaries, unit = compare(args.runs, args.out)
     for r in summaries:
         best = f"{r.best_val_loss:.4f}" if r.best_val_loss is not None else "-"
-        print(f"{str(r.path):<40} step {r.step:>8,}  best val {best:>7}  {r.train_seconds:>8.1f} s of training")
+        print(f"{r.path!s:<40} step {r.step:>8,}  best val {best:>7}  {r.train_seconds:>8.1f} s of training")
     if unit == BITS_PER_BYTE:
         print("the runs' tokenizers differ, so the curves are in bits per byte of each run's validation text "
               "(nats per token of different tokenizers do not compare)")

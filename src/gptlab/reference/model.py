@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from gptlab.model import GPT
+from gptlab.model import GPT, KVCache
 from gptlab.reference import native
 
 DTYPES = {torch.float32: "f32", torch.float64: "f64"}
@@ -145,14 +145,24 @@ class _EngineLoss(torch.autograd.Function):
 
 
 class NaiveGPT(GPT):
-    """A GPT computed by the naive engine (no KV cache: every forward runs over its whole input): the same
-    parameters and state dict, so its checkpoints are ordinary gptlab checkpoints. In training mode with dropout,
-    each forward draws its masks with torch's generator and hands them to the engine."""
+    """A GPT computed by the naive engine: the same parameters and state dict, so its checkpoints are ordinary
+    gptlab checkpoints. In training mode with dropout, each forward draws its masks with torch's generator and hands
+    them to the engine.
 
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, kv_cache=None,
+    It keeps no keys or values: its "cache" (`new_kv_cache`) holds the token ids each row has seen (in the k tensor
+    of a one-layer, one-head, one-channel KVCache, as fp32, exact for any vocabulary below 2**24), so the engine's
+    prompts, samples, windows and continuous batching move them between rows as they move keys and values, and
+    every forward over it recomputes each row's whole window from its tokens."""
+
+    def new_kv_cache(self, batch_size: int, dtype: torch.dtype | None = None, max_len: int | None = None) -> KVCache:
+        """A cache of token ids for `batch_size` rows of up to `max_len` positions (block_size); `dtype` is
+        ignored: ids are kept in fp32."""
+        return KVCache(1, batch_size, 1, max_len or self.config.block_size, 1, "cpu", torch.float32)
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, kv_cache: KVCache | None = None,
                 last_only: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
         if kv_cache is not None:
-            raise ValueError("the reference engine has no KV cache: every step runs over the whole window")
+            return self._over_cache(idx, kv_cache, last_only), None
         B, T = idx.shape
         dtype = self.transformer.wte.weight.dtype
         masks = self.draw_masks(B, T)
@@ -170,3 +180,22 @@ class NaiveGPT(GPT):
         if not (self.training and p > 0):
             return None
         return DropoutMasks.draw(self, B, T, p, self.transformer.wte.weight.dtype)
+
+    def _over_cache(self, idx: torch.Tensor, cache: KVCache, last_only: bool) -> torch.Tensor:
+        """idx (B, T) continues each row at cache.pos: its ids are stored, and each row's logits for them come
+        from the engine run over all of that row's ids (rows of one length in one call); pos advances by T."""
+        if cache.k.shape[0] != 1 or cache.k.shape[2:] != (1, cache.max_len, 1):
+            raise ValueError("the reference engine keeps token ids, not keys and values: use its own new_kv_cache")
+        B, T = idx.shape
+        ends = (cache.pos + T).tolist()
+        if max(ends) > min(cache.max_len, self.config.block_size):
+            raise ValueError("position beyond block_size: slide the window")
+        for b, end in enumerate(ends):
+            cache.k[0, b, 0, end - T:end, 0] = idx[b].float()
+        logits = torch.empty(B, T, self.config.vocab_size, dtype=self.transformer.wte.weight.dtype)
+        for end in sorted(set(ends)):
+            rows = torch.tensor([b for b, e in enumerate(ends) if e == end])
+            ids = cache.k[0, rows, 0, :end, 0].long()
+            logits[rows] = step(self, ids)[0][:, end - T:]
+        cache.pos += T
+        return logits[:, -1:] if last_only else logits
