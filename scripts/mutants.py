@@ -84,6 +84,8 @@ MODULES = {
     "evaluate": _m("evaluate", "test_evaluate test_hf"),
     "optim": _m("optim", "test_optim test_train"),
     "int8": _m("inference/int8", "test_int8"),
+    "reference": _m("reference/model reference/optim reference/native reference/train reference/check compiled",
+                    "test_reference test_reference_cli test_reference_mutants"),
 }
 
 
