@@ -92,6 +92,13 @@ def test_what_the_engine_does_not_implement_is_refused_in_one_line(flags, named,
     assert not (tmp_path / "r").exists()
 
 
+def test_several_processes_are_refused_before_any_starts(data, tmp_path, capsys):
+    line = run_bad(capsys, "train", "--data", str(data), "--run", str(tmp_path / "r"), "--engine", "reference",
+                   "--max-steps", "2", *FLAGS, "--nproc", "3", "--batch-size", "6")
+    assert "one process, not 3" in line and "--engine torch" in line
+    assert not (tmp_path / "r").exists()
+
+
 def test_sampling_with_the_reference_engine_gives_the_torch_paths_tokens(reference_run, capsys):
     """Greedy past the context (the window slides), from a non-ASCII prompt: the same text."""
     argv = ["sample", "--run", str(reference_run), "--prompt", "Œuvre — naïve", "--max-new-tokens", "40",

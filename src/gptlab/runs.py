@@ -156,6 +156,9 @@ def launch(spec: TrainSpec, nproc: int, argv: list[str], max_restarts: int = 0) 
 
     if nproc < 1:
         raise GptlabError(f"--nproc must be at least 1, not {nproc}")
+    if spec.train.engine == "reference" and nproc > 1:
+        raise GptlabError(f"the reference engine trains in one process, not {nproc}; drop --nproc or use "
+                          "--engine torch")
     if spec.train.batch_size % nproc:
         raise GptlabError(f"batch_size {spec.train.batch_size} must be a multiple of the {nproc} processes; "
                           f"try --batch-size {spec.train.batch_size // nproc * nproc or nproc}")

@@ -3,7 +3,8 @@
 // intrinsics, no BLAS, no threads. Templated on the scalar R (float and double are exported). Built with -O2
 // -ffp-contract=off and never -ffast-math: IEEE -inf in the mask, and the same results on every CPU.
 //
-// Letters: B batch, T time, C channels (n_embd), H heads, D = C / H (d_k), V vocabulary, F = 4C, N = B * T rows.
+// Letters: B batch, T time, C channels (n_embd), h heads (H in the code, where h counts them), d_k = C / h (D in
+// the code), V vocabulary, F = 4C, N = B * T rows.
 // Matrices are stored as torch stores them: a Linear's weight W is (out, in) and y = x W^T + b.
 // Every backward ADDS into its parameter gradients (dW += ...) and WRITES its input gradient (dx = ...), except
 // where a comment says otherwise; the caller zeroes the gradients once per call of the model.
