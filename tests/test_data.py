@@ -535,3 +535,138 @@ def test_the_short_form_takes_the_tokenizer_by_its_name_too(tmp_path, corpus_fil
     with pytest.raises(TypeError, match="tokenizer twice"):
         prepare([str(corpus_file)], tmp_path / "c", "bpe", tokenizer="char", quiet=True)
     assert not (tmp_path / "c").exists()
+
+
+# ---- where prepare may write, what meta.json records, what --tokenizer-from decides ------------------------------
+
+def test_prepare_refuses_to_write_into_a_run_or_a_model_folder(tmp_path, corpus_file):
+    for name, config, holds in (("run", {"model": {}, "train": {}}, "a gptlab run"),
+                                ("hf", {"model_type": "gpt2", "n_layer": 2}, "a model (config.json)")):
+        out = tmp_path / name
+        out.mkdir()
+        (out / "config.json").write_text(json.dumps(config))
+        before = tree(out)
+        with pytest.raises(GptlabError) as refused:
+            prepare([str(corpus_file)], out, quiet=True)
+        assert str(refused.value) == (f"{out} holds {holds}; preparing data there would overwrite its files, so give "
+                                      "--out a folder of its own")
+        assert tree(out) == before
+
+
+def test_the_short_forms_tokenizer_is_char_unless_named():
+    from gptlab.data.prepare import prepare_config
+
+    assert prepare_config().tokenizer == "char"
+    assert (prepare_config(vocab_size=300, seed=3).tokenizer, prepare_config(seed=3).seed) == ("char", 3)
+    assert prepare_config("bpe", 300).tokenizer == "bpe"
+
+
+def test_meta_json_records_the_format_the_encoding_the_seed_and_how_val_was_chosen(tmp_path):
+    (tmp_path / "docs").mkdir()
+    for i in range(20):
+        (tmp_path / "docs" / f"{i:02d}.txt").write_bytes(f"dokument {i}: café crème\n".encode("latin-1"))
+    (tmp_path / "val.txt").write_bytes("la validación\n".encode("latin-1"))
+    prepare([str(tmp_path / "docs")], tmp_path / "a", quiet=True, encoding="latin-1", seed=7)
+    meta = json.loads((tmp_path / "a" / "meta.json").read_text())
+    _, version, _, _ = HEADER.unpack((tmp_path / "a" / "train.bin").read_bytes()[:HEADER.size])
+    assert (meta["format_version"], version) == (1, 1)  # the token files' format, as their header says
+    assert (meta["encoding"], meta["split"], meta["val_fraction"], meta["seed"], meta["val_documents"]) == (
+        "latin-1", "documents", 0.1, 7, 2)  # 20 documents: 2 held out, chosen by seed 7
+    prepare([str(tmp_path / "docs")], tmp_path / "b", quiet=True, encoding="latin-1",
+            val_paths=[str(tmp_path / "val.txt")])
+    meta = json.loads((tmp_path / "b" / "meta.json").read_text())
+    assert (meta["split"], meta["val_fraction"], meta["val_documents"]) == ("validation files", None, 1)
+    assert meta["val_chars"] == len("la validación\n")
+
+
+def test_meta_json_counts_every_skipped_file_and_bad_record_and_lists_the_first_20(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    Path("f").mkdir()
+    for i in range(21):
+        Path("f", f"bin{i:02d}.dat").write_bytes(b"\0\0binary")
+    Path("f", "good.txt").write_text("some text, enough of it\n" * 20)
+    Path("f", "recs.jsonl").write_text(json.dumps({"text": "a good record"}) + "\n" + '{"text": null}\n' * 21)
+    meta = prepare(["f"], "out", quiet=True)
+    on_disk = json.loads(Path("out", "meta.json").read_text())
+    assert on_disk["skipped_files"] == 21 and [s["path"] for s in on_disk["skipped"]] == [
+        f"f/bin{i:02d}.dat" for i in range(20)]  # path order
+    assert on_disk["skipped_records"] == 21 and [(r["path"], r["line"]) for r in on_disk["bad_records"]] == [
+        ("f/recs.jsonl", line) for line in range(2, 22)]
+    assert meta["skipped"] == on_disk["skipped"] and meta["bad_records"] == on_disk["bad_records"]
+
+
+def test_the_same_text_encoded_with_another_tokenizer_from_elsewhere_is_other_data(tmp_path, corpus_file, char_data):
+    from gptlab.data.prepare import OtherData
+
+    (tmp_path / "wider.txt").write_text(corpus_file.read_text() + "\t\n", encoding="utf-8")  # a tab: every id moves
+    prepare([str(tmp_path / "wider.txt")], tmp_path / "wider", quiet=True)
+    out = tmp_path / "out"
+    prepare([str(corpus_file)], out, tokenizer_from=char_data, quiet=True)
+    before = tree(out)
+    with pytest.raises(OtherData):
+        prepare([str(corpus_file)], out, tokenizer_from=tmp_path / "wider", quiet=True)
+    assert tree(out) == before
+    prepare([str(corpus_file)], out, tokenizer_from=char_data, quiet=True)  # the same tokenizer again: allowed
+    assert tree(out) == before
+
+
+def test_another_seed_holding_out_other_documents_is_other_data(tmp_path):
+    from gptlab.data.prepare import OtherData
+
+    (tmp_path / "docs").mkdir()
+    for i in range(20):
+        (tmp_path / "docs" / f"{i:02d}.txt").write_text(f"dokument {i}: {'naïve café ' * (2 + i % 3)}\n", "utf-8")
+    held = {}
+    for seed in (0, 1):
+        prepare([str(tmp_path / "docs")], tmp_path / f"s{seed}", quiet=True, seed=seed)
+        ds = load_dataset(tmp_path / f"s{seed}")
+        held[seed] = ds.tokenizer.decode(ds.val.tolist())
+    assert held[0] != held[1]  # the two seeds hold out other documents
+    before = tree(tmp_path / "s0")
+    with pytest.raises(OtherData):
+        prepare([str(tmp_path / "docs")], tmp_path / "s0", quiet=True, seed=1)
+    assert tree(tmp_path / "s0") == before
+
+
+def test_a_bpe_vocabulary_is_trained_on_the_text_field_named(tmp_path):
+    line = "the cat sat on the mat; the cat sat on the hat. "
+    (tmp_path / "recs.jsonl").write_text("".join(json.dumps({"id": i, "body": line * 3}) + "\n" for i in range(40)))
+    meta = prepare([str(tmp_path / "recs.jsonl")], tmp_path / "out", "bpe", vocab_size=300, text_field="body",
+                   quiet=True)
+    tok = load_dataset(tmp_path / "out").tokenizer
+    assert 257 < meta["vocab_size"] <= 300 and meta["documents"] == 40
+    assert [len(tok.encode(word)) for word in (" cat", " sat", " the")] == [1, 1, 1]  # its frequent words
+
+
+def test_a_tokenizer_from_elsewhere_with_an_end_of_text_token_refuses_the_marker_in_text(tmp_path, corpus_file):
+    prepare([str(corpus_file)], tmp_path / "gpt2", "gpt2", quiet=True)
+    (tmp_path / "docs.txt").write_text("first document<|endoftext|>second one\n" * 20)
+    with pytest.raises(GptlabError) as refused:
+        prepare([str(tmp_path / "docs.txt")], tmp_path / "out", tokenizer_from=tmp_path / "gpt2", quiet=True)
+    assert str(refused.value) == (f"{tmp_path / 'docs.txt'} contains the text <|endoftext|>, which this tokenizer "
+                                  "reserves for the end of a document; pass --allow-special to read it as that token, "
+                                  "or remove it")
+    assert not (tmp_path / "out").exists()
+    prepare([str(tmp_path / "docs.txt")], tmp_path / "out", tokenizer_from=tmp_path / "gpt2", allow_special=True,
+            quiet=True)
+    ds = load_dataset(tmp_path / "out")
+    assert np.concatenate([ds.train, ds.val]).tolist().count(50256) == 21  # 20 in the text, 1 ending the document
+
+
+def test_tokenizer_from_decides_the_tokenizer_whatever_tokenizer_says(tmp_path):
+    """A char tokenizer from elsewhere must know every character, and reads the end-of-text marker as plain text (it
+    has no such token), also when --tokenizer names another kind: --tokenizer-from decides."""
+    text = "first document<|endoftext|>second, ünïcode\n" * 20
+    (tmp_path / "docs.txt").write_text(text, encoding="utf-8")
+    prepare([str(tmp_path / "docs.txt")], tmp_path / "chars", "char", quiet=True)
+    for kind in ("char", "bpe", "gpt2"):
+        out = tmp_path / f"out-{kind}"
+        meta = prepare([str(tmp_path / "docs.txt")], out, kind, tokenizer_from=tmp_path / "chars", quiet=True)
+        ds = load_dataset(out)
+        assert (meta["tokenizer"], ds.tokenizer.decode(np.concatenate([ds.train, ds.val]).tolist())) == ("char", text)
+    (tmp_path / "new.txt").write_text(text + "Ā\n", encoding="utf-8")
+    for kind in ("char", "bpe"):
+        with pytest.raises(GptlabError) as refused:
+            prepare([str(tmp_path / "new.txt")], tmp_path / "out", kind, tokenizer_from=tmp_path / "chars", quiet=True)
+        assert str(refused.value) == (f"the text has characters the tokenizer of {tmp_path / 'chars'} has never seen: "
+                                      "'Ā'; prepare without --tokenizer-from to build a new vocabulary")
