@@ -270,7 +270,8 @@ def test_an_imported_hugging_face_gpt2_in_fp32_matches_the_torch_model(tmp_path)
 
 def test_the_naive_gpt_trains_and_scores_as_a_gpt(tmp_path):
     """NaiveGPT's loss.backward() leaves the engine's gradients, scaled by the incoming gradient (gradient
-    accumulation), in .grad; without targets it gives the logits alone; it refuses a KV cache."""
+    accumulation), in .grad; without targets it gives the logits alone, and over its cache of token ids the same
+    logits; it refuses a cache of keys and values."""
     torch.manual_seed(5)
     model = perturbed(GPT(ModelConfig(**FD_SHAPE))).double()
     idx, targets = torch.randint(0, 13, (2, 7)), torch.randint(0, 13, (2, 7))
@@ -282,8 +283,11 @@ def test_the_naive_gpt_trains_and_scores_as_a_gpt(tmp_path):
         assert rel(p.grad, 0.75 * grads[name]) <= 1e-14, name
     logits, loss = naive(idx)
     assert loss is None and logits.shape == (2, 7, 13)
-    with pytest.raises(ValueError, match="no KV cache"):
-        naive(idx, kv_cache=naive.new_kv_cache(2))
+    cache = naive.new_kv_cache(2)  # token ids, not keys and values: each call recomputes the rows' windows
+    first, rest = naive(idx[:, :4], kv_cache=cache)[0], naive(idx[:, 4:], kv_cache=cache, last_only=True)[0]
+    assert rel(first, logits[:, :4]) <= 1e-14 and rel(rest, logits[:, -1:]) <= 1e-14 and cache.pos.tolist() == [7, 7]
+    with pytest.raises(ValueError, match="not keys and values"):
+        naive(idx, kv_cache=GPT.new_kv_cache(naive, 2))
 
 
 # ---- check 4: 20 optimizer steps beside the torch path ----
