@@ -361,3 +361,19 @@ def test_the_engines_optimizer_decays_exactly_the_tensors_the_torch_path_decays(
     names = {n for n, p in model.named_parameters() if id(p) in decayed}
     assert names == {n for n, p in model.named_parameters() if n.endswith("weight") and "ln_" not in n}
     assert "transformer.wte.weight" in names and "transformer.h.0.ln_1.weight" not in names
+
+
+def test_in_eval_mode_the_naive_gpt_has_no_dropout_and_keeps_its_dtype():
+    """A model with dropout 0.2 in eval mode: the torch model's logits (no masks drawn), and an fp64 model's loss
+    as fp64, the engine's own value."""
+    torch.manual_seed(7)
+    plain = perturbed(GPT(ModelConfig(**{**FD_SHAPE, "dropout": 0.2}))).double().eval()
+    naive = naive_model(perturbed(GPT(ModelConfig(**{**FD_SHAPE, "dropout": 0.2}))).double()).eval()
+    naive.load_state_dict(plain.state_dict())
+    idx, targets = torch.randint(0, 13, (2, 7)), torch.randint(0, 13, (2, 7))
+    with torch.no_grad():
+        logits, loss = naive(idx, targets)
+        expected_logits, expected_loss = plain(idx, targets)
+    assert rel(logits, expected_logits) <= PIECE_TOLERANCE
+    assert loss.dtype == torch.float64 and loss.item() == rm.step(naive, idx, targets)[1]
+    assert abs(loss.item() - expected_loss.item()) <= PIECE_TOLERANCE

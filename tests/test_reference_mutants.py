@@ -100,5 +100,14 @@ def test_without_a_compiler_the_engine_says_what_to_install(tmp_path, char_data)
                          capture_output=True, text=True, env=env, timeout=300)
     assert out.returncode == 2, out.stderr[-2000:]
     assert out.stderr.strip().count("\n") == 0 and "Traceback" not in out.stderr
-    assert "needs a C++17 compiler" in out.stderr and "install g++" in out.stderr
+    assert "needs a C++17 compiler" in out.stderr and "(Debian/Ubuntu: apt-get install g++; macOS: xcode-select " \
+        "--install) or set CXX" in out.stderr
     assert not (tmp_path / "run").exists()
+
+
+def test_a_source_that_does_not_compile_is_refused_with_the_compilers_message(tmp_path):
+    source = tmp_path / "broken.cpp"
+    source.write_text("int main() { return undeclared_name_here; }\n")
+    with pytest.raises(compiled.BuildError, match="undeclared_name_here") as caught:
+        native.build_library(source, tmp_path / "out", O1)
+    assert "failed:" in str(caught.value) and not list((tmp_path / "out").glob("*.so"))
