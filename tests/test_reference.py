@@ -377,3 +377,22 @@ def test_in_eval_mode_the_naive_gpt_has_no_dropout_and_keeps_its_dtype():
     assert rel(logits, expected_logits) <= PIECE_TOLERANCE
     assert loss.dtype == torch.float64 and loss.item() == rm.step(naive, idx, targets)[1]
     assert abs(loss.item() - expected_loss.item()) <= PIECE_TOLERANCE
+
+
+def test_ids_and_targets_outside_the_vocabulary_are_refused():
+    """The engine checks what it indexes with: a token id outside the vocabulary, a target neither an id nor -1
+    (torch's cross-entropy ignores -1 alone); a -1 target is scored as ignored."""
+    model = GPT(ModelConfig(**FD_SHAPE))
+    idx, targets = torch.randint(0, 13, (2, 7)), torch.randint(0, 13, (2, 7))
+    with pytest.raises(ValueError, match="a token id outside the vocabulary of 13"):
+        rm.step(model, torch.where(idx == idx[0, 0], 13, idx), targets)
+    for bad in (13, -2):
+        wrong = targets.clone()
+        wrong[1, 3] = bad
+        with pytest.raises(ValueError, match="a target that is neither -1 .ignored. nor a token id of the vocabulary "
+                                             "of 13"):
+            rm.step(model, idx, wrong)
+    ignored = targets.clone()
+    ignored[1, 3] = -1
+    logits, loss, _ = rm.step(model, idx, ignored)
+    assert abs(loss - F.cross_entropy(logits.view(-1, 13), ignored.view(-1), ignore_index=-1).item()) <= 1e-6
