@@ -8,7 +8,6 @@ them to deliberately broken copies of the kernel: each must fail one of them.
 """
 
 import copy
-import hashlib
 import os
 import platform
 import subprocess
@@ -20,6 +19,7 @@ import torch
 from helpers import (BF16_TOLERANCE, FP32_TOLERANCE, KERNEL_SHAPES, bf16_cache_errors, bf16_errors, fp32_error,
                      tiny_config, trained_like)
 
+from gptlab import compiled
 from gptlab.config import SampleConfig
 from gptlab.engine import generate_batch, generate_uncached
 from gptlab.inference import TorchStep, native, prepare_for_inference
@@ -132,7 +132,7 @@ def test_builds_are_keyed_by_the_cpus_instruction_set_not_the_host_name(tmp_path
     folder = tmp_path / "kernels"
     folder.mkdir()
     mine = native._machine_key(native._compiler())
-    code = hashlib.sha256(native.SOURCE.read_bytes()).hexdigest()[:12]
+    code = compiled.source_key(native.SOURCE)  # the source and the headers it includes
     other_cpu, earlier = folder / f"decode-{'0' * 12}-{code}.so", folder / f"decode-{mine}-{'0' * 12}.so"
     for stale in (other_cpu, earlier, folder / "decode-0123456789abcdef.so"):  # the last named by host name
         stale.write_bytes(b"not a library: loading this fails")

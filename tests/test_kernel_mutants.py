@@ -99,7 +99,7 @@ ABI_MUTANTS = {
                                    r"struct Model has 18 fields in .* but 17 in gptlab's ctypes"),
     "the layout version raised": ([("constexpr int LAYOUT_VERSION = 2;", "constexpr int LAYOUT_VERSION = 3;")],
                                   r"layout version 3, gptlab passes version 2"),
-    "no layout exported (an older source)": ([("gptlab_layout_version()", "gptlab_layout_version_gone()")],
+    "no layout exported (an older source)": ([("GPTLAB_EXPORT_LAYOUT(LAYOUT_VERSION, FIELDS, SIZES)", "")],
                                              r"exports no struct layout"),
 }
 

@@ -22,6 +22,8 @@ from pathlib import Path
 
 from gptlab.machine import cache_root
 
+INCLUDE = Path(__file__).parent / "csrc"  # the headers every library may include (abi.h: the layout it exports)
+
 
 class BuildError(RuntimeError):
     """A source did not compile or load on a machine that has a compiler."""
@@ -54,7 +56,7 @@ def compiler_version(path: str) -> str:
 
 def build_shared(source: Path, flags: Sequence[str], folder: Path, prefix: str, key: str = "") -> Path:
     """The library built from `source` with `flags` in `folder`, named PREFIX-KEY-CODE.so (KEY: a hash of the
-    compiler, its version, the flags and the caller's `key`; CODE: a hash of the source); compiled unless it is
+    compiler, its version, the flags and the caller's `key`; CODE: a hash of the source and headers, source_key); compiled unless it is
     there already. Earlier builds of the same KEY (older sources) are removed. Raises BuildError with the compiler's
     whole message where it fails."""
     path = compiler()
@@ -62,7 +64,7 @@ def build_shared(source: Path, flags: Sequence[str], folder: Path, prefix: str, 
         raise BuildError(f"no {compiler_name()} on PATH")
     try:
         machine = hashlib.sha256("\n".join([path, *flags, compiler_version(path), key]).encode()).hexdigest()[:12]
-        code = hashlib.sha256(source.read_bytes()).hexdigest()[:12]
+        code = source_key(source)
         target = folder / f"{prefix}-{machine}-{code}.so"
         if not target.is_file():
             compile_into(path, flags, source, target)
@@ -76,13 +78,21 @@ def build_shared(source: Path, flags: Sequence[str], folder: Path, prefix: str, 
     return target
 
 
+def source_key(source: Path) -> str:
+    """A hash of what a build compiles: `source` and every header in INCLUDE (a changed header rebuilds)."""
+    digest = hashlib.sha256(source.read_bytes())
+    for header in sorted(INCLUDE.glob("*.h")):
+        digest.update(header.name.encode() + b"\0" + header.read_bytes())
+    return digest.hexdigest()[:12]
+
+
 def compile_into(path: str, flags: Sequence[str], source: Path, target: Path) -> None:
-    """Compile `source` into `target` with the compiler at `path`: aside in a temporary folder, then published
-    atomically."""
+    """Compile `source` into `target` with the compiler at `path` (INCLUDE on its header path): aside in a temporary
+    folder, then published atomically."""
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         built = Path(tmp) / target.name
-        subprocess.run([path, *flags, str(source), "-o", str(built)], check=True, capture_output=True, text=True,
+        subprocess.run([path, *flags, "-I", str(INCLUDE), str(source), "-o", str(built)], check=True, capture_output=True, text=True,
                        timeout=300)
         os.replace(built, target)
 

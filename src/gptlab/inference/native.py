@@ -108,7 +108,7 @@ def _machine_key(compiler: str) -> str:
     targets on this CPU (gcc's `-march=native -Q --help=target`) and the CPU's model and feature flags. Two
     machines of one name but different CPUs get different keys, so neither loads a binary with instructions the
     other lacks (SIGILL)."""
-    version = subprocess.run([compiler, "--version"], check=True, capture_output=True, text=True, timeout=60).stdout
+    version = compiled.compiler_version(compiler)
     target = subprocess.run([compiler, "-march=native", "-Q", "--help=target"], capture_output=True, text=True,
                             timeout=60)  # gcc only; elsewhere the CPU's flags below still tell CPUs apart
     cpu = [cpu_model(), " ".join(sorted(cpu_flags()))]
@@ -125,7 +125,7 @@ def build_library(source: Path = SOURCE, build_dir: Path | None = None) -> ctype
     if compiler is None:
         raise KernelBuildError(f"no {os.environ.get('CXX', 'g++')} on PATH")
     try:
-        machine, code = _machine_key(compiler), hashlib.sha256(source.read_bytes()).hexdigest()[:12]
+        machine, code = _machine_key(compiler), compiled.source_key(source)
         target = (build_dir or _build_dir()) / f"decode-{machine}-{code}.so"
         if not target.is_file():
             compiled.compile_into(compiler, FLAGS, source, target)

@@ -21,6 +21,8 @@
 #include <string.h>
 #include <omp.h>
 
+#include "abi.h"  // gptlab/csrc: the struct layout every library exports
+
 typedef uint16_t bf16;
 
 // Batched products fetch W this many rows ahead into L2: the hardware prefetcher alone lags, and into L1 the
@@ -60,12 +62,11 @@ struct Step {  // R rows, each one new token at its own position
     float *x, *h, *qkv, *att, *fc, *logits, *scores;  // scratch (R*C, R*C, R*3C, R*C, R*4C), out (R*V), T*max_len
 };
 
-// ---- the ABI: Python (gptlab/inference/native.py) fills these structs with ctypes and checks, before the first
-// call, that this library's version, sizes and offsets are the ones it passes; a mismatch is never called ----
+// ---- the ABI (gptlab/csrc/abi.h): Python (gptlab/inference/native.py) fills these structs with ctypes and checks,
+// before the first call, that this library's version, sizes and offsets are the ones it passes ----
 constexpr int LAYOUT_VERSION = 2;  // raise with any change to the structs above, here and in native.py
-struct FieldOffset { const char *s, *f; long off; };
-#define F(S, f) {#S, #f, (long)offsetof(S, f)}
-static const FieldOffset FIELDS[] = {
+#define F(S, f) GPTLAB_FIELD(S, f)
+static const gptlab_abi::Field FIELDS[] = {
     F(Layer, c_attn_w), F(Layer, attn_proj_w), F(Layer, c_fc_w), F(Layer, mlp_proj_w), F(Layer, ln_1_w),
     F(Layer, ln_1_b), F(Layer, c_attn_b), F(Layer, attn_proj_b), F(Layer, ln_2_w), F(Layer, ln_2_b),
     F(Layer, c_fc_b), F(Layer, mlp_proj_b), F(Layer, c_attn_s), F(Layer, attn_proj_s), F(Layer, c_fc_s),
@@ -78,8 +79,8 @@ static const FieldOffset FIELDS[] = {
     F(Step, v), F(Step, x), F(Step, h), F(Step, qkv), F(Step, att), F(Step, fc), F(Step, logits), F(Step, scores),
 };
 #undef F
-
-extern "C" int gptlab_layout_version() { return LAYOUT_VERSION; }
+static const gptlab_abi::Size SIZES[] = {GPTLAB_SIZE(Layer), GPTLAB_SIZE(Model), GPTLAB_SIZE(Step)};
+GPTLAB_EXPORT_LAYOUT(LAYOUT_VERSION, FIELDS, SIZES)
 
 // Whether this build multiplies int8 weights with AVX512-VNNI (Model.weights INT8_VNNI; else it runs INT8_FMA).
 extern "C" int gptlab_int8_vnni() {
@@ -88,23 +89,6 @@ extern "C" int gptlab_int8_vnni() {
 #else
     return 0;
 #endif
-}
-
-extern "C" long gptlab_sizeof(const char* s) {  // -1 for a struct this library does not know
-    return !strcmp(s, "Layer") ? (long)sizeof(Layer) : !strcmp(s, "Model") ? (long)sizeof(Model)
-         : !strcmp(s, "Step") ? (long)sizeof(Step) : -1;
-}
-
-extern "C" int gptlab_fields(const char* s) {  // how many fields of struct s FIELDS lists
-    int n = 0;
-    for (const FieldOffset& e : FIELDS) n += !strcmp(e.s, s);
-    return n;
-}
-
-extern "C" long gptlab_offsetof(const char* s, const char* f) {  // -1 for a field this library does not know
-    for (const FieldOffset& e : FIELDS)
-        if (!strcmp(e.s, s) && !strcmp(e.f, f)) return e.off;
-    return -1;
 }
 
 // ---- loading weights as fp32 vectors of 16 ----

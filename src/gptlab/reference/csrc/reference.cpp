@@ -19,6 +19,8 @@
 #include <utility>
 #include <vector>
 
+#include "abi.h"  // gptlab/csrc: the struct layout every library exports
+
 // ---- the structs Python fills (reference/native.py mirrors them field for field) ----
 
 struct Layer {  // one block's tensors (or their gradients); a bias is NULL when the model has none
@@ -49,11 +51,10 @@ struct Batch {
     double loss;             // out: the mean cross-entropy over the targets that are not -1
 };
 
+// ---- the ABI (gptlab/csrc/abi.h): Python checks these before the first call ----
 constexpr int LAYOUT_VERSION = 1;  // raise with any change to the structs above, here and in reference/native.py
-
-struct FieldOffset { const char *s, *f; long off; };
-#define F(S, f) {#S, #f, (long)offsetof(S, f)}
-static const FieldOffset FIELDS[] = {
+#define F(S, f) GPTLAB_FIELD(S, f)
+static const gptlab_abi::Field FIELDS[] = {
     F(Layer, ln_1_w), F(Layer, ln_1_b), F(Layer, c_attn_w), F(Layer, c_attn_b), F(Layer, attn_proj_w),
     F(Layer, attn_proj_b), F(Layer, ln_2_w), F(Layer, ln_2_b), F(Layer, c_fc_w), F(Layer, c_fc_b),
     F(Layer, mlp_proj_w), F(Layer, mlp_proj_b),
@@ -65,25 +66,9 @@ static const FieldOffset FIELDS[] = {
     F(Batch, logits), F(Batch, loss),
 };
 #undef F
-
-extern "C" int gptlab_layout_version() { return LAYOUT_VERSION; }
-
-extern "C" long gptlab_sizeof(const char* s) {  // -1 for a struct this library does not know
-    return !strcmp(s, "Layer") ? (long)sizeof(Layer) : !strcmp(s, "Model") ? (long)sizeof(Model)
-         : !strcmp(s, "Masks") ? (long)sizeof(Masks) : !strcmp(s, "Batch") ? (long)sizeof(Batch) : -1;
-}
-
-extern "C" int gptlab_fields(const char* s) {  // how many fields of struct s FIELDS lists
-    int n = 0;
-    for (const FieldOffset& e : FIELDS) n += !strcmp(e.s, s);
-    return n;
-}
-
-extern "C" long gptlab_offsetof(const char* s, const char* f) {  // -1 for a field this library does not know
-    for (const FieldOffset& e : FIELDS)
-        if (!strcmp(e.s, s) && !strcmp(e.f, f)) return e.off;
-    return -1;
-}
+static const gptlab_abi::Size SIZES[] = {GPTLAB_SIZE(Layer), GPTLAB_SIZE(Model), GPTLAB_SIZE(Masks),
+                                         GPTLAB_SIZE(Batch)};
+GPTLAB_EXPORT_LAYOUT(LAYOUT_VERSION, FIELDS, SIZES)
 
 // ---- where a step's time goes: seconds spent in each function, summed over calls (gptlab bench reference) ----
 enum Piece { EMBEDDING_F, EMBEDDING_B, DROPOUT, LAYERNORM_F, LAYERNORM_B, LINEAR_F, LINEAR_B, ATTENTION_F,
