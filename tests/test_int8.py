@@ -16,7 +16,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from helpers import FMA_TOLERANCE, INT8_SHAPES, VNNI_TOLERANCE, int8_error, int8_model, trained_like
-from gptlab.bench.quality import int8_quality
+from gptlab.bench.quality import TORCH_INT8, int8_quality, quality_lines
 from gptlab.cli import main
 from gptlab.config import SampleConfig, TrainConfig
 from gptlab.engine import generate_batch, generate_uncached
@@ -260,6 +260,26 @@ def test_sample_and_eval_run_in_int8_end_to_end(tmp_path, monkeypatch, capsys, c
     assert main(["train", "--data", "data", "--run", "runs/t8", "--precision", "int8"]) == 2
     assert "invalid choice: 'int8'" in capsys.readouterr().err
 
+
+
+def test_the_quality_report_counts_by_hand():
+    """bench generate --quality's lines on numbers worked out by hand: int8 at perplexity 12 beside bf16's 10 is
+    +20.00 % (not -16.67 %, the ratio turned over); of three prompts' 4 new tokens, int8 agrees with bf16 on all 4
+    for two prompts and on the first 1 for the third, so 2/3, shortest 1."""
+    ids = {"fp32": [[1, 2, 3, 4], [5, 6, 7, 8], [9, 9, 9, 9]],
+           "bf16": [[1, 2, 3, 4], [5, 6, 7, 8], [9, 9, 9, 0]],
+           "int8": [[1, 2, 3, 4], [5, 6, 7, 8], [9, 1, 9, 0]],
+           TORCH_INT8: [[1, 2, 3, 0], [0, 6, 7, 8], [9, 9, 9, 9]]}
+    lines = quality_lines("runs/r", "bf16", {"fp32": 9.0, "bf16": 10.0, "int8": 12.0}, ids, new_tokens=4)
+    assert lines == [
+        "int8 vs bf16 on runs/r: validation perplexity 12.000 vs 10.000 (+20.00%)",
+        "int8 vs bf16 greedy: 2/3 validation prompts agree for all 4 new tokens (shortest agreement 1)",
+        "bf16 vs fp32 greedy: 2/3 validation prompts agree for all 4 new tokens (shortest agreement 3)",
+        "int8 vs fp32 greedy: 2/3 validation prompts agree for all 4 new tokens (shortest agreement 1)",
+        "int8 (torch step) vs fp32 greedy: 1/3 validation prompts agree for all 4 new tokens (shortest agreement 0)"]
+    lines = quality_lines("runs/r", "fp32", {"fp32": 10.0, "int8": 9.5}, {k: ids[k] for k in ("fp32", "int8")}, 4)
+    assert lines == ["int8 vs fp32 on runs/r: validation perplexity 9.500 vs 10.000 (-5.00%)",
+                     "int8 vs fp32 greedy: 2/3 validation prompts agree for all 4 new tokens (shortest agreement 1)"]
 
 def test_any_module_with_linear_layers_can_be_quantized_and_shows_its_shape():
     """quantize_model needs no GPT: a model without lm_head or transformer.wte (nothing tied) gets every nn.Linear

@@ -49,6 +49,14 @@ def int8_quality(run: str, prompts: int = 8, prompt_tokens: int = 16, new_tokens
         if precision == "int8" and model.fused:  # the torch path's steps (fp32 x over the same int8 weights)
             torch_step = prepare_for_inference(copy.deepcopy(loaded.model), "int8", fused=False)
             ids[TORCH_INT8] = [list(row) for row in zip(*generate_batch(torch_step, windows, cfg))]
+    return quality_lines(run, base, perplexity, ids, new_tokens)
+
+
+def quality_lines(run: str, base: str, perplexity: dict[str, float], ids: dict[str, list[list[int]]],
+                  new_tokens: int) -> list[str]:
+    """int8_quality's report: int8's perplexity beside `base`'s with its relative change, then for each pair of
+    precisions how many prompts' greedy continuations (`ids[precision]`: one list of new ids per prompt) agree for
+    all `new_tokens` tokens, and the shortest agreeing prefix."""
     change = perplexity["int8"] / perplexity[base] - 1
     lines = [f"int8 vs {base} on {run}: validation perplexity {perplexity['int8']:.3f} vs {perplexity[base]:.3f} "
              f"({change:+.2%})"]
@@ -56,6 +64,6 @@ def int8_quality(run: str, prompts: int = 8, prompt_tokens: int = 16, new_tokens
     pairs += [("fp32", TORCH_INT8)] if TORCH_INT8 in ids else []  # what weight-only int8 gives without the kernel
     for a, b in pairs:
         agree = [agreeing_prefix(x, y) for x, y in zip(ids[a], ids[b])]
-        lines.append(f"{b} vs {a} greedy: {sum(n == new_tokens for n in agree)}/{prompts} validation prompts agree "
-                     f"for all {new_tokens} new tokens (shortest agreement {min(agree)})")
+        lines.append(f"{b} vs {a} greedy: {sum(n == new_tokens for n in agree)}/{len(agree)} validation prompts "
+                     f"agree for all {new_tokens} new tokens (shortest agreement {min(agree)})")
     return lines
