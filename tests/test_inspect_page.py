@@ -5,7 +5,10 @@ browser or Playwright is missing the tests skip, and the summary line says "brow
 
 import io
 import json
+import os
 import re
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -111,6 +114,22 @@ def test_the_page_holds_the_first_rows_causal_attention_and_the_tokens_as_writte
     assert "<title>attention: 中a&lt;/b&gt;é</title>" in text and "<h2>attention: 中a&lt;/b&gt;é</h2>" in text
     assert "__TITLE__" not in text and "__DATA__" not in text
 
+
+
+def test_the_page_is_utf8_under_a_locale_that_is_not(tmp_path):
+    """A machine whose locale encoding is ASCII (or Windows' cp1252) still gets the page, non-ASCII tokens and all,
+    as UTF-8, the charset the page declares: the C locale with Python's UTF-8 mode and locale coercion off."""
+    script = ("import torch; from gptlab.config import ModelConfig; from gptlab.model import GPT; "
+              "from gptlab.inspect.trace import trace; from gptlab.inspect.page import attention_html; "
+              "torch.manual_seed(0); "
+              "m = GPT(ModelConfig(vocab_size=20, block_size=8, n_layer=1, n_head=1, n_embd=8, dropout=0.0)).eval(); "
+              "attention_html(trace(m, [1, 2, 3]), ['\\u4e2d', '\\xe9', 'a'], r'%s')" % (tmp_path / "a.html"))
+    env = {**os.environ, "LC_ALL": "C", "PYTHONCOERCECLOCALE": "0", "PYTHONUTF8": "0"}
+    out = subprocess.run([sys.executable, "-X", "utf8=0", "-c", script], capture_output=True, text=True, env=env,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    text = (tmp_path / "a.html").read_bytes().decode("utf-8")
+    assert '"tokens":["\u4e2d","\xe9","a"]' in text and 'charset="utf-8"' in text.lower()
 
 def test_a_pages_default_title_is_the_first_80_characters_of_its_tokens():
     torch.manual_seed(2)

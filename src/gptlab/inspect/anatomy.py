@@ -75,7 +75,7 @@ def anatomy(model: torch.nn.Module) -> list[Part]:
 
 def totals(model: torch.nn.Module) -> dict[str, int]:
     """Parameters by kind (embeddings, attention, MLP, LayerNorms) and "total"; the tied LM head counted once."""
-    n_layer = model.config.n_layer if isinstance(model, GPT) else 1
+    n_layer = model.config.n_layer  # per-block rows (indented) exist only in a GPT's anatomy
     out = dict.fromkeys(KINDS, 0)
     for part in anatomy(model):
         if part.kind:
