@@ -22,7 +22,7 @@ run: $(STAMP)
 	$(BIN)/gptlab sample --max-new-tokens 500
 
 test: $(STAMP) browser
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest --durations=15
 
 # The attention page's test drives Debian's chromium with Playwright (pip's Playwright cannot fetch its own browser
 # here). Installed when missing and we are root with apt-get; otherwise that test skips and the summary says so.

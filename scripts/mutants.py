@@ -40,7 +40,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parents[1]  # this repository: the hooks and the equivalents list live here
-STATUS = {1: "killed", 3: "killed", 36: "timeout", 24: "timeout", -24: "timeout", 152: "timeout", 255: "timeout",
+# -11 / -6: the tests' process died of SIGSEGV / SIGABRT (a mutant that passes a bad pointer to C++): the suite fails
+STATUS = {1: "killed", 3: "killed", -11: "killed", -6: "killed", 36: "timeout", 24: "timeout", -24: "timeout", 152: "timeout", 255: "timeout",
           0: "survived", 5: "no tests", 33: "no tests", 34: "message", 35: "not sampled",
           None: "not checked"}  # the rest: "other"
 COLUMNS = ["generated", "message", "equivalent", "killed", "timeout", "survived", "no tests", "other", "not checked",
@@ -57,7 +58,12 @@ class Module:
 
 
 def _m(sources: str, tests: str) -> Module:
-    return Module(tuple(f"src/gptlab/{s}.py" for s in sources.split()), tuple(f"tests/{t}.py" for t in tests.split()))
+    """Sources and tests by short name: "data/prepare" is src/gptlab/data/prepare.py, "test_cli" tests/test_cli.py
+    and "test_cli::test_x" that file's one test."""
+    def test(t: str) -> str:
+        file, _, name = t.partition("::")
+        return f"tests/{file}.py" + (f"::{name}" if name else "")
+    return Module(tuple(f"src/gptlab/{s}.py" for s in sources.split()), tuple(test(t) for t in tests.split()))
 
 
 # Each module's tests: the files that exercise it (mutmut then runs, per mutant, only the tests that reach the mutated
@@ -76,7 +82,13 @@ MODULES = {
     "tokenfiles": _m("data/tokenfiles", "test_tokenfiles test_data test_shards test_nothing_lost"),
     "data": _m("data/prepare data/batches", "test_data test_tokenfiles test_corpus test_shards"),
     "inspect": _m("inspect/anatomy inspect/page inspect/pictures inspect/trace", "test_inspect test_inspect_page test_trace"),
-    "runs": _m("runs", "test_runs test_runs_start test_cli"),
+    # of test_cli (slow under mutmut's tracing), the tests that reach runs.py: the default run folder, which run
+    # sample picks, compare, a config file's data
+    "runs": _m("runs", "test_runs test_runs_start test_cli::test_default_run_dir_never_overwrites_an_earlier_run "
+               "test_cli::test_version_and_which_run_sample_and_eval_picked "
+               "test_cli::test_compare_puts_runs_with_different_tokenizers_on_bits_per_byte "
+               "test_cli::test_compare_refuses_a_picture_format_it_cannot_write_in_one_line "
+               "test_cli::test_a_config_files_data_path_is_relative_to_its_folder"),
     # test_data: folder_kind; test_checkpoint: state.json's schema (TrainingState), old files included
     "rundir": _m("rundir", "test_nothing_lost test_faults test_runs test_data test_checkpoint"),
     "checkpoint": _m("checkpoint", "test_checkpoint test_nothing_lost test_faults test_train test_runtime"),

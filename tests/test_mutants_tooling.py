@@ -81,7 +81,9 @@ def test_a_modules_folder_config_narrows_mutmut_and_keeps_pytests_settings(tmp_p
 def test_every_modules_sources_and_tests_exist():
     for name, module in mutants.MODULES.items():
         for path in (*module.sources, *module.tests):
-            assert (ROOT / path).is_file(), f"{name}: {path}"
+            file, _, test = path.partition("::")
+            assert (ROOT / file).is_file(), f"{name}: {path}"
+            assert not test or f"def {test}(" in (ROOT / file).read_text(encoding="utf-8"), f"{name}: {path}"
 
 
 def test_an_unknown_module_is_refused_in_one_line(capsys):
