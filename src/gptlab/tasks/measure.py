@@ -1,0 +1,118 @@
+"""A model's scores on a task file: each item's options scored (tasks/score.py), then the references' measures, each
+with a bootstrap confidence interval.
+
+- multiple choice: `acc` (the option of highest log-likelihood), `acc_norm` as lm-evaluation-harness computes it
+  (log-likelihood divided by the option's length in characters) and `acc_token_mean` as llm.c reports it
+  (divided by its number of tokens);
+- schema: `acc` and `acc_token_mean` (the continuation is the same text for every context, so the harness's
+  character norm changes nothing);
+- language modelling: `acc` (greedy decoding reproduces every continuation token).
+Ties go to the first option, as numpy's argmax does.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from gptlab.errors import GptlabError
+from gptlab.tasks.items import LANGUAGE_MODELLING, MULTIPLE_CHOICE, Item
+from gptlab.tasks.score import Scored, encode_pair, score_pairs
+from gptlab.tokenizer import Tokenizer
+
+FEWSHOT_DELIMITER = "\n\n"  # between worked examples, and before the item (the harness's default)
+RESAMPLES = 1000  # bootstrap resamples of the items for each interval
+
+
+@dataclass(frozen=True)
+class Measure:
+    value: float  # the mean over items
+    low: float  # the bootstrap interval: 2.5th to 97.5th percentile of the resampled means
+    high: float
+
+
+@dataclass
+class TaskScores:
+    kind: str
+    items: int
+    measures: dict[str, Measure]
+    cropped: int  # items whose context lost tokens at its start to fit the model
+    seconds: float
+    per_item: list[dict[str, float | int | bool | list[float]]] = field(default_factory=list)
+
+
+def fewshot_prefix(items: Sequence[Item], index: int, k: int, seed: int) -> str:
+    """K worked examples drawn from the other items of the file (never item `index` itself), seeded by `seed` and
+    the item's index so that a subset (--limit) gets the same examples; "" for k = 0."""
+    if k == 0:
+        return ""
+    if k >= len(items):
+        raise GptlabError(f"--num-fewshot {k} needs at least {k + 1} items in the file, which has {len(items)}")
+    others = [j for j in range(len(items)) if j != index]
+    drawn = random.Random(seed * 1_000_003 + index).sample(others, k)
+    return "".join(items[j].worked_example() + FEWSHOT_DELIMITER for j in drawn)
+
+
+def item_pairs(tokenizer: Tokenizer, item: Item, prefix: str, where: str) -> list[tuple[list[int], list[int]]]:
+    """Each option's (context ids, continuation ids), the few-shot prefix before its context."""
+    try:
+        return [encode_pair(tokenizer, prefix + context, continuation) for context, continuation in item.options]
+    except GptlabError as exc:  # a char vocabulary meeting characters it has never seen: which ones, and where
+        raise GptlabError(f"{where}: {exc}") from None
+
+
+def judge(item: Item, scored: list[Scored]) -> dict[str, float | int | bool | list[float]]:
+    """The item's measures from its options' scores (1.0 right, 0.0 wrong), with the log-likelihoods."""
+    lls = np.array([s.loglikelihood for s in scored])
+    out: dict[str, float | int | bool | list[float]] = {"line": item.line, "label": item.label,
+                                                        "loglikelihoods": lls.tolist()}
+    if item.kind == LANGUAGE_MODELLING:
+        out["acc"] = float(scored[0].greedy)
+        return out
+    out["acc"] = float(int(np.argmax(lls)) == item.label)
+    if item.kind == MULTIPLE_CHOICE:
+        chars = np.array([float(len(t)) for t in item.option_texts])
+        out["acc_norm"] = float(int(np.argmax(lls / chars)) == item.label)
+    tokens = np.array([float(s.tokens) for s in scored])
+    out["acc_token_mean"] = float(int(np.argmax(lls / tokens)) == item.label)
+    return out
+
+
+def bootstrap(values: Sequence[float], seed: int = 0, resamples: int = RESAMPLES) -> tuple[float, float]:
+    """The 2.5th and 97.5th percentiles of the mean over `resamples` resamples of `values` with replacement."""
+    x = np.asarray(values, dtype=np.float64)
+    rng = np.random.default_rng(seed)
+    means = x[rng.integers(0, len(x), size=(resamples, len(x)))].mean(axis=1)
+    return float(np.percentile(means, 2.5)), float(np.percentile(means, 97.5))
+
+
+def evaluate_items(model: torch.nn.Module, tokenizer: Tokenizer, items: Sequence[Item], name: str = "task",
+                   precision: str = "fp32", num_fewshot: int = 0, seed: int = 1234, limit: int | None = None,
+                   progress: Callable[[int], None] | None = None) -> TaskScores:
+    """The model's TaskScores on `items` (the first `limit` of them), `num_fewshot` worked examples before each;
+    `progress(n)` is called after each item. GptlabError, naming `name` and the item's line, for text the
+    tokenizer cannot encode or a continuation too long for the model."""
+    chosen = list(items[:limit] if limit is not None else items)
+    start, per_item, cropped = time.perf_counter(), [], 0
+    for index, item in enumerate(chosen):
+        where = f"{name}:{item.line}"
+        pairs = item_pairs(tokenizer, item, fewshot_prefix(items, index, num_fewshot, seed), where)
+        try:
+            scored = score_pairs(model, pairs, precision)
+        except GptlabError as exc:
+            raise GptlabError(f"{where}: {exc}") from None
+        cropped += any(s.cropped for s in scored)
+        per_item.append(judge(item, scored))
+        if progress is not None:
+            progress(1)
+    names = [k for k in ("acc", "acc_norm", "acc_token_mean") if k in per_item[0]]
+    measures = {}
+    for k in names:
+        values = [float(row[k]) for row in per_item]  # type: ignore[arg-type]
+        measures[k] = Measure(float(np.mean(values)), *bootstrap(values))
+    return TaskScores(chosen[0].kind, len(chosen), measures, cropped, time.perf_counter() - start, per_item)

@@ -1,0 +1,317 @@
+"""Benchmark tasks (gptlab/tasks): each continuation's log-likelihood against the model's plain forward over the
+harness's window, the pair encoding and HellaSwag's preprocessing against lm-evaluation-harness's own functions, the
+measures on numbers worked out by hand, few-shot drawing, bad task files, and `gptlab eval --task` end to end."""
+
+import json
+import math
+import random
+import re
+from functools import lru_cache
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from gptlab.cli import main
+from gptlab.config import ModelConfig
+from gptlab.errors import GptlabError
+from gptlab.model import GPT
+from gptlab.tasks.items import LANGUAGE_MODELLING, MULTIPLE_CHOICE, SCHEMA, Item, read_task
+from gptlab.tasks.measure import bootstrap, evaluate_items, fewshot_prefix, judge
+from gptlab.tasks.score import Scored, encode_pair, score_pairs
+from gptlab.tokenizer import CharTokenizer, GPT2Tokenizer
+
+TASKS = Path(__file__).parent / "data" / "tasks"
+FIXTURES = {"hellaswag": MULTIPLE_CHOICE, "choices": MULTIPLE_CHOICE, "schema": SCHEMA, "lambada": LANGUAGE_MODELLING}
+
+
+def fixture_text() -> str:
+    """Every string of the fixture files (a char vocabulary that covers them, with the few-shot delimiter)."""
+    out = []
+    for name in FIXTURES:
+        for item in read_task(TASKS / f"{name}.jsonl"):
+            out += [*item.contexts, *item.continuations]
+    return "\n\n".join(out) + " :."
+
+
+@lru_cache
+def moved_model(vocab_size: int, block_size: int = 48) -> GPT:
+    """A GPT with every parameter moved off its init: far from uniform predictions, so a wrong position or token
+    changes the sums."""
+    torch.manual_seed(vocab_size + block_size)
+    model = GPT(ModelConfig(vocab_size=vocab_size, block_size=block_size, n_layer=2, n_head=3, n_embd=24,
+                            dropout=0.0)).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.3 * torch.randn_like(p))
+    return model
+
+
+def plain_scores(model, context, continuation):
+    """The harness's computation, written out: the window (context + continuation)[-(block + 1):][:-1] through the
+    model's forward without a cache, the last len(continuation) positions' log-softmax at the continuation."""
+    block = model.config.block_size
+    window = (context + continuation)[-(block + 1):][:-1]
+    with torch.no_grad():
+        logits, _ = model(torch.tensor([window]))
+    logprobs = logits[0, -len(continuation):].double().log_softmax(-1)
+    target = torch.tensor(continuation)
+    return logprobs.gather(1, target[:, None]).sum().item(), bool((logprobs.argmax(-1) == target).all())
+
+
+# ---- the numbers: log-likelihoods against the plain forward -----------------------------------------------------
+
+def test_shared_contexts_crops_and_lengths_score_as_the_plain_forward():
+    """Pairs sharing a context (one prefill), continuations of 1 to 9 tokens, contexts cut at the start to fit the
+    48-token context (each option keeps what fits, so options of one item may keep different amounts), all within
+    1e-5 of the plain forward; greedy agrees."""
+    model, rng = moved_model(37), random.Random(0)
+    pairs = []
+    for _ in range(6):
+        context = [rng.randrange(37) for _ in range(rng.choice([1, 5, 30, 44, 60]))]
+        for _ in range(rng.randrange(1, 5)):
+            pairs.append((context, [rng.randrange(37) for _ in range(rng.randrange(1, 10))]))
+    scored = score_pairs(model, pairs)
+    assert any(s.cropped for s in scored) and not all(s.cropped for s in scored)
+    for (context, continuation), s in zip(pairs, scored):
+        expected, greedy = plain_scores(model, context, continuation)
+        assert abs(s.loglikelihood - expected) <= 1e-5 and s.greedy == greedy and s.tokens == len(continuation)
+        assert s.cropped == (len(context) + len(continuation) > 49)
+
+
+def test_a_continuation_the_model_predicts_greedily_is_greedy():
+    model = moved_model(37)
+    context, greedy = [3, 1, 4, 1, 5], []
+    for _ in range(4):  # the model's own greedy continuation, one token at a time
+        with torch.no_grad():
+            logits, _ = model(torch.tensor([context + greedy]))
+        greedy.append(int(logits[0, -1].argmax()))
+    wrong = greedy[:-1] + [(greedy[-1] + 1) % 37]
+    assert [s.greedy for s in score_pairs(model, [(context, greedy), (context, wrong)])] == [True, False]
+
+
+def test_a_continuation_that_fills_the_context_is_refused():
+    model = moved_model(37)
+    score_pairs(model, [([1], [2] * 47)])  # 47 tokens after one of context: fits
+    with pytest.raises(GptlabError, match="a continuation of 48 tokens leaves no room for its context in the "
+                                          "model's context of 48 tokens"):
+        score_pairs(model, [([1], [2] * 48)])
+
+
+# ---- the harness's own rules --------------------------------------------------------------------------------------
+
+def test_pairs_are_encoded_as_the_harness_encodes_them():
+    """lm-evaluation-harness's TemplateLM._encode_pair (a causal model) on gptlab's GPT-2 tokenizer: trailing spaces
+    move to the continuation, a merge across the boundary belongs to it."""
+    from lm_eval.api.model import TemplateLM
+
+    tokenizer = GPT2Tokenizer()
+    harness = SimpleNamespace(backend="causal", tok_encode=lambda text, **_: tokenizer.encode(text))
+    for context, continuation in [("The cat sat on the", " mat."), ("Trailing spaces   ", "go along"),
+                                  ("Ein Hund, ein", " Kätzchen 中文"), ("don", "'t split"), ("x\n\n", "y")]:
+        assert encode_pair(tokenizer, context, continuation) == \
+            TemplateLM._encode_pair(harness, context, continuation)
+
+
+def test_hellaswag_records_read_as_the_harness_preprocesses_them():
+    from lm_eval.tasks.hellaswag import utils
+
+    items = read_task(TASKS / "hellaswag.jsonl")
+    records = [json.loads(line) for line in (TASKS / "hellaswag.jsonl").read_text(encoding="utf-8").splitlines()]
+    assert len(items) == len(records) == 20
+    for item, doc in zip(items, records):
+        expected = utils.preprocess(doc["activity_label"] + ": " + doc["ctx_a"] + " " + doc["ctx_b"].capitalize())
+        assert item.contexts == (expected,) and item.label == int(doc["label"])
+        assert list(item.continuations) == [utils.preprocess(e) for e in doc["endings"]]
+        assert item.options == [(expected, " " + utils.preprocess(e)) for e in doc["endings"]]
+    assert "[" not in "".join(c for item in items for c in item.contexts + item.continuations)  # tags are gone
+
+
+@pytest.mark.parametrize("name", FIXTURES)
+def test_each_fixture_reads_as_its_kind(name):
+    items = read_task(TASKS / f"{name}.jsonl")
+    assert len(items) == 20 and {item.kind for item in items} == {FIXTURES[name]}
+    assert [item.line for item in items] == list(range(1, 21))
+
+
+# ---- the measures, by hand ----------------------------------------------------------------------------------------
+
+def scored(*rows):
+    return [Scored(ll, tokens, False, False) for ll, tokens in rows]
+
+
+def test_multiple_choice_measures_worked_by_hand():
+    """Options "a" (1 char), "bbbb" (4), "cc" (2) with log-likelihoods -3, -4, -5 and 1, 2, 4 tokens: acc takes the
+    highest sum (a: -3), acc_norm the highest per character (b: -4/4 = -1 over a's -3 and c's -2.5), the token mean
+    the highest per token (c: -5/4 = -1.25 over a's -3 and b's -2)."""
+    item = Item(MULTIPLE_CHOICE, ("ctx",), ("a", "bbbb", "cc"), 0, 1)
+    rows = scored((-3.0, 1), (-4.0, 2), (-5.0, 4))
+    assert judge(item, rows) == {"line": 1, "label": 0, "loglikelihoods": [-3.0, -4.0, -5.0], "acc": 1.0,
+                                 "acc_norm": 0.0, "acc_token_mean": 0.0}
+    assert judge(Item(MULTIPLE_CHOICE, ("ctx",), ("a", "bbbb", "cc"), 1, 1), rows)["acc_norm"] == 1.0
+    assert judge(Item(MULTIPLE_CHOICE, ("ctx",), ("a", "bbbb", "cc"), 2, 1), rows)["acc_token_mean"] == 1.0
+    ties = Item(MULTIPLE_CHOICE, ("ctx",), ("xx", "yy"), 1, 1)  # equal everything: the first option wins
+    assert judge(ties, scored((-2.0, 1), (-2.0, 1)))["acc"] == 0.0
+
+
+def test_schema_and_language_modelling_measures_worked_by_hand():
+    schema = Item(SCHEMA, ("first context", "second"), ("goes on",), 1, 3)
+    assert judge(schema, scored((-6.0, 3), (-5.0, 2))) == {"line": 3, "label": 1, "loglikelihoods": [-6.0, -5.0],
+                                                           "acc": 1.0, "acc_token_mean": 0.0}  # -2 < -2.5
+    lm = Item(LANGUAGE_MODELLING, ("ctx",), ("word",), 0, 2)
+    assert judge(lm, [Scored(-0.5, 1, True, False)])["acc"] == 1.0
+    assert judge(lm, [Scored(-0.1, 1, False, False)])["acc"] == 0.0
+
+
+def test_the_bootstrap_interval_surrounds_the_mean():
+    assert bootstrap([1.0] * 30) == (1.0, 1.0)
+    low, high = bootstrap([0.0, 1.0] * 50)
+    # the mean of 100 fair coin flips: standard error 0.05, so the 95 % interval is about 0.5 +- 0.098
+    assert 0.38 <= low <= 0.43 and 0.57 <= high <= 0.62
+    assert bootstrap([0.0, 1.0] * 50) == (low, high)  # seeded: the same interval every run
+
+
+# ---- few-shot -----------------------------------------------------------------------------------------------------
+
+def test_fewshot_examples_are_other_items_answered_and_the_same_under_a_limit():
+    items = read_task(TASKS / "choices.jsonl")
+    for index in range(len(items)):
+        prefix = fewshot_prefix(items, index, 19, seed=5)  # every other item: all but this one
+        examples = prefix.split("\n\n")[:-1]
+        assert len(examples) == 19 and items[index].worked_example() not in examples
+        assert sorted(examples) == sorted(items[j].worked_example() for j in range(20) if j != index)
+    first = fewshot_prefix(items, 3, 2, seed=5)
+    assert first.endswith("\n\n") and first.count("\n\n") == 2 and first != fewshot_prefix(items, 3, 2, seed=6)
+    answered = items[0]
+    assert answered.worked_example() == answered.contexts[0] + " " + answered.continuations[answered.label]
+    with pytest.raises(GptlabError, match="--num-fewshot 20 needs at least 21 items in the file, which has 20"):
+        fewshot_prefix(items, 0, 20, seed=5)
+
+
+# ---- bad task files: one line naming the file and line ---------------------------------------------------------
+
+BAD = {
+    "missing field": ('{"context": "a", "choices": ["x", "y"]}', "field 'label' must be the index"),
+    "label out of range": ('{"context": "a", "choices": ["x", "y"], "label": 2}',
+                           "label 2 is out of range for 2 options (0 to 1)"),
+    "empty choice": ('{"context": "a", "choices": ["x", " "], "label": 0}', "choices[1] is empty"),
+    "one choice": ('{"context": "a", "choices": ["x"], "label": 0}', "must be a list of at least 2 strings"),
+    "not JSON": ('{"context": "a", ', "not JSON"),
+    "not an object": ('["a", "b"]', "a record must be a JSON object"),
+    "unknown form": ('{"question": "a", "answer": "b"}', "not a task record: expected HellaSwag's fields"),
+    "empty context": ('{"context": "", "continuation": "b"}', "field 'context' is empty"),
+    "mixed kinds": ('{"context": "a", "continuation": "b"}\n{"context": "a", "choices": ["x", "y"], "label": 0}',
+                    "a multiple choice record in a file of language modelling records"),
+}
+
+
+@pytest.mark.parametrize("name", BAD)
+def test_a_bad_record_is_one_line_with_its_file_and_line(name, tmp_path):
+    text, message = BAD[name]
+    path = tmp_path / "t.jsonl"
+    path.write_text('{"context": "ok", "continuation": "fine"}\n\n' + text + "\n" if name == "mixed kinds"
+                    else '{"context": "ok", "choices": ["x", "y"], "label": 1}\n\n' + text + "\n", encoding="utf-8")
+    with pytest.raises(GptlabError) as caught:
+        read_task(path)
+    line = 4 if name == "mixed kinds" else 3
+    assert str(caught.value).startswith(f"{path}:{line}: ") and message in str(caught.value)
+    assert "\n" not in str(caught.value)
+
+
+def test_bytes_that_are_not_utf8_and_an_empty_file_are_refused(tmp_path):
+    path = tmp_path / "latin.jsonl"
+    path.write_bytes(b'{"context": "a", "continuation": "b"}\n{"context": "caf\xe9", "continuation": "b"}\n')
+    with pytest.raises(GptlabError, match=r"latin.jsonl:2: not UTF-8 text \(byte 0xe9\)"):
+        read_task(path)
+    (tmp_path / "empty.jsonl").write_text("\n\n")
+    with pytest.raises(GptlabError, match="empty.jsonl holds no task records"):
+        read_task(tmp_path / "empty.jsonl")
+
+
+def test_a_char_model_meeting_unseen_characters_says_which_and_where():
+    tokenizer = CharTokenizer("abc xyzr")
+    items = [Item(MULTIPLE_CHOICE, ("abc",), ("xyz", "zéro"), 0, 7)]
+    with pytest.raises(GptlabError, match=r"^t.jsonl:7: the text has 2 character\(s\) the char vocabulary has never "
+                                          r"seen: 'o', 'é'"):
+        evaluate_items(moved_model(tokenizer.vocab_size), tokenizer, items, "t.jsonl")
+
+
+# ---- a whole task, and the CLI --------------------------------------------------------------------------------------
+
+def test_a_task_scores_each_item_as_its_options_plain_forwards_say():
+    """evaluate_items on the multiple-choice fixture with a char model: each item's measures recomputed here from
+    the plain forward of each option (encoded separately, no cache), and the mean is acc's value."""
+    tokenizer = CharTokenizer(fixture_text())
+    model, items = moved_model(tokenizer.vocab_size, 96), read_task(TASKS / "hellaswag.jsonl")
+    result = evaluate_items(model, tokenizer, items, limit=12)
+    assert result.items == 12 and result.kind == MULTIPLE_CHOICE and set(result.measures) == \
+        {"acc", "acc_norm", "acc_token_mean"}
+    accs = []
+    for item, row in zip(items, result.per_item):
+        lls = []
+        for context, continuation in item.options:
+            ids = tokenizer.encode(context), tokenizer.encode(continuation)  # chars: no merge across the boundary
+            lls.append(plain_scores(model, *ids)[0])
+        assert np.allclose(row["loglikelihoods"], lls, atol=1e-4)
+        norm = [ll / len(text) for ll, text in zip(lls, item.continuations)]
+        assert row["acc"] == float(int(np.argmax(lls)) == item.label)
+        assert row["acc_norm"] == float(int(np.argmax(norm)) == item.label)
+        accs.append(row["acc"])
+    assert result.measures["acc"].value == pytest.approx(sum(accs) / 12)
+    assert result.measures["acc"].low <= result.measures["acc"].value <= result.measures["acc"].high
+
+
+@pytest.fixture(scope="module")
+def task_run(tmp_path_factory):
+    """A char run trained a few steps on the fixtures' own text (its vocabulary covers them)."""
+    folder = tmp_path_factory.mktemp("tasks")
+    (folder / "corpus.txt").write_text(fixture_text() * 3, encoding="utf-8")
+    tiny = ["--n-layer", "1", "--n-head", "2", "--n-embd", "24", "--block-size", "64", "--batch-size", "4",
+            "--eval-interval", "5", "--eval-batches", "1", "--precision", "fp32", "--quiet"]
+    assert main(["prepare", str(folder / "corpus.txt"), "--out", str(folder / "data"), "--quiet"]) == 0
+    assert main(["train", "--data", str(folder / "data"), "--run", str(folder / "run"), "--max-steps", "6",
+                 *tiny]) == 0
+    return folder / "run"
+
+
+def test_eval_task_prints_each_measure_and_keeps_the_results_in_the_run(task_run, capsys):
+    assert main(["eval", "--run", str(task_run), "--task", str(TASKS), "--precision", "fp32", "--limit", "5"]) == 0
+    out, err = capsys.readouterr()
+    lines = out.strip().splitlines()
+    assert lines[0].split() == ["task", "kind", "measure", "value", "95%", "interval", "items", "items/s"]
+    measures = [(Path(line.split()[0]).stem, re.search(r" (acc\w*) ", line).group(1)) for line in lines[1:]]
+    assert measures == [("choices", "acc"), ("choices", "acc_norm"), ("choices", "acc_token_mean"),
+                        ("hellaswag", "acc"), ("hellaswag", "acc_norm"), ("hellaswag", "acc_token_mean"),
+                        ("lambada", "acc"), ("schema", "acc"), ("schema", "acc_token_mean")]
+    saved = sorted((task_run / "evals").glob("*.json"))
+    assert [p.name.split("-")[0] for p in saved] == ["choices", "hellaswag", "lambada", "schema"]
+    assert all(f"saved {p}" in err for p in saved)
+    result = json.loads(saved[1].read_text())
+    assert result["items"] == 5 and result["precision"] == "fp32" and result["limit"] == 5
+    assert saved[1].name == f"hellaswag-{result['sha256'][:8]}-step{result['step']}-fp32-limit5.json"
+    assert len(result["per_item"]) == 5 and all(len(r["loglikelihoods"]) == 4 for r in result["per_item"])
+    acc = result["measures"]["acc"]
+    assert acc["value"] == pytest.approx(sum(r["acc"] for r in result["per_item"]) / 5)
+    shown = next(line for line in lines if line.startswith(str(TASKS / "hellaswag.jsonl")[-32:]) and " acc " in line)
+    assert f"{acc['value']:.4f}" in shown
+
+
+def test_eval_task_json_fewshot_and_bad_flags(task_run, capsys):
+    args = ["eval", "--run", str(task_run), "--task", str(TASKS / "choices.jsonl"), "--precision", "fp32",
+            "--limit", "4", "--no-save", "--json"]
+    assert main(args) == 0
+    zero = json.loads(capsys.readouterr().out)
+    assert main([*args, "--num-fewshot", "2"]) == 0
+    two = json.loads(capsys.readouterr().out)
+    assert zero[0]["items"] == two[0]["items"] == 4 and zero[0]["kind"] == "multiple choice"
+    assert not (task_run / "evals" / "choices").exists()
+    for flags, message in [(["--limit", "0"], "--limit must be >= 1, not 0"),
+                           (["--num-fewshot", "-1"], "--num-fewshot must be >= 0, not -1"),
+                           (["--task", "nowhere.jsonl"], "task file nowhere.jsonl does not exist"),
+                           (["--task", str(TASKS), "--data", "x"], "--task scores task files, not text")]:
+        assert main(["eval", "--run", str(task_run), "--task", str(TASKS / "choices.jsonl"), *flags]) == 2
+        err = capsys.readouterr().err
+        assert message in err and err.strip().count("\n") == 0, err
+    assert math.isfinite(zero[0]["measures"]["acc"]["value"])
