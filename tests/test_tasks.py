@@ -92,12 +92,14 @@ def test_a_continuation_the_model_predicts_greedily_is_greedy():
     assert [s.greedy for s in score_pairs(model, [(context, greedy), (context, wrong)])] == [True, False]
 
 
-def test_a_continuation_that_fills_the_context_is_refused():
+def test_a_continuation_longer_than_the_context_is_refused():
     model = moved_model(37)
-    score_pairs(model, [([1], [2] * 47)])  # 47 tokens after one of context: fits
-    with pytest.raises(GptlabError, match="a continuation of 48 tokens leaves no room for its context in the "
-                                          "model's context of 48 tokens"):
-        score_pairs(model, [([1], [2] * 48)])
+    long = [rng % 37 for rng in range(48)]
+    scored = score_pairs(model, [([5, 6], long)])  # 48 predictions from 48 positions: the context keeps its last
+    assert scored[0].cropped and abs(scored[0].loglikelihood - plain_scores(model, [5, 6], long)[0]) <= 1e-5
+    with pytest.raises(GptlabError, match="a continuation of 49 tokens is longer than the model's context of 48 "
+                                          "tokens"):
+        score_pairs(model, [([1], [2] * 49)])
 
 
 # ---- the harness's own rules --------------------------------------------------------------------------------------
@@ -310,7 +312,7 @@ def test_eval_task_json_fewshot_and_bad_flags(task_run, capsys):
     for flags, message in [(["--limit", "0"], "--limit must be >= 1, not 0"),
                            (["--num-fewshot", "-1"], "--num-fewshot must be >= 0, not -1"),
                            (["--task", "nowhere.jsonl"], "task file nowhere.jsonl does not exist"),
-                           (["--task", str(TASKS), "--data", "x"], "--task scores task files, not text")]:
+                           (["--task", str(TASKS), "--data", "x"], "--task and --lm-eval score tasks, not text")]:
         assert main(["eval", "--run", str(task_run), "--task", str(TASKS / "choices.jsonl"), *flags]) == 2
         err = capsys.readouterr().err
         assert message in err and err.strip().count("\n") == 0, err

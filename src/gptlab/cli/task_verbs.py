@@ -20,6 +20,39 @@ def add_task_flags(p: argparse.ArgumentParser) -> None:
                    help="worked examples from the same file before each item (never the item itself; default 0)")
     p.add_argument("--seed", type=int, default=1234, help="which few-shot examples are drawn (default 1234)")
     p.add_argument("--no-save", action="store_true", help="print the scores without writing them to RUN/evals/")
+    p.add_argument("--lm-eval", metavar="TASKS",
+                   help="run lm-evaluation-harness tasks (comma-separated names) on the run through gptlab's harness "
+                        "model, with --limit and --num-fewshot; needs the eval extra (pip install 'gptlab[eval]')")
+    p.add_argument("--lm-eval-include", metavar="FOLDER",
+                   help="a folder of the harness's task YAML files to add to (or, with --lm-eval-only-include, "
+                        "use instead of) its own tasks")
+    p.add_argument("--lm-eval-only-include", action="store_true",
+                   help="only the tasks under --lm-eval-include (faster: the harness's own are not indexed)")
+
+
+def eval_harness(args: argparse.Namespace, run: str | Path) -> int:
+    """lm-evaluation-harness's tasks on the run through the `gptlab` harness model; prints the harness's table."""
+    try:
+        import lm_eval
+        from lm_eval.tasks import TaskManager
+        from lm_eval.utils import make_table
+    except ImportError:
+        raise GptlabError("--lm-eval needs lm-evaluation-harness: pip install 'gptlab[eval]' (or lm-eval)") from None
+    from gptlab.tasks.harness import GptlabLM
+
+    if args.limit is not None and args.limit < 1:
+        raise GptlabError(f"--limit must be >= 1, not {args.limit}")
+    manager = TaskManager(include_path=args.lm_eval_include, include_defaults=not args.lm_eval_only_include)
+    names = [n.strip() for n in args.lm_eval.split(",") if n.strip()]
+    unknown = [n for n in names if n not in manager.all_tasks]
+    if unknown:
+        raise GptlabError(f"lm-evaluation-harness has no task {', '.join(unknown)}; see `lm-eval ls tasks` (or give "
+                          "its folder with --lm-eval-include)")
+    model = GptlabLM(run=run, precision=args.precision, device=args.device)
+    results = lm_eval.simple_evaluate(model=model, tasks=names, task_manager=manager, limit=args.limit,
+                                      num_fewshot=args.num_fewshot or None, random_seed=args.seed)
+    print(make_table(results))
+    return 0
 
 
 def task_files(names: list[str]) -> list[Path]:

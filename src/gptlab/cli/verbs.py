@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from gptlab.cli.common import add_config_flags, add_device, announce, command, overrides, unescape
-from gptlab.cli.task_verbs import add_task_flags, eval_tasks
+from gptlab.cli.task_verbs import add_task_flags, eval_harness, eval_tasks
 from gptlab.config import (
     DEFAULT_PRESET,
     ENGINES,
@@ -236,10 +236,10 @@ def cmd_eval(args: argparse.Namespace) -> int:
     if args.batch_size < 1:
         raise GptlabError(f"--batch-size must be >= 1, not {args.batch_size}")
     run = args.run or latest_run()
-    if args.task:
-        if args.files or args.data:
-            raise GptlabError("--task scores task files, not text: drop the text files and --data, or --task")
-        return eval_tasks(args, run)
+    if args.task or args.lm_eval:
+        if args.files or args.data or (args.task and args.lm_eval):
+            raise GptlabError("--task and --lm-eval score tasks, not text: give one of them, or text files / --data")
+        return eval_tasks(args, run) if args.task else eval_harness(args, run)
     ready = load_for_inference(run, resolve_device(args.device), args.precision, decode=False)
     model, precision = ready.model.model, ready.precision  # int8: the weights sample decodes with, run by torch
     if args.files:

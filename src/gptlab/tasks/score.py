@@ -34,8 +34,8 @@ def encode_pair(tokenizer: Tokenizer, context: str, continuation: str) -> tuple[
     spaces = len(context) - len(context.rstrip())
     if spaces:
         context, continuation = context[:-spaces], context[-spaces:] + continuation
-    whole = tokenizer.encode(context + continuation)
-    context_ids = tokenizer.encode(context)
+    whole = tokenizer.encode(context + continuation, allow_special=True)  # as Hugging Face's tokenizers encode
+    context_ids = tokenizer.encode(context, allow_special=True)
     return context_ids, whole[len(context_ids):]
 
 
@@ -44,15 +44,15 @@ def score_pairs(model: torch.nn.Module, pairs: Sequence[tuple[list[int], list[in
                 precision: str = "fp32") -> list[Scored]:
     """A Scored per (context ids, continuation ids) pair. Pairs that keep the same context (after cropping) share
     one prefill: the context runs once, its cache is copied to one row per continuation, and the continuations run
-    together. GptlabError for an empty continuation, or one that alone fills the model's context."""
+    together. GptlabError for an empty continuation or context, or a continuation longer than the model's context."""
     block = model.config.block_size
     groups: dict[tuple[int, ...], list[int]] = {}
     for i, (context, continuation) in enumerate(pairs):
         if not continuation:
             raise GptlabError("a continuation encodes to no tokens; every option needs text to score")
-        if len(continuation) > block - 1:
-            raise GptlabError(f"a continuation of {len(continuation)} tokens leaves no room for its context in the "
-                              f"model's context of {block} tokens")
+        if len(continuation) > block:  # one context token, then block - 1 more positions: block predictions
+            raise GptlabError(f"a continuation of {len(continuation)} tokens is longer than the model's context of "
+                              f"{block} tokens")
         if not context:
             raise GptlabError("a context encodes to no tokens; every option needs a context")
         keep = block + 1 - len(continuation)  # the harness's window: (context + continuation)[-(block + 1):]
