@@ -63,17 +63,18 @@ def plain_scores(model, context, continuation):
 
 # ---- the numbers: log-likelihoods against the plain forward -----------------------------------------------------
 
-def test_shared_contexts_crops_and_lengths_score_as_the_plain_forward():
+@pytest.mark.parametrize("positions", [1, 40, 1024])
+def test_shared_contexts_crops_and_lengths_score_as_the_plain_forward(positions):
     """Pairs sharing a context (one prefill), continuations of 1 to 9 tokens, contexts cut at the start to fit the
-    48-token context (each option keeps what fits, so options of one item may keep different amounts), all within
-    1e-5 of the plain forward; greedy agrees."""
+    48-token context (each option keeps what fits, so options of one item may keep different amounts), batched a
+    group at a time, a few groups, or all at once: all within 1e-5 of the plain forward; greedy agrees."""
     model, rng = moved_model(37), random.Random(0)
     pairs = []
     for _ in range(6):
         context = [rng.randrange(37) for _ in range(rng.choice([1, 5, 30, 44, 60]))]
         for _ in range(rng.randrange(1, 5)):
             pairs.append((context, [rng.randrange(37) for _ in range(rng.randrange(1, 10))]))
-    scored = score_pairs(model, pairs)
+    scored = score_pairs(model, pairs, positions=positions)
     assert any(s.cropped for s in scored) and not all(s.cropped for s in scored)
     for (context, continuation), s in zip(pairs, scored):
         expected, greedy = plain_scores(model, context, continuation)

@@ -37,10 +37,14 @@ class KVCache:
 
     def repeat_rows(self, n: int) -> KVCache:
         """A cache of n * B rows, each row copied n times in a row: N samples share one prefill."""
+        return self.select_rows(torch.arange(len(self.pos), device=self.pos.device).repeat_interleave(n))
+
+    def select_rows(self, rows: torch.Tensor) -> KVCache:
+        """A new cache whose row i is a copy of this cache's row rows[i] (a row may be taken several times)."""
         out = KVCache.__new__(KVCache)
-        out.k = self.k.repeat_interleave(n, dim=1)
-        out.v = self.v.repeat_interleave(n, dim=1)
-        out.pos = self.pos.repeat_interleave(n)
+        out.k = self.k.index_select(1, rows)
+        out.v = self.v.index_select(1, rows)
+        out.pos = self.pos.index_select(0, rows)
         out.max_len, out.step = self.max_len, None
         return out
 

@@ -97,6 +97,27 @@ def bench_reference(args: argparse.Namespace) -> int:
     return 0
 
 
+def add_bench_eval(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--items", type=int, default=40, help="HellaSwag-shaped items to score (default 40)")
+    p.add_argument("--shape", choices=("gpt2", "tiny"), default="gpt2",
+                   help="the random GPT-2's shape: gpt2 (124M, default) or tiny (a smoke test)")
+    p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 16],
+                   help="batch sizes of the harness's hf model (default 1 16; its own default is 1)")
+    p.add_argument("--json", action="store_true", help="print the results as one JSON object instead of the table")
+
+
+@BENCHES("eval", "items/s of gptlab eval --task beside lm-evaluation-harness's hf model on the same items and the "
+         "same GPT-2-shaped model (needs the eval extra)", add_bench_eval)
+def bench_eval(args: argparse.Namespace) -> int:
+    from gptlab.bench.tasks import run_eval_bench
+
+    at_least(args, items=1)
+    if min(args.batch_sizes) < 1:
+        raise GptlabError(f"--batch-sizes must each be >= 1, not {min(args.batch_sizes)}")
+    run_eval_bench(args.items, args.shape, tuple(args.batch_sizes), as_json=args.json)
+    return 0
+
+
 def add_bench_generate(p: argparse.ArgumentParser) -> None:
     add_device(p)
     p.add_argument("--new-tokens", type=int, default=256, help="tokens generated per row (default 256)")

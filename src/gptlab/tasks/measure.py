@@ -22,11 +22,12 @@ import torch
 
 from gptlab.errors import GptlabError
 from gptlab.tasks.items import LANGUAGE_MODELLING, MULTIPLE_CHOICE, Item
-from gptlab.tasks.score import Scored, encode_pair, score_pairs
+from gptlab.tasks.score import Scored, check_pairs, encode_pair, score_pairs
 from gptlab.tokenizer import Tokenizer
 
 FEWSHOT_DELIMITER = "\n\n"  # between worked examples, and before the item (the harness's default)
 RESAMPLES = 1000  # bootstrap resamples of the items for each interval
+ITEMS_PER_CALL = 32  # items whose options are scored in one call (score_pairs batches them by its position budget)
 
 
 @dataclass(frozen=True)
@@ -99,17 +100,23 @@ def evaluate_items(model: torch.nn.Module, tokenizer: Tokenizer, items: Sequence
     tokenizer cannot encode or a continuation too long for the model."""
     chosen = list(items[:limit] if limit is not None else items)
     start, per_item, cropped = time.perf_counter(), [], 0
-    for index, item in enumerate(chosen):
-        where = f"{name}:{item.line}"
-        pairs = item_pairs(tokenizer, item, fewshot_prefix(items, index, num_fewshot, seed), where)
-        try:
-            scored = score_pairs(model, pairs, precision)
-        except GptlabError as exc:
-            raise GptlabError(f"{where}: {exc}") from None
-        cropped += any(s.cropped for s in scored)
-        per_item.append(judge(item, scored))
-        if progress is not None:
-            progress(1)
+    for first in range(0, len(chosen), ITEMS_PER_CALL):  # several items' options scored together: bigger products
+        batch, pairs = chosen[first:first + ITEMS_PER_CALL], []
+        for index, item in enumerate(batch, first):
+            where = f"{name}:{item.line}"
+            option_pairs = item_pairs(tokenizer, item, fewshot_prefix(items, index, num_fewshot, seed), where)
+            try:
+                check_pairs(model.config.block_size, option_pairs)
+            except GptlabError as exc:
+                raise GptlabError(f"{where}: {exc}") from None
+            pairs.append(option_pairs)
+        scored = iter(score_pairs(model, [p for option_pairs in pairs for p in option_pairs], precision))
+        for item, option_pairs in zip(batch, pairs):
+            item_scores = [next(scored) for _ in option_pairs]
+            cropped += any(s.cropped for s in item_scores)
+            per_item.append(judge(item, item_scores))
+            if progress is not None:
+                progress(1)
     names = [k for k in ("acc", "acc_norm", "acc_token_mean") if k in per_item[0]]
     measures = {}
     for k in names:
