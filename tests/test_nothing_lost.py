@@ -32,7 +32,7 @@ from gptlab.config import ModelConfig, TrainConfig, from_dict, to_dict
 from gptlab.data.batches import load_dataset
 from gptlab.data.prepare import prepare
 from gptlab.errors import GptlabError
-from gptlab.training.preflight import check_data, check_memory, check_new_run, check_resume
+from gptlab.training.preflight import check_data, check_engine, check_memory, check_new_run, check_resume
 
 ENV = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1] / "src")}
 
@@ -331,6 +331,49 @@ def test_a_resume_keeps_the_optimizer_the_run_was_trained_with(trained, char_dat
     monkeypatch.setattr(ck, "read_state", from_before_the_optimizer_setting)
     assert check_resume(trained, data, model_cfg, dataclasses.replace(cfg, max_steps=20))[0].step == 10
 
+
+
+def test_a_resume_keeps_the_engine_the_run_was_trained_with(trained, char_data, monkeypatch):
+    """A torch run refuses --engine reference on resume; a run whose state names the reference engine refuses
+    torch; a state written before there was a choice (no "engine") is torch's. Checked before any C++ is built."""
+    model_cfg, cfg = run_settings(trained)
+    data = load_dataset(char_data)
+    more = dataclasses.replace(cfg, max_steps=20)
+    with pytest.raises(GptlabError, match=f"cannot resume {trained} with engine reference: it was trained with "
+                                          f"engine torch .*--init-from {trained} --data "):
+        check_resume(trained, data, model_cfg, dataclasses.replace(more, engine="reference"))
+    read = ck.read_state
+
+    def with_engine(engine):
+        def state_of(ckpt):
+            state = read(ckpt)
+            if engine is None:
+                del state.train["engine"]
+            else:
+                state.train["engine"] = engine
+            return state
+        return state_of
+
+    monkeypatch.setattr(ck, "read_state", with_engine("reference"))
+    with pytest.raises(GptlabError, match="with engine torch: it was trained with engine reference"):
+        check_resume(trained, data, model_cfg, more)
+    assert check_resume(trained, data, model_cfg, dataclasses.replace(more, engine="reference"))[0].step == 10
+    monkeypatch.setattr(ck, "read_state", with_engine(None))
+    assert check_resume(trained, data, model_cfg, more)[0].step == 10
+    with pytest.raises(GptlabError, match="it was trained with engine torch"):
+        check_resume(trained, data, model_cfg, dataclasses.replace(more, engine="reference"))
+
+
+def test_what_the_reference_engine_cannot_train_is_refused_before_anything_is_written(trained):
+    model_cfg, cfg = run_settings(trained)
+    naive = dataclasses.replace(cfg, engine="reference")
+    check_engine(naive, model_cfg, 1)  # a GPT in one process: what it trains
+    check_engine(cfg, dataclasses.replace(model_cfg, arch="bigram"), 4)  # the torch engine: anything
+    with pytest.raises(GptlabError, match="the reference engine implements the GPT, not arch bigram; use --engine "
+                                          "torch"):
+        check_engine(naive, dataclasses.replace(model_cfg, arch="bigram"), 1)
+    with pytest.raises(GptlabError, match="trains in one process, not 2; drop --nproc or use --engine torch"):
+        check_engine(naive, model_cfg, 2)
 
 # ---- a run folder's small files and its lock (gptlab.rundir, called directly) --------------------------------
 
