@@ -137,7 +137,7 @@ def test_every_field_is_read():
 
 
 # Each range as OpenAI documents it (top_k and seed: this server's), both ends inclusive.
-BOUNDS = [("max_tokens", 1, 100, 0, 101), ("n", 1, 8, 0, 9), ("temperature", 0, 2, -0.01, 2.01),
+BOUNDS = [("max_tokens", 0, 100, -1, 101), ("n", 1, 8, 0, 9), ("temperature", 0, 2, -0.01, 2.01),
           ("top_p", 1e-9, 1, 0, 1.01), ("frequency_penalty", -2, 2, -2.01, 2.01),
           ("presence_penalty", -2, 2, -2.01, 2.01), ("top_k", 1, 1 << 31, 0, (1 << 31) + 1),
           ("seed", 0, SEED_LIMIT - 1, -1, SEED_LIMIT), ("logprobs", 0, 5, -1, 6)]
@@ -148,7 +148,7 @@ def test_each_range_is_inclusive_and_just_past_it_is_refused(name, lo, hi, below
     limits = Limits(max_tokens=100, max_n=8, max_batch=8)
     for value in (lo, hi):
         req = parse_completion({"prompt": "hi", name: value}, limits)
-        read = {"n": req.n, "logprobs": req.logprobs, "max_tokens": req.cfg.max_new_tokens}
+        read = {"n": req.n, "logprobs": req.logprobs, "max_tokens": req.max_tokens}
         assert (read[name] if name in read else getattr(req.cfg, name)) == value
     for value in (below, above):
         error = refused({"prompt": "hi", name: value}, limits)
@@ -186,9 +186,21 @@ def test_a_request_without_max_tokens_gets_openais_16_or_the_servers_lower_limit
 def test_prompts_are_a_string_or_1_to_64_strings_and_may_be_empty():
     assert parse_completion({"prompt": ["a"] * 64}, wide()).prompts == ["a"] * 64
     assert parse_completion({"prompt": ["", "é"]}, wide()).prompts == ["", "é"]
-    for bad in (3, [], ["a"] * 65, [None], ["a", 1], {"a": 1}, [["a"]]):
+    for bad in (3, [], ["a"] * 65, [None], {"a": 1}):
         error = refused({"prompt": bad})
         assert (error.param, error.message) == ("prompt", "prompt must be a string or a list of 1 to 64 of them")
+    for mixed in (["a", 1], [["a"]], [[1], []], [[1], "a"], [[1]] * 65, [True, 2]):
+        error = refused({"prompt": mixed})
+        assert (error.param, error.message) == ("prompt", "prompt must be a string, a list of strings, a list of "
+                                                          "token ids or a list of 1 to 64 non-empty lists of token "
+                                                          "ids, not a mix")
+
+
+def test_prompts_may_be_token_ids_one_list_or_several():
+    assert parse_completion({"prompt": [5, 0, 7]}, wide()).prompt_ids == [[5, 0, 7]]
+    assert parse_completion({"prompt": [[5], [1, 2]]}, wide()).prompt_ids == [[5], [1, 2]]
+    assert parse_completion({"prompt": [[3]] * 64}, wide()).prompt_ids == [[3]] * 64
+    assert parse_completion({"prompt": ["5"]}, wide()).prompt_ids is None
 
 
 def test_stop_is_1_to_4_non_empty_strings():
@@ -202,8 +214,7 @@ def test_stop_is_1_to_4_non_empty_strings():
                                          ({"prompt": "a", "model": 3}, "model"),
                                          ({"prompt": "a", "best_of": 2}, "best_of"),
                                          ({"prompt": "a", "suffix": "x"}, "suffix"),
-                                         ({"prompt": "a", "logit_bias": {"1": 5}}, "logit_bias"),
-                                         ({"prompt": "a", "echo": True, "logprobs": 0}, "echo")])
+                                         ({"prompt": "a", "logit_bias": {"1": 5}}, "logit_bias")])
 def test_a_missing_prompt_a_bad_model_or_an_unsupported_field_is_named(body, param):
     assert refused(body).param == param
 

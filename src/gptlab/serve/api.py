@@ -56,13 +56,15 @@ class CompletionRequest:
     """A checked POST /v1/completions body: the prompts' texts, and the sampling settings every row shares
     (`cfg.seed` is sample 0's; sample i draws with seed + i)."""
 
-    prompts: list[str]
+    prompts: list[str]  # prompts sent as token ids: their text, filled by `encode_prompts` (echo shows it)
     cfg: SampleConfig
     n: int = 1
     logprobs: int | None = None
     echo: bool = False
     stream: bool = False
     ids: list[list[int]] = field(default_factory=list)  # the encoded prompts, filled by `encode_prompts`
+    prompt_ids: list[list[int]] | None = None  # the prompts as sent, where they were token ids
+    max_tokens: int = 16  # 0: nothing generated (with echo and logprobs: the prompt's logprobs alone)
 
 
 UNSUPPORTED = {"best_of": (None, 1), "suffix": (None, ""), "logit_bias": (None, {})}
@@ -127,34 +129,61 @@ def parse_completion(body: Any, limits: Limits) -> CompletionRequest:
             raise ApiError(400, f"{name} is not supported by this server", name)
     if body.get("prompt") is None:  # absent or null: no sequence to decode (it would wait for nothing)
         raise ApiError(400, "prompt is required: a string or a list of strings", "prompt")
-    prompts = _strings(body, "prompt", 64, allow_empty=True)
+    prompt_ids = _token_prompts(body["prompt"], 64)
+    prompts = [] if prompt_ids is not None else _strings(body, "prompt", 64, allow_empty=True)
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise ApiError(400, "model must be a string", "model")
     n = _integer(body, "n", 1, 1, limits.max_n)
-    if len(prompts) * n > limits.max_batch:  # it would never fit in the batch: refused, not queued for ever
-        raise _too_many(len(prompts), n, limits.max_batch)
+    count = len(prompt_ids) if prompt_ids is not None else len(prompts)
+    if count * n > limits.max_batch:  # it would never fit in the batch: refused, not queued for ever
+        raise _too_many(count, n, limits.max_batch)
+    max_tokens = _integer(body, "max_tokens", min(16, limits.max_tokens), 0, limits.max_tokens)
     top_k = _integer(body, "top_k", None, 1, 1 << 31)  # an extension (the playground sends it)
     cfg = SampleConfig(
-        # left out: OpenAI's default of 16, or the server's --max-tokens where that is lower
-        max_new_tokens=_integer(body, "max_tokens", min(16, limits.max_tokens), 1, limits.max_tokens),
+        # left out: OpenAI's default of 16, or the server's --max-tokens where that is lower (0: nothing decoded)
+        max_new_tokens=max(1, max_tokens),
         temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
         top_p=_number(body, "top_p", 1.0, 1e-9, 1.0), top_k=top_k,
         frequency_penalty=_number(body, "frequency_penalty", 0.0, -2.0, 2.0),
         presence_penalty=_number(body, "presence_penalty", 0.0, -2.0, 2.0),
         seed=_integer(body, "seed", secrets.randbelow(SEED_LIMIT), 0, SEED_LIMIT - 1),
         stop=_strings(body, "stop", 4, allow_empty=False))
-    request = CompletionRequest(prompts, cfg, n, _integer(body, "logprobs", None, 0, 5), _flag(body, "echo"),
-                                _flag(body, "stream"))
-    if request.echo and request.logprobs is not None:
-        raise ApiError(400, "echo with logprobs is not supported (the prompt's tokens have no logprobs here)", "echo")
-    return request
+    return CompletionRequest(prompts, cfg, n, _integer(body, "logprobs", None, 0, 5), _flag(body, "echo"),
+                             _flag(body, "stream"), prompt_ids=prompt_ids, max_tokens=max_tokens)
+
+
+def _token_prompts(value: Any, most: int) -> list[list[int]] | None:
+    """Prompts sent as token ids (a list of ids, or a list of 1 to `most` such lists); None where they are text;
+    ApiError 400 for a mix of text and ids, or an empty list of ids."""
+    def ids(v: Any) -> bool:
+        return isinstance(v, list) and bool(v) and all(isinstance(i, int) and not isinstance(i, bool) for i in v)
+
+    if not isinstance(value, list) or not any(isinstance(v, (int, list)) for v in value):
+        return None  # text, or nothing like ids (the text check names the problem)
+    if ids(value):
+        return [value]
+    if all(ids(v) for v in value) and len(value) <= most:
+        return value
+    raise ApiError(400, f"prompt must be a string, a list of strings, a list of token ids or a list of 1 to {most} "
+                        "non-empty lists of token ids, not a mix", "prompt")
 
 
 def encode_prompts(request: CompletionRequest, tokenizer, context: int, limits: Limits) -> None:
-    """Fill request.ids; ApiError 400 for text the tokenizer cannot encode, an empty prompt on a model with no
-    start token, or a prompt longer than the context (or --max-prompt-tokens)."""
+    """Fill request.ids (and, for prompts sent as token ids, request.prompts with their text); ApiError 400 for text
+    the tokenizer cannot encode, a token id outside the vocabulary, an empty prompt on a model with no start token,
+    or a prompt longer than the context (or --max-prompt-tokens)."""
     most = min(context, limits.max_prompt_tokens or context)
+    if request.prompt_ids is not None:
+        for ids in request.prompt_ids:
+            outside = [i for i in ids if not 0 <= i < tokenizer.vocab_size]
+            if outside:
+                raise ApiError(400, f"token id {outside[0]} is outside the vocabulary (0 to {tokenizer.vocab_size - 1})",
+                               "prompt")
+            _check_length(ids, most, context)
+            request.ids.append(list(ids))
+            request.prompts.append(tokenizer.decode(ids))
+        return
     for text in request.prompts:
         try:
             ids = tokenizer.encode(text) if text else ([tokenizer.eot_id] if tokenizer.eot_id is not None else [])
@@ -162,10 +191,14 @@ def encode_prompts(request: CompletionRequest, tokenizer, context: int, limits: 
             raise ApiError(400, str(exc), "prompt") from None
         if not ids:
             raise ApiError(400, "the prompt is empty and this model has no start token", "prompt")
-        if len(ids) > most:
-            raise ApiError(400, f"the prompt is {len(ids)} tokens, longer than this server accepts ({most}: the "
-                                f"model's context is {context} tokens)", "prompt", "context_length_exceeded")
+        _check_length(ids, most, context)
         request.ids.append(ids)
+
+
+def _check_length(ids: list[int], most: int, context: int) -> None:
+    if len(ids) > most:
+        raise ApiError(400, f"the prompt is {len(ids)} tokens, longer than this server accepts ({most}: the "
+                            f"model's context is {context} tokens)", "prompt", "context_length_exceeded")
 
 
 def completion_id() -> str:

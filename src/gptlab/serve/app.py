@@ -18,8 +18,10 @@ import torch
 from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response, StreamingResponse
 
+from gptlab.errors import GptlabError
 from gptlab.serve.api import ApiError, Limits, completion_id, encode_prompts, envelope, parse_completion
 from gptlab.serve.scheduler import Job, Scheduler
+from gptlab.tokenizer import EOT
 
 
 @dataclass
@@ -57,6 +59,7 @@ def make_app(served: Served, limits: Limits, api_key: str | None = None) -> Fast
     check_key = _key_check(api_key)
     _add_completions(app, served, limits, scheduler, check_key)
     _add_pages(app, served, limits, scheduler, check_key)
+    _add_tokenizer_routes(app, served, limits, check_key)
     return app
 
 
@@ -142,6 +145,44 @@ def _add_pages(app: FastAPI, served: Served, limits: Limits, scheduler: Schedule
         return HTMLResponse(await asyncio.to_thread(inspector.page, text))
 
 
+def _add_tokenizer_routes(app: FastAPI, served: Served, limits: Limits,
+                          check_key: Callable[[Request], None]) -> None:
+    """POST /tokenize, POST /detokenize and GET /tokenizer_info in the shapes lm-evaluation-harness's remote
+    tokenizer reads (vLLM's), under the same API key as the other routes."""
+    context = served.model.config.block_size
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> Response:
+        check_key(request)
+        body = await _read_json(request, limits.max_body_bytes)
+        text = body.get("prompt") if isinstance(body, dict) else None
+        if not isinstance(text, str):
+            raise ApiError(400, "prompt must be a string", "prompt")
+        try:  # the end-of-text string is the end-of-text token, as Hugging Face's tokenizers read it
+            ids = served.tokenizer.encode(text, allow_special=True)
+        except GptlabError as exc:
+            raise ApiError(400, str(exc), "prompt") from None
+        return JSONResponse({"tokens": ids, "count": len(ids), "max_model_len": context})
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> Response:
+        check_key(request)
+        body = await _read_json(request, limits.max_body_bytes)
+        ids = body.get("tokens") if isinstance(body, dict) else None
+        vocab = served.tokenizer.vocab_size
+        if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < vocab
+                                                for i in ids):
+            raise ApiError(400, f"tokens must be a list of token ids (0 to {vocab - 1})", "tokens")
+        return JSONResponse({"prompt": served.tokenizer.decode(ids)})
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info(request: Request) -> Response:
+        check_key(request)
+        eos = EOT if served.tokenizer.eot_id is not None else None  # always the key: null without one
+        return JSONResponse({"tokenizer_class": served.tokenizer.kind, "eos_token": eos, "bos_token": eos,
+                             "pad_token": None, "model_max_length": context, "vocab_size": served.tokenizer.vocab_size})
+
+
 async def _read_json(request: Request, limit: int) -> Any:
     """The body as JSON; ApiError 413 past `limit` bytes (read no further), 400 when it is not JSON."""
     declared = request.headers.get("content-length")
@@ -176,14 +217,19 @@ async def _stream(job: Job, served: Served) -> AsyncIterator[str]:
     cid, req = completion_id(), job.request
     offsets = [0] * job.size
     try:
-        if req.echo:
+        if req.echo and req.logprobs is None:  # with logprobs, the echo waits for the prompt's logprobs
             for c in range(len(offsets)):
                 text = req.prompts[c // req.n]
                 offsets[c] = len(text)
                 yield _sse({**envelope(cid, served.name), "choices": [_choice(c, text, None, None)]})
         while True:
             event = await job.events.get()
-            if event[0] == "token":
+            if event[0] == "prompt":
+                _, p, entries = event
+                for c in range(p * req.n, (p + 1) * req.n):
+                    offsets[c] = len(req.prompts[p])
+                    yield _sse({**envelope(cid, served.name), "choices": [_choice(c, req.prompts[p], entries, None)]})
+            elif event[0] == "token":
                 _, c, text, _, info, reason = event
                 yield _sse({**envelope(cid, served.name),
                             "choices": [_choice(c, text, _logprobs_entry(info, offsets[c]), reason)]})
@@ -228,7 +274,12 @@ async def _collect(job: Job, served: Served, request: Request) -> Response:
                     return Response(status_code=499)
             if event is None:
                 continue
-            if event[0] == "token":
+            if event[0] == "prompt":
+                _, p, entries = event
+                for c in range(p * req.n, (p + 1) * req.n):
+                    for key, value in entries.items():
+                        logprobs[c][key] += value
+            elif event[0] == "token":
                 _, c, text, _, info, reason = event
                 if info is not None:
                     for key, value in _logprobs_entry(info, len(texts[c])).items():

@@ -6,6 +6,7 @@ request's events (text, token, logprobs, finish reason) go to its own asyncio qu
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import threading
 import time
@@ -28,8 +29,9 @@ TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 @dataclass(eq=False)
 class Job:
     """One accepted request on its way through the scheduler. Events put on `events` (from the scheduler's thread,
-    through `loop`): ("token", choice index, text, token id, logprob info or None, finish reason or None), then
-    ("done", usage dict) or ("error", message)."""
+    through `loop`): ("prompt", prompt index, its echo logprobs) where echo and logprobs are asked for, ("token",
+    choice index, text, token id, logprob info or None, finish reason or None), then ("done", usage dict) or
+    ("error", message)."""
 
     request: CompletionRequest
     loop: asyncio.AbstractEventLoop
@@ -102,6 +104,7 @@ class Scheduler:
 
     def __init__(self, model: InferenceModel | torch.nn.Module, tokenizer: Tokenizer, max_batch: int, queue: int):
         self.batch = RunningBatch(model)
+        self.model = getattr(model, "model", model)  # the nn.Module: a whole prompt's forward (prompt logprobs)
         self.tokenizer, self.max_batch, self.queue_size = tokenizer, max_batch, queue
         self.metrics = Metrics()
         self._waiting: deque[Job] = deque()
@@ -206,11 +209,21 @@ class Scheduler:
         return joining
 
     def _start(self, job: Job) -> None:
+        """The job's prompts' logprobs where it asks for them (echo with logprobs), then its rows in the batch; a
+        job that generates nothing (max_tokens 0) is done there."""
         req = job.request
         for p, ids in enumerate(req.ids):
+            if req.echo and req.logprobs is not None:
+                job.emit(("prompt", p, prompt_logprobs(self.model, ids, req.logprobs, self.tokenizer)))
+            if req.max_tokens == 0:
+                continue
             for i, row in enumerate(self.batch.join(ids, req.cfg, req.n)):
                 job.rows[row] = (p * req.n + i, Completion(self.tokenizer, req.cfg.stop))
                 self._owner[row] = job
+        if req.max_tokens == 0:
+            prompt = sum(map(len, req.ids))
+            job.emit(("done", {"prompt_tokens": prompt, "completion_tokens": 0, "total_tokens": prompt}))
+            return
         self._jobs.append(job)
 
     def _drop_cancelled(self) -> None:
@@ -257,6 +270,32 @@ def top_logprobs(logits: torch.Tensor, token: int, top: int, tokenizer: Tokenize
     tokens' (text -> logprob)."""
     logp = torch.log_softmax(logits[0].float(), dim=-1)
     best = torch.topk(logp, top) if top else None
-    alternatives = {} if best is None else {
-        tokenizer.decode([int(i)]): round(float(v), 5) for v, i in zip(best.values, best.indices)}
+    alternatives = _top_dict([] if best is None else zip(best.values.tolist(), best.indices.tolist()), tokenizer, 5)
     return {"token": tokenizer.decode([token]), "logprob": round(float(logp[token]), 5), "top": alternatives}
+
+
+def _top_dict(pairs, tokenizer: Tokenizer, digits: int | None) -> dict[str, float]:
+    """(logprob, id) pairs, most likely first, as OpenAI's text -> logprob; two tokens that print alike (byte
+    pieces of one character) keep the likelier one's logprob, so the dict's largest value is the real maximum."""
+    out: dict[str, float] = {}
+    for value, i in pairs:
+        out.setdefault(tokenizer.decode([int(i)]), value if digits is None else round(value, digits))
+    return out
+
+
+@torch.inference_mode()
+def prompt_logprobs(model: torch.nn.Module, ids: list[int], top: int, tokenizer: Tokenizer) -> dict[str, list]:
+    """OpenAI's echo logprobs of a prompt: each token's text, its log-probability given the tokens before it (None
+    for the first, which has none), the `top` most likely tokens there (text -> logprob; None for the first), and
+    where each token's text starts. Not rounded: summed, they are the prompt's log-likelihood."""
+    logits, _ = model(torch.tensor([ids], device=next(model.parameters()).device))
+    logp = torch.log_softmax(logits[0, :-1].float(), dim=-1)  # (T - 1, V): position t predicts token t + 1
+    chosen = logp.gather(1, torch.tensor(ids[1:], device=logp.device)[:, None])[:, 0].tolist()
+    best = torch.topk(logp, top) if top else None
+    tops: list[dict | None] = [None]
+    for t in range(len(ids) - 1):
+        tops.append(_top_dict([] if best is None else zip(best.values[t].tolist(), best.indices[t].tolist()),
+                              tokenizer, digits=None))
+    texts = [tokenizer.decode([i]) for i in ids]
+    offsets = [0, *itertools.accumulate(len(x) for x in texts[:-1])]
+    return {"tokens": texts, "token_logprobs": [None, *chosen], "top_logprobs": tops, "text_offset": offsets}
