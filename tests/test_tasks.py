@@ -318,3 +318,15 @@ def test_eval_task_json_fewshot_and_bad_flags(task_run, capsys):
         err = capsys.readouterr().err
         assert message in err and err.strip().count("\n") == 0, err
     assert math.isfinite(zero[0]["measures"]["acc"]["value"])
+
+
+def test_a_run_is_judged_while_a_training_holds_its_lock(task_run, capsys):
+    """eval --task reads the committed checkpoint and writes only RUN/evals/: a training's lock does not stop it."""
+    from gptlab.rundir import RunLock
+
+    with RunLock(task_run):
+        assert main(["eval", "--run", str(task_run), "--task", str(TASKS / "lambada.jsonl"), "--precision", "fp32",
+                     "--limit", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "lambada.jsonl" in out and " acc " in out
+    assert list((task_run / "evals").glob("lambada-*-limit2.json"))
