@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import perturbed
 
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")  # the tasks' data are local files: never ask the hub
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -171,11 +172,8 @@ def test_a_char_model_without_end_of_text_scores_from_the_second_token():
 
     tokenizer = CharTokenizer("abcdefgh ")
     torch.manual_seed(3)
-    model = GPT(ModelConfig(vocab_size=tokenizer.vocab_size, block_size=8, n_layer=1, n_head=2, n_embd=16,
-                            dropout=0.0)).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(0.3 * torch.randn_like(p))
+    model = perturbed(GPT(ModelConfig(vocab_size=tokenizer.vocab_size, block_size=8, n_layer=1, n_head=2, n_embd=16,
+                                      dropout=0.0)).eval())
     lm = GptlabLM(model=model, tokenizer=tokenizer)
 
     def plain(ids):  # log p of ids[1:], each from every id before it within the last 8

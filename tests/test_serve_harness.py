@@ -10,6 +10,7 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
+from helpers import perturbed
 
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")  # the task's data are local files: never ask the hub
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -33,12 +34,8 @@ CONTEXT = 64
 
 def moved(vocab_size: int) -> GPT:
     torch.manual_seed(vocab_size)
-    model = GPT(ModelConfig(vocab_size=vocab_size, block_size=CONTEXT, n_layer=2, n_head=2, n_embd=32,
-                            dropout=0.0)).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(0.3 * torch.randn_like(p))
-    return model
+    return perturbed(GPT(ModelConfig(vocab_size=vocab_size, block_size=CONTEXT, n_layer=2, n_head=2, n_embd=32,
+                                     dropout=0.0)).eval())
 
 
 def serve(model, tokenizer, api_key=None):

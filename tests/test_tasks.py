@@ -13,6 +13,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
+from helpers import perturbed
 
 from gptlab.cli import main
 from gptlab.config import ModelConfig
@@ -41,12 +42,8 @@ def moved_model(vocab_size: int, block_size: int = 48) -> GPT:
     """A GPT with every parameter moved off its init: far from uniform predictions, so a wrong position or token
     changes the sums."""
     torch.manual_seed(vocab_size + block_size)
-    model = GPT(ModelConfig(vocab_size=vocab_size, block_size=block_size, n_layer=2, n_head=3, n_embd=24,
-                            dropout=0.0)).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(0.3 * torch.randn_like(p))
-    return model
+    return perturbed(GPT(ModelConfig(vocab_size=vocab_size, block_size=block_size, n_layer=2, n_head=3, n_embd=24,
+                                     dropout=0.0)).eval())
 
 
 def plain_scores(model, context, continuation):
