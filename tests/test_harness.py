@@ -200,3 +200,6 @@ def test_a_char_model_without_end_of_text_scores_from_the_second_token():
     assert abs(rolled - expected) <= 1e-4
     with pytest.raises(GptlabError, match="a continuation of one token with no context cannot be scored"):
         lm.loglikelihood(instances("loglikelihood", [("", "a")]))
+    with pytest.raises(GptlabError, match="an empty context cannot be continued by a model without an end-of-text"):
+        lm.generate_until(instances("generate_until", [("", {"until": ["."], "max_gen_toks": 2})]))
+    assert len(lm.generate_until(instances("generate_until", [("ab", {"until": [], "max_gen_toks": 3})]))[0]) == 3

@@ -118,7 +118,11 @@ class GptlabLM(TemplateLM):
             if keep < 1:
                 raise GptlabError(f"max_gen_toks {steps} leaves no room for a context in the model's "
                                   f"{self.max_length} tokens")
-            ids = self.tok_encode(context)[-keep:] or [self.prefix_token_id or 0]
+            ids = self.tok_encode(context)[-keep:]
+            if not ids and self.prefix_token_id is None:
+                raise GptlabError("an empty context cannot be continued by a model without an end-of-text token "
+                                  "(char-level): give it a context")
+            ids = ids or [self.prefix_token_id]
             new = [row[0] for row in generate_batch(self.model, [ids], SampleConfig(max_new_tokens=steps,
                                                                                        temperature=0))]
             if self.eot_token_id is not None and self.eot_token_id in new:
