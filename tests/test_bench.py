@@ -217,3 +217,26 @@ def test_a_profiled_op_is_counted_as_its_innermost_known_kind_and_all_of_a_dropo
     assert matmul.kind_of(chain("aten::gelu", "aten::mm")) == "GELU"
     assert matmul.kind_of(chain("aten::add_", "AccumulateGrad")) == "gradient adds"
     assert matmul.kind_of(chain("aten::fill_")) == "other"
+
+
+def test_the_sliding_bench_returns_the_cached_time_then_the_uncached_one(monkeypatch):
+    """bench generate's char-small line: (KV cache seconds, no cache seconds), in that order, each timed by its
+    own path (the engine's cached generate_batch for the first, the no-cache reference for the second)."""
+    from gptlab.bench import engines
+    from gptlab.bench.sliding import char_model_speedup
+
+    calls, batch, uncached = [], engines.generate_batch, engines.generate_uncached
+    monkeypatch.setattr(engines, "generate_batch", lambda *a, **k: calls.append("cache") or batch(*a, **k))
+    monkeypatch.setattr(engines, "generate_uncached", lambda *a, **k: calls.append("no cache") or uncached(*a, **k))
+    clocks = []
+    real_clock = engines.Clock
+
+    class Recorded(real_clock):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            clocks.append(self)
+
+    monkeypatch.setattr(engines, "Clock", Recorded)
+    cached_s, uncached_s = char_model_speedup(torch.device("cpu"), 3, 4)
+    assert calls == ["cache", "cache", "no cache"]  # a warm-up, then the two timed runs
+    assert (cached_s, uncached_s) == (clocks[1].seconds, clocks[2].seconds)
