@@ -96,7 +96,8 @@ MODULES = {
     "evaluate": _m("evaluate", "test_evaluate test_hf"),
     "optim": _m("optim", "test_optim test_train"),
     "int8": _m("inference/int8", "test_int8"),
-    "tasks": _m("tasks/items tasks/score tasks/measure tasks/report cli/task_verbs", "test_tasks"),
+    "tasks": _m("tasks/items tasks/score tasks/measure tasks/report tasks/harness cli/task_verbs",
+                "test_tasks test_harness"),
     "reference": _m("reference/model reference/optim reference/native reference/train reference/check compiled",
                     "test_reference test_reference_cli test_reference_mutants"),
 }
