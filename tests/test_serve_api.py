@@ -201,6 +201,9 @@ def test_prompts_may_be_token_ids_one_list_or_several():
     assert parse_completion({"prompt": [[5], [1, 2]]}, wide()).prompt_ids == [[5], [1, 2]]
     assert parse_completion({"prompt": [[3]] * 64}, wide()).prompt_ids == [[3]] * 64
     assert parse_completion({"prompt": ["5"]}, wide()).prompt_ids is None
+    for null in ([None, 5], [[None, 5, 6]], [[1], [None]]):  # a harness's empty context on a model without eot
+        error = refused({"prompt": null})
+        assert error.param == "prompt" and error.message.startswith("prompt holds a null token id")
 
 
 def test_stop_is_1_to_4_non_empty_strings():

@@ -161,6 +161,9 @@ def _token_prompts(value: Any, most: int) -> list[list[int]] | None:
 
     if not isinstance(value, list) or not any(isinstance(v, (int, list)) for v in value):
         return None  # text, or nothing like ids (the text check names the problem)
+    if any(v is None or (isinstance(v, list) and None in v) for v in value):  # what a harness sends for an
+        raise ApiError(400, "prompt holds a null token id (an empty context's start token?): send a context, or "
+                            "ids only", "prompt")  # empty context where the tokenizer has no end-of-text token
     if ids(value):
         return [value]
     if all(ids(v) for v in value) and len(value) <= most:
