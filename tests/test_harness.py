@@ -150,11 +150,16 @@ def test_eval_lm_eval_runs_harness_tasks_on_a_run(models, task_manager, task_fol
     flags = ["eval", "--run", str(tmp_path / "run"), "--precision", "fp32", "--lm-eval-include", str(task_folder),
              "--lm-eval-only-include"]
     assert main([*flags, "--lm-eval", "gptlab_fixture_choices"]) == 0
-    out = capsys.readouterr().out
+    out, err = capsys.readouterr()
+    assert "gptlab: gptlab_fixture_choices: 20 of 20 items scored, precision fp32" in err
     row = next([c.strip() for c in line.split("|")] for line in out.splitlines() if "|acc " in line)
     expected_acc, _ = harness_scores(hf, task_manager, "choices")
     assert float(row[row.index("acc") + 2]) == pytest.approx(expected_acc, abs=1e-4), out
-    capsys.readouterr()
+    assert main([*flags[:3], "--precision", "int8", *flags[5:], "--lm-eval", "gptlab_fixture_choices", "--limit",
+                 "5"]) == 0
+    assert "gptlab: gptlab_fixture_choices: 5 of 20 items scored, precision int8" in capsys.readouterr().err
+    assert main([*flags, "--lm-eval", "gptlab_fixture_choices", "--limit", "0"]) == 2
+    assert "--limit must be >= 1, not 0" in capsys.readouterr().err
     assert main([*flags, "--lm-eval", "no_such_task"]) == 2
     err = capsys.readouterr().err
     assert "lm-evaluation-harness has no task no_such_task" in err and err.strip().count("\n") == 0
@@ -203,3 +208,17 @@ def test_a_char_model_without_end_of_text_scores_from_the_second_token():
     with pytest.raises(GptlabError, match="an empty context cannot be continued by a model without an end-of-text"):
         lm.generate_until(instances("generate_until", [("", {"until": ["."], "max_gen_toks": 2})]))
     assert len(lm.generate_until(instances("generate_until", [("ab", {"until": [], "max_gen_toks": 3})]))[0]) == 3
+
+
+def test_the_harness_cache_hook_keeps_each_result_under_its_request(models, tmp_path):
+    """lm-evaluation-harness's --use_cache: a model hands each result to its cache hook as it goes (an interrupted
+    run keeps what it finished); each one lands under the harness's hash of its request type and arguments."""
+    from lm_eval.api.model import CachingLM, hash_args
+
+    _, ours, _ = models
+    cache = CachingLM(ours, str(tmp_path / "cache.db"))  # connects its hook to the model
+    kinds = {"loglikelihood": ("A man walks", " into the river."), "loglikelihood_rolling": ("The dog runs.",),
+             "generate_until": ("The house", {"until": ["."], "max_gen_toks": 4})}
+    for kind, args in kinds.items():
+        (result,) = getattr(ours, kind)(instances(kind, [args]))
+        assert cache.dbdict[hash_args(kind, args)] == result

@@ -60,6 +60,18 @@ def plain_scores(model, context, continuation):
 
 # ---- the numbers: log-likelihoods against the plain forward -----------------------------------------------------
 
+def test_contexts_of_two_tokens_are_prefilled_too():
+    """Every context of a batch two tokens long: the prefill is one position (its first token), the options' rows
+    start from its second; in fp32 and under bf16 autocast (within bf16's rounding of the fp32 sums)."""
+    model = moved_model(37)
+    pairs = [([3, 4], [5, 6, 7]), ([8, 9], [1]), ([3, 4], [2, 2])]
+    fp32 = score_pairs(model, pairs)
+    for (context, continuation), s in zip(pairs, fp32):
+        assert abs(s.loglikelihood - plain_scores(model, context, continuation)[0]) <= 1e-5
+    for s, b in zip(fp32, score_pairs(model, pairs, "bf16")):
+        assert abs(s.loglikelihood - b.loglikelihood) <= 0.05 * (1 + abs(s.loglikelihood))
+
+
 @pytest.mark.parametrize("positions", [1, 40, 1024])
 def test_shared_contexts_crops_and_lengths_score_as_the_plain_forward(positions):
     """Pairs sharing a context (one prefill), continuations of 1 to 9 tokens, contexts cut at the start to fit the
@@ -194,6 +206,8 @@ def test_fewshot_examples_are_other_items_answered_and_the_same_under_a_limit():
 
 BAD = {
     "missing field": ('{"context": "a", "choices": ["x", "y"]}', "field 'label' must be the index"),
+    "missing context": ('{"choices": ["x", "y"], "label": 0}', "field 'context' must be a string, and is missing"),
+    "context not text": ('{"context": 3, "choices": ["x", "y"], "label": 0}', "field 'context' must be a string"),
     "label out of range": ('{"context": "a", "choices": ["x", "y"], "label": 2}',
                            "label 2 is out of range for 2 options (0 to 1)"),
     "empty choice": ('{"context": "a", "choices": ["x", " "], "label": 0}', "choices[1] is empty"),
@@ -217,6 +231,8 @@ def test_a_bad_record_is_one_line_with_its_file_and_line(name, tmp_path):
         read_task(path)
     line = 4 if name == "mixed kinds" else 3
     assert str(caught.value).startswith(f"{path}:{line}: ") and message in str(caught.value)
+    if name == "context not text":
+        assert str(caught.value).endswith("must be a string")  # present, but not text: nothing said of missing
     assert "\n" not in str(caught.value)
 
 

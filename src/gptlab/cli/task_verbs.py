@@ -49,9 +49,13 @@ def eval_harness(args: argparse.Namespace, run: str | Path) -> int:
         raise GptlabError(f"lm-evaluation-harness has no task {', '.join(unknown)}; see `lm-eval ls tasks` (or give "
                           "its folder with --lm-eval-include)")
     model = GptlabLM(run=run, precision=args.precision, device=args.device)
+    announce(model)
     results = lm_eval.simple_evaluate(model=model, tasks=names, task_manager=manager, limit=args.limit,
                                       num_fewshot=args.num_fewshot or None, random_seed=args.seed)
     print(make_table(results))
+    for name, counts in results.get("n-samples", {}).items():
+        print(f"gptlab: {name}: {counts['effective']} of {counts['original']} items scored, precision "
+              f"{model.precision}", file=sys.stderr)
     return 0
 
 

@@ -36,6 +36,7 @@ class GptlabLM(TemplateLM):
     def __init__(self, run: str | Path | None = None, precision: str = "fp32", device: str = "cpu",
                  batch_size: int | str = 1, model: torch.nn.Module | None = None, tokenizer=None, **_: object):
         super().__init__()
+        self.checkpoint = None  # the run's checkpoint the weights came from (None: a model given directly)
         if model is None:
             from gptlab.inference import load_for_inference
 
@@ -43,6 +44,7 @@ class GptlabLM(TemplateLM):
                 raise GptlabError("the gptlab harness model needs a run: model_args=run=RUN")
             ready = load_for_inference(run, device, precision, decode=False)
             model, tokenizer, precision = ready.model.model, ready.tokenizer, ready.precision
+            self.checkpoint = ready.checkpoint
         self.model, self.tokenizer, self.precision = model.eval(), tokenizer, precision
         self.max_length = model.config.block_size
 
