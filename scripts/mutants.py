@@ -236,11 +236,13 @@ def only_message_changed(original: ast.FunctionDef, mutant: ast.FunctionDef) -> 
     return True
 
 
-def changed_lines(source: str, original: ast.FunctionDef, mutant: ast.FunctionDef) -> list[str]:
-    """The mutant's lines that differ from the original function's (stripped), to show and to check a listing."""
+def changed_lines(source: str | list[str], original: ast.FunctionDef, mutant: ast.FunctionDef) -> list[str]:
+    """The mutant's lines that differ from the original function's (stripped), to show and to check a listing.
+    `source` may be given as its lines (a module's thousand mutants then split it once, not once each)."""
     real = original.name.rpartition("__mutmut_")[0].rpartition("ǁ")[2].removeprefix("x_")  # the name in src/
-    old = (ast.get_source_segment(source, original) or "").replace(original.name, real, 1).splitlines()
-    new = (ast.get_source_segment(source, mutant) or "").replace(mutant.name, real, 1).splitlines()
+    lines = source.splitlines() if isinstance(source, str) else source
+    old = "\n".join(lines[original.lineno - 1:original.end_lineno]).replace(original.name, real, 1).splitlines()
+    new = "\n".join(lines[mutant.lineno - 1:mutant.end_lineno]).replace(mutant.name, real, 1).splitlines()
     return [line[1:].strip() for line in difflib.unified_diff(old, new, lineterm="", n=0)
             if line.startswith("+") and not line.startswith("+++")]
 
@@ -366,12 +368,12 @@ def tally(folder: Path, module: Module, equivalents: dict[str, dict]) -> tuple[d
     notes = []
     for mutated, meta in metas(folder, module):
         source = mutated.read_text(encoding="utf-8")
-        funcs = functions(ast.parse(source))
+        funcs, source_lines = functions(ast.parse(source)), source.splitlines()
         for key, code in json.loads(meta.read_text())["exit_code_by_key"].items():
             status = STATUS.get(code, "other")
             name = key.rpartition(".")[2]
             original = funcs.get(name.rpartition("__mutmut_")[0] + "__mutmut_orig")
-            lines = changed_lines(source, original, funcs[name]) if original and name in funcs else []
+            lines = changed_lines(source_lines, original, funcs[name]) if original and name in funcs else []
             listed = equivalents.get(key)
             if listed and status == "survived" and listed["line"].strip() in lines:
                 status = "equivalent"

@@ -72,6 +72,18 @@ def test_contexts_of_two_tokens_are_prefilled_too():
         assert abs(s.loglikelihood - b.loglikelihood) <= 0.05 * (1 + abs(s.loglikelihood))
 
 
+def test_both_forwards_run_in_the_precision_asked_for(monkeypatch):
+    """The prefill and the options' forward each under the caller's precision (an fp32 second forward over a bf16
+    cache is off a bf16 forward by bf16's rounding, inside the tolerance above)."""
+    from gptlab.tasks import score
+
+    seen, real = [], score.autocast
+    monkeypatch.setattr(score, "autocast", lambda device, precision: seen.append((device.type, precision)) or
+                        real(device, precision))
+    score_pairs(moved_model(37), [([3, 4, 5], [6, 7]), ([8, 9, 1], [2])], "bf16")
+    assert seen == [("cpu", "bf16"), ("cpu", "bf16")]
+
+
 @pytest.mark.parametrize("positions", [1, 40, 1024])
 def test_shared_contexts_crops_and_lengths_score_as_the_plain_forward(positions):
     """Pairs sharing a context (one prefill), continuations of 1 to 9 tokens, contexts cut at the start to fit the
