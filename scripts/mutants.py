@@ -377,7 +377,7 @@ def tally(folder: Path, module: Module, equivalents: dict[str, dict]) -> tuple[d
             listed = equivalents.get(key)
             if listed and status == "survived" and listed["line"].strip() in lines:
                 status = "equivalent"
-            elif listed:
+            elif listed and status not in ("not sampled", "not checked"):  # run, and killed, or its line moved
                 notes.append(f"  stale listing {key} ({status}; listed line {listed['line']!r}, now {lines})")
             if status in ("survived", "no tests", "other"):
                 notes.append(f"  {status:<9} {key}: {' | '.join(lines) or '(a deletion)'}")
