@@ -99,7 +99,7 @@ MODULES = {
     "tasks": _m("tasks/items tasks/score tasks/measure tasks/report tasks/harness cli/task_verbs",
                 "test_tasks test_harness"),
     "reference": _m("reference/model reference/optim reference/native reference/train reference/check compiled",
-                    "test_reference test_reference_cli test_reference_mutants"),
+                    "test_reference test_reference_cli test_reference_mutants test_compiled"),
 }
 
 

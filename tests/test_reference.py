@@ -396,3 +396,21 @@ def test_ids_and_targets_outside_the_vocabulary_are_refused():
     ignored[1, 3] = -1
     logits, loss, _ = rm.step(model, idx, ignored)
     assert abs(loss - F.cross_entropy(logits.view(-1, 13), ignored.view(-1), ignore_index=-1).item()) <= 1e-6
+
+
+def test_masks_of_another_dtype_are_converted_and_a_model_that_is_not_a_gpt_is_refused(reference_engine):
+    """Dropout masks drawn in fp32 for a float64 model give the float64 masks' results (the engine reads them in
+    the model's scalar type); a Bigram is not a GPT the engine can compute."""
+    from gptlab.model import Bigram
+
+    torch.manual_seed(4)
+    model = perturbed(GPT(ModelConfig(**FD_SHAPE))).double()
+    idx, targets = torch.randint(0, 13, (2, 7)), torch.randint(0, 13, (2, 7))
+    masks = rm.DropoutMasks.draw(model, 2, 7, 0.3, torch.float32)
+    as_f64 = rm.DropoutMasks(masks.emb.double(), [m.double() for m in masks.attn],
+                             [m.double() for m in masks.attn_resid], [m.double() for m in masks.mlp_resid])
+    logits, loss, _ = rm.step(model, idx, targets, masks)
+    expected_logits, expected_loss, _ = rm.step(model, idx, targets, as_f64)
+    assert torch.equal(logits, expected_logits) and loss == expected_loss
+    with pytest.raises(TypeError, match="the reference engine computes a GPT, not a Bigram"):
+        naive_model(Bigram(ModelConfig(vocab_size=13, block_size=7, arch="bigram")))

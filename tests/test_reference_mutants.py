@@ -111,3 +111,4 @@ def test_a_source_that_does_not_compile_is_refused_with_the_compilers_message(tm
     with pytest.raises(compiled.BuildError, match="undeclared_name_here") as caught:
         native.build_library(source, tmp_path / "out", O1)
     assert "failed:" in str(caught.value) and not list((tmp_path / "out").glob("*.so"))
+    assert "b'" not in str(caught.value) and "\n" in str(caught.value)  # the compiler's text as it printed it
