@@ -268,13 +268,16 @@ def mark_messages(folder: Path, module: Module) -> int:
     return marked
 
 
-def mark_sample(folder: Path, module: Module, size: int | None, seed: int = 0) -> int:
+def mark_sample(folder: Path, module: Module, size: int | None, seed: int = 0,
+                again: frozenset[str] = frozenset()) -> int:
     """With `size`: keep `size` of the mutants not yet run (or marked not sampled), drawn at random with `seed`, and
-    mark the others not sampled (35); without: unmark every such mark, so that all are run. Returns how many are
-    marked."""
+    the ones in `again` (survivors of an earlier sample to test again: new tests), and mark the others not sampled
+    (35); without: unmark every such mark, so that all are run. Returns how many are marked."""
     entries = [(meta, json.loads(meta.read_text())) for _, meta in metas(folder, module)]
-    open_keys = sorted(k for _, data in entries for k, c in data["exit_code_by_key"].items() if c in (None, 35))
+    open_keys = sorted(k for _, data in entries for k, c in data["exit_code_by_key"].items()
+                       if c in (None, 35) and k not in again)
     keep = set(open_keys) if size is None else set(random.Random(seed).sample(open_keys, min(size, len(open_keys))))
+    keep |= again
     marked = 0
     for meta, data in entries:
         codes = data["exit_code_by_key"]
@@ -305,18 +308,21 @@ def tool_env(folder: Path) -> dict[str, str]:
             "MUTMUT_FOLDER": str(folder), "MUTMUT_KERNELS": str(folder / "kernels"), "PYTHONDONTWRITEBYTECODE": "1"}
 
 
-def forget_for_new_tests(folder: Path, module: Module, fingerprint: str) -> None:
+def forget_for_new_tests(folder: Path, module: Module, fingerprint: str) -> frozenset[str]:
     """When the tests changed since the last run began: the stats (which test reaches which function) are
-    collected again and the survivors and untested mutants are tested again; kills stand."""
+    collected again and the survivors and untested mutants are tested again; kills stand. Returns those mutants
+    (a sample keeps them)."""
     stamp = folder / "tests-fingerprint"
     if stamp.exists() and stamp.read_text() == fingerprint:
-        return
+        return frozenset()
     (folder / "mutants" / "mutmut-stats.json").unlink(missing_ok=True)
+    again: set[str] = set()
     for _, meta in metas(folder, module):
         data = json.loads(meta.read_text())
-        data["exit_code_by_key"] = {k: None if STATUS.get(c) in ("survived", "no tests") else c
-                                    for k, c in data["exit_code_by_key"].items()}
+        again |= {k for k, c in data["exit_code_by_key"].items() if STATUS.get(c) in ("survived", "no tests")}
+        data["exit_code_by_key"] = {k: None if k in again else c for k, c in data["exit_code_by_key"].items()}
         meta.write_text(json.dumps(data, indent=4))
+    return frozenset(again)
 
 
 def forget_timeouts(folder: Path, module: Module) -> None:
@@ -339,11 +345,11 @@ def run_module(root: Path, name: str, module: Module, children: int, fresh: bool
         forget_timeouts(folder, module)
     env = tool_env(folder)
     fingerprint = tests_fingerprint(root, module)
-    forget_for_new_tests(folder, module, fingerprint)
+    again = forget_for_new_tests(folder, module, fingerprint)
     (folder / "tests-fingerprint").write_text(fingerprint)  # an interrupted run resumes where it stopped
     subprocess.run([sys.executable, "-c", GENERATE], cwd=folder, env=env, check=True, stdout=subprocess.DEVNULL)
     print(f"mutants: {name}: {mark_messages(folder, module)} message-only mutants marked skipped", flush=True)
-    unsampled = mark_sample(folder, module, sample)
+    unsampled = mark_sample(folder, module, sample, again=again)
     if sample is not None:
         print(f"mutants: {name}: {unsampled} mutants left out of the sample of {sample}", flush=True)
     mutmut = Path(sys.executable).with_name("mutmut")

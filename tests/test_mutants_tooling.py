@@ -118,3 +118,21 @@ def test_a_sample_runs_n_mutants_drawn_by_seed_and_leaves_the_rest_out_of_the_sc
     counts = dict.fromkeys(mutants.COLUMNS, 0) | {"generated": 30, "killed": 9, "survived": 1, "not sampled": 20}
     assert mutants.score(counts) == "90.0 % (sample of 10)"
 
+
+
+def test_survivors_of_a_sample_are_tested_again_when_the_tests_change(tmp_path):
+    """New tests: the sample's survivors are run again (whatever the new sample's size, 0 included), its kills stand,
+    and the new draw comes from the rest."""
+    module = mutants.Module(("src/gptlab/x.py",), ())
+    meta = tmp_path / "mutants" / "src" / "gptlab" / "x.py.meta"
+    meta.parent.mkdir(parents=True)
+    (meta.parent / "x.py").write_text("")
+    codes = {f"gptlab.x.x_f__mutmut_{i}": (1 if i < 5 else 0 if i < 8 else 35) for i in range(1, 31)}
+    meta.write_text(json.dumps({"exit_code_by_key": codes}))
+    (tmp_path / "tests-fingerprint").write_text("old")
+    again = mutants.forget_for_new_tests(tmp_path, module, "new")
+    assert again == {f"gptlab.x.x_f__mutmut_{i}" for i in (5, 6, 7)}
+    assert mutants.mark_sample(tmp_path, module, 0, again=again) == 23
+    after = json.loads(meta.read_text())["exit_code_by_key"]
+    assert [k for k, c in after.items() if c is None] == sorted(again) and list(after.values()).count(1) == 4
+    assert mutants.forget_for_new_tests(tmp_path, module, "old") == frozenset()  # the same tests: nothing again
