@@ -26,7 +26,7 @@ PLANTED = [
               "async def inspect(request: Request) -> Response:\n")],
             f"{T}::test_a_key_is_required_when_set"),
     Planted("serve: prompts x n past the batch are queued, and wait for ever", API,
-            [("if len(prompts) * n > limits.max_batch:", "if n > limits.max_batch:")],
+            [("if count * n > limits.max_batch:", "if n > limits.max_batch:")],
             f"{T}::test_more_sequences_than_the_batch_decodes_is_400_at_once"),
     Planted("serve: a prompt of exactly the context is refused", API,
             [("if len(ids) > most:", "if len(ids) >= most:")],
