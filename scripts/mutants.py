@@ -89,8 +89,11 @@ MODULES = {
                "test_cli::test_compare_puts_runs_with_different_tokenizers_on_bits_per_byte "
                "test_cli::test_compare_refuses_a_picture_format_it_cannot_write_in_one_line "
                "test_cli::test_a_config_files_data_path_is_relative_to_its_folder"),
-    # test_data: folder_kind; test_checkpoint: state.json's schema (TrainingState), old files included
-    "rundir": _m("rundir", "test_nothing_lost test_faults test_runs test_data test_checkpoint"),
+    # test_data: folder_kind (its one test); test_checkpoint: state.json's schema (TrainingState), old files included.
+    # Not test_faults (its crashes reach rundir only through the checkpoints test_nothing_lost also writes): with it,
+    # mutmut's first traced run of the list took more than 90 minutes on a busy 2-CPU machine
+    "rundir": _m("rundir", "test_nothing_lost test_runs test_runs_start test_checkpoint "
+                 "test_data::test_what_a_folder_holds_decides_what_may_be_written_over_it"),
     "checkpoint": _m("checkpoint", "test_checkpoint test_nothing_lost test_faults test_train test_runtime"),
     "preflight": _m("training/preflight", "test_nothing_lost test_train test_shards"),
     "evaluate": _m("evaluate", "test_evaluate test_hf"),
