@@ -69,9 +69,9 @@ def pytest_unconfigure(config):
 
 @pytest.fixture(scope="session")
 def fused_kernel():
-    """The fused decode kernel (gptlab.inference.native), built. Skips, naming what is missing, on a machine without an
-    x86-64 CPU with AVX-512 or without g++; on a machine with them a kernel that fails to build fails every test
-    that uses it (KernelBuildError, with the compiler's message)."""
+    """The fused decode kernel (gptlab.inference.native), this CPU's build, built. Skips, naming what is missing, on
+    a machine without g++ (every CPU has a build: the plain one at least); on a machine with it a kernel that fails
+    to build fails every test that uses it (KernelBuildError, with the compiler's message)."""
     from gptlab.inference import native
 
     reason = native.missing()
@@ -114,8 +114,8 @@ def char_data(tmp_path, corpus_file):
 
 # ---- which device paths ran: one line at the end of the run -------------------------------------------------
 
-PATHS = ["cpu", "fused decode (AVX-512)", "int8 native (VNNI)", "bf16 native", "torch.compile", "cuda",
-         "mps"]  # the summary's order
+PATHS = ["cpu", "fused decode (native)", "int8 native (VNNI)", "bf16 native", "arm64 under qemu", "torch.compile",
+         "cuda", "mps"]  # the summary's order
 _outcomes: dict[str, dict] = {}  # device path -> {"passed": n, "failed": n, "skipped": [reasons]}
 
 
@@ -138,7 +138,7 @@ def pytest_runtest_logreport(report):
 
 
 def pytest_terminal_summary(terminalreporter):
-    """e.g. "device paths: cpu ran; fused decode (AVX-512) ran; ...; cuda skipped (no CUDA device)": from the
+    """e.g. "device paths: cpu ran; fused decode (native) ran; ...; cuda skipped (no CUDA device)": from the
     outcomes of the tests marked with each path, so a green run cannot hide a path that was never tried."""
     if not _outcomes:  # nothing ran (--collect-only)
         return

@@ -10,6 +10,7 @@ from gptlab.bench.engines import (GEN_MODELS, bench_model, generation_ratios, pr
                                   weight_bytes_per_token)
 from gptlab.bench.generate import headline
 from gptlab.config import ModelConfig, build
+from gptlab.inference import native
 from gptlab.inference.native import load_library
 from gptlab.model import GPT
 from gptlab.runtime import bf16_supported
@@ -80,7 +81,7 @@ def test_bench_model_times_int8_beside_the_float_step(capsys):
     assert f"x the {base} step at " in headline(results, [base, "int8"], bytes_per_token)
 
 
-@pytest.mark.device_path("fused decode (AVX-512)")
+@pytest.mark.device_path("fused decode (native)")
 def test_bench_decode_holds_each_step_to_the_floor_read_beside_it(fused_kernel, capsys):
     rows = run_decode(rounds=3, pages="both", config=tiny_config(block_size=64), positions=16, buffer_mb=8)
     lines = capsys.readouterr().out.strip().splitlines()
@@ -89,7 +90,8 @@ def test_bench_decode_holds_each_step_to_the_floor_read_beside_it(fused_kernel, 
     for r in rows:
         assert len(r.shares) == 3 and min(r.shares) > 0 and r.batch1_s > 0 and r.bare8_s > 0
         assert r.batch8_s > 0
-    assert lines[0].startswith("machine load: ")
+    assert lines[0] == f"kernel build: {native.describe(native.load_library())}"  # which build ran
+    assert lines[1].startswith("machine load: ")
     table = [line for line in lines if " batch 1: " in line]
     assert [line.split(" batch 1:")[0] for line in table] == ["fp32 2M pages", "fp32 4K pages", "bf16 2M pages",
                                                                "bf16 4K pages", "int8 2M pages", "int8 4K pages"]

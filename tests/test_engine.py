@@ -214,7 +214,7 @@ def decoders(kind, model):
 
 
 @pytest.mark.parametrize("kind", ["torch step", "packed torch step",
-                                  pytest.param("fused step", marks=pytest.mark.device_path("fused decode (AVX-512)"))])
+                                  pytest.param("fused step", marks=pytest.mark.device_path("fused decode (native)"))])
 def test_running_batch_equals_the_plain_forward_over_the_documented_window(trained, kind, request):
     if kind == "fused step":
         request.getfixturevalue("fused_kernel")

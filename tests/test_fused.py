@@ -25,10 +25,11 @@ from gptlab.engine import generate_batch, generate_uncached
 from gptlab.inference import TorchStep, native, prepare_for_inference
 from gptlab.inference.fused import FusedDecoder, fused_decoder
 from gptlab.inference.weights import move_to_huge_pages
+from gptlab.machine import X86_64
 from gptlab.model import GPT, Bigram
 from gptlab.runtime import bf16_supported
 
-pytestmark = [pytest.mark.device_path("fused decode (AVX-512)"), pytest.mark.usefixtures("fused_kernel")]
+pytestmark = [pytest.mark.device_path("fused decode (native)"), pytest.mark.usefixtures("fused_kernel")]
 
 
 @pytest.mark.parametrize("shape", KERNEL_SHAPES)
@@ -116,28 +117,37 @@ def test_a_refused_step_raises_under_python_O_too():
     assert out.stdout.strip().endswith("optimize 1")
 
 
-def test_builds_are_keyed_by_the_cpus_instruction_set_not_the_host_name(tmp_path, monkeypatch):
-    """A build folder shared by machines of one name with different CPUs: each loads only its own build (-march=
-    native: another's may hold instructions its CPU lacks) and prunes only its own older builds."""
-    fake = tmp_path / "fake-g++"  # answers -march=native -Q --help=target with $ISA
-    fake.write_text('#!/bin/sh\necho "$ISA"\n')
-    fake.chmod(0o755)
-    keys = []
-    for isa, host in (("-mavx512f [enabled]", "a"), ("-mavx512f [disabled]", "a"), ("-mavx512f [enabled]", "b")):
-        monkeypatch.setenv("ISA", isa)
-        monkeypatch.setattr(platform, "node", lambda: host)
-        keys.append(native._machine_key.__wrapped__(str(fake)))
-    assert keys[0] != keys[1] and keys[0] == keys[2]
-
+def test_builds_are_named_by_their_target_and_share_a_folder(tmp_path, monkeypatch):
+    """Each build names its target (never -march=native): two builds of this CPU live side by side in one folder,
+    each loads its own file, and building one prunes only its own earlier sources' files and the files named before
+    builds had names (by CPU, or by nothing)."""
+    O0 = ("-O0", *native.FLAGS[1:])  # the layout and the names are checked here, not the numbers
+    monkeypatch.delenv("GPTLAB_KERNEL_BUILD", raising=False)
     folder = tmp_path / "kernels"
     folder.mkdir()
-    mine = native._machine_key(native._compiler())
+    best, plain = native.build_for_cpu(), native.BUILDS["plain"]
+    assert best.name == native.runnable_builds()[0] and "plain" in native.runnable_builds()
     code = compiled.source_key(native.SOURCE)  # the source and the headers it includes
-    other_cpu, earlier = folder / f"decode-{'0' * 12}-{code}.so", folder / f"decode-{mine}-{'0' * 12}.so"
-    for stale in (other_cpu, earlier, folder / "decode-0123456789abcdef.so"):  # the last named by host name
+    old_source = folder / f"decode-plain-{native._flags_key(native._compiler(), (*O0, *plain.target))}-{'0' * 12}.so"
+    other_flags = folder / f"decode-plain-{'1' * 12}-{code}.so"  # -O3, say: another file, kept
+    by_cpu, unnamed = folder / f"decode-{'2' * 12}-{code}.so", folder / "decode-0123456789abcdef.so"
+    for stale in (old_source, other_flags, by_cpu, unnamed):
         stale.write_bytes(b"not a library: loading this fails")
-    native.build_library(native.SOURCE, folder)
-    assert sorted(folder.iterdir()) == sorted([other_cpu, folder / f"decode-{mine}-{code}.so"])
+    lib = native.build_library(native.SOURCE, folder, "plain", O0)
+    assert native.describe(lib).startswith("plain (")
+    key = native._flags_key(native._compiler(), (*O0, *plain.target))
+    assert sorted(folder.iterdir()) == sorted([other_flags, folder / f"decode-plain-{key}-{code}.so"])
+    mine = native.build_library(native.SOURCE, folder, best, O0)
+    assert native.describe(mine).startswith(best.name) and len(list(folder.iterdir())) == 3  # both builds kept
+
+    monkeypatch.setenv("GPTLAB_KERNEL_BUILD", "plain")
+    assert native.build_for_cpu() is plain
+    foreign = "armv8-a" if platform.machine() in X86_64 else "x86-64-v3"
+    monkeypatch.setenv("GPTLAB_KERNEL_BUILD", foreign)
+    with pytest.raises(native.UnknownBuild, match=f"the {foreign} kernel build needs .* which this CPU lacks"):
+        native.build_for_cpu()
+    with pytest.raises(native.UnknownBuild, match="no kernel build named 'avx9'.*x86-64-v3"):
+        native.build_for_cpu("avx9")
 
 
 def test_collecting_the_tests_builds_nothing_and_writes_nothing_into_the_users_cache(tmp_path):

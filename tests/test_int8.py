@@ -144,7 +144,7 @@ def test_training_in_int8_is_refused_with_a_clear_message():
 
 # ---- the native kernel ----------------------------------------------------------------------------------------
 
-@pytest.mark.device_path("fused decode (AVX-512)")
+@pytest.mark.device_path("fused decode (native)")
 @pytest.mark.parametrize("shape", INT8_SHAPES)
 @pytest.mark.parametrize("rows", [1, 3, 5])
 def test_the_fused_int8_fma_step_equals_the_torch_int8_path(fused_kernel, shape, rows):
@@ -179,7 +179,7 @@ def test_a_rows_vnni_logits_do_not_depend_on_the_rows_beside_it(vnni_kernel):
     assert torch.equal(logits[1], logits[2]) and torch.equal(logits[2], logits[5])
 
 
-@pytest.mark.device_path("fused decode (AVX-512)")
+@pytest.mark.device_path("fused decode (native)")
 def test_a_kernel_built_without_vnni_decodes_int8_by_fma_and_refuses_vnni(fused_kernel, tmp_path):
     """A machine with AVX-512 but no VNNI, simulated by a build whose VNNI code is compiled out: the capability
     check picks the FMA product, which gives the reference result, and VNNI cannot be forced on it."""
@@ -217,7 +217,7 @@ def test_without_the_kernel_int8_decodes_with_torch_and_says_so(monkeypatch, cap
     assert list(generate_batch(slow, prompts, cfg)) == expected
 
 
-@pytest.mark.device_path("fused decode (AVX-512)")
+@pytest.mark.device_path("fused decode (native)")
 def test_the_fused_int8_fma_step_gives_the_torch_fallbacks_ids(fused_kernel, monkeypatch):
     base, prompts, cfg = int8_fallback_case()
     fast = prepare_for_inference(copy.deepcopy(base), "int8", huge_pages=False)

@@ -1,17 +1,21 @@
-"""Deliberately broken copies of the fused decode kernel (inference/csrc/decode.cpp): each must fail one of the
-parity checks of tests/test_fused.py and tests/test_int8.py (tests/helpers.py holds them), so that those checks
-are known to catch what they claim to; and copies whose structs differ from the ctypes ones
+"""Deliberately broken copies of the fused decode kernel (inference/csrc/decode.cpp and its vector layer,
+csrc/simd.h): each must fail one of the parity checks of tests/test_fused.py and tests/test_int8.py
+(tests/helpers.py holds them), so that those checks are known to catch what they claim to; the other builds this
+CPU runs (the AVX2 build on an AVX-512 machine, the plain build everywhere) held to the same checks, with a few
+mutants of their own vector code each; and copies whose structs differ from the ctypes ones
 (gptlab.inference.native), each of which loading must refuse."""
 
+import shutil
 from pathlib import Path
 
 import pytest
 
 from helpers import (BF16_TOLERANCE, FMA_TOLERANCE, FP32_TOLERANCE, INT8_SHAPES, KERNEL_SHAPES, VNNI_TOLERANCE,
                      bf16_cache_errors, bf16_errors, fp32_error, int8_error)
+from gptlab import compiled
 from gptlab.inference import native
 
-pytestmark = [pytest.mark.device_path("fused decode (AVX-512)"), pytest.mark.usefixtures("fused_kernel")]
+pytestmark = [pytest.mark.device_path("fused decode (native)"), pytest.mark.usefixtures("fused_kernel")]
 
 # name -> the edits (old text, new text, in order) that break the kernel, and the check (CHECKS) that must catch it
 MUTANTS = {
@@ -21,15 +25,15 @@ MUTANTS = {
     "LayerNorm gains ignored": ([("* rstd * w[c] +", "* rstd +")], "fp32"),
     "bf16 cache store truncates": ([("(bf16)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16)", "(bf16)(u >> 16)")],
                                    "bf16 cache"),
-    "products' masked tail one short": ([("(Mask)0xFFFF : (Mask)((1u << left) - 1)",
-                                          "(Mask)0xFFFF : (Mask)((1u << (left - 1)) - 1)")], "fp32"),
+    "products' tail one short": ([("return left >= LANES ? LANES : left;", "return left >= LANES ? LANES : left - 1;")],
+                                 "fp32"),
     "attention's scores, four at a time, lose the fourth's tail of q": (
-        [("            a3 = _mm512_fmadd_ps(qv[c], load16(K + (j + 3) * D + 16 * c, mask[c]), a3);\n", "")], "fp32"),
-    "attention's sum over V drops the odd positions": ([("y[c] = _mm512_add_ps(y[c], z[c]);", "y[c] = y[c];")], "fp32"),
-    "attention's head tail one short": ([("(__mmask16)0 : (__mmask16)((1u << left) - 1)",
-                                          "(__mmask16)0 : (__mmask16)((1u << (left - 1)) - 1)")], "fp32"),
-    "int8 FMA product of one row ignores the row scales": ([("_mm_maskz_loadu_ps(m, s + n), bias)",
-                                                             "_mm_set1_ps(1.0f), bias)")], "int8 fma"),
+        [("            a3 = simd::fma(qv[c], simd::load(K + (j + 3) * D + L * c, n[c]), a3);\n", "")], "fp32"),
+    "attention's sum over V drops the odd positions": ([("y[c] = y[c] + z[c];", "y[c] = y[c];")], "fp32"),
+    "attention's head tail one short": ([("n[c] = left >= L ? L : left <= 0 ? 0 : left;",
+                                          "n[c] = left >= L ? L : left <= 0 ? 0 : left - 1;")], "fp32"),
+    "int8 FMA product of one row ignores the row scales": ([("fmaf(d[i], s[n + i],", "fmaf(d[i], 1.0f,")],
+                                                           "int8 fma"),
     "int8 FMA product of many rows ignores the row scales": ([("scale = s ? s[n] : 1.0f;", "scale = 1.0f;")],
                                                              "int8 fma"),
     "int8 VNNI product takes the next row's scale": ([("_mm512_set1_ps(sx), _mm512_loadu_ps(s + n))",
@@ -68,9 +72,9 @@ CHECKS = {"fp32": fp32_passes, "bf16 weights": bf16_weights_pass, "bf16 cache": 
           "int8 fma": int8_fma_passes, "int8 vnni": int8_vnni_passes}
 
 
-def runnable(check: str) -> bool:
-    """Whether this CPU runs `check` (the VNNI product needs AVX512-VNNI)."""
-    return check != "int8 vnni" or native.cpu_has_int8_vnni()
+def runnable(check: str, lib=None) -> bool:
+    """Whether this CPU runs `check` (the VNNI product needs AVX512-VNNI), and `lib` if given (a build with it)."""
+    return check != "int8 vnni" or (native.cpu_has_int8_vnni() if lib is None else native.has_int8_vnni(lib))
 
 
 def test_the_kernel_itself_passes_every_check(fused_kernel):
@@ -84,6 +88,67 @@ def test_a_broken_kernel_fails_the_parity_checks(name, tmp_path):
         pytest.skip("no AVX512-VNNI on this CPU")
     lib = native.build_library(mutated_source(edits, tmp_path), tmp_path)
     assert not CHECKS[catcher](lib), f"the {catcher} check passes a kernel with {name}"
+
+
+# ---- the other builds: each build's own vector code (csrc/simd.h) ---------------------------------------------------
+
+# The builds tested besides this CPU's own (the AVX2 build runs on every AVX-512 machine; plain runs everywhere)
+OTHER_BUILDS = ["x86-64-v3", "plain"]
+# build -> name -> (file, edits, check): mutants of the code only that build compiles, at -O1 (the quickest build
+# that still vectorizes; the checks, not the optimizer, are under test)
+O1 = ("-O1", *native.FLAGS[1:])
+BUILD_MUTANTS = {
+    "x86-64-v3": {
+        "AVX2 sum drops the upper half": ("simd.h", [(
+            "__m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));",
+            "__m128 h = _mm256_castps256_ps128(v);")], "fp32"),
+        "AVX2 bf16 widening one bit short": ("simd.h", [(
+            "_mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16))",
+            "_mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 15))")], "bf16 weights"),
+        "AVX2 int8 weights read unsigned": ("simd.h", [("_mm256_cvtepi8_epi32(", "_mm256_cvtepu8_epi32(")],
+                                            "int8 fma"),
+        "a partial vector reads one element too many": ("simd.h", [("i < n ? p[i] : fill", "i <= n ? p[i] : fill")],
+                                                        "fp32"),
+    },
+    "plain": {
+        "generic sum stops at two lanes": ("simd.h", [("for (int w = LANES / 2; w >= 1; w /= 2)",
+                                                       "for (int w = LANES / 2; w >= 2; w /= 2)")], "fp32"),
+        "generic bf16 widening one bit short": ("simd.h", [("(uint32_t)p[i] << 16", "(uint32_t)p[i] << 15")],
+                                                "bf16 weights"),
+        "generic int8 weights read unsigned": ("simd.h", [("f[i] = (float)p[i];", "f[i] = (float)(uint8_t)p[i];")],
+                                               "int8 fma"),
+        "a partial store writes one lane short": ("simd.h", [("for (int i = 0; i < n; i++) p[i] = part[i];",
+                                                              "for (int i = 0; i < n - 1; i++) p[i] = part[i];")],
+                                                  "fp32"),
+    },
+}
+
+
+@pytest.fixture(scope="module", params=OTHER_BUILDS)
+def other_build(request):
+    build = native.BUILDS[request.param]
+    if not build.runs_here():
+        pytest.skip(f"this CPU does not run the {build.name} build")
+    return build
+
+
+def test_the_other_builds_pass_every_check(other_build):
+    """Each other build, at -O1 as its mutants below are (this CPU's own build is checked at -O3, as users get it,
+    by tests/test_fused.py and tests/test_int8.py): fp32 at every shape and batch width, bf16 weights, the bf16
+    cache, int8 by FMAs (and by VNNI where the build has it)."""
+    lib = native.build_library(build=other_build, flags=O1)
+    assert native.describe(lib).startswith(other_build.name)
+    failed = [name for name, check in CHECKS.items() if runnable(name, lib) and not check(lib)]
+    assert not failed, f"the {other_build.name} build fails the {', '.join(failed)} checks"
+
+
+@pytest.mark.parametrize("build, name", [(b, n) for b, mutants in BUILD_MUTANTS.items() for n in mutants])
+def test_a_broken_build_fails_the_parity_checks(build, name, tmp_path):
+    if not native.BUILDS[build].runs_here():
+        pytest.skip(f"this CPU does not run the {build} build")
+    file, edits, catcher = BUILD_MUTANTS[build][name]
+    lib = native.build_library(mutated_source(edits, tmp_path, file), tmp_path, build, O1)
+    assert not CHECKS[catcher](lib), f"the {catcher} check passes the {build} build with {name}"
 
 
 # ---- the ABI: builds whose structs differ from the ctypes ones are refused before any call ------------------------
@@ -104,13 +169,17 @@ ABI_MUTANTS = {
 }
 
 
-def mutated_source(edits: list[tuple[str, str]], folder) -> Path:
-    """decode.cpp with `edits` applied (each must still apply), written into `folder`."""
-    source = native.SOURCE.read_text()
+def mutated_source(edits: list[tuple[str, str]], folder, file: str = "decode.cpp") -> Path:
+    """decode.cpp and the vector layer simd.h (which an #include "simd.h" finds beside it first) written into
+    `folder`, `edits` applied to `file` (each must still apply); returns decode.cpp's path there."""
+    folder.mkdir(parents=True, exist_ok=True)
+    shutil.copy(compiled.INCLUDE / "simd.h", folder / "simd.h")
+    shutil.copy(native.SOURCE, folder / "decode.cpp")
+    text = (folder / file).read_text()
     for old, new in edits:
-        assert old in source, f"{old!r} is not in decode.cpp: the mutant no longer applies"
-        source = source.replace(old, new)
-    (folder / "decode.cpp").write_text(source)
+        assert old in text, f"{old!r} is not in {file}: the mutant no longer applies"
+        text = text.replace(old, new)
+    (folder / file).write_text(text)
     return folder / "decode.cpp"
 
 

@@ -59,7 +59,7 @@ def test_without_the_fused_step_a_lone_row_decodes_without_a_pad_row():
     assert batch.cache.pos.tolist() == [4]  # its 3 prompt tokens and the one just decoded, nothing beside it
 
 
-@pytest.mark.device_path("fused decode (AVX-512)")
+@pytest.mark.device_path("fused decode (native)")
 def test_the_fused_step_decodes_a_lone_row_beside_a_pad_row_at_position_0(fused_kernel):
     model = prepare_for_inference(GPT(tiny_config()).eval(), "fp32")
     if not model.fused:

@@ -54,7 +54,7 @@ def drive(batch, joins):
     return {key: ids for key, (_, ids) in out.items()}
 
 
-@pytest.mark.device_path("fused decode (AVX-512)")
+@pytest.mark.device_path("fused decode (native)")
 def test_the_fused_steps_many_row_kernels_agree_bitwise_at_any_batch_size(fused_kernel):
     model = prepared()
     rows = {}
@@ -72,7 +72,7 @@ def test_the_fused_steps_many_row_kernels_agree_bitwise_at_any_batch_size(fused_
         assert all(torch.equal(a, b) for a, b in zip(logits, rows[2])), f"{R} rows differ from 2"
 
 
-@pytest.mark.device_path("fused decode (AVX-512)")
+@pytest.mark.device_path("fused decode (native)")
 @pytest.mark.parametrize("precision", ["fp32", "bf16", "int8"])
 def test_a_seeded_row_gives_the_same_tokens_alone_or_joining_a_running_batch(fused_kernel, precision):
     if precision == "bf16" and not bf16_supported(torch.device("cpu")):

@@ -79,9 +79,10 @@ def build_shared(source: Path, flags: Sequence[str], folder: Path, prefix: str, 
 
 
 def source_key(source: Path) -> str:
-    """A hash of what a build compiles: `source` and every header in INCLUDE (a changed header rebuilds)."""
+    """A hash of what a build compiles: `source`, the headers beside it (an #include "..." finds those first) and
+    every header in INCLUDE (a changed header rebuilds)."""
     digest = hashlib.sha256(source.read_bytes())
-    for header in sorted(INCLUDE.glob("*.h")):
+    for header in [*sorted(source.parent.glob("*.h")), *sorted(INCLUDE.glob("*.h"))]:
         digest.update(header.name.encode() + b"\0" + header.read_bytes())
     return digest.hexdigest()[:12]
 

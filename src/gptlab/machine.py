@@ -11,6 +11,7 @@ from pathlib import Path
 
 CPUINFO = Path("/proc/cpuinfo")
 X86_64 = ("x86_64", "AMD64")
+ARM64 = ("aarch64", "arm64")
 
 
 def usable_cores() -> int:
@@ -42,14 +43,17 @@ def cpu_model() -> str:
 
 
 def cpu_flags() -> frozenset[str]:
-    """The instruction-set features an x86-64 CPU reports ("avx512f", "avx512_vnni", ...); empty elsewhere."""
-    if platform.machine() not in X86_64:
-        return frozenset()
-    return frozenset(cpu_info().get("flags", "").split())
+    """The instruction-set features the CPU reports in /proc/cpuinfo: an x86-64 CPU's "flags" ("avx512f",
+    "avx512_vnni", ...), an ARM64 CPU's "Features" ("asimd", "asimddp", ...); empty elsewhere."""
+    if platform.machine() in X86_64:
+        return frozenset(cpu_info().get("flags", "").split())
+    if platform.machine() in ARM64:
+        return frozenset(cpu_info().get("Features", "").split())
+    return frozenset()
 
 
 def cpu_has(*flags: str) -> bool:
-    """Whether this x86-64 CPU reports every one of `flags`."""
+    """Whether the CPU reports every one of `flags` (cpu_flags)."""
     return bool(flags) and set(flags) <= cpu_flags()
 
 

@@ -20,6 +20,7 @@ from gptlab.bench.engines import GEN_MODELS, weight_bytes_per_token
 from gptlab.bench.timing import LoadWatch, median, read_then
 from gptlab.config import ModelConfig, build
 from gptlab.inference import prepare_for_inference
+from gptlab.inference.native import describe, load_library
 from gptlab.model import GPT
 from gptlab.runtime import set_threads
 
@@ -82,6 +83,8 @@ def run_decode(*, rounds: int = 60, pages: str = "2M", config: ModelConfig | Non
         raise ValueError(f"pages must be one of {PAGES} and rounds at least 1, not {pages!r} and {rounds}")
     set_threads()
     watch = LoadWatch()
+    lib = load_library()
+    print(f"kernel build: {describe(lib)}" if lib is not None else "kernel build: none (no g++)")
     torch.manual_seed(0)
     base = GPT(config or build(ModelConfig, GEN_MODELS["gpt2-124M"], {})).eval()
     buffer = torch.ones(buffer_mb * (1 << 20) // 4)

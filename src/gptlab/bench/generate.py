@@ -19,7 +19,7 @@ from gptlab.bench.sliding import char_model_speedup
 from gptlab.bench.timing import LoadWatch, read_bandwidth
 from gptlab.config import ModelConfig, build
 from gptlab.inference import FLOAT_DTYPES
-from gptlab.inference.native import has_int8_vnni, load_library
+from gptlab.inference.native import describe, has_int8_vnni, load_library
 from gptlab.inference.weights import can_pack
 from gptlab.model import GPT
 from gptlab.runtime import bf16_supported, device_name, resolve_device, set_threads
@@ -43,7 +43,7 @@ def run_generate(*, device: str = "auto", new_tokens: int = 256, prompt_tokens: 
     print(f"device: {device_name(dev)}; memory read {bandwidth / 1e9:.1f} GB/s now (each engine run's floor: "
           "the read measured just before it)")
     lib = load_library() if dev.type == "cpu" else None
-    step = "fused native step (gptlab.inference.fused)" if lib else "torch ops"
+    step = f"fused native step (gptlab.inference.fused), build {describe(lib)}" if lib else "torch ops"
     int8 = ("VNNI" if has_int8_vnni(lib) else "fp32 FMAs") if lib else "torch ops (dequantized, fp32)"
     print(f"gptlab (KV cache) decodes with: {step}; int8 products by {int8}")
     model = GPT(config).to(dev)

@@ -1,11 +1,14 @@
-"""The native decode library (csrc/decode.cpp): building it for this machine, loading it, and checking that its
+"""The native decode library (csrc/decode.cpp): building it for this CPU, loading it, and checking that its
 structs are the ones this module passes across.
 
-The kernel is C++ with AVX-512 intrinsics, compiled on first use with the machine's g++ into $GPTLAB_KERNELS
-(default kernels/ in gptlab's cache folder, machine.cache_root; one build per source, compiler and CPU feature set,
-as it is compiled with
--march=native) and loaded with ctypes; it shares torch's OpenMP runtime and thread count. Where it cannot run (no
-AVX-512, no g++, not a CPU: `missing` says which) `load_library` returns None and the engine decodes with torch.
+The kernel is one C++ source over a small vector layer (gptlab/csrc/simd.h) that builds for several named targets
+(BUILDS: x86-64-v4 with AVX512-VNNI and AVX512-BF16 where the CPU has them, x86-64-v3 = AVX2 + FMA, ARM64 with
+NEON, and a plain build any compiler makes), never -march=native, so one machine can build and test several. The
+CPU picks the build at load (`build_for_cpu`: the first in BUILDS whose instructions it has; $GPTLAB_KERNEL_BUILD
+names another it can run). It is compiled on first use with the machine's g++ into $GPTLAB_KERNELS (default
+kernels/ in gptlab's cache folder, machine.cache_root; one file per source, compiler and build) and loaded with
+ctypes; it shares torch's OpenMP runtime and thread count. Where it cannot run (no g++: `missing` says so)
+`load_library` returns None and the engine decodes with torch.
 
 The ABI. Python fills the ctypes structs below and the kernel reads them as the C structs of decode.cpp: the two
 must agree field for field, or the kernel reads pointers where there are none. The library exports its layout
@@ -22,15 +25,16 @@ import logging
 import os
 import platform
 import subprocess
+from dataclasses import dataclass
 from pathlib import Path
 
 from gptlab import compiled
 from gptlab.compiled import ABIError, BuildError, compiler
-from gptlab.machine import X86_64, cpu_flags, cpu_has, cpu_model
+from gptlab.machine import ARM64, X86_64, cpu_flags, cpu_has
 
 log = logging.getLogger("gptlab")
 SOURCE = Path(__file__).parent / "csrc" / "decode.cpp"
-FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
+FLAGS = ["-O3", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]  # every build's; its target's flags follow
 LAYOUT_VERSION = 2  # decode.cpp's LAYOUT_VERSION: raise both with any change to the structs' fields or meaning
 _P = ctypes.c_void_p
 
@@ -71,9 +75,66 @@ KernelBuildError = BuildError  # the kernel's source did not compile or load on 
 KernelABIError = ABIError  # the library's structs are not the ones this module passes: never called
 
 
+@dataclass(frozen=True)
+class Build:
+    """One compiled form of the kernel: its `name`, the compiler flags naming its `target`, the CPU features it needs
+    (as /proc/cpuinfo names them) and the architectures (platform.machine()) it runs on, () for any."""
+
+    name: str
+    target: tuple[str, ...]
+    needs: tuple[str, ...] = ()
+    arch: tuple[str, ...] = ()
+
+    def runs_here(self) -> bool:
+        return (not self.arch or platform.machine() in self.arch) and set(self.needs) <= cpu_flags()
+
+
+_V3 = ("avx", "avx2", "bmi1", "bmi2", "f16c", "fma", "abm", "movbe", "xsave")  # x86-64-v3 (abm: LZCNT)
+_V4 = (*_V3, "avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl")  # x86-64-v4
+_VNNI, _BF16 = ("-mavx512vnni", "avx512_vnni"), ("-mavx512bf16", "avx512_bf16")
+# Best first: the CPU gets the first it runs. The AVX-512 builds add the byte products (VNNI) and bf16 dot products
+# where the CPU has them; ARM's dot-product build is the one its int8 products will use (today the same code).
+BUILDS = {b.name: b for b in [
+    *(Build("x86-64-v4" + "".join(f"+{flag[8:]}" for flag, _ in extra), ("-march=x86-64-v4", *(f for f, _ in extra)),
+            (*_V4, *(n for _, n in extra)), X86_64)
+      for extra in ((_VNNI, _BF16), (_VNNI,), (_BF16,), ())),
+    Build("x86-64-v3", ("-march=x86-64-v3",), _V3, X86_64),
+    Build("armv8.2-a+dotprod", ("-march=armv8.2-a+dotprod",), ("asimd", "asimddp"), ARM64),
+    Build("armv8-a", ("-march=armv8-a",), (), ARM64),  # NEON is part of every ARM64 CPU
+    Build("plain", ()),  # the compiler's default target: generic vectors
+]}
+
+
+class UnknownBuild(ValueError):
+    """$GPTLAB_KERNEL_BUILD (or a caller) names a build that does not exist or that this CPU cannot run."""
+
+
+def build_for_cpu(name: str | None = None) -> Build:
+    """The build this CPU runs: `name` (else $GPTLAB_KERNEL_BUILD) if given, else the first of BUILDS whose
+    instructions it has. Raises UnknownBuild for a name not in BUILDS, or one whose instructions this CPU lacks
+    (it would die of SIGILL)."""
+    name = name or os.environ.get("GPTLAB_KERNEL_BUILD") or None
+    if name is None:
+        return next(b for b in BUILDS.values() if b.runs_here())
+    if name not in BUILDS:
+        raise UnknownBuild(f"no kernel build named {name!r} (GPTLAB_KERNEL_BUILD): the builds are "
+                           f"{', '.join(BUILDS)}")
+    build = BUILDS[name]
+    if not build.runs_here():
+        lacks = sorted(set(build.needs) - cpu_flags()) or [f"an {'/'.join(build.arch)} CPU"]
+        raise UnknownBuild(f"the {name} kernel build needs {', '.join(lacks)}, which this CPU lacks: "
+                           f"pick one of {', '.join(runnable_builds())}")
+    return build
+
+
+def runnable_builds() -> list[str]:
+    """The names of the builds this CPU runs, best first."""
+    return [b.name for b in BUILDS.values() if b.runs_here()]
+
+
 def cpu_has_avx512() -> bool:
-    """Whether this CPU runs the kernel's instructions (AVX-512 F, BW and VL)."""
-    return cpu_has("avx512f", "avx512bw", "avx512vl")
+    """Whether this CPU runs the AVX-512 builds (x86-64-v4: AVX-512 F, BW, CD, DQ and VL)."""
+    return cpu_has(*_V4)
 
 
 def cpu_has_int8_vnni() -> bool:
@@ -86,12 +147,8 @@ def _compiler() -> str | None:
 
 
 def missing() -> str | None:
-    """What this machine lacks to build and run the kernel ("not an x86-64 CPU", "no AVX-512", "no g++"), or None
-    where it has all of it: there a kernel that fails to build is a bug, not a missing feature."""
-    if platform.machine() not in X86_64:
-        return f"not an x86-64 CPU ({platform.machine()})"
-    if not cpu_has_avx512():
-        return "no AVX-512 (F, BW and VL) on this CPU"
+    """What this machine lacks to build and run the kernel ("no g++": every CPU has a build, the plain one at
+    least), or None where it has all of it: there a kernel that fails to build is a bug, not a missing feature."""
     if _compiler() is None:
         return f"no {os.environ.get('CXX', 'g++')} on PATH"
     return None
@@ -103,35 +160,38 @@ def _build_dir() -> Path:
 
 
 @functools.cache
-def _machine_key(compiler: str) -> str:
-    """What a -march=native build depends on besides its source: the compiler's version, the instruction set it
-    targets on this CPU (gcc's `-march=native -Q --help=target`) and the CPU's model and feature flags. Two
-    machines of one name but different CPUs get different keys, so neither loads a binary with instructions the
-    other lacks (SIGILL)."""
+def _flags_key(compiler: str, flags: tuple[str, ...]) -> str:
+    """What a build depends on besides its source: the compiler (path and version) and every flag, its target's
+    included. The target is named, not read from the CPU, so machines of different CPUs that share a folder each
+    load only the builds their instructions run (the build's name is in the file's name too)."""
     version = compiled.compiler_version(compiler)
-    target = subprocess.run([compiler, "-march=native", "-Q", "--help=target"], capture_output=True, text=True,
-                            timeout=60)  # gcc only; elsewhere the CPU's flags below still tell CPUs apart
-    cpu = [cpu_model(), " ".join(sorted(cpu_flags()))]
-    return hashlib.sha256("\n".join([compiler, *FLAGS, version, target.stdout, *cpu]).encode()).hexdigest()[:12]
+    return hashlib.sha256("\n".join([compiler, *flags, version]).encode()).hexdigest()[:12]
 
 
-def build_library(source: Path = SOURCE, build_dir: Path | None = None) -> ctypes.CDLL:
-    """Compile `source` (default: the kernel) with the machine's g++ into `build_dir` (default $GPTLAB_KERNELS,
-    see the module docstring), unless this source was built for this CPU and compiler already, load it and check
-    its structs (`check_layout`). Earlier builds for this CPU are removed; builds for other CPUs sharing the folder
-    are left alone. Raises KernelBuildError (with the compiler's message) where it fails to compile or load, and
-    KernelABIError where its structs differ from this module's."""
+def build_library(source: Path = SOURCE, build_dir: Path | None = None, build: Build | str | None = None,
+                  flags: tuple[str, ...] | list[str] = tuple(FLAGS)) -> ctypes.CDLL:
+    """Compile `source` (default: the kernel) for `build` (a Build or its name; default `build_for_cpu()`) with the
+    machine's g++ and `flags` (default FLAGS) into `build_dir` (default $GPTLAB_KERNELS, see the module docstring),
+    unless it was built so already, load it and check its structs (`check_layout`). Earlier builds of the same
+    name and flags are removed; other builds sharing the folder are left alone. Raises KernelBuildError (with the
+    compiler's message) where it fails to compile or load, KernelABIError where its structs differ from this
+    module's, and UnknownBuild for a build this CPU cannot run."""
     compiler = _compiler()
     if compiler is None:
         raise KernelBuildError(f"no {os.environ.get('CXX', 'g++')} on PATH")
+    build = build if isinstance(build, Build) else build_for_cpu(build)
+    if not build.runs_here():
+        raise UnknownBuild(f"the {build.name} kernel build does not run on this CPU")
     try:
-        machine, code = _machine_key(compiler), compiled.source_key(source)
-        target = (build_dir or _build_dir()) / f"decode-{machine}-{code}.so"
+        key, code = _flags_key(compiler, (*flags, *build.target)), compiled.source_key(source)
+        target = (build_dir or _build_dir()) / f"decode-{build.name}-{key}-{code}.so"
         if not target.is_file():
-            compiled.compile_into(compiler, FLAGS, source, target)
-            # this CPU's builds of earlier sources, and those named before builds were keyed by CPU (decode-KEY.so)
+            compiled.compile_into(compiler, [*flags, *build.target], source, target)
+            # this build's files of earlier sources, and those of before builds were named (decode-KEY[-KEY].so)
             for old in target.parent.glob("decode-*.so"):
-                if old != target and (old.name.startswith(f"decode-{machine}-") or old.stem.count("-") == 1):
+                if old != target and (old.name.startswith(f"decode-{build.name}-{key}-")
+                                      or old.stem.count("-") <= 2 and not old.stem.startswith(tuple(
+                                          f"decode-{b}-" for b in BUILDS))):
                     old.unlink(missing_ok=True)
         lib = ctypes.CDLL(str(target))  # after torch: its libgomp is the one OpenMP runtime in the process
     except subprocess.CalledProcessError as exc:
@@ -142,6 +202,10 @@ def build_library(source: Path = SOURCE, build_dir: Path | None = None) -> ctype
     lib.gptlab_decode_step.argtypes = [ctypes.POINTER(Model), ctypes.POINTER(Step)]
     lib.gptlab_decode_step.restype = ctypes.c_int
     lib.gptlab_int8_vnni.argtypes, lib.gptlab_int8_vnni.restype = [], ctypes.c_int
+    lib.gptlab_bf16_dot.argtypes, lib.gptlab_bf16_dot.restype = [], ctypes.c_int
+    lib.gptlab_lanes.argtypes, lib.gptlab_lanes.restype = [], ctypes.c_int
+    lib.gptlab_simd.argtypes, lib.gptlab_simd.restype = [], ctypes.c_char_p
+    lib.gptlab_build = build.name  # which build this is (`describe`)
     return lib
 
 
@@ -156,15 +220,23 @@ def has_int8_vnni(lib: ctypes.CDLL) -> bool:
     return bool(lib.gptlab_int8_vnni())
 
 
+def describe(lib: ctypes.CDLL) -> str:
+    """Which build `lib` is and what its products use, e.g. "x86-64-v3 (avx2, 8 lanes)" or "x86-64-v4+vnni+bf16
+    (avx512, 16 lanes, bf16 dot products, int8 by VNNI)"."""
+    extra = ["bf16 dot products"] * bool(lib.gptlab_bf16_dot()) + ["int8 by VNNI"] * has_int8_vnni(lib)
+    return (f"{getattr(lib, 'gptlab_build', '?')} ({lib.gptlab_simd().decode()}, {lib.gptlab_lanes()} lanes"
+            + "".join(f", {e}" for e in extra) + ")")
+
+
 @functools.cache
 def load_library() -> ctypes.CDLL | None:
-    """The compiled kernel (`build_library`), built once per source, compiler and CPU; None where this machine
-    lacks what it needs (`missing`) or the build fails or is refused (then with a warning: decoding falls back to
-    torch)."""
+    """The compiled kernel (`build_library`) of this CPU's build (`build_for_cpu`), built once per source, compiler
+    and build; None where this machine lacks what it needs (`missing`) or the build fails or is refused (then with a
+    warning: decoding falls back to torch)."""
     if missing() is not None:
         return None
     try:
         return build_library()
-    except KernelBuildError as exc:
+    except (KernelBuildError, UnknownBuild) as exc:
         log.warning("the fused decode step is unavailable, decoding with torch ops: %s", exc)
         return None

@@ -1,29 +1,31 @@
-// One decode step of a GPT-2 decoder on a CPU with AVX-512: every row (prompt) brings one new token; this runs
-// the whole model for it in one call, so no interpreter sits between the weights and the memory bus.
+// One decode step of a GPT-2 decoder on a CPU: every row (prompt) brings one new token; this runs the whole model
+// for it in one call, so no interpreter sits between the weights and the memory bus. One source for every CPU: the
+// vector operations come from gptlab/csrc/simd.h (AVX-512, AVX2 + FMA, NEON, or the compiler's generic vectors,
+// by the build's target: gptlab/inference/native.py names them).
 //
 // Why: decoding one token reads every weight once, so memory bandwidth sets its speed. Each op launched from
 // Python costs microseconds, a 12-layer model launches hundreds per token, and the library kernels for one row
 // (GEMV) stop well short of the bus (docs/benchmarks.md). Here the products stream each weight row once, for all
 // rows of the batch at a time, and the small work (LayerNorm, attention over the cache, GELU, residual adds) is
-// fused around them. Activations are fp32; weights fp32 or bf16 (bf16 products round x to bf16 where the CPU
-// has AVX512-BF16, as a bf16 model's activations are, and widen W to fp32 where it has not), or int8 with one
-// fp32 scale per output row (gptlab/inference/int8.py): widened to fp32 for FMAs, or, where the CPU has
-// AVX512-VNNI, multiplied as bytes by vpdpbusd against x quantized per row to 16 bits, in two bytes
-// (see gemv_vnni).
+// fused around them. Activations are fp32; weights fp32 or bf16 (bf16 products round x to bf16 where the build
+// has AVX512-BF16, as a bf16 model's activations are, and widen W to fp32 everywhere else: bf16 storage halves the
+// bytes read on any CPU), or int8 with one fp32 scale per output row (gptlab/inference/int8.py): widened to fp32
+// for FMAs, or, where the build has AVX512-VNNI, multiplied as bytes by vpdpbusd against x quantized per row to 16
+// bits, in two bytes (see gemv_vnni).
 //
 // The math is the model's (gptlab/model.py), step by step; tests/test_fused.py holds it to the torch path
 // (gptlab/inference/fused.py calls it).
 // Layout of the KV cache: k, v (n_layer, R, n_head, max_len, head_dim) fp32 or bf16, as gptlab.model.KVCache.
-#include <immintrin.h>
 #include <math.h>
 #include <stddef.h>
 #include <stdint.h>
 #include <string.h>
 #include <omp.h>
 
-#include "abi.h"  // gptlab/csrc: the struct layout every library exports
+#include "abi.h"   // gptlab/csrc: the struct layout every library exports
+#include "simd.h"  // gptlab/csrc: the vector layer (vf, LANES, loads, sums, e^x) for this build's target
 
-typedef uint16_t bf16;
+using simd::vf;
 
 // Batched products fetch W this many rows ahead into L2: the hardware prefetcher alone lags, and into L1 the
 // fetches evicted x (measured slower).
@@ -82,6 +84,19 @@ static const gptlab_abi::Field FIELDS[] = {
 static const gptlab_abi::Size SIZES[] = {GPTLAB_SIZE(Layer), GPTLAB_SIZE(Model), GPTLAB_SIZE(Step)};
 GPTLAB_EXPORT_LAYOUT(LAYOUT_VERSION, FIELDS, SIZES)
 
+// What this build's vector layer is ("avx512", "avx2", "neon", "generic") and how many floats a vector holds.
+extern "C" const char* gptlab_simd() { return simd::NAME; }
+extern "C" int gptlab_lanes() { return simd::LANES; }
+
+// Whether this build multiplies bf16 weights with AVX512-BF16 (else it widens them to fp32).
+extern "C" int gptlab_bf16_dot() {
+#ifdef __AVX512BF16__
+    return 1;
+#else
+    return 0;
+#endif
+}
+
 // Whether this build multiplies int8 weights with AVX512-VNNI (Model.weights INT8_VNNI; else it runs INT8_FMA).
 extern "C" int gptlab_int8_vnni() {
 #ifdef __AVX512VNNI__
@@ -91,25 +106,6 @@ extern "C" int gptlab_int8_vnni() {
 #endif
 }
 
-// ---- loading weights as fp32 vectors of 16 ----
-static inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-static inline __m512 load16(const bf16* p) {
-    __m256i h = _mm256_loadu_si256((const __m256i*)p);
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
-static inline __m512 load16(const float* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
-static inline __m512 load16(const bf16* p, __mmask16 m) {
-    __m256i h = _mm256_maskz_loadu_epi16(m, p);
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
-// int8: 16 weights sign-extended to int32, then converted to fp32 (exact: |q| <= 127); the row's scale is
-// applied once to the finished sum
-static inline __m512 load16(const int8_t* p) {
-    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p)));
-}
-static inline __m512 load16(const int8_t* p, __mmask16 m) {
-    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(m, p)));
-}
 static inline float to_f32(float x) { return x; }
 static inline float to_f32(bf16 x) { uint32_t u = (uint32_t)x << 16; float f; __builtin_memcpy(&f, &u, 4); return f; }
 
@@ -124,20 +120,21 @@ template <int E> static inline void finish(float* y, float d) {
 
 // ---- matrix-vector products ----
 // One kernel shape per case below, written once over a "dot" type: how a vector of W meets a vector of x.
-// Widen<WT>: W fp32, bf16 or int8 widened to fp32, x fp32, 16 multiply-adds per instruction.
+// Widen<WT>: W fp32, bf16 or int8 widened to fp32, x fp32, simd::LANES multiply-adds per instruction. A partial
+// vector (a row's tail) is named by its count of elements.
 template <typename WT> struct Widen {
     using W = WT;
     using X = float;
-    using WV = __m512;
-    using XV = __m512;
-    using Mask = __mmask16;
-    static constexpr int LANES = 16;  // elements of k per vector
-    static Mask tail(int left) { return left >= LANES ? (Mask)0xFFFF : (Mask)((1u << left) - 1); }
-    static WV w(const W* p) { return load16(p); }
-    static WV w(const W* p, Mask m) { return load16(p, m); }
-    static XV x(const X* p) { return _mm512_loadu_ps(p); }
-    static XV x(const X* p, Mask m) { return _mm512_maskz_loadu_ps(m, p); }
-    static __m512 madd(__m512 acc, WV w, XV x) { return _mm512_fmadd_ps(w, x, acc); }
+    using WV = vf;
+    using XV = vf;
+    using Mask = int;
+    static constexpr int LANES = simd::LANES;  // elements of k per vector
+    static Mask tail(int left) { return left >= LANES ? LANES : left; }
+    static WV w(const W* p) { return simd::load(p); }
+    static WV w(const W* p, Mask m) { return simd::load(p, m); }
+    static XV x(const X* p) { return simd::load(p); }
+    static XV x(const X* p, Mask m) { return simd::load(p, m); }
+    static vf madd(vf acc, WV w, XV x) { return simd::fma(w, x, acc); }
 };
 
 #ifdef __AVX512BF16__
@@ -155,20 +152,20 @@ struct DotBF16 {
     static WV w(const W* p, Mask m) { return (__m512bh)_mm512_maskz_loadu_epi16(m, p); }
     static XV x(const X* p) { return w(p); }
     static XV x(const X* p, Mask m) { return w(p, m); }
-    static __m512 madd(__m512 acc, WV w, XV x) { return _mm512_dpbf16_ps(acc, w, x); }
+    static vf madd(vf acc, WV w, XV x) { return _mm512_dpbf16_ps(acc, w, x); }
 };
 #endif
 
 // One row of W against one row of x: four independent sums along k (added into one vector at the end), one
 // sequential stream through W, fetched STREAM_AHEAD bytes ahead into L2.
 template <typename D>
-static inline __m512 dot_row(const typename D::W* w, const typename D::X* x, int K) {
+static inline vf dot_row(const typename D::W* w, const typename D::X* x, int K) {
     constexpr int L = D::LANES;
-    __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    vf a0 = simd::zero(), a1 = a0, a2 = a0, a3 = a0;
     int k = 0;
     for (; k + 4 * L <= K; k += 4 * L) {
         for (int line = 0; line < 4 * L * (int)sizeof(*w); line += 64)
-            _mm_prefetch((const char*)(w + k) + STREAM_AHEAD + line, _MM_HINT_T1);
+            simd::fetch_far((const char*)(w + k) + STREAM_AHEAD + line);
         a0 = D::madd(a0, D::w(w + k), D::x(x + k));
         a1 = D::madd(a1, D::w(w + k + L), D::x(x + k + L));
         a2 = D::madd(a2, D::w(w + k + 2 * L), D::x(x + k + 2 * L));
@@ -178,7 +175,7 @@ static inline __m512 dot_row(const typename D::W* w, const typename D::X* x, int
         typename D::Mask m = D::tail(K - k);
         a0 = D::madd(a0, D::w(w + k, m), D::x(x + k, m));
     }
-    return _mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3));
+    return (a0 + a1) + (a2 + a3);
 }
 
 // One row of x, one output at a time (`dot_row`).
@@ -186,14 +183,14 @@ template <int E, typename D>
 static void gemv_row1(const typename D::W* W, const typename D::X* x, const float* s, const float* b, float* y,
                       int K, int n0, int n1) {
     for (int n = n0; n < n1; n++) {
-        float d = _mm512_reduce_add_ps(dot_row<D>(W + (int64_t)n * K, x, K));
+        float d = simd::sum(dot_row<D>(W + (int64_t)n * K, x, K));
         finish<E>(y + n, d * (s ? s[n] : 1.0f) + (b ? b[n] : 0.0f));
     }
 }
 
 // The sums below are named variables, not an array: GCC keeps such an array on the stack and stores it every
 // iteration. OUT stores row j's sum a##j for output n.
-#define OUT(j) if constexpr (RB > j) finish<E>(Y + (int64_t)j * N + n, _mm512_reduce_add_ps(a##j) * scale + bias);
+#define OUT(j) if constexpr (RB > j) finish<E>(Y + (int64_t)j * N + n, simd::sum(a##j) * scale + bias);
 #define OUTS OUT(0) OUT(1) OUT(2) OUT(3) OUT(4) OUT(5) OUT(6) OUT(7)
 
 // Two rows of x (or the last odd one): one row of W at a time, one sequential stream (two interleaved streams, or
@@ -206,11 +203,11 @@ static void gemv_rows(const typename D::W* W, const typename D::X* X, const floa
     constexpr int L = D::LANES;
     const typename D::Mask all = D::tail(L);
     for (int n = n0; n < n1; n++) {
-        __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
+        vf a0 = simd::zero(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
         const typename D::W* r = W + (int64_t)n * K;
         int k = 0;
         for (; k + L <= K; k += L) {
-            _mm_prefetch((const char*)(r + K + k), _MM_HINT_T0);
+            simd::fetch_near((const char*)(r + K + k));
             typename D::WV w = D::w(r + k);
             MADDS(all)
         }
@@ -234,21 +231,21 @@ static void gemv_rows(const typename D::W* W, const typename D::X* X, const floa
                                             a##j = D::madd(a##j, w0, xv); b##j = D::madd(b##j, w1, xv); }
 #define MADDS2(M) MADD2(0, M) MADD2(1, M) MADD2(2, M) MADD2(3, M) MADD2(4, M) MADD2(5, M) MADD2(6, M) MADD2(7, M)
 #define OUT2(j) if constexpr (RB > j) { \
-    finish<E>(Y + (int64_t)j * N + n, _mm512_reduce_add_ps(a##j) * scale0 + bias0); \
-    if (!one) finish<E>(Y + (int64_t)j * N + n + 1, _mm512_reduce_add_ps(b##j) * scale1 + bias1); }
+    finish<E>(Y + (int64_t)j * N + n, simd::sum(a##j) * scale0 + bias0); \
+    if (!one) finish<E>(Y + (int64_t)j * N + n + 1, simd::sum(b##j) * scale1 + bias1); }
 template <int E, int RB, typename D>
 static void gemv_pair(const typename D::W* W, const typename D::X* X, const float* s, const float* b, float* Y, int N,
                       int K, int n, bool one) {
     constexpr int L = D::LANES;
     const typename D::Mask all = D::tail(L);
-    __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
-    __m512 b0 = a0, b1 = a0, b2 = a0, b3 = a0, b4 = a0, b5 = a0, b6 = a0, b7 = a0;
+    vf a0 = simd::zero(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
+    vf b0 = a0, b1 = a0, b2 = a0, b3 = a0, b4 = a0, b5 = a0, b6 = a0, b7 = a0;
     const typename D::W *r0 = W + (int64_t)n * K, *r1 = one ? r0 : r0 + K;
     int k = 0;
     for (; k + L <= K; k += L) {
         for (int line = 0; line < L * (int)sizeof(*r0); line += 64) {
-            _mm_prefetch((const char*)(r0 + AHEAD * K + k) + line, _MM_HINT_T1);
-            _mm_prefetch((const char*)(r1 + AHEAD * K + k) + line, _MM_HINT_T1);
+            simd::fetch_far((const char*)(r0 + AHEAD * K + k) + line);
+            simd::fetch_far((const char*)(r1 + AHEAD * K + k) + line);
         }
         typename D::WV w0 = D::w(r0 + k), w1 = D::w(r1 + k);
         MADDS2(all)
@@ -270,32 +267,19 @@ static void gemv_pair(const typename D::W* W, const typename D::X* X, const floa
 // scaled in one vector: an int8 row is a quarter of an fp32 one, so what each output costs besides its bytes (the
 // reduction, the epilogue) counts four times as much. Outputs past n1 take row n's sums (d0, nothing read again)
 // and are not stored.
-static inline __m128 reduce4(__m512 a, __m512 b, __m512 c, __m512 d) {
-    __m512 ab = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
-    __m512 cd = _mm512_add_ps(_mm512_unpacklo_ps(c, d), _mm512_unpackhi_ps(c, d));
-    __m512d ab64 = _mm512_castps_pd(ab), cd64 = _mm512_castps_pd(cd);
-    __m512 abcd = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(ab64, cd64)),
-                                _mm512_castpd_ps(_mm512_unpackhi_pd(ab64, cd64)));
-    __m256 half = _mm256_add_ps(_mm512_castps512_ps256(abcd),
-                                _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(abcd), 1)));
-    return _mm_add_ps(_mm256_castps256_ps128(half), _mm256_extractf128_ps(half, 1));
-}
-
 template <int E>
 static void gemv_row1_int8(const int8_t* W, const float* x, const float* s, const float* b, float* y, int K, int n0,
                            int n1) {
     for (int n = n0; n < n1; n += 4) {
         const int count = n1 - n >= 4 ? 4 : n1 - n;
         const int8_t* w = W + (int64_t)n * K;
-        __m512 d0 = dot_row<Widen<int8_t>>(w, x, K);
-        __m512 d1 = count > 1 ? dot_row<Widen<int8_t>>(w + K, x, K) : d0;
-        __m512 d2 = count > 2 ? dot_row<Widen<int8_t>>(w + 2 * K, x, K) : d0;
-        __m512 d3 = count > 3 ? dot_row<Widen<int8_t>>(w + 3 * K, x, K) : d0;
-        __mmask8 m = (__mmask8)((1u << count) - 1);
-        __m128 bias = b ? _mm_maskz_loadu_ps(m, b + n) : _mm_setzero_ps();
+        vf d0 = dot_row<Widen<int8_t>>(w, x, K);
+        vf d1 = count > 1 ? dot_row<Widen<int8_t>>(w + K, x, K) : d0;
+        vf d2 = count > 2 ? dot_row<Widen<int8_t>>(w + 2 * K, x, K) : d0;
+        vf d3 = count > 3 ? dot_row<Widen<int8_t>>(w + 3 * K, x, K) : d0;
         float d[4];
-        _mm_storeu_ps(d, _mm_fmadd_ps(reduce4(d0, d1, d2, d3), _mm_maskz_loadu_ps(m, s + n), bias));
-        for (int i = 0; i < count; i++) finish<E>(y + n + i, d[i]);
+        simd::sum4(d0, d1, d2, d3, d);
+        for (int i = 0; i < count; i++) finish<E>(y + n + i, fmaf(d[i], s[n + i], b ? b[n + i] : 0.0f));
     }
 }
 
@@ -528,26 +512,12 @@ static inline void store(bf16* p, float x) {  // round to nearest even, as torch
     *p = (bf16)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
 }
 
-// e^x for 16 numbers: 2^(x log2 e) = 2^n * 2^f, |f| <= 1/2, 2^f by its Taylor polynomial to degree 6 (relative
-// error ~1e-7), 2^n by vscalefps. Inputs here are <= 0 (scores minus their maximum).
-static inline __m512 exp16(__m512 x) {
-    __m512 t = _mm512_mul_ps(_mm512_max_ps(x, _mm512_set1_ps(-104.0f)), _mm512_set1_ps(1.44269504088896341f));
-    __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 f = _mm512_sub_ps(t, n);
-    __m512 p = _mm512_set1_ps(1.540353039e-4f);
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.333355815e-3f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.618129108e-3f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550410866e-2f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.402265070e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931471806e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-    return _mm512_scalef_ps(p, n);
-}
-
 // softmax(q K^T / sqrt(D)) V over positions 0..pos of one row and head, after storing this step's k and v.
-// DC = ceil(D / 16) vectors hold q and the output in registers (D = 64 in every GPT-2: DC = 4).
+// DC = ceil(D / LANES) vectors hold q and the output in registers (D = 64 in every GPT-2: DC = 4 on AVX-512, 8 on
+// AVX2, 16 on NEON); n[c] is how many of vector c's lanes are in the head (the last may be partial).
 template <typename CT, int DC>
 static void attend(const Model& m, const Step& s, int l, int r, int hh, float* scores) {
+    constexpr int L = simd::LANES;
     const int C = m.n_embd, D = m.head_dim, H = m.n_head;
     const float* qkv = s.qkv + (int64_t)r * 3 * C;
     const float *q = qkv + hh * D, *k_new = qkv + C + hh * D, *v_new = qkv + 2 * C + hh * D;
@@ -555,102 +525,93 @@ static void attend(const Model& m, const Step& s, int l, int r, int hh, float* s
     CT *K = (CT*)s.k + base, *V = (CT*)s.v + base;
     int64_t p = s.pos[r];
     for (int d = 0; d < D; d++) { store(K + p * D + d, k_new[d]); store(V + p * D + d, v_new[d]); }
-    __mmask16 mask[DC];
-    __m512 qv[DC], y[DC];
-    const __m512 scale = _mm512_set1_ps(1.0f / sqrtf((float)D));
+    int n[DC];
+    vf qv[DC], y[DC];
+    const vf scale = simd::set1(1.0f / sqrtf((float)D));
     for (int c = 0; c < DC; c++) {
-        int left = D - 16 * c;
-        mask[c] = left >= 16 ? (__mmask16)0xFFFF : left <= 0 ? (__mmask16)0 : (__mmask16)((1u << left) - 1);
-        qv[c] = _mm512_mul_ps(_mm512_maskz_loadu_ps(mask[c], q + 16 * c), scale);
-        y[c] = _mm512_setzero_ps();
+        int left = D - L * c;
+        n[c] = left >= L ? L : left <= 0 ? 0 : left;
+        qv[c] = simd::load(q + L * c, n[c]) * scale;
+        y[c] = simd::zero();
     }
     // The cache is read from memory (the weights streamed through since), one head's positions in order: fetched
     // CACHE_AHEAD positions ahead, or each step waited on memory one position at a time (`gptlab bench decode`'s
-    // batch-8 steps, docs/benchmarks.md). Scores four positions at a time: four
-    // independent sums reduced together, the same additions in the same order as _mm512_reduce_add_ps.
+    // batch-8 steps, docs/benchmarks.md). Scores four positions at a time: four independent sums reduced together
+    // (simd::sum4: the same additions in the same order as simd::sum, which scores the rest one at a time).
     const int row_bytes = D * (int)sizeof(CT);
     int64_t j = 0;
     for (; j + 4 <= p + 1; j += 4) {
         if (j + CACHE_AHEAD + 3 <= p) {  // only positions this step reads
             const char* ahead = (const char*)(K + (j + CACHE_AHEAD) * D);
-            for (int c = 0; c < 4 * row_bytes; c += 64) _mm_prefetch(ahead + c, _MM_HINT_T0);
+            for (int c = 0; c < 4 * row_bytes; c += 64) simd::fetch_near(ahead + c);
         }
-        __m512 a0 = _mm512_mul_ps(qv[0], load16(K + j * D, mask[0]));
-        __m512 a1 = _mm512_mul_ps(qv[0], load16(K + (j + 1) * D, mask[0]));
-        __m512 a2 = _mm512_mul_ps(qv[0], load16(K + (j + 2) * D, mask[0]));
-        __m512 a3 = _mm512_mul_ps(qv[0], load16(K + (j + 3) * D, mask[0]));
+        vf a0 = qv[0] * simd::load(K + j * D, n[0]);
+        vf a1 = qv[0] * simd::load(K + (j + 1) * D, n[0]);
+        vf a2 = qv[0] * simd::load(K + (j + 2) * D, n[0]);
+        vf a3 = qv[0] * simd::load(K + (j + 3) * D, n[0]);
         for (int c = 1; c < DC; c++) {
-            a0 = _mm512_fmadd_ps(qv[c], load16(K + j * D + 16 * c, mask[c]), a0);
-            a1 = _mm512_fmadd_ps(qv[c], load16(K + (j + 1) * D + 16 * c, mask[c]), a1);
-            a2 = _mm512_fmadd_ps(qv[c], load16(K + (j + 2) * D + 16 * c, mask[c]), a2);
-            a3 = _mm512_fmadd_ps(qv[c], load16(K + (j + 3) * D + 16 * c, mask[c]), a3);
+            a0 = simd::fma(qv[c], simd::load(K + j * D + L * c, n[c]), a0);
+            a1 = simd::fma(qv[c], simd::load(K + (j + 1) * D + L * c, n[c]), a1);
+            a2 = simd::fma(qv[c], simd::load(K + (j + 2) * D + L * c, n[c]), a2);
+            a3 = simd::fma(qv[c], simd::load(K + (j + 3) * D + L * c, n[c]), a3);
         }
-        // halves: [a0 lo + a0 hi | a1 lo + a1 hi], then quarters: [a0 | a1 | a2 | a3] (4 partial sums each)
-        __m512 h01 = _mm512_add_ps(_mm512_shuffle_f32x4(a0, a1, 0x44), _mm512_shuffle_f32x4(a0, a1, 0xEE));
-        __m512 h23 = _mm512_add_ps(_mm512_shuffle_f32x4(a2, a3, 0x44), _mm512_shuffle_f32x4(a2, a3, 0xEE));
-        __m512 quarter = _mm512_add_ps(_mm512_shuffle_f32x4(h01, h23, 0x88), _mm512_shuffle_f32x4(h01, h23, 0xDD));
-        quarter = _mm512_add_ps(quarter, _mm512_permute_ps(quarter, 0x4E));
-        quarter = _mm512_add_ps(quarter, _mm512_permute_ps(quarter, 0xB1));
-        _mm_storeu_ps(scores + j, _mm512_castps512_ps128(_mm512_maskz_compress_ps(0x1111, quarter)));
+        simd::sum4(a0, a1, a2, a3, scores + j);
     }
     for (; j <= p; j++) {
-        __m512 acc = _mm512_mul_ps(qv[0], load16(K + j * D, mask[0]));
-        for (int c = 1; c < DC; c++) acc = _mm512_fmadd_ps(qv[c], load16(K + j * D + 16 * c, mask[c]), acc);
-        scores[j] = _mm512_reduce_add_ps(acc);
+        vf acc = qv[0] * simd::load(K + j * D, n[0]);
+        for (int c = 1; c < DC; c++) acc = simd::fma(qv[c], simd::load(K + j * D + L * c, n[c]), acc);
+        scores[j] = simd::sum(acc);
     }
-    __m512 most = _mm512_set1_ps(-INFINITY);
-    for (int64_t i = 0; i <= p; i += 16) {
-        __mmask16 m16 = p + 1 - i >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (p + 1 - i)) - 1);
-        most = _mm512_mask_max_ps(most, m16, most, _mm512_maskz_loadu_ps(m16, scores + i));
+    vf most = simd::set1(-INFINITY);
+    for (int64_t i = 0; i <= p; i += L) {
+        int count = p + 1 - i >= L ? L : (int)(p + 1 - i);
+        most = simd::max(most, simd::load(scores + i, count, -INFINITY));
     }
-    const float top = _mm512_reduce_max_ps(most);
-    __m512 total = _mm512_setzero_ps();
-    for (int64_t i = 0; i <= p; i += 16) {
-        __mmask16 m16 = p + 1 - i >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (p + 1 - i)) - 1);
-        __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(m16, scores + i), _mm512_set1_ps(top)));
-        e = _mm512_maskz_mov_ps(m16, e);
-        _mm512_mask_storeu_ps(scores + i, m16, e);
-        total = _mm512_add_ps(total, e);
+    const vf top = simd::set1(simd::max_of(most));
+    vf total = simd::zero();
+    for (int64_t i = 0; i <= p; i += L) {
+        int count = p + 1 - i >= L ? L : (int)(p + 1 - i);
+        vf e = simd::keep(simd::exp(simd::load(scores + i, count) - top), count);
+        simd::store(scores + i, e, count);
+        total = total + e;
     }
     // the weighted sum of V, two positions at a time into two sets of sums (independent chains), added at the end
-    __m512 z[DC];
-    for (int c = 0; c < DC; c++) z[c] = _mm512_setzero_ps();
+    vf z[DC];
+    for (int c = 0; c < DC; c++) z[c] = simd::zero();
     int64_t i = 0;
     for (; i + 2 <= p + 1; i += 2) {
         if (i + CACHE_AHEAD + 1 <= p) {
             const char* ahead = (const char*)(V + (i + CACHE_AHEAD) * D);
-            for (int c = 0; c < 2 * row_bytes; c += 64) _mm_prefetch(ahead + c, _MM_HINT_T0);
+            for (int c = 0; c < 2 * row_bytes; c += 64) simd::fetch_near(ahead + c);
         }
-        __m512 w0 = _mm512_set1_ps(scores[i]), w1 = _mm512_set1_ps(scores[i + 1]);
+        vf w0 = simd::set1(scores[i]), w1 = simd::set1(scores[i + 1]);
         for (int c = 0; c < DC; c++) {
-            y[c] = _mm512_fmadd_ps(w0, load16(V + i * D + 16 * c, mask[c]), y[c]);
-            z[c] = _mm512_fmadd_ps(w1, load16(V + (i + 1) * D + 16 * c, mask[c]), z[c]);
+            y[c] = simd::fma(w0, simd::load(V + i * D + L * c, n[c]), y[c]);
+            z[c] = simd::fma(w1, simd::load(V + (i + 1) * D + L * c, n[c]), z[c]);
         }
     }
     if (i <= p) {
-        __m512 w = _mm512_set1_ps(scores[i]);
-        for (int c = 0; c < DC; c++) y[c] = _mm512_fmadd_ps(w, load16(V + i * D + 16 * c, mask[c]), y[c]);
+        vf w = simd::set1(scores[i]);
+        for (int c = 0; c < DC; c++) y[c] = simd::fma(w, simd::load(V + i * D + L * c, n[c]), y[c]);
     }
-    for (int c = 0; c < DC; c++) y[c] = _mm512_add_ps(y[c], z[c]);
-    const __m512 norm = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(total));
+    for (int c = 0; c < DC; c++) y[c] = y[c] + z[c];
+    const vf norm = simd::set1(1.0f / simd::sum(total));
     float* out = s.att + (int64_t)r * C + hh * D;
-    for (int c = 0; c < DC; c++) _mm512_mask_storeu_ps(out + 16 * c, mask[c], _mm512_mul_ps(y[c], norm));
+    for (int c = 0; c < DC; c++) simd::store(out + L * c, y[c] * norm, n[c]);
 }
 
+// D <= 256 (checked by the caller): DC = ceil(D / LANES) rounded up to a power of two (the vectors past the head
+// have no lanes in it; D = 64, every GPT-2's, needs no rounding on any target)
 template <typename CT>
 static void attend_any(const Model& m, const Step& s, int l, int r, int hh, float* scores) {
-    switch ((m.head_dim + 15) / 16) {  // head_dim <= 256, checked by the caller
-        case 1: attend<CT, 1>(m, s, l, r, hh, scores); break;
-        case 2: attend<CT, 2>(m, s, l, r, hh, scores); break;
-        case 3: attend<CT, 3>(m, s, l, r, hh, scores); break;
-        case 4: attend<CT, 4>(m, s, l, r, hh, scores); break;
-        case 5: attend<CT, 5>(m, s, l, r, hh, scores); break;
-        case 6: attend<CT, 6>(m, s, l, r, hh, scores); break;
-        case 7: attend<CT, 7>(m, s, l, r, hh, scores); break;
-        case 8: attend<CT, 8>(m, s, l, r, hh, scores); break;
-        case 9: case 10: case 11: case 12: attend<CT, 12>(m, s, l, r, hh, scores); break;
-        default: attend<CT, 16>(m, s, l, r, hh, scores); break;
-    }
+    constexpr int L = simd::LANES;
+    const int chunks = (m.head_dim + L - 1) / L;
+    if (chunks <= 1) attend<CT, 1>(m, s, l, r, hh, scores);
+    else if (chunks <= 2) attend<CT, 2>(m, s, l, r, hh, scores);
+    else if (chunks <= 4) attend<CT, 4>(m, s, l, r, hh, scores);
+    else if (chunks <= 8) attend<CT, 8>(m, s, l, r, hh, scores);
+    else if (chunks <= 16 || L >= 16) attend<CT, 16>(m, s, l, r, hh, scores);
+    else attend<CT, 256 / L>(m, s, l, r, hh, scores);
 }
 
 template <typename WT>
