@@ -24,12 +24,16 @@ run: $(STAMP)
 test: $(STAMP) browser
 	$(BIN)/python -m pytest --durations=15
 
-# The attention page's test drives Debian's chromium with Playwright (pip's Playwright cannot fetch its own browser
-# here). Installed when missing and we are root with apt-get; otherwise that test skips and the summary says so.
+# Debian packages some tests use, installed when missing and we are root with apt-get (otherwise those tests skip and
+# the summary says so): chromium, which the attention page's and the playground's tests drive with Playwright (pip's
+# Playwright cannot fetch its own browser here); the ARM64 cross compiler and qemu-user, which build and run the
+# decode kernel's ARM builds (tests/test_arm.py).
+APT_TOOLS := chromium:chromium aarch64-linux-gnu-g++:g++-aarch64-linux-gnu qemu-aarch64:qemu-user
 browser:
-	@command -v chromium >/dev/null 2>&1 || { test "$$(id -u)" = 0 && command -v apt-get >/dev/null && \
-	  apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium; } || \
-	  echo "make: chromium is not installed (it needs apt-get as root): the browser test will skip and say so"
+	@missing=""; for pair in $(APT_TOOLS); do command -v $${pair%%:*} >/dev/null 2>&1 || missing="$$missing $${pair#*:}"; \
+	  done; test -z "$$missing" || { test "$$(id -u)" = 0 && command -v apt-get >/dev/null && apt-get update -q && \
+	  DEBIAN_FRONTEND=noninteractive apt-get install -y -q $$missing; } || \
+	  echo "make: not installed (it needs apt-get as root):$$missing: the tests that use them will skip and say so"
 
 bigram: $(STAMP)
 	$(BIN)/gptlab train --preset bigram

@@ -1,0 +1,166 @@
+"""The ARM64 builds of the fused decode step, checked without an ARM machine.
+
+The kernel (gptlab/inference/csrc/decode.cpp over csrc/simd.h's NEON vectors) is cross-compiled with Debian's
+g++-aarch64-linux-gnu into a static stand-alone driver (tests/native/drive_decode.cpp), which runs decode steps
+from a file under qemu-user: under `-cpu max` (every ARMv8/v9 extension) and under a Cortex-A53 (ARMv8.0: no dot
+product, as the armv8-a build must run on). Its logits are held to the torch forward's over the same ids in fp32,
+bf16 weights and int8 weights (FMA products), and two broken copies of the NEON vector code must fail the same
+comparison. Skips only where the cross compiler or qemu-user is missing (`make test` installs both when it runs as
+root with apt-get); with them present, a build that fails to compile fails here.
+"""
+
+import shutil
+import struct
+import subprocess
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import FMA_TOLERANCE, FP32_TOLERANCE, INT8_SHAPES, KERNEL_SHAPES, int8_model, trained_like
+
+from gptlab import compiled
+from gptlab.inference import native
+from gptlab.inference.fused import _int8_operands
+
+CROSS, QEMU = shutil.which("aarch64-linux-gnu-g++"), shutil.which("qemu-aarch64")
+DRIVER = Path(__file__).parent / "native" / "drive_decode.cpp"
+pytestmark = [pytest.mark.device_path("arm64 under qemu"),
+              pytest.mark.skipif(CROSS is None or QEMU is None, reason="no aarch64-linux-gnu-g++ or qemu-aarch64 "
+                                 "(Debian's g++-aarch64-linux-gnu and qemu-user; make test installs them as root)")]
+# the ARM builds run here, each under the CPUs it must run on (qemu's names)
+RUNS = [("armv8-a", "cortex-a53"), ("armv8-a", "max"), ("armv8.2-a+dotprod", "max")]
+STEPS, ROWS = 9, 3
+
+
+def cross_build(build: str, folder: Path, opt: str = "-O3", simd_h: Path | None = None) -> Path:
+    """The driver with the kernel of ARM build `build` compiled in, static, for qemu-user. `simd_h`: a vector layer
+    to use instead of gptlab's (found first: it is copied beside the sources)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    for source in (DRIVER, native.SOURCE):
+        shutil.copy(source, folder / source.name)
+    if simd_h is not None:
+        shutil.copy(simd_h, folder / "simd.h")
+    out = folder / f"drive-{build}"
+    flags = [opt, *native.FLAGS[1:], *native.BUILDS[build].target]
+    flags = [f for f in flags if f not in ("-shared", "-fPIC")]
+    done = subprocess.run([CROSS, *flags, "-static", "-I", str(compiled.INCLUDE), str(folder / DRIVER.name), "-o",
+                           str(out)], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, f"the {build} build failed to compile:\n{done.stderr[-3000:]}"
+    return out
+
+
+def _array(t: torch.Tensor | None) -> bytes:
+    if t is None:
+        return struct.pack("<q", 0)
+    t = t.detach().contiguous()
+    data = (t.view(torch.int16) if t.dtype == torch.bfloat16 else t).numpy().tobytes()
+    return struct.pack("<q", len(data)) + data
+
+
+def drive_input(model, ids: torch.Tensor) -> bytes:
+    """The driver's input (see drive_decode.cpp) for `model` (fp32, bf16 or int8 weights) and ids (steps, R)."""
+    c = model.config
+    operands = _int8_operands(model, vnni=False, huge_pages=False)  # Int8Linear -> (q, scale, sums)
+    int8 = bool(operands)
+    weights = 2 if int8 else 1 if model.transformer.wte.weight.dtype == torch.bfloat16 else 0
+
+    def matrix(linear):
+        return _array(operands[linear][0] if linear in operands else linear.weight)
+
+    def vector(t):
+        return _array(None if t is None else t.float())
+
+    def extra(linear, i):  # an int8 matrix's scales (i = 1) or sums (i = 2)
+        return _array(operands[linear][i] if linear in operands else None)
+
+    t = model.transformer
+    head = [b"GPTLABDRIVE1", struct.pack("<11if", c.n_layer, c.n_head, c.head_dim, c.n_embd, c.vocab_size,
+                                         c.block_size, weights, int(c.activation == "gelu_tanh"), ids.shape[1],
+                                         ids.shape[0], 0, c.layer_norm_eps)]
+    embed = (lambda w: _array(w.float())) if int8 else _array  # an int8 model embeds from fp32
+    parts = [*head, embed(t.wte.weight), embed(t.wpe.weight), matrix(model.lm_head), vector(t.ln_f.weight),
+             vector(t.ln_f.bias), extra(model.lm_head, 1), extra(model.lm_head, 2)]
+    for block in t.h:
+        mats = (block.attn.c_attn, block.attn.c_proj, block.mlp.c_fc, block.mlp.c_proj)
+        parts += [matrix(m) for m in mats]
+        parts += [vector(v) for v in (block.ln_1.weight, block.ln_1.bias, mats[0].bias, mats[1].bias,
+                                      block.ln_2.weight, block.ln_2.bias, mats[2].bias, mats[3].bias)]
+        parts += [extra(m, 1) for m in mats] + [extra(m, 2) for m in mats]
+    parts.append(ids.to(torch.int64).contiguous().numpy().tobytes())
+    return b"".join(parts)
+
+
+def run_driver(driver: Path, cpu: str, model, ids: torch.Tensor, folder: Path) -> torch.Tensor:
+    """The logits (steps, R, V) of the driver's steps under qemu's `cpu`."""
+    (folder / "in.bin").write_bytes(drive_input(model, ids))
+    done = subprocess.run([QEMU, "-cpu", cpu, str(driver), str(folder / "in.bin"), str(folder / "out.bin")],
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, f"{driver.name} under -cpu {cpu}: exit {done.returncode}: {done.stderr[-2000:]}"
+    data = torch.frombuffer(bytearray((folder / "out.bin").read_bytes()), dtype=torch.float32)
+    return data.view(ids.shape[0], ids.shape[1], model.config.vocab_size)
+
+
+def expected_logits(model, ids: torch.Tensor) -> torch.Tensor:
+    """The torch forward's logits over the whole sequences (causal: position t's are decode step t's), (steps, R,
+    V) in fp32; a bf16 model's computed in fp32 from its bf16 weights (the ARM kernel widens them exactly)."""
+    if model.transformer.wte.weight.dtype == torch.bfloat16:
+        model = model.float()
+    with torch.no_grad():
+        return model(ids.T.contiguous())[0].float().transpose(0, 1)
+
+
+def cases():
+    """(name, model, tolerance): fp32 at two shapes with tails on NEON's 4 lanes (widths 75 and 100, heads of 25;
+    tanh GELU; no biases; eps 1e-6), bf16 weights, int8 weights by FMAs."""
+    return [("fp32, width 75", trained_like(KERNEL_SHAPES[1]), FP32_TOLERANCE),
+            ("fp32, width 60, tanh", trained_like(KERNEL_SHAPES[0]), FP32_TOLERANCE),
+            ("bf16 weights, width 100", trained_like(KERNEL_SHAPES[2], torch.bfloat16), FP32_TOLERANCE),
+            ("int8 weights, width 75", int8_model(INT8_SHAPES[0]), FMA_TOLERANCE)]
+
+
+@pytest.fixture(scope="module")
+def drivers(tmp_path_factory):
+    """The ARM builds' drivers, -O3 as users get them, compiled side by side (two cores)."""
+    folder = tmp_path_factory.mktemp("arm")
+    builds = sorted({build for build, _ in RUNS})
+    with ThreadPoolExecutor(len(builds)) as pool:
+        return dict(zip(builds, pool.map(lambda b: cross_build(b, folder / b), builds)))
+
+
+def errors(driver: Path, cpu: str, folder: Path) -> dict[str, float]:
+    torch.manual_seed(0)
+    out = {}
+    for name, model, _ in cases():
+        ids = torch.randint(0, model.config.vocab_size, (STEPS, ROWS))
+        out[name] = (run_driver(driver, cpu, model, ids, folder) - expected_logits(model, ids)).abs().max().item()
+    return out
+
+
+@pytest.mark.parametrize("build, cpu", RUNS)
+def test_an_arm_build_under_qemu_matches_the_torch_forward(drivers, build, cpu, tmp_path):
+    got = errors(drivers[build], cpu, tmp_path)
+    tolerance = {name: tol for name, _, tol in cases()}
+    assert all(got[name] <= tolerance[name] for name in got), got
+
+
+# broken copies of the NEON vector code (csrc/simd.h): each changes the logits far past the tolerance
+NEON_MUTANTS = {
+    "NEON sum drops the upper half": ("float32x2_t h = vadd_f32(vget_low_f32(v), vget_high_f32(v));",
+                                      "float32x2_t h = vget_low_f32(v);"),
+    "NEON int8 weights read unsigned": ("int16x8_t wide = vmovl_s8(vreinterpret_s8_s32(vdup_n_s32(four)));",
+                                        "int16x8_t wide = vreinterpretq_s16_u16(vmovl_u8(vreinterpret_u8_s32("
+                                        "vdup_n_s32(four))));"),
+}
+
+
+@pytest.mark.parametrize("name", NEON_MUTANTS)
+def test_a_broken_neon_layer_fails_under_qemu(name, tmp_path):
+    old, new = NEON_MUTANTS[name]
+    text = (compiled.INCLUDE / "simd.h").read_text()
+    assert old in text, f"{old!r} is not in simd.h: the mutant no longer applies"
+    (tmp_path / "mutant.h").write_text(text.replace(old, new))
+    driver = cross_build("armv8-a", tmp_path / "build", "-O1", tmp_path / "mutant.h")
+    got = errors(driver, "max", tmp_path)
+    tolerance = {case: tol for case, _, tol in cases()}
+    assert any(got[case] > tolerance[case] for case in got), f"the comparison passes the ARM build with {name}: {got}"
