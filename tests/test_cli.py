@@ -254,18 +254,30 @@ def test_a_config_file_of_the_wrong_shape_is_one_line(tmp_path, monkeypatch, cap
     assert sorted(p.name for p in tmp_path.iterdir()) == [name]
 
 
-def test_bf16_on_a_cpu_without_it_is_one_line_and_auto_falls_back_to_fp32(prepared, capsys, monkeypatch):
+def test_bf16_on_a_cpu_without_it_is_stored_for_inference_refused_for_training_and_auto_is_fp32(prepared, capsys,
+                                                                                                  monkeypatch):
+    """Without native bf16 products, inference keeps bf16 weights where the native decode step widens them (any CPU
+    with g++); training, which computes in bf16, and inference without a compiler are refused in one line."""
     fp32 = run_ok(capsys, "sample", "--run", "runs/r", "--prompt", "All:", "--max-new-tokens", "20",
                   "--precision", "fp32", "--temperature", "0")
     monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: False)  # no AVX-512 BF16, no AMX
     assert not bf16_supported(torch.device("cpu"))
     before = sorted(p for p in prepared.rglob("*"))
-    for argv in (["sample", "--run", "runs/r", "--prompt", "All:"], ["eval", "--run", "runs/r"],
-                 ["serve", "--run", "runs/r", "--port", "0"],
-                 ["train", "--data", "data", "--run", "runs/b", *TINY, "--max-steps", "2"]):
-        line = run_bad(capsys, *argv, "--precision", "bf16", "--device", "cpu")
-        assert "no native bf16 support; use --precision fp32" in line, line
+    line = run_bad(capsys, "train", "--data", "data", "--run", "runs/b", *TINY, "--max-steps", "2", "--precision",
+                   "bf16", "--device", "cpu")  # training computes in bf16: refused (inference stores it, below)
+    assert "no native bf16 support (training computes in bf16); use --precision fp32" in line, line
+    with monkeypatch.context() as m:
+        m.setattr("gptlab.inference.native.missing", lambda: "no g++ on PATH")  # no native decode step either
+        for argv in (["sample", "--run", "runs/r", "--prompt", "All:"], ["eval", "--run", "runs/r"],
+                     ["serve", "--run", "runs/r", "--port", "0"]):
+            line = run_bad(capsys, *argv, "--precision", "bf16", "--device", "cpu")
+            assert "no native bf16 support and no g++ for the native decode step" in line, line
     assert sorted(p for p in prepared.rglob("*")) == before
+    text = run_ok(capsys, "sample", "--run", "runs/r", "--prompt", "All:", "--max-new-tokens", "20",
+                  "--precision", "bf16", "--temperature", "0")
+    assert text.startswith("All:") and len(text) > len("All:")
+    row = run_ok(capsys, "eval", "--run", "runs/r", "--precision", "bf16").splitlines()[1]
+    assert row.split()[-1] == "bf16"
     assert run_ok(capsys, "sample", "--run", "runs/r", "--prompt", "All:", "--max-new-tokens", "20",
                   "--precision", "auto", "--temperature", "0") == fp32
 

@@ -47,8 +47,10 @@ def test_for_scoring_int8_runs_the_int8_weights_through_the_torch_reference(run)
 
 def test_a_precision_this_machine_lacks_is_refused_before_anything_is_loaded(tmp_path, monkeypatch, run):
     monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: False)  # no AVX-512 BF16, no AMX
-    with pytest.raises(GptlabError, match="no native bf16 support; use --precision fp32"):
-        load_for_inference(tmp_path / "not-a-run", "cpu", "bf16")
+    with monkeypatch.context() as m:  # and no compiler for the native step, which stores bf16 on any CPU
+        m.setattr("gptlab.inference.native.missing", lambda: "no g++ on PATH")
+        with pytest.raises(GptlabError, match="no native bf16 support and no g\\+\\+ .*; use --precision fp32"):
+            load_for_inference(tmp_path / "not-a-run", "cpu", "bf16")
     assert load_for_inference(run, "cpu", "auto").precision == "fp32"  # auto falls back where bf16 is not native
     with pytest.raises(GptlabError, match="does not exist"):
         load_for_inference(tmp_path / "not-a-run", "cpu", "fp32")

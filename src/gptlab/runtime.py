@@ -38,13 +38,19 @@ def bf16_supported(device: torch.device) -> bool:
     return False
 
 
-def resolve_precision(name: str, device: torch.device) -> str:
+def resolve_precision(name: str, device: torch.device, bf16_storage: bool | None = None) -> str:
     """"auto" is bf16 where the hardware computes it natively (measured faster, see docs/benchmarks.md), else
-    fp32; asking for bf16 where it is unsupported raises GptlabError."""
+    fp32; asking for bf16 where it is unsupported raises GptlabError. `bf16_storage`: None for training (it
+    computes in bf16); for inference, whether bf16 may be storage only (a CPU whose native decode step can be
+    built: it widens bf16 weights to fp32 in registers, on any CPU), where it is then allowed."""
     if name == "auto":
         return "bf16" if bf16_supported(device) else "fp32"
     if name == "bf16" and device.type != "mps" and not bf16_supported(device):
-        raise GptlabError(f"this {device.type} has no native bf16 support; use --precision fp32")
+        if bf16_storage and device.type == "cpu":
+            return name
+        why = (" (training computes in bf16)" if bf16_storage is None else
+               " and no g++ for the native decode step that stores bf16 on any CPU" if device.type == "cpu" else "")
+        raise GptlabError(f"this {device.type} has no native bf16 support{why}; use --precision fp32")
     return name
 
 

@@ -16,6 +16,7 @@ import torch
 from gptlab.bench.timing import LoadWatch
 from gptlab.config import ModelConfig, build, get_preset
 from gptlab.errors import GptlabError
+from gptlab.inference import bf16_storage_possible
 from gptlab.runtime import device_name, resolve_precision, set_threads
 from gptlab.serve import Limits, load_served, start_server
 from gptlab.serve.app import make_app
@@ -158,7 +159,7 @@ def run_serve_bench(*, model: str | None = "gpt2-124M", run: str | None = None, 
     set_threads()
     watch = LoadWatch()
     device = torch.device("cpu")
-    served = _model(model, run, resolve_precision(precision, device))
+    served = _model(model, run, resolve_precision(precision, device, bf16_storage_possible(device)))
     body = {"prompt": _prompt(served.tokenizer, prompt_tokens), "max_tokens": max_tokens, "temperature": 1.0,
             "stream": True}
     limits = Limits(max_tokens=max_tokens, max_batch=max_batch, queue=queue, grace=1.0)

@@ -23,6 +23,7 @@ LIMIT_FLAGS = {  # flag -> (Limits field, type, help); the defaults come from Li
                   "at /")
 def cmd_serve(args: argparse.Namespace) -> int:
     from gptlab.checkpoint import read_run_config
+    from gptlab.inference import bf16_storage_possible
     from gptlab.runs import latest_run
     from gptlab.runtime import resolve_device, resolve_precision, set_threads
     from gptlab.serve import Limits, check_bind, listen, load_served, serve_run
@@ -31,7 +32,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     check_bind(args.host, args.port, args.api_key)
     set_threads()
     device = resolve_device(args.device)
-    precision = resolve_precision(args.precision, device)
+    precision = resolve_precision(args.precision, device, bf16_storage_possible(device))
     run = args.run or latest_run()
     read_run_config(run)  # a folder that is not a run is refused before the port is taken
     sock = listen(args.host, args.port)

@@ -115,6 +115,16 @@ def as_inference(model: InferenceModel | nn.Module) -> InferenceModel:
     return InferenceModel(model, TorchStep(model), cache_dtype(weight.device, weight.dtype, fused=False))
 
 
+def bf16_storage_possible(device: torch.device) -> bool:
+    """Whether inference on `device` may keep its weights in bf16 without native bf16 products: on a CPU where the
+    native decode step can be built (a compiler: gptlab.inference.native.missing), which widens bf16 weights to
+    fp32 in registers on any CPU (the bytes read, what decoding waits for, are halved); prompts and eval's forward
+    then compute bf16 through torch, correct but slower than fp32 on such a CPU."""
+    from gptlab.inference import native
+
+    return device.type == "cpu" and native.missing() is None
+
+
 @torch.no_grad()
 def prepare_for_inference(model: nn.Module, precision: str = "fp32", fused: bool = True,
                           huge_pages: bool = True) -> InferenceModel:
@@ -129,8 +139,10 @@ def prepare_for_inference(model: nn.Module, precision: str = "fp32", fused: bool
         raise GptlabError(f"precision must be one of {', '.join(PREPARED_PRECISIONS)}, not {precision!r}")
     dtype = FLOAT_DTYPES.get(precision, torch.float32)  # int8's activations and vectors are fp32
     device = next(model.parameters()).device
-    if dtype == torch.bfloat16 and device.type == "cpu" and not bf16_supported(device):
-        raise GptlabError("this CPU has no native bf16 support; use --precision fp32")
+    if dtype == torch.bfloat16 and device.type == "cpu" and not bf16_supported(device) and not (
+            fused and bf16_storage_possible(device)):
+        raise GptlabError("this CPU has no native bf16 support and no g++ for the native decode step that stores "
+                          "bf16 on any CPU; use --precision fp32")
     model.eval().to(dtype)
     if precision == "int8":  # prompts multiply in bf16 where the CPU computes it natively (int8.BF16_ROWS)
         quantize_model(model, BF16_ROWS if bf16_supported(device) else None)
@@ -142,7 +154,7 @@ def prepare_for_inference(model: nn.Module, precision: str = "fp32", fused: bool
     pack_linears(model)
     decoder = native if native is not None else TorchStep(model)
     if precision == "int8" and native is None and fused:
-        log.warning("int8 without the fused decode step (it needs an x86-64 CPU with AVX-512 and g++): the torch "
+        log.warning("int8 without the fused decode step (it needs g++): the torch "
                     "path dequantizes every weight at every step, slower than fp32; it is the reference")
     return InferenceModel(model, decoder, cache_dtype(device, dtype, native is not None, precision == "int8"),
                           precision)
@@ -172,7 +184,7 @@ def load_for_inference(run: str | Path, device: torch.device | str = "cpu", prec
     from gptlab.checkpoint import load_run  # loading a run is the checkpoint module's; only this entry point needs it
 
     device = resolve_device(device) if isinstance(device, str) else device
-    precision = resolve_precision(precision, device)
+    precision = resolve_precision(precision, device, bf16_storage_possible(device))
     loaded = load_run(run, device=device)
     if check is not None:
         check(loaded.tokenizer)
