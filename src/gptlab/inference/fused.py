@@ -190,9 +190,9 @@ class _Plan:
 
 
 def fused_decoder(model: torch.nn.Module, huge_pages: bool = True) -> FusedDecoder | None:
-    """A FusedDecoder for `model`, or None where the native step cannot run it (not a GPT, not on a CPU with
-    AVX-512, embeddings neither fp32 nor bf16 (an int8 model keeps its own in fp32), heads wider than 256, no
-    compiler)."""
+    """A FusedDecoder for `model`, or None where the native step cannot run it (not a GPT, not on the CPU,
+    embeddings neither fp32 nor bf16 (an int8 model keeps its own in fp32), heads wider than 256, no compiler).
+    Every CPU has a build (gptlab.inference.native.BUILDS: the plain one at least)."""
     if not isinstance(model, GPT):
         return None
     weight = model.transformer.wte.weight
