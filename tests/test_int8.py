@@ -8,22 +8,26 @@ tests/test_kernel_mutants.py holds these checks to broken copies of the int8 ker
 
 import copy
 import dataclasses
+import math
 import re
+from pathlib import Path
 
 import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-
 from helpers import FMA_TOLERANCE, INT8_SHAPES, VNNI_TOLERANCE, int8_error, int8_model, trained_like
-from gptlab.bench.quality import TORCH_INT8, int8_quality, quality_lines
+
+from gptlab.bench.quality import TORCH_INT8, int8_quality, kl_divergence, quality_lines, total_kl
 from gptlab.cli import main
-from gptlab.config import SampleConfig, TrainConfig
+from gptlab.config import ModelConfig, SampleConfig, TrainConfig
+from gptlab.data.batches import load_dataset
 from gptlab.engine import generate_batch, generate_uncached
 from gptlab.errors import GptlabError
 from gptlab.inference import TorchStep, cache_dtype, native, prepare_for_inference
 from gptlab.inference.fused import FusedDecoder
 from gptlab.inference.int8 import BF16_ROWS, Int8Linear, dequantize_rows, quantize_model, quantize_rows
+from gptlab.model import GPT
 from gptlab.runtime import bf16_supported
 
 # the int8 torch path against fp32 on the same (trained-like) weights: measured up to 0.019
@@ -248,7 +252,16 @@ def test_sample_and_eval_run_in_int8_end_to_end(tmp_path, monkeypatch, capsys, c
         tables[precision] = capsys.readouterr().out.strip().splitlines()[-1]
     fp32_loss, int8_loss = (float(tables[p].split()[-5]) for p in ("fp32", "int8"))
     assert abs(int8_loss - fp32_loss) <= 0.01 * fp32_loss
-    perplexity, *greedy = int8_quality("runs/tiny", prompts=2, new_tokens=4)  # bench generate --quality
+    perplexity, *rest = int8_quality("runs/tiny", prompts=2, new_tokens=4)  # bench generate --quality
+    kl = [line for line in rest if "KL divergence" in line]
+    greedy = [line for line in rest if " greedy: " in line]
+    assert len(kl) + len(greedy) == len(rest)
+    quantized = ["bf16", "int8"] if bf16_supported(torch.device("cpu")) else ["int8"]
+    assert [line.split(" vs fp32")[0] for line in kl] == quantized
+    val_positions = len(load_dataset(Path("data")).val) - 1  # every validation token but the first is predicted
+    for line in kl:
+        mean, positions = re.search(r"KL divergence ([\d.e+-]+) nats \(mean of ([\d,]+) ", line).groups()
+        assert int(positions.replace(",", "")) == val_positions and 0 < float(mean) < 0.05, line
     assert perplexity.startswith("int8 vs ") and "validation perplexity" in perplexity and "%)" in perplexity
     ours, base, change = re.search(r"perplexity ([\d.]+) vs ([\d.]+) \(([-+][\d.]+)%\)", perplexity).groups()
     assert float(change) / 100 == pytest.approx(float(ours) / float(base) - 1, abs=2e-4)  # int8's change over base
@@ -277,9 +290,36 @@ def test_the_quality_report_counts_by_hand():
         "bf16 vs fp32 greedy: 2/3 validation prompts agree for all 4 new tokens (shortest agreement 3)",
         "int8 vs fp32 greedy: 2/3 validation prompts agree for all 4 new tokens (shortest agreement 1)",
         "int8 (torch step) vs fp32 greedy: 1/3 validation prompts agree for all 4 new tokens (shortest agreement 0)"]
-    lines = quality_lines("runs/r", "fp32", {"fp32": 10.0, "int8": 9.5}, {k: ids[k] for k in ("fp32", "int8")}, 4)
+    lines = quality_lines("runs/r", "fp32", {"fp32": 10.0, "int8": 9.5}, {k: ids[k] for k in ("fp32", "int8")}, 4,
+                          {"int8": (0.00125, 12345)})
     assert lines == ["int8 vs fp32 on runs/r: validation perplexity 9.500 vs 10.000 (-5.00%)",
+                     ("int8 vs fp32: perplexity -5.000%, next-token KL divergence 0.00125 nats (mean of 12,345 "
+                      "validation positions)"),
                      "int8 vs fp32 greedy: 2/3 validation prompts agree for all 4 new tokens (shortest agreement 1)"]
+
+
+def test_the_kl_divergence_is_the_one_worked_out_by_hand_and_torchs():
+    """p = (1/2, 1/2), q = (1/4, 3/4): KL(p || q) = 1/2 ln 2 + 1/2 ln(2/3) = 0.143841 nats (by hand), and torch's
+    F.kl_div on random rows of 300 logits; total_kl over a text: 0 for a model beside itself, every position but
+    the last token's counted once (two whole windows of 16 and a short one), and the sum of the rows' own KLs."""
+    got = kl_divergence(torch.tensor([[0.5, 0.5]], dtype=torch.float64).log(),
+                        torch.tensor([[0.25, 0.75]], dtype=torch.float64).log())
+    assert got.item() == pytest.approx(0.5 * math.log(2) + 0.5 * math.log(2 / 3), abs=1e-12)
+    a, b = torch.randn(5, 300), torch.randn(5, 300)
+    torch_kl = F.kl_div(F.log_softmax(b.double(), -1), F.log_softmax(a.double(), -1), log_target=True,
+                        reduction="none").sum(-1)
+    assert torch.allclose(kl_divergence(a, b), torch_kl, atol=1e-12)
+    torch.manual_seed(0)
+    config = ModelConfig(n_layer=1, n_head=2, n_embd=16, vocab_size=50, block_size=16)
+    m1, m2 = GPT(config).eval(), GPT(config).eval()
+    tokens = torch.randint(0, 50, (16 * 2 + 6,)).tolist()
+    assert total_kl(m1, m1, tokens) == (0.0, 37)
+    total, count = total_kl(m1, m2, tokens)
+    with torch.no_grad():  # by hand: the three windows, each position's KL from the two models' own logits
+        windows = [torch.tensor(tokens[s:s + 16])[None] for s in (0, 16, 32)]
+        windows[-1] = windows[-1][:, :5]  # the last token predicts nothing scored
+        expected = sum(kl_divergence(m1(w)[0][0], m2(w)[0][0]).sum().item() for w in windows)
+    assert count == 37 and total == pytest.approx(expected, rel=1e-9)
 
 def test_any_module_with_linear_layers_can_be_quantized_and_shows_its_shape():
     """quantize_model needs no GPT: a model without lm_head or transformer.wte (nothing tied) gets every nn.Linear
