@@ -193,3 +193,15 @@ def test_a_thread_count_raised_between_steps_still_gives_the_reference_logits():
     finally:
         torch.set_num_threads(threads)
     assert (got - expected).abs().max() <= FP32_TOLERANCE and torch.equal(caches[1].pos, torch.tensor([7, 7]))
+
+
+def test_an_arm_cpu_picks_its_builds_from_the_features_it_reports(monkeypatch):
+    """/proc/cpuinfo of an ARM64 CPU with the dot product (its "Features" line), and of one without it (a Cortex-A53),
+    as an x86 machine cannot report them: the builds each may run, best first, written out by hand."""
+    from gptlab import machine
+
+    monkeypatch.setattr(platform, "machine", lambda: "aarch64")
+    monkeypatch.setattr(machine, "cpu_info", lambda: {"Features": "fp asimd evtstrm aes crc32 asimddp"})
+    assert native.runnable_builds() == ["armv8.2-a+dotprod", "armv8-a", "plain"]
+    monkeypatch.setattr(machine, "cpu_info", lambda: {"Features": "fp asimd evtstrm crc32"})
+    assert native.runnable_builds() == ["armv8-a", "plain"]
