@@ -52,3 +52,14 @@ def test_a_header_that_misreports_the_structs_gets_the_library_refused(name, hea
     with pytest.raises(compiled.ABIError, match=message):
         native.build_library(native.SOURCE, tmp_path / "kernels", O0)
 
+
+
+def test_a_header_beside_the_source_is_part_of_its_key(tmp_path):
+    """An #include "x.h" finds a header beside the source first (the kernel mutants put a changed simd.h there): a
+    change to it must change the build's key, or a build of the old header would be loaded."""
+    source = tmp_path / "lib.cpp"
+    source.write_text('#include "x.h"\n')
+    (tmp_path / "x.h").write_text("int a = 1;\n")
+    before = compiled.source_key(source)
+    (tmp_path / "x.h").write_text("int a = 2;\n")
+    assert compiled.source_key(source) != before
