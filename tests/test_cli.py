@@ -254,10 +254,11 @@ def test_a_config_file_of_the_wrong_shape_is_one_line(tmp_path, monkeypatch, cap
     assert sorted(p.name for p in tmp_path.iterdir()) == [name]
 
 
-def test_bf16_on_a_cpu_without_it_is_stored_for_inference_refused_for_training_and_auto_is_fp32(prepared, capsys,
-                                                                                                  monkeypatch):
+def test_bf16_on_a_cpu_without_it_is_stored_for_decoding_refused_for_training_and_auto_follows(prepared, capsys,
+                                                                                                monkeypatch):
     """Without native bf16 products, inference keeps bf16 weights where the native decode step widens them (any CPU
-    with g++); training, which computes in bf16, and inference without a compiler are refused in one line."""
+    with g++), and sample's auto picks that; eval's auto (torch's forward) stays fp32; training, which computes in
+    bf16, and inference without a compiler are refused in one line."""
     fp32 = run_ok(capsys, "sample", "--run", "runs/r", "--prompt", "All:", "--max-new-tokens", "20",
                   "--precision", "fp32", "--temperature", "0")
     monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: False)  # no AVX-512 BF16, no AMX
@@ -278,8 +279,20 @@ def test_bf16_on_a_cpu_without_it_is_stored_for_inference_refused_for_training_a
     assert text.startswith("All:") and len(text) > len("All:")
     row = run_ok(capsys, "eval", "--run", "runs/r", "--precision", "bf16").splitlines()[1]
     assert row.split()[-1] == "bf16"
+    assert run_ok(capsys, "eval", "--run", "runs/r").splitlines()[1].split()[-1] == "fp32"  # eval's auto
+    import gptlab.inference
+
+    prepared_in, prepare = [], gptlab.inference.prepare_for_inference  # the precision sample's weights are made in
+    monkeypatch.setattr(gptlab.inference, "prepare_for_inference",
+                        lambda model, precision, *a, **kw: prepared_in.append(precision) or prepare(model, precision,
+                                                                                                    *a, **kw))
     assert run_ok(capsys, "sample", "--run", "runs/r", "--prompt", "All:", "--max-new-tokens", "20",
-                  "--precision", "auto", "--temperature", "0") == fp32
+                  "--precision", "auto", "--temperature", "0") == text
+    with monkeypatch.context() as m:
+        m.setattr("gptlab.inference.native.missing", lambda: "no g++ on PATH")
+        assert run_ok(capsys, "sample", "--run", "runs/r", "--prompt", "All:", "--max-new-tokens", "20",
+                      "--precision", "auto", "--temperature", "0") == fp32
+    assert prepared_in == ["bf16", "fp32"]  # sample's auto: bf16 storage, fp32 without the native step
 
 
 def test_sample_and_eval_default_to_auto_and_eval_names_the_precision_it_used(prepared, capsys, monkeypatch):

@@ -51,7 +51,10 @@ def test_a_precision_this_machine_lacks_is_refused_before_anything_is_loaded(tmp
         m.setattr("gptlab.inference.native.missing", lambda: "no g++ on PATH")
         with pytest.raises(GptlabError, match="no native bf16 support and no g\\+\\+ .*; use --precision fp32"):
             load_for_inference(tmp_path / "not-a-run", "cpu", "bf16")
-    assert load_for_inference(run, "cpu", "auto").precision == "fp32"  # auto falls back where bf16 is not native
+        assert load_for_inference(run, "cpu", "auto").precision == "fp32"  # no native bf16, no native step
+    # the native step stores bf16 on any CPU: auto decodes in bf16; scoring alone (torch's forward) stays in fp32
+    assert load_for_inference(run, "cpu", "auto").precision == "bf16"
+    assert load_for_inference(run, "cpu", "auto", decode=False).precision == "fp32"
     with pytest.raises(GptlabError, match="does not exist"):
         load_for_inference(tmp_path / "not-a-run", "cpu", "fp32")
 

@@ -216,7 +216,7 @@ def add_sample(p: argparse.ArgumentParser) -> None:
     p.add_argument("--precision", choices=INFERENCE_PRECISIONS, default="auto",
                    help="inference weights: fp32 (the reference), bf16 (faster where the hardware computes it "
                         "natively; see docs/benchmarks.md), int8 (weight-only, per-row scales, fp32 activations: "
-                        "half bf16's bytes to read per token), or auto (bf16 where native, else fp32) (default auto)")
+                        "half bf16's bytes to read per token), or auto (bf16 where native or where the native decode step stores it, else fp32) (default auto)")
     p.add_argument("--engine", choices=ENGINES, default="torch",
                    help="torch (the KV-cached engine and its fast paths) or reference (the naive C++ engine: fp32, "
                         "no KV cache, every step recomputes the window) (default torch)")
@@ -273,8 +273,8 @@ def add_eval(p: argparse.ArgumentParser) -> None:
     add_device(p)
     p.add_argument("--precision", choices=INFERENCE_PRECISIONS, default="auto",
                    help="fp32 (the reference), bf16 (autocast), int8 (weight-only int8 weights, as sample "
-                        "--precision int8 uses them), or auto (bf16 where native, else fp32; as sample) (default "
-                        "auto); the table and the JSON name the one used")
+                        "--precision int8 uses them), or auto (bf16 where the CPU computes it natively, else fp32: "
+                        "scoring runs torch's forward) (default auto); the table and the JSON name the one used")
     p.add_argument("--json", action="store_true", help="print the scores as one JSON object (run, checkpoint, "
                    "precision, scores) instead of the table")
     add_task_flags(p)
