@@ -1,12 +1,16 @@
 """A/B of two decode kernels on GPT-2-124M's shape: step times alternating kernel by kernel, round by round, in one
 process, so both see the same moments of the machine (a fair ratio on a loaded machine, where absolute figures are
-not). Each side is a build name (gptlab.inference.native.BUILDS, built for this CPU) or a decode.cpp file (built with
--O3 -march=native, as kernels were built before they named their targets).
+not). Each side is a build name (gptlab.inference.native.BUILDS, built for this CPU), a decode.cpp file (built with
+-O3 -march=native, as kernels were built before they named their targets), or FILE@BUILD (that file, with the headers
+beside it if any, for a named build: an older source against today's for the same target).
 
     .venv/bin/python scripts/kernel_ab.py A B [--rounds N] [--threads T]
     .venv/bin/python scripts/kernel_ab.py x86-64-v3 x86-64-v4+vnni+bf16 --threads 1
     git show 0c43430:src/gptlab/inference/csrc/decode.cpp > /tmp/old.cpp
     .venv/bin/python scripts/kernel_ab.py /tmp/old.cpp x86-64-v4+vnni+bf16 --threads 1
+    mkdir /tmp/v && git show HEAD~1:src/gptlab/inference/csrc/decode.cpp > /tmp/v/decode.cpp \
+        && git show HEAD~1:src/gptlab/csrc/simd.h > /tmp/v/simd.h
+    .venv/bin/python scripts/kernel_ab.py /tmp/v/decode.cpp@x86-64-v3 x86-64-v3 --threads 1
 
 Prints, per precision (fp32, bf16, int8) and batch (1, 8 rows at 144 cached positions), the median step of each
 side and B's time over A's.
@@ -33,6 +37,10 @@ from gptlab.model import GPT
 def kernel(side: str, folder: Path) -> ctypes.CDLL:
     if side in native.BUILDS:
         return native.build_library(build=side)
+    if "@" in side:  # FILE@BUILD: that source (with the headers beside it, else gptlab/csrc's) for a named build
+        source, build = side.rsplit("@", 1)
+        (folder / side.replace("/", "_")).mkdir()
+        return native.build_library(Path(source), folder / side.replace("/", "_"), build)
     target = folder / f"{Path(side).stem}.so"
     subprocess.run(["g++", "-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17", "-I",
                     str(compiled.INCLUDE), side, "-o", str(target)], check=True)
