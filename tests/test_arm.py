@@ -4,9 +4,10 @@ The kernel (gptlab/inference/csrc/decode.cpp over csrc/simd.h's NEON vectors) is
 g++-aarch64-linux-gnu into a static stand-alone driver (tests/native/drive_decode.cpp), which runs decode steps
 from a file under qemu-user: under `-cpu max` (every ARMv8/v9 extension) and under a Cortex-A53 (ARMv8.0: no dot
 product, as the armv8-a build must run on). Its logits are held to the torch forward's over the same ids in fp32,
-bf16 weights and int8 weights (FMA products), and two broken copies of the NEON vector code must fail the same
-comparison. Skips only where the cross compiler or qemu-user is missing (`make test` installs both when it runs as
-root with apt-get); with them present, a build that fails to compile fails here.
+bf16 weights and int8 weights (FMA products; sdot where the build has the dot product), and broken copies of the
+NEON vector code and of the sdot product must fail the same comparison. Skips only where the cross compiler or
+qemu-user is missing (`make test` installs both when it runs as root with apt-get); with them present, a build that
+fails to compile fails here.
 """
 
 import shutil
@@ -17,7 +18,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import FMA_TOLERANCE, FP32_TOLERANCE, INT8_SHAPES, KERNEL_SHAPES, int8_model, trained_like
+from helpers import (FMA_TOLERANCE, FP32_TOLERANCE, INT8_SHAPES, KERNEL_SHAPES, VNNI_TOLERANCE, int8_model,
+                     trained_like)
 
 from gptlab import compiled
 from gptlab.inference import native
@@ -30,15 +32,17 @@ pytestmark = [pytest.mark.device_path("arm64 under qemu"),
                                  "(Debian's g++-aarch64-linux-gnu and qemu-user; make test installs them as root)")]
 # the ARM builds run here, each under the CPUs it must run on (qemu's names)
 RUNS = [("armv8-a", "cortex-a53"), ("armv8-a", "max"), ("armv8.2-a+dotprod", "max")]
-STEPS, ROWS = 9, 3
+STEPS, ROWS = 9, 5  # 5 rows: the sdot product's groups of 4 rows and of 1
 
 
-def cross_build(build: str, folder: Path, opt: str = "-O3", simd_h: Path | None = None) -> Path:
+def cross_build(build: str, folder: Path, opt: str = "-O3", simd_h: Path | None = None,
+                source: Path = native.SOURCE) -> Path:
     """The driver with the kernel of ARM build `build` compiled in, static, for qemu-user. `simd_h`: a vector layer
-    to use instead of gptlab's (found first: it is copied beside the sources)."""
+    to use instead of gptlab's (found first: it is copied beside the sources); `source`: a kernel source to use
+    instead of gptlab's decode.cpp."""
     folder.mkdir(parents=True, exist_ok=True)
-    for source in (DRIVER, native.SOURCE):
-        shutil.copy(source, folder / source.name)
+    shutil.copy(DRIVER, folder / DRIVER.name)
+    shutil.copy(source, folder / native.SOURCE.name)
     if simd_h is not None:
         shutil.copy(simd_h, folder / "simd.h")
     out = folder / f"drive-{build}"
@@ -110,13 +114,17 @@ def expected_logits(model, ids: torch.Tensor) -> torch.Tensor:
         return model(ids.T.contiguous())[0].float().transpose(0, 1)
 
 
-def cases():
+def cases(build: str = "armv8-a"):
     """(name, model, tolerance): fp32 at two shapes with tails on NEON's 4 lanes (widths 75 and 100, heads of 25;
-    tanh GELU; no biases; eps 1e-6), bf16 weights, int8 weights by FMAs."""
+    tanh GELU; no biases; eps 1e-6), bf16 weights, int8 weights at two shapes (K tails of 11 and 8 past sdot's
+    groups of 16, and of 3 and 8 past the 4 lanes): by FMAs, or by sdot against x in 15 bits where the build has
+    the dot product (x rounded as VNNI rounds it: VNNI's tolerance)."""
+    int8 = VNNI_TOLERANCE if "dotprod" in build else FMA_TOLERANCE
     return [("fp32, width 75", trained_like(KERNEL_SHAPES[1]), FP32_TOLERANCE),
             ("fp32, width 60, tanh", trained_like(KERNEL_SHAPES[0]), FP32_TOLERANCE),
             ("bf16 weights, width 100", trained_like(KERNEL_SHAPES[2], torch.bfloat16), FP32_TOLERANCE),
-            ("int8 weights, width 75", int8_model(INT8_SHAPES[0]), FMA_TOLERANCE)]
+            ("int8 weights, width 75", int8_model(INT8_SHAPES[0]), int8),
+            ("int8 weights, width 200, no biases", int8_model(INT8_SHAPES[1]), int8)]
 
 
 @pytest.fixture(scope="module")
@@ -128,10 +136,13 @@ def drivers(tmp_path_factory):
         return dict(zip(builds, pool.map(lambda b: cross_build(b, folder / b), builds)))
 
 
-def errors(driver: Path, cpu: str, folder: Path) -> dict[str, float]:
+def errors(driver: Path, cpu: str, folder: Path, only: str = "") -> dict[str, float]:
+    """Each case's (or, with `only`, the cases whose names start with it) largest logit error under qemu's `cpu`."""
     torch.manual_seed(0)
     out = {}
     for name, model, _ in cases():
+        if not name.startswith(only):
+            continue
         ids = torch.randint(0, model.config.vocab_size, (STEPS, ROWS))
         out[name] = (run_driver(driver, cpu, model, ids, folder) - expected_logits(model, ids)).abs().max().item()
     return out
@@ -140,7 +151,7 @@ def errors(driver: Path, cpu: str, folder: Path) -> dict[str, float]:
 @pytest.mark.parametrize("build, cpu", RUNS)
 def test_an_arm_build_under_qemu_matches_the_torch_forward(drivers, build, cpu, tmp_path):
     got = errors(drivers[build], cpu, tmp_path)
-    tolerance = {name: tol for name, _, tol in cases()}
+    tolerance = {name: tol for name, _, tol in cases(build)}
     assert all(got[name] <= tolerance[name] for name in got), got
 
 
@@ -164,3 +175,26 @@ def test_a_broken_neon_layer_fails_under_qemu(name, tmp_path):
     got = errors(driver, "max", tmp_path)
     tolerance = {case: tol for case, _, tol in cases()}
     assert any(got[case] > tolerance[case] for case in got), f"the comparison passes the ARM build with {name}: {got}"
+
+
+# broken copies of the sdot product (decode.cpp's gemv_sdot, armv8.2-a+dotprod builds), each past VNNI's tolerance
+SDOT_MUTANTS = {
+    "sdot: the hi bytes' sum weighted 64, not 128": ("const double d = 128.0 *", "const double d = 64.0 *"),
+    "sdot: x's low 8 bits kept, not 7": ("lo[k] = (int8_t)(q & 127);", "lo[k] = (int8_t)(q & 255);"),
+    "sdot: the last inputs past a group of 16 dropped": ("for (; k < K; k += 16) {  // the last 1-31",
+                                                         "for (; k + 16 <= K; k += 16) {  // the last 1-31"),
+}
+
+
+@pytest.mark.parametrize("name", SDOT_MUTANTS)
+def test_a_broken_sdot_product_fails_under_qemu(name, tmp_path):
+    old, new = SDOT_MUTANTS[name]
+    text = native.SOURCE.read_text()
+    assert text.count(old) == 1, f"{old!r} is not once in decode.cpp: the mutant no longer applies"
+    (tmp_path / "src").mkdir()
+    mutant = tmp_path / "src" / native.SOURCE.name
+    mutant.write_text(text.replace(old, new))
+    driver = cross_build("armv8.2-a+dotprod", tmp_path / "build", "-O1", source=mutant)
+    got = errors(driver, "max", tmp_path, only="int8")
+    tolerance = {case: tol for case, _, tol in cases("armv8.2-a+dotprod")}
+    assert any(got[case] > tolerance[case] for case in got), f"the comparison passes the sdot build with {name}: {got}"

@@ -93,7 +93,7 @@ _V3 = ("avx", "avx2", "bmi1", "bmi2", "f16c", "fma", "abm", "movbe", "xsave")  #
 _V4 = (*_V3, "avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl")  # x86-64-v4
 _VNNI, _BF16 = ("-mavx512vnni", "avx512_vnni"), ("-mavx512bf16", "avx512_bf16")
 # Best first: the CPU gets the first it runs. The AVX-512 builds add the byte products (VNNI) and bf16 dot products
-# where the CPU has them; ARM's dot-product build is the one its int8 products will use (today the same code).
+# where the CPU has them; ARM's dot-product build multiplies int8 weights by sdot (decode.cpp, gemv_sdot).
 BUILDS = {b.name: b for b in [
     *(Build("x86-64-v4" + "".join(f"+{flag[8:]}" for flag, _ in extra), ("-march=x86-64-v4", *(f for f, _ in extra)),
             (*_V4, *(n for _, n in extra)), X86_64)
@@ -203,6 +203,7 @@ def build_library(source: Path = SOURCE, build_dir: Path | None = None, build: B
     lib.gptlab_decode_step.restype = ctypes.c_int
     lib.gptlab_int8_vnni.argtypes, lib.gptlab_int8_vnni.restype = [], ctypes.c_int
     lib.gptlab_bf16_dot.argtypes, lib.gptlab_bf16_dot.restype = [], ctypes.c_int
+    lib.gptlab_int8_sdot.argtypes, lib.gptlab_int8_sdot.restype = [], ctypes.c_int
     lib.gptlab_lanes.argtypes, lib.gptlab_lanes.restype = [], ctypes.c_int
     lib.gptlab_simd.argtypes, lib.gptlab_simd.restype = [], ctypes.c_char_p
     lib.gptlab_build = build.name  # which build this is (`describe`)
@@ -222,8 +223,10 @@ def has_int8_vnni(lib: ctypes.CDLL) -> bool:
 
 def describe(lib: ctypes.CDLL) -> str:
     """Which build `lib` is and what its products use, e.g. "x86-64-v3 (avx2, 8 lanes)" or "x86-64-v4+vnni+bf16
-    (avx512, 16 lanes, bf16 dot products, int8 by VNNI)"."""
-    extra = ["bf16 dot products"] * bool(lib.gptlab_bf16_dot()) + ["int8 by VNNI"] * has_int8_vnni(lib)
+    (avx512, 16 lanes, bf16 dot products, int8 by VNNI)"; an armv8.2-a+dotprod build adds "int8 by
+    sdot"."""
+    extra = (["bf16 dot products"] * bool(lib.gptlab_bf16_dot()) + ["int8 by VNNI"] * has_int8_vnni(lib)
+             + ["int8 by sdot"] * bool(lib.gptlab_int8_sdot()))
     return (f"{getattr(lib, 'gptlab_build', '?')} ({lib.gptlab_simd().decode()}, {lib.gptlab_lanes()} lanes"
             + "".join(f", {e}" for e in extra) + ")")
 

@@ -11,7 +11,9 @@
 // has AVX512-BF16, as a bf16 model's activations are, and widen W to fp32 everywhere else: bf16 storage halves the
 // bytes read on any CPU), or int8 with one fp32 scale per output row (gptlab/inference/int8.py): widened to fp32
 // for FMAs, or, where the build has AVX512-VNNI, multiplied as bytes by vpdpbusd against x quantized per row to 16
-// bits, in two bytes (see gemv_vnni).
+// bits, in two bytes (see gemv_vnni), or, where it has ARM's dot product, by sdot against x in 15 bits (gemv_sdot).
+// AVX2 has no such product worth taking: its byte multiply-add (vpmaddubsw) saturates at int16 and needs a
+// vpmaddwd and an add after it, as many instructions per weight and row as the FMAs, so x86-64-v3 widens.
 //
 // The math is the model's (gptlab/model.py), step by step; tests/test_fused.py holds it to the torch path
 // (gptlab/inference/fused.py calls it).
@@ -91,6 +93,15 @@ extern "C" int gptlab_lanes() { return simd::LANES; }
 // Whether this build multiplies bf16 weights with AVX512-BF16 (else it widens them to fp32).
 extern "C" int gptlab_bf16_dot() {
 #ifdef __AVX512BF16__
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+// Whether this build multiplies int8 weights with ARM's dot product (sdot; the FMA layout, Model.weights INT8_FMA).
+extern "C" int gptlab_int8_sdot() {
+#if defined(GPTLAB_SIMD_NEON) && defined(__ARM_FEATURE_DOTPROD)
     return 1;
 #else
     return 0;
@@ -456,6 +467,102 @@ static void gemv_vnni(const int8_t* W, const float* X, const float* s, const int
 }
 #endif
 
+#if defined(GPTLAB_SIMD_NEON) && defined(__ARM_FEATURE_DOTPROD)
+// int8 weights by ARM's dot product (armv8.2-a+dotprod builds): sdot multiplies 16 signed bytes by 16 signed
+// bytes, 4 at a time into each of 4 int32 sums, four times the multiply-adds of an fp32 FMA. x keeps 15 bits (as
+// VNNI keeps 16, and for the same reason): quantized per row to xq = round(x / sx), sx = max|x_row| / 16383, and
+// split into two signed bytes, xq = 128 * hi + lo with hi in [-128, 127] and lo in [0, 127]; two sdot per 16
+// inputs give sum(hi * q) and sum(lo * q), and each output is (128 * sum(hi * q) + sum(lo * q)) * sx * s[n] + b[n].
+// The int32 sums are exact (|sum(hi * q)| <= 128 * 127 * K: no overflow below K = 130,000) and combined in double.
+// W stays row-major (the FMA product's layout): one row of W is read once for every row of x, in groups of four,
+// while it sits in L1. Each row of x is quantized alone, so a row's logits do not depend on the rows beside it.
+static const int8_t* quantize_x_sdot(const float* X, int R, int K, int KP, float* xs) {
+    static thread_local int8_t* xq = nullptr;
+    static thread_local int64_t capacity = 0;
+    if (capacity < (int64_t)R * 2 * KP) {
+        delete[] xq;
+        capacity = (int64_t)R * 2 * KP;
+        xq = new int8_t[capacity];
+    }
+    for (int r = 0; r < R; r++) {
+        const float* x = X + (int64_t)r * K;
+        float amax = 0.0f;
+        for (int k = 0; k < K; k++) amax = fmaxf(amax, fabsf(x[k]));
+        xs[r] = amax / 16383.0f;
+        const float inv = amax > 0.0f ? 16383.0f / amax : 0.0f;
+        int8_t* hi = xq + (int64_t)r * 2 * KP;
+        int8_t* lo = hi + KP;
+        for (int k = 0; k < KP; k++) {  // |x * inv| <= 16383, rounded to nearest even; the tail past K is 0
+            const int32_t q = k < K ? (int32_t)lrintf(x[k] * inv) : 0;
+            hi[k] = (int8_t)(q >> 7);  // arithmetic shift: floor(q / 128)
+            lo[k] = (int8_t)(q & 127);
+        }
+    }
+    return xq;
+}
+
+// RB (1-4) rows of x against row n of W: for each row of x a sum of the hi bytes' products and one of the lo
+// bytes', each over two independent chains (even and odd groups of 16 inputs).
+#define SDOT(j, A, w, k) if constexpr (RB > j) {                                                     \
+        h##j##A = vdotq_s32(h##j##A, w, vld1q_s8(xq + (int64_t)j * 2 * KP + (k)));                   \
+        l##j##A = vdotq_s32(l##j##A, w, vld1q_s8(xq + (int64_t)j * 2 * KP + KP + (k))); }
+#define SDOTS(A, w, k) SDOT(0, A, w, k) SDOT(1, A, w, k) SDOT(2, A, w, k) SDOT(3, A, w, k)
+#define SOUT(j) if constexpr (RB > j) {                                                              \
+        const double d = 128.0 * vaddvq_s32(vaddq_s32(h##j##a, h##j##b)) + vaddvq_s32(vaddq_s32(l##j##a, l##j##b)); \
+        finish<E>(Y + (int64_t)j * N + n, (float)d * xs[j] * s[n] + (b ? b[n] : 0.0f)); }
+template <int E, int RB>
+static void sdot_rows(const int8_t* w, const int8_t* xq, const float* xs, const float* s, const float* b, float* Y,
+                      int N, int K, int KP, int n) {
+    const int32x4_t z = vdupq_n_s32(0);
+    int32x4_t h0a = z, h0b = z, h1a = z, h1b = z, h2a = z, h2b = z, h3a = z, h3b = z;
+    int32x4_t l0a = z, l0b = z, l1a = z, l1b = z, l2a = z, l2b = z, l3a = z, l3b = z;
+    int k = 0;
+    for (; k + 32 <= K; k += 32) {
+        if (k % 64 == 0) simd::fetch_near(w + K + k);  // the next row, into L1
+        const int8x16_t w0 = vld1q_s8(w + k), w1 = vld1q_s8(w + k + 16);
+        SDOTS(a, w0, k) SDOTS(b, w1, k + 16)
+    }
+    for (; k < K; k += 16) {  // the last 1-31 inputs; past K, x's bytes are 0 and W's are not read
+        int8_t tail[16] = {0};
+        memcpy(tail, w + k, K - k >= 16 ? 16 : K - k);
+        const int8x16_t wt = vld1q_s8(tail);
+        SDOTS(a, wt, k)
+    }
+    SOUT(0) SOUT(1) SOUT(2) SOUT(3)
+}
+#undef SDOT
+#undef SDOTS
+#undef SOUT
+
+// Y (R, N) from X (R, K) and row-major int8 W: this thread's share [n0, n1) of the outputs.
+template <int E>
+static void gemv_sdot(const int8_t* W, const float* X, const float* s, const float* b, float* Y, int R, int N, int K,
+                      int n0, int n1) {
+    const int KP = (K + 15) / 16 * 16;
+    static thread_local float* xs = nullptr;
+    static thread_local int rows = 0;
+    if (rows < R) {
+        delete[] xs;
+        rows = R;
+        xs = new float[rows];
+    }
+    const int8_t* xq = quantize_x_sdot(X, R, K, KP, xs);
+    for (int n = n0; n < n1; n++) {
+        const int8_t* w = W + (int64_t)n * K;
+        for (int r = 0; r < R; r += 4) {
+            const int8_t* q = xq + (int64_t)r * 2 * KP;
+            float* y = Y + (int64_t)r * N;
+            switch (R - r >= 4 ? 4 : R - r) {
+                case 4: sdot_rows<E, 4>(w, q, xs + r, s, b, y, N, K, KP, n); break;
+                case 3: sdot_rows<E, 3>(w, q, xs + r, s, b, y, N, K, KP, n); break;
+                case 2: sdot_rows<E, 2>(w, q, xs + r, s, b, y, N, K, KP, n); break;
+                default: sdot_rows<E, 1>(w, q, xs + r, s, b, y, N, K, KP, n); break;
+            }
+        }
+    }
+}
+#endif
+
 // Y (R, N) = X (R, K) W^T + b, W (N, K) in the model's format (s, sums: int8's per-row scales and sums), epilogue
 // E; the outputs are split evenly over the threads, then all wait for all.
 template <int E>
@@ -471,6 +578,10 @@ static void linear(const Model& m, const void* W, const float* s, const int32_t*
             gemv_vnni<E>((const int8_t*)W, X, s, sums, b, Y, R, N, K, n0, n1);
 #else
             __builtin_trap();  // unreachable: Python never asks a library built without VNNI for the VNNI layout
+#endif
+#if defined(GPTLAB_SIMD_NEON) && defined(__ARM_FEATURE_DOTPROD)
+        } else if (m.weights == INT8_FMA) {
+            gemv_sdot<E>((const int8_t*)W, X, s, b, Y, R, N, K, n0, n1);
 #endif
         } else if (R == 1 && m.weights == INT8_FMA) {
             gemv_row1_int8<E>((const int8_t*)W, X, s, b, Y, K, n0, n1);
