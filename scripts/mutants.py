@@ -99,6 +99,9 @@ MODULES = {
     "evaluate": _m("evaluate", "test_evaluate test_hf"),
     "optim": _m("optim", "test_optim test_train"),
     "int8": _m("inference/int8", "test_int8"),
+    # issue 25: the named kernel builds and the CPU's features they are chosen by; bench generate --quality's measures
+    "native": _m("inference/native machine", "test_machine test_fused test_compiled test_kernel_mutants"),
+    "quality": _m("bench/quality", "test_int8"),
     "tasks": _m("tasks/items tasks/score tasks/measure tasks/report tasks/harness cli/task_verbs",
                 "test_tasks test_harness"),
     "reference": _m("reference/model reference/optim reference/native reference/train reference/check compiled",
