@@ -36,15 +36,15 @@ STEPS, ROWS = 9, 5  # 5 rows: the sdot product's groups of 4 rows and of 1
 
 
 def cross_build(build: str, folder: Path, opt: str = "-O3", simd_h: Path | None = None,
-                source: Path = native.SOURCE) -> Path:
-    """The driver with the kernel of ARM build `build` compiled in, static, for qemu-user. `simd_h`: a vector layer
-    to use instead of gptlab's (found first: it is copied beside the sources); `source`: a kernel source to use
-    instead of gptlab's decode.cpp."""
+                products_h: Path | None = None) -> Path:
+    """The driver with the kernel of ARM build `build` compiled in, static, for qemu-user. `simd_h`, `products_h`: a
+    vector layer, ISA products to use instead of gptlab's (found first: each is copied beside the sources)."""
     folder.mkdir(parents=True, exist_ok=True)
-    shutil.copy(DRIVER, folder / DRIVER.name)
-    shutil.copy(source, folder / native.SOURCE.name)
-    if simd_h is not None:
-        shutil.copy(simd_h, folder / "simd.h")
+    for source in (DRIVER, native.SOURCE):
+        shutil.copy(source, folder / source.name)
+    for header, name in ((simd_h, "simd.h"), (products_h, "products.h")):
+        if header is not None:
+            shutil.copy(header, folder / name)
     out = folder / f"drive-{build}"
     flags = [opt, *native.FLAGS[1:], *native.BUILDS[build].target]
     flags = [f for f in flags if f not in ("-shared", "-fPIC")]
@@ -177,7 +177,7 @@ def test_a_broken_neon_layer_fails_under_qemu(name, tmp_path):
     assert any(got[case] > tolerance[case] for case in got), f"the comparison passes the ARM build with {name}: {got}"
 
 
-# broken copies of the sdot product (decode.cpp's gemv_sdot, armv8.2-a+dotprod builds), each past VNNI's tolerance
+# broken copies of the sdot product (csrc/products.h's gemv_sdot, armv8.2-a+dotprod builds), each past VNNI's tolerance
 SDOT_MUTANTS = {
     "sdot: the hi bytes' sum weighted 64, not 128": ("const double d = 128.0 *", "const double d = 64.0 *"),
     "sdot: x's low 8 bits kept, not 7": ("lo[k] = (int8_t)(q & 127);", "lo[k] = (int8_t)(q & 255);"),
@@ -189,12 +189,10 @@ SDOT_MUTANTS = {
 @pytest.mark.parametrize("name", SDOT_MUTANTS)
 def test_a_broken_sdot_product_fails_under_qemu(name, tmp_path):
     old, new = SDOT_MUTANTS[name]
-    text = native.SOURCE.read_text()
-    assert text.count(old) == 1, f"{old!r} is not once in decode.cpp: the mutant no longer applies"
-    (tmp_path / "src").mkdir()
-    mutant = tmp_path / "src" / native.SOURCE.name
-    mutant.write_text(text.replace(old, new))
-    driver = cross_build("armv8.2-a+dotprod", tmp_path / "build", "-O1", source=mutant)
+    text = (compiled.INCLUDE / "products.h").read_text()
+    assert text.count(old) == 1, f"{old!r} is not once in products.h: the mutant no longer applies"
+    (tmp_path / "mutant.h").write_text(text.replace(old, new))
+    driver = cross_build("armv8.2-a+dotprod", tmp_path / "build", "-O1", products_h=tmp_path / "mutant.h")
     got = errors(driver, "max", tmp_path, only="int8")
     tolerance = {case: tol for case, _, tol in cases("armv8.2-a+dotprod")}
     assert any(got[case] > tolerance[case] for case in got), f"the comparison passes the sdot build with {name}: {got}"

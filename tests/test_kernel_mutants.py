@@ -169,18 +169,22 @@ ABI_MUTANTS = {
 }
 
 
-def mutated_source(edits: list[tuple[str, str]], folder, file: str = "decode.cpp") -> Path:
-    """decode.cpp and the vector layer simd.h (which an #include "simd.h" finds beside it first) written into
-    `folder`, `edits` applied to `file` (each must still apply); returns decode.cpp's path there."""
+KERNEL_FILES = (native.SOURCE, compiled.INCLUDE / "simd.h", compiled.INCLUDE / "products.h")
+
+
+def mutated_source(edits: list[tuple[str, str]], folder, file: str | None = None) -> Path:
+    """decode.cpp with the vector layer simd.h and the ISA products products.h (which its #includes find beside it
+    first) written into `folder`, `edits` applied in order, each to `file` or else to the one of the three that
+    holds its old text (each must still apply); returns decode.cpp's path there."""
     folder.mkdir(parents=True, exist_ok=True)
-    shutil.copy(compiled.INCLUDE / "simd.h", folder / "simd.h")
-    shutil.copy(native.SOURCE, folder / "decode.cpp")
-    text = (folder / file).read_text()
+    texts = {f.name: f.read_text() for f in KERNEL_FILES}
     for old, new in edits:
-        assert old in text, f"{old!r} is not in {file}: the mutant no longer applies"
-        text = text.replace(old, new)
-    (folder / file).write_text(text)
-    return folder / "decode.cpp"
+        holders = [name for name, text in texts.items() if old in text and name == (file or name)]
+        assert len(holders) == 1, f"{old!r} is in {holders or 'none'} of the kernel's files: the mutant is stale"
+        texts[holders[0]] = texts[holders[0]].replace(old, new)
+    for name, text in texts.items():
+        (folder / name).write_text(text)
+    return folder / native.SOURCE.name
 
 
 def test_the_kernel_reports_the_layout_gptlab_passes(fused_kernel):
