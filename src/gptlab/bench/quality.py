@@ -15,7 +15,7 @@ from gptlab.config import SampleConfig
 from gptlab.data.batches import load_dataset
 from gptlab.engine import generate_batch
 from gptlab.errors import GptlabError
-from gptlab.inference import prepare_for_inference
+from gptlab.inference import bf16_storage_possible, prepare_for_inference
 from gptlab.runtime import bf16_supported
 
 TORCH_INT8 = "int8 (torch step)"
@@ -56,7 +56,8 @@ def _same_length(rows: list[torch.Tensor]) -> list[list[torch.Tensor]]:
 
 
 def int8_quality(run: str, prompts: int = 8, prompt_tokens: int = 16, new_tokens: int = 32) -> list[str]:
-    """int8 beside bf16 (fp32 where the CPU has no native bf16) on a trained run: the validation perplexity of
+    """int8 beside bf16 (fp32 where the CPU neither computes bf16 nor builds the native step that stores it) on a
+    trained run: the validation perplexity of
     each (the weights each decodes with), and greedy continuations of `prompts` windows of the validation split,
     how many agree for all `new_tokens` tokens and the shortest agreeing prefix; where the base is bf16, fp32 beside
     both too, the yardstick of what bf16's own rounding changes; where int8 decodes natively, the torch int8 path's
@@ -72,7 +73,8 @@ def int8_quality(run: str, prompts: int = 8, prompt_tokens: int = 16, new_tokens
     if data_dir is None:
         raise GptlabError(f"run {run} has no data of its own to score int8 on (it was imported)")
     val = load_dataset(data_dir).val
-    base = "bf16" if bf16_supported(torch.device("cpu")) else "fp32"
+    cpu = torch.device("cpu")
+    base = "bf16" if bf16_supported(cpu) or bf16_storage_possible(cpu) else "fp32"  # bf16 as sample would decode it
     precisions = ["fp32", "bf16", "int8"] if base == "bf16" else ["fp32", "int8"]
     step = max(1, (len(val) - prompt_tokens) // prompts)
     windows = [val[i * step:i * step + prompt_tokens].tolist() for i in range(prompts)]
