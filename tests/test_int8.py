@@ -255,7 +255,19 @@ def test_sample_and_eval_run_in_int8_end_to_end(tmp_path, monkeypatch, capsys, c
         tables[precision] = capsys.readouterr().out.strip().splitlines()[-1]
     fp32_loss, int8_loss = (float(tables[p].split()[-5]) for p in ("fp32", "int8"))
     assert abs(int8_loss - fp32_loss) <= 0.01 * fp32_loss
-    perplexity, *rest = int8_quality("runs/tiny", prompts=2, new_tokens=4)  # bench generate --quality
+    import gptlab.bench.quality as quality
+
+    prepared, temperatures = [], []  # what each continuation is decoded from, and how
+    prepare, generate = quality.prepare_for_inference, quality.generate_batch
+    with monkeypatch.context() as m:
+        m.setattr(quality, "prepare_for_inference", lambda model, precision="fp32", fused=True, **kw: (
+            prepared.append((precision, fused)) or prepare(model, precision, fused, **kw)))
+        m.setattr(quality, "generate_batch", lambda model, prompts, cfg, *a, **kw: (
+            temperatures.append(cfg.temperature) or generate(model, prompts, cfg, *a, **kw)))
+        perplexity, *rest = int8_quality("runs/tiny", prompts=2, new_tokens=4)  # bench generate --quality
+    assert set(temperatures) == {0}  # greedy continuations, every one
+    fused = native.load_library() is not None
+    assert prepared[-1] == (("int8", False) if fused else ("int8", True))  # the torch step's: int8 weights too
     kl = [line for line in rest if "KL divergence" in line]
     greedy = [line for line in rest if " greedy: " in line]
     assert len(kl) + len(greedy) == len(rest)
