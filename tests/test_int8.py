@@ -294,6 +294,11 @@ def test_sample_and_eval_run_in_int8_end_to_end(tmp_path, monkeypatch, capsys, c
     assert rest[0].startswith("int8 vs fp32: perplexity ") and "KL divergence" in rest[0]
     assert rest[1].startswith("int8 vs fp32 greedy: ")
     assert not any("bf16" in line for line in rest) and len(rest) in (2, 3), rest
+    with monkeypatch.context() as m:  # a run with no data folder of its own (imported from Hugging Face)
+        m.setattr("gptlab.runs.run_data_dir", lambda run: None)
+        with pytest.raises(GptlabError, match=r"^run runs/tiny has no data of its own to score int8 on \(it was "
+                                              r"imported\)$"):
+            int8_quality("runs/tiny")
     assert main(["train", "--data", "data", "--run", "runs/t8", "--precision", "int8"]) == 2
     assert "invalid choice: 'int8'" in capsys.readouterr().err
 
