@@ -134,11 +134,14 @@ def test_builds_are_named_by_their_target_and_share_a_folder(tmp_path, monkeypat
     for stale in (old_source, other_flags, by_cpu, unnamed):
         stale.write_bytes(b"not a library: loading this fails")
     lib = native.build_library(native.SOURCE, folder, "plain", O0)
-    assert native.describe(lib).startswith("plain (")
+    assert native.describe(lib) == "plain (generic, 8 lanes)"  # compiler vectors, no ISA's own products
     key = native._flags_key(native._compiler(), (*O0, *plain.target))
     assert sorted(folder.iterdir()) == sorted([other_flags, folder / f"decode-plain-{key}-{code}.so"])
     mine = native.build_library(native.SOURCE, folder, best, O0)
     assert native.describe(mine).startswith(best.name) and len(list(folder.iterdir())) == 3  # both builds kept
+    products = {"bf16 dot products": "avx512_bf16", "int8 by VNNI": "avx512_vnni", "int8 by sdot": "asimddp"}
+    assert all((name in native.describe(mine)) == (flag in best.needs)
+               for name, flag in products.items()), native.describe(mine)  # each product where the build has it
 
     monkeypatch.setenv("GPTLAB_KERNEL_BUILD", "plain")
     assert native.build_for_cpu() is plain
