@@ -155,7 +155,10 @@ def test_lm_eval_local_completions_grades_the_server_as_the_harness_model_does(b
             item.continuations]
     requests = [Instance(request_type="loglikelihood", doc={}, arguments=a, idx=i) for i, a in enumerate(args)]
     theirs, ours = remote.loglikelihood(requests, disable_tqdm=True), local.loglikelihood(requests)
-    assert max(abs(a[0] - b[0]) for a, b in zip(theirs, ours)) <= 1e-4
+    # 1e-3: the server scores prompts through oneDNN's packed products, the harness model through the plain forward,
+    # in other orders of summation; measured up to 4.2e-4 (once in 20 random-order runs on a loaded machine, else
+    # under 1e-4). A token scored at the wrong position or left out moves a log-likelihood by a tenth or more.
+    assert max(abs(a[0] - b[0]) for a, b in zip(theirs, ours)) <= 1e-3
     assert [a[1] for a in theirs] == [b[1] for b in ours]
     (tmp_path / "choices.yaml").write_text(
         f"task: gptlab_served_choices\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    validation: "
