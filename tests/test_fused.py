@@ -25,7 +25,7 @@ from gptlab.engine import generate_batch, generate_uncached
 from gptlab.inference import TorchStep, native, prepare_for_inference
 from gptlab.inference.fused import FusedDecoder, fused_decoder
 from gptlab.inference.weights import move_to_huge_pages
-from gptlab.machine import X86_64
+from gptlab.machine import X86_64, cpu_flags
 from gptlab.model import GPT, Bigram
 from gptlab.runtime import bf16_supported
 
@@ -147,10 +147,18 @@ def test_builds_are_named_by_their_target_and_share_a_folder(tmp_path, monkeypat
     assert native.build_for_cpu() is plain
     foreign = "armv8-a" if platform.machine() in X86_64 else "x86-64-v3"
     monkeypatch.setenv("GPTLAB_KERNEL_BUILD", foreign)
-    with pytest.raises(native.UnknownBuild, match=f"the {foreign} kernel build needs .* which this CPU lacks"):
+    with pytest.raises(native.UnknownBuild) as refused:
         native.build_for_cpu()
-    with pytest.raises(native.UnknownBuild, match="no kernel build named 'avx9'.*x86-64-v3"):
+    lacks = "an aarch64/arm64 CPU" if foreign == "armv8-a" else ", ".join(sorted(set(native.BUILDS[foreign].needs)
+                                                                                 - cpu_flags()))
+    assert str(refused.value) == (f"the {foreign} kernel build needs {lacks}, which this CPU lacks: pick one of "
+                                  + ", ".join(b.name for b in native.BUILDS.values() if b.runs_here()))
+    with pytest.raises(native.UnknownBuild) as refused:
         native.build_for_cpu("avx9")
+    assert str(refused.value) == ("no kernel build named 'avx9' (GPTLAB_KERNEL_BUILD): the builds are "
+                                  "x86-64-v4+vnni+bf16, x86-64-v4+vnni, x86-64-v4+bf16, x86-64-v4, x86-64-v3, "
+                                  "armv8.2-a+dotprod, armv8-a, plain")
+    assert native.cpu_has_int8_vnni() == ({"avx512_vnni", "avx512f"} <= cpu_flags())  # /proc/cpuinfo's name
 
 
 def test_collecting_the_tests_builds_nothing_and_writes_nothing_into_the_users_cache(tmp_path):
