@@ -35,16 +35,15 @@ RUNS = [("armv8-a", "cortex-a53"), ("armv8-a", "max"), ("armv8.2-a+dotprod", "ma
 STEPS, ROWS = 9, 5  # 5 rows: the sdot product's groups of 4 rows and of 1
 
 
-def cross_build(build: str, folder: Path, opt: str = "-O3", simd_h: Path | None = None,
-                products_h: Path | None = None) -> Path:
-    """The driver with the kernel of ARM build `build` compiled in, static, for qemu-user. `simd_h`, `products_h`: a
-    vector layer, ISA products to use instead of gptlab's (found first: each is copied beside the sources)."""
+def cross_build(build: str, folder: Path, opt: str = "-O3", headers: dict[str, Path] | None = None) -> Path:
+    """The driver with the kernel of ARM build `build` compiled in, static, for qemu-user. `headers`: gptlab/csrc
+    headers by name (simd.h, products.h) to use instead of gptlab's (found first: each is copied beside the
+    sources)."""
     folder.mkdir(parents=True, exist_ok=True)
     for source in (DRIVER, native.SOURCE):
         shutil.copy(source, folder / source.name)
-    for header, name in ((simd_h, "simd.h"), (products_h, "products.h")):
-        if header is not None:
-            shutil.copy(header, folder / name)
+    for name, header in (headers or {}).items():
+        shutil.copy(header, folder / name)
     out = folder / f"drive-{build}"
     flags = [opt, *native.FLAGS[1:], *native.BUILDS[build].target]
     flags = [f for f in flags if f not in ("-shared", "-fPIC")]
@@ -155,44 +154,33 @@ def test_an_arm_build_under_qemu_matches_the_torch_forward(drivers, build, cpu, 
     assert all(got[name] <= tolerance[name] for name in got), got
 
 
-# broken copies of the NEON vector code (csrc/simd.h): each changes the logits far past the tolerance
-NEON_MUTANTS = {
-    "NEON sum drops the upper half": ("float32x2_t h = vadd_f32(vget_low_f32(v), vget_high_f32(v));",
-                                      "float32x2_t h = vget_low_f32(v);"),
-    "NEON int8 weights read unsigned": ("int16x8_t wide = vmovl_s8(vreinterpret_s8_s32(vdup_n_s32(four)));",
+# broken copies of the ARM code, each changing the logits far past the tolerance: (the header it is in, the build
+# that compiles it, the cases it touches, old text, new text). NEON's vector layer (csrc/simd.h) in the armv8-a
+# build; the sdot product (csrc/products.h's gemv_sdot) in the armv8.2-a+dotprod build, held to VNNI's tolerance
+ARM_MUTANTS = {
+    "NEON sum drops the upper half": ("simd.h", "armv8-a", "", "float32x2_t h = vadd_f32(vget_low_f32(v), "
+                                      "vget_high_f32(v));", "float32x2_t h = vget_low_f32(v);"),
+    "NEON int8 weights read unsigned": ("simd.h", "armv8-a", "",
+                                        "int16x8_t wide = vmovl_s8(vreinterpret_s8_s32(vdup_n_s32(four)));",
                                         "int16x8_t wide = vreinterpretq_s16_u16(vmovl_u8(vreinterpret_u8_s32("
                                         "vdup_n_s32(four))));"),
-}
-
-
-@pytest.mark.parametrize("name", NEON_MUTANTS)
-def test_a_broken_neon_layer_fails_under_qemu(name, tmp_path):
-    old, new = NEON_MUTANTS[name]
-    text = (compiled.INCLUDE / "simd.h").read_text()
-    assert old in text, f"{old!r} is not in simd.h: the mutant no longer applies"
-    (tmp_path / "mutant.h").write_text(text.replace(old, new))
-    driver = cross_build("armv8-a", tmp_path / "build", "-O1", tmp_path / "mutant.h")
-    got = errors(driver, "max", tmp_path)
-    tolerance = {case: tol for case, _, tol in cases()}
-    assert any(got[case] > tolerance[case] for case in got), f"the comparison passes the ARM build with {name}: {got}"
-
-
-# broken copies of the sdot product (csrc/products.h's gemv_sdot, armv8.2-a+dotprod builds), each past VNNI's tolerance
-SDOT_MUTANTS = {
-    "sdot: the hi bytes' sum weighted 64, not 128": ("const double d = 128.0 *", "const double d = 64.0 *"),
-    "sdot: x's low 8 bits kept, not 7": ("lo[k] = (int8_t)(q & 127);", "lo[k] = (int8_t)(q & 255);"),
-    "sdot: the last inputs past a group of 16 dropped": ("for (; k < K; k += 16) {  // the last 1-31",
+    "sdot: the hi bytes' sum weighted 64, not 128": ("products.h", "armv8.2-a+dotprod", "int8",
+                                                     "const double d = 128.0 *", "const double d = 64.0 *"),
+    "sdot: x's low 8 bits kept, not 7": ("products.h", "armv8.2-a+dotprod", "int8", "lo[k] = (int8_t)(q & 127);",
+                                         "lo[k] = (int8_t)(q & 255);"),
+    "sdot: the last inputs past a group of 16 dropped": ("products.h", "armv8.2-a+dotprod", "int8",
+                                                         "for (; k < K; k += 16) {  // the last 1-31",
                                                          "for (; k + 16 <= K; k += 16) {  // the last 1-31"),
 }
 
 
-@pytest.mark.parametrize("name", SDOT_MUTANTS)
-def test_a_broken_sdot_product_fails_under_qemu(name, tmp_path):
-    old, new = SDOT_MUTANTS[name]
-    text = (compiled.INCLUDE / "products.h").read_text()
-    assert text.count(old) == 1, f"{old!r} is not once in products.h: the mutant no longer applies"
-    (tmp_path / "mutant.h").write_text(text.replace(old, new))
-    driver = cross_build("armv8.2-a+dotprod", tmp_path / "build", "-O1", products_h=tmp_path / "mutant.h")
-    got = errors(driver, "max", tmp_path, only="int8")
-    tolerance = {case: tol for case, _, tol in cases("armv8.2-a+dotprod")}
-    assert any(got[case] > tolerance[case] for case in got), f"the comparison passes the sdot build with {name}: {got}"
+@pytest.mark.parametrize("name", ARM_MUTANTS)
+def test_a_broken_arm_build_fails_under_qemu(name, tmp_path):
+    header, build, only, old, new = ARM_MUTANTS[name]
+    text = (compiled.INCLUDE / header).read_text()
+    assert text.count(old) == 1, f"{old!r} is not once in {header}: the mutant no longer applies"
+    (tmp_path / header).write_text(text.replace(old, new))
+    driver = cross_build(build, tmp_path / "build", "-O1", {header: tmp_path / header})
+    got = errors(driver, "max", tmp_path, only)
+    tolerance = {case: tol for case, _, tol in cases(build)}
+    assert any(got[case] > tolerance[case] for case in got), f"the comparison passes {build} with {name}: {got}"

@@ -57,11 +57,11 @@ def _same_length(rows: list[torch.Tensor]) -> list[list[torch.Tensor]]:
 
 def int8_quality(run: str, prompts: int = 8, prompt_tokens: int = 16, new_tokens: int = 32) -> list[str]:
     """int8 beside bf16 (fp32 where the CPU neither computes bf16 nor builds the native step that stores it) on a
-    trained run: the validation perplexity of
-    each (the weights each decodes with), and greedy continuations of `prompts` windows of the validation split,
-    how many agree for all `new_tokens` tokens and the shortest agreeing prefix; where the base is bf16, fp32 beside
-    both too, the yardstick of what bf16's own rounding changes; where int8 decodes natively, the torch int8 path's
-    text beside fp32's too, what the int8 weights alone change. Returns the lines."""
+    trained run: the validation perplexity of each (the weights each decodes with), and greedy continuations of
+    `prompts` windows of the validation split, how many agree for all `new_tokens` tokens and the shortest agreeing
+    prefix; where the base is bf16, fp32 beside both too, the yardstick of what bf16's own rounding changes; where
+    int8 decodes natively, the torch int8 path's text beside fp32's too, what the int8 weights alone change. Returns
+    the lines."""
     import math
 
     from gptlab.checkpoint import load_run

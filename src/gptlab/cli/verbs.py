@@ -216,7 +216,8 @@ def add_sample(p: argparse.ArgumentParser) -> None:
     p.add_argument("--precision", choices=INFERENCE_PRECISIONS, default="auto",
                    help="inference weights: fp32 (the reference), bf16 (faster where the hardware computes it "
                         "natively; see docs/benchmarks.md), int8 (weight-only, per-row scales, fp32 activations: "
-                        "half bf16's bytes to read per token), or auto (bf16 where native or where the native decode step stores it, else fp32) (default auto)")
+                        "half bf16's bytes to read per token), or auto (bf16 where native or where the native "
+                        "decode step stores it, else fp32) (default auto)")
     p.add_argument("--engine", choices=ENGINES, default="torch",
                    help="torch (the KV-cached engine and its fast paths) or reference (the naive C++ engine: fp32, "
                         "no KV cache, every step recomputes the window) (default torch)")

@@ -8,6 +8,20 @@
 // FMAs over widened weights, so x86-64-v3 widens.
 #pragma once
 
+// This thread's buffer TAG of at least `count` T's, for x rounded or quantized by each thread (all of X: R x K
+// numbers, far fewer than the weights it then reads, and no barrier). It grows and never shrinks (no reallocation
+// between the model's widths) and lives as long as the thread.
+template <typename T, int TAG> static T* scratch(int64_t count) {
+    static thread_local T* buffer = nullptr;
+    static thread_local int64_t capacity = 0;
+    if (capacity < count) {
+        delete[] buffer;
+        capacity = count;
+        buffer = new T[capacity];
+    }
+    return buffer;
+}
+
 #ifdef __AVX512BF16__
 // DotBF16: bf16 weights on a CPU with AVX512-BF16; x is rounded to bf16 too (as a bf16 model's activations are)
 // and each vdpbf16ps does 32 multiply-adds into fp32 sums, half the instructions of widening W.
@@ -28,16 +42,9 @@ struct DotBF16 {
 #endif
 
 #ifdef __AVX512BF16__
-// X rounded to bf16 for DotBF16, into this thread's buffer (each thread rounds all of X: R x K numbers, far
-// fewer than the weights it then reads, and no barrier).
+// X rounded to bf16 for DotBF16, into this thread's `scratch`.
 static const bf16* to_bf16(const float* X, int64_t count) {
-    static thread_local bf16* xb = nullptr;
-    static thread_local int64_t capacity = 0;
-    if (capacity < count) {
-        delete[] xb;
-        capacity = count;
-        xb = new bf16[capacity];
-    }
+    bf16* xb = scratch<bf16, 0>(count);
     for (int64_t i = 0; i < count; i += 32) {
         int64_t left = count - i;
         __mmask16 lo = left >= 16 ? 0xFFFF : (__mmask16)((1u << left) - 1);
@@ -74,20 +81,10 @@ struct QuantizedX {
     const float* scale;  // (R,): sx
 };
 
-// X (R, K) quantized into this thread's buffers (each thread quantizes all of X, as to_bf16 does: far fewer
-// numbers than the weights it then reads, and no barrier).
+// X (R, K) quantized into this thread's `scratch` buffers.
 static QuantizedX quantize_x(const float* X, int R, int K, int KP) {
-    static thread_local uint8_t* xq = nullptr;
-    static thread_local float* xs = nullptr;
-    static thread_local int64_t capacity = 0, rows = 0;
-    if (capacity < (int64_t)R * 2 * KP || rows < R) {
-        delete[] xq;
-        delete[] xs;
-        capacity = capacity > (int64_t)R * 2 * KP ? capacity : (int64_t)R * 2 * KP;  // never shrinks: no
-        rows = rows > R ? rows : R;                                                     // reallocation between widths
-        xq = new uint8_t[capacity];
-        xs = new float[rows];
-    }
+    uint8_t* xq = scratch<uint8_t, 1>((int64_t)R * 2 * KP);
+    float* xs = scratch<float, 2>(R);
     for (int r = 0; r < R; r++) {
         const float* x = X + (int64_t)r * K;
         __m512 top = _mm512_setzero_ps();
@@ -186,14 +183,10 @@ static void gemv_vnni(const int8_t* W, const float* X, const float* s, const int
 // The int32 sums are exact (|sum(hi * q)| <= 128 * 127 * K: no overflow below K = 130,000) and combined in double.
 // W stays row-major (the FMA product's layout): one row of W is read once for every row of x, in groups of four,
 // while it sits in L1. Each row of x is quantized alone, so a row's logits do not depend on the rows beside it.
+// X (R, K) quantized into this thread's `scratch` buffers: (R, 2, KP) bytes, each row's hi then its lo, and R
+// scales sx.
 static const int8_t* quantize_x_sdot(const float* X, int R, int K, int KP, float* xs) {
-    static thread_local int8_t* xq = nullptr;
-    static thread_local int64_t capacity = 0;
-    if (capacity < (int64_t)R * 2 * KP) {
-        delete[] xq;
-        capacity = (int64_t)R * 2 * KP;
-        xq = new int8_t[capacity];
-    }
+    int8_t* xq = scratch<int8_t, 3>((int64_t)R * 2 * KP);
     for (int r = 0; r < R; r++) {
         const float* x = X + (int64_t)r * K;
         float amax = 0.0f;
@@ -249,13 +242,7 @@ template <int E>
 static void gemv_sdot(const int8_t* W, const float* X, const float* s, const float* b, float* Y, int R, int N, int K,
                       int n0, int n1) {
     const int KP = (K + 15) / 16 * 16;
-    static thread_local float* xs = nullptr;
-    static thread_local int rows = 0;
-    if (rows < R) {
-        delete[] xs;
-        rows = R;
-        xs = new float[rows];
-    }
+    float* xs = scratch<float, 4>(R);
     const int8_t* xq = quantize_x_sdot(X, R, K, KP, xs);
     for (int n = n0; n < n1; n++) {
         const int8_t* w = W + (int64_t)n * K;

@@ -176,19 +176,19 @@ def load_for_inference(run: str | Path, device: torch.device | str = "cpu", prec
                        decode: bool = True, check: Callable[[Tokenizer], object] | None = None) -> InferenceRun:
     """A run's best (else latest) checkpoint on `device` ("auto" picks it), in `precision` ("auto": bf16 where the
     hardware computes it natively or, with `decode`, where the native step stores it; else fp32). With `decode`
-    (sample, serve) the model is made fast to generate
-    with (`prepare_for_inference`); without it (eval, which scores through the model's forward) it keeps its fp32
-    weights, bf16 being autocast by the caller, and int8 weights run through the torch reference path. Raises
+    (sample, serve) the model is made fast to generate with (`prepare_for_inference`); without it (eval, which
+    scores through the model's forward) it keeps its fp32 weights, bf16 being autocast by the caller, and int8
+    weights run through the torch reference path. Raises
     GptlabError, before loading anything, for a precision or device this machine lacks, and for a folder that is
     not a run or has no usable checkpoint. `check`, given the run's tokenizer once the run is loaded and before the
     model is prepared, is where a caller refuses what it reads with it (sample's prompt) before that work."""
     from gptlab.checkpoint import load_run  # loading a run is the checkpoint module's; only this entry point needs it
 
     device = resolve_device(device) if isinstance(device, str) else device
-    # "auto" stores bf16 where the native step decodes it; scoring alone (no decode) runs torch's forward, where bf16
-    # without native products is slower than fp32: its "auto" is bf16 only where native
     storage = bf16_storage_possible(device)
-    precision = resolve_precision(precision, device, storage if decode or precision != "auto" else False)
+    if precision == "auto" and not decode:  # scoring alone runs torch's forward, where bf16 without native
+        storage = False                     # products is slower than fp32: its "auto" is bf16 only where native
+    precision = resolve_precision(precision, device, storage)
     loaded = load_run(run, device=device)
     if check is not None:
         check(loaded.tokenizer)

@@ -93,7 +93,7 @@ _V3 = ("avx", "avx2", "bmi1", "bmi2", "f16c", "fma", "abm", "movbe", "xsave")  #
 _V4 = (*_V3, "avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl")  # x86-64-v4
 _VNNI, _BF16 = ("-mavx512vnni", "avx512_vnni"), ("-mavx512bf16", "avx512_bf16")
 # Best first: the CPU gets the first it runs. The AVX-512 builds add the byte products (VNNI) and bf16 dot products
-# where the CPU has them; ARM's dot-product build multiplies int8 weights by sdot (decode.cpp, gemv_sdot).
+# where the CPU has them; ARM's dot-product build multiplies int8 weights by sdot (csrc/products.h, gemv_sdot).
 BUILDS = {b.name: b for b in [
     *(Build("x86-64-v4" + "".join(f"+{flag[8:]}" for flag, _ in extra), ("-march=x86-64-v4", *(f for f, _ in extra)),
             (*_V4, *(n for _, n in extra)), X86_64)
