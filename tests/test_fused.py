@@ -159,6 +159,13 @@ def test_builds_are_named_by_their_target_and_share_a_folder(tmp_path, monkeypat
                                   "x86-64-v4+vnni+bf16, x86-64-v4+vnni, x86-64-v4+bf16, x86-64-v4, x86-64-v3, "
                                   "armv8.2-a+dotprod, armv8-a, plain")
     assert native.cpu_has_int8_vnni() == ({"avx512_vnni", "avx512f"} <= cpu_flags())  # /proc/cpuinfo's name
+    if platform.machine() in X86_64:  # an AVX2-only CPU: the AVX-512 build names just the flags it lacks
+        monkeypatch.setattr(native, "cpu_flags", lambda: frozenset(["avx", "avx2", "bmi1", "bmi2", "f16c", "fma",
+                                                                     "abm", "movbe", "xsave", "avx512f"]))
+        with pytest.raises(native.UnknownBuild) as refused:
+            native.build_for_cpu("x86-64-v4")
+        assert str(refused.value) == ("the x86-64-v4 kernel build needs avx512bw, avx512cd, avx512dq, avx512vl, "
+                                      "which this CPU lacks: pick one of x86-64-v3, plain")
 
 
 def test_collecting_the_tests_builds_nothing_and_writes_nothing_into_the_users_cache(tmp_path):

@@ -257,15 +257,15 @@ def test_sample_and_eval_run_in_int8_end_to_end(tmp_path, monkeypatch, capsys, c
     assert abs(int8_loss - fp32_loss) <= 0.01 * fp32_loss
     import gptlab.bench.quality as quality
 
-    prepared, temperatures = [], []  # what each continuation is decoded from, and how
+    prepared, settings = [], []  # what each continuation is decoded from, and how
     prepare, generate = quality.prepare_for_inference, quality.generate_batch
     with monkeypatch.context() as m:
         m.setattr(quality, "prepare_for_inference", lambda model, precision="fp32", fused=True, **kw: (
             prepared.append((precision, fused)) or prepare(model, precision, fused, **kw)))
         m.setattr(quality, "generate_batch", lambda model, prompts, cfg, *a, **kw: (
-            temperatures.append(cfg.temperature) or generate(model, prompts, cfg, *a, **kw)))
+            settings.append((cfg.temperature, cfg.max_new_tokens)) or generate(model, prompts, cfg, *a, **kw)))
         perplexity, *rest = int8_quality("runs/tiny", prompts=2, new_tokens=4)  # bench generate --quality
-    assert set(temperatures) == {0}  # greedy continuations, every one
+    assert set(settings) == {(0, 4)}  # greedy continuations of the new_tokens asked for, every one
     fused = native.load_library() is not None
     assert prepared[-1] == (("int8", False) if fused else ("int8", True))  # the torch step's: int8 weights too
     kl = [line for line in rest if "KL divergence" in line]
