@@ -9,8 +9,11 @@ import json
 import multiprocessing
 import os
 import py_compile
+import random
 import shutil
+import signal
 import sys
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -443,3 +446,50 @@ def test_encoding_processes_are_spawned_fresh_and_hold_two_units_each(monkeypatc
         first = next(it)
         assert len(pulled) == 2 * workers and len(multiprocessing.active_children()) - before == workers
         assert [(a.tolist(), b.tolist()) for a, b in [first, *it]] == expected
+
+
+def _consume(it, seconds=120):
+    """What iterating `it` to the end raised, from a thread that may wait at most `seconds` (a wait for ever fails
+    the test instead of hanging it)."""
+    outcome = []
+
+    def run():
+        try:
+            outcome.append(list(it))
+        except BaseException as exc:  # noqa: BLE001 - the test looks at it
+            outcome.append(exc)
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    assert not thread.is_alive(), f"still waiting after {seconds} s"
+    return outcome[0]
+
+
+def test_a_worker_that_dies_ends_the_encoding_with_one_line_and_ends_the_others_instead_of_a_wait_for_ever():
+    rng = random.Random(0)  # 2.6 million characters of distinct words: a unit takes a worker about 0.3 s
+    text = " ".join("".join(rng.choice("abcdefghijklmnopqrstuvwxyzé") for _ in range(rng.randint(2, 9)))
+                    for _ in range(400_000))
+    letters = "abcdefghijklmnopqrstuvwxyz"
+    units = ([(0, text.translate(str.maketrans(letters, letters[i:] + letters[:i])), False)] for i in range(8))
+    before = set(multiprocessing.active_children())
+    it = encoder.encode_units(GPT2Tokenizer(), units, 2)
+    next(it)
+    workers = [p for p in multiprocessing.active_children() if p not in before]
+    assert len(workers) == 2
+    for worker in workers:  # what the out-of-memory killer does, while unit 2 at least is being encoded: a pool
+        os.kill(worker.pid, signal.SIGKILL)  # replaces a dead worker and waits for its unit for ever
+    error = _consume(it, 60)
+    assert isinstance(error, GptlabError) and str(error) == (
+        "a worker process encoding the text was killed by signal 9 (out of memory?); run the same command again to "
+        "continue from the last checkpoint, with --workers 1 if it happens again")
+    assert not [p for p in multiprocessing.active_children() if p not in before]
+
+
+def test_a_units_error_in_a_worker_reaches_the_caller_and_ends_the_workers():
+    before = set(multiprocessing.active_children())
+    units = [[(0, "ab", False)], [(0, "é<|endoftext|>", False)], [(0, "cd", False)], [(0, "ef", False)]]
+    it = encoder.encode_units(GPT2Tokenizer(), units, 2)  # special text is refused unless allowed
+    assert next(it)[0].tolist() == GPT2Tokenizer().encode("ab")
+    error = _consume(it)
+    assert isinstance(error, GptlabError) and "special token" in str(error), error
+    assert not [p for p in multiprocessing.active_children() if p not in before]

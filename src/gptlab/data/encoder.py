@@ -7,19 +7,23 @@ from __future__ import annotations
 
 import itertools
 import multiprocessing
+import queue
 import signal
+import threading
 from collections import deque
 from collections.abc import Iterable, Iterator
+from multiprocessing import connection
+from multiprocessing.connection import Connection
+from typing import Any
 
 import numpy as np
 
+from gptlab.errors import GptlabError
 from gptlab.tokenizer import Tokenizer, from_dict
 
 UNIT_CHARS = 1 << 20
 Piece = tuple[int, str, bool]  # (side: 0 train / 1 val, text, end-of-text after it)
 Unit = list[Piece]
-
-_worker: dict[str, object] = {}
 
 
 def units(pieces: Iterable[Piece], size: int | None = None) -> Iterator[Unit]:
@@ -49,19 +53,67 @@ def encode_unit(tok: Tokenizer, unit: Unit, allow_special: bool) -> tuple[np.nda
     return np.asarray(ids[0], dtype=np.int32), np.asarray(ids[1], dtype=np.int32)
 
 
-def _start_worker(tokenizer: dict, allow_special: bool) -> None:
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle: it ends the pool
-    _worker["tok"], _worker["allow_special"] = from_dict(tokenizer), allow_special
+def _work(tokenizer: dict, allow_special: bool, inbox: Connection, outbox: Connection) -> None:
+    """A worker process: encodes the units that arrive in `inbox`, in order, and sends each result (or the
+    exception it raised) to `outbox`, until None arrives. A thread keeps reading `inbox`, so that the parent's sends
+    never wait for this process to finish sending a result (the cause of a deadlock with two pipes)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle: it ends the workers
+    tok, arrived = from_dict(tokenizer), queue.SimpleQueue()
+
+    def read() -> None:
+        try:
+            while True:
+                arrived.put(inbox.recv())
+        except EOFError:
+            arrived.put(None)
+    threading.Thread(target=read, daemon=True).start()
+    while (unit := arrived.get()) is not None:
+        try:
+            result: object = encode_unit(tok, unit, allow_special)
+        except Exception as exc:  # noqa: BLE001 - the parent raises it
+            result = exc
+        outbox.send(result)
 
 
-def _encode_in_worker(unit: Unit) -> tuple[np.ndarray, np.ndarray]:
-    return encode_unit(_worker["tok"], unit, _worker["allow_special"])  # type: ignore[arg-type]
+class _Worker:
+    """One worker process with its two pipes, seen from the parent."""
+
+    def __init__(self, context: Any, tokenizer: dict, allow_special: bool):
+        inbox, self.inbox = context.Pipe(duplex=False)
+        self.outbox, outbox = context.Pipe(duplex=False)
+        self.process = context.Process(target=_work, args=(tokenizer, allow_special, inbox, outbox), daemon=True)
+        self.process.start()
+        inbox.close()  # the child's ends: once the child has them, a send to a dead child fails instead of waiting
+        outbox.close()
+
+    def send(self, unit: Unit | None) -> None:
+        try:
+            self.inbox.send(unit)
+        except OSError:  # the process is gone: receive() says so
+            pass
+
+    def receive(self) -> tuple[np.ndarray, np.ndarray]:
+        connection.wait([self.outbox, self.process.sentinel])
+        try:
+            result = self.outbox.recv()
+        except (EOFError, OSError):
+            self.process.join()
+            code = self.process.exitcode
+            how = f"was killed by signal {-code}" if code is not None and code < 0 else f"exited with code {code}"
+            raise GptlabError(f"a worker process encoding the text {how} (out of memory?); run the same command "
+                              "again to continue from the last checkpoint, with --workers 1 if it happens again"
+                              ) from None
+        if isinstance(result, BaseException):
+            raise result
+        return result
 
 
 def encode_units(tok: Tokenizer, stream: Iterable[Unit], workers: int,
                  allow_special: bool = False) -> Iterator[tuple[np.ndarray, np.ndarray]]:
     """encode_unit over `stream`, in order, in `workers` processes (spawned, so that nothing of the caller's state
-    is inherited); in this process when `workers` is 1 or the stream holds a single unit."""
+    is inherited; unit i goes to process i mod `workers`); in this process when `workers` is 1 or the stream holds
+    a single unit. A process that dies (the out-of-memory killer, a signal) raises GptlabError rather than waiting
+    for its unit for ever."""
     stream = iter(stream)
     head = [u for u in (next(stream, None), next(stream, None)) if u is not None]
     if workers <= 1 or len(head) < 2:
@@ -69,11 +121,25 @@ def encode_units(tok: Tokenizer, stream: Iterable[Unit], workers: int,
             yield encode_unit(tok, unit, allow_special)
         return
     context = multiprocessing.get_context("spawn")
-    with context.Pool(workers, initializer=_start_worker, initargs=(tok.to_dict(), allow_special)) as pool:
-        pending: deque = deque()
-        for unit in itertools.chain(head, stream):
-            pending.append(pool.apply_async(_encode_in_worker, (unit,)))
+    pool: list[_Worker] = []
+    finished = False
+    try:
+        pool.extend(_Worker(context, tok.to_dict(), allow_special) for _ in range(workers))
+        pending: deque[_Worker] = deque()
+        for i, unit in enumerate(itertools.chain(head, stream)):
+            pool[i % workers].send(unit)
+            pending.append(pool[i % workers])
             if len(pending) >= 2 * workers:
-                yield pending.popleft().get()
+                yield pending.popleft().receive()
         while pending:
-            yield pending.popleft().get()
+            yield pending.popleft().receive()
+        finished = True
+    finally:
+        for worker in pool:
+            worker.send(None)
+            worker.inbox.close()
+        for worker in pool:
+            if not finished:
+                worker.process.terminate()
+            worker.process.join()
+            worker.outbox.close()
