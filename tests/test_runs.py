@@ -42,6 +42,18 @@ def test_a_config_file_sets_what_flags_set_and_flags_win(tmp_path, char_data, mo
         resolve(data=char_data, config_file=tmp_path / "bad.toml")
 
 
+def test_a_config_files_data_and_run_given_to_resolve_are_read_relative_to_its_folder(tmp_path, char_data,
+                                                                                      monkeypatch):
+    exp = tmp_path / "exp"
+    shutil.copytree(char_data, exp / "mydata")
+    (exp / "c.toml").write_text('data = "mydata"\nrun = "myrun"\n[train]\nmax_steps = 3\n')
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    spec = resolve(config_file=exp / "c.toml", quiet=True)
+    assert (Path(spec.data).resolve(), Path(spec.run).resolve(), spec.train.max_steps) == (
+        (exp / "mydata").resolve(), (exp / "myrun").resolve(), 3)
+
+
 def test_a_runs_config_json_is_a_config_file(tmp_path, char_data, capsys):
     first = tmp_path / "first"
     assert main(["train", "--data", str(char_data), "--run", str(first), *TINY, "--max-steps", "5",
@@ -173,7 +185,7 @@ def test_every_state_of_a_run_is_summarized_with_its_numbers(tmp_path, char_data
     (done / rundir.METRICS).write_text("".join(json.dumps(r) + "\n" for r in [  # resumed once: 2.5 s + 0.5 s
         {"kind": "train", "step": 5, "elapsed_s": 1.0}, {"kind": "eval", "step": 5, "val_loss": 3.0},
         {"kind": "train", "step": 8, "elapsed_s": 2.5}, {"kind": "train", "step": 10, "elapsed_s": 0.5}]))
-    for name in ("more", "fresh", "imported", "bestonly", "broken"):
+    for name in ("more", "fresh", "imported", "bestonly", "broken", "bestbroken", "olderbest"):
         shutil.copytree(done, root / name)
     edit_config(root / "more", train={**state["train"], "max_steps": 20})
     shutil.rmtree(root / "fresh" / rundir.CKPTS)
@@ -183,6 +195,11 @@ def test_every_state_of_a_run_is_summarized_with_its_numbers(tmp_path, char_data
     for c in ck.list_checkpoints(root / "bestonly", "step") + ck.list_checkpoints(root / "broken", "best"):
         shutil.rmtree(c.path)
     damage_every(root / "broken", "step")  # its step checkpoints only, none left usable
+    for c in ck.list_checkpoints(root / "bestbroken", "step"):
+        shutil.rmtree(c.path)
+    damage_every(root / "bestbroken", "best")  # best checkpoints only, none usable: damaged, not new
+    for i, c in enumerate(ck.list_checkpoints(root / "olderbest", "best")):  # its newest step, not its best, counts
+        c.path.rename(c.path.with_name(f"best-0000000{i + 1}")) if i == 0 else shutil.rmtree(c.path)
     tokens, loss = 10 * 4 * 16, state["best_val_loss"]
     assert isinstance(loss, float) and loss < 4
     expected = {"done": ("char-quick", 10, 10, loss, tokens, 3.0, "finished"),
@@ -191,13 +208,15 @@ def test_every_state_of_a_run_is_summarized_with_its_numbers(tmp_path, char_data
                 "imported": ("?", 10, 10, loss, tokens, 3.0, "imported"),
                 "bestonly": ("char-quick", best.step, 10, json.loads((best.path / "state.json").read_text())[
                     "best_val_loss"], best.step * 4 * 16, 3.0, "finished" if best.step == 10 else "interrupted"),
-                "broken": ("char-quick", 0, 10, None, 0, 3.0, "damaged")}
+                "broken": ("char-quick", 0, 10, None, 0, 3.0, "damaged"),
+                "bestbroken": ("char-quick", 0, 10, None, 0, 3.0, "damaged"),
+                "olderbest": ("char-quick", 10, 10, loss, tokens, 3.0, "finished")}
     assert {s.path.name: s for s in list_runs(root)} == {
         name: RunSummary(root / name, *fields) for name, fields in expected.items()}
     with rundir.RunLock(done):
         assert list_runs(done) == [RunSummary(done, "char-quick", 10, 10, loss, tokens, 3.0, "running")]
     (root / "more" / rundir.CONFIG).write_text("{")
-    order = ["more", "imported", "done", "fresh", "broken", "bestonly"]  # not by name: by when each was written
+    order = ["more", "imported", "done", "fresh", "broken", "bestonly", "bestbroken", "olderbest"]  # by when written
     for seconds, name in enumerate(order):
         os.utime(root / name / rundir.CONFIG, (1e9 + seconds, 1e9 + seconds))
     summaries = list_runs(root)
