@@ -12,6 +12,7 @@ import os
 import platform
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -140,8 +141,10 @@ def test_builds_are_named_by_their_target_and_share_a_folder(tmp_path, monkeypat
     mine = native.build_library(native.SOURCE, folder, best, O0)
     assert native.describe(mine).startswith(best.name) and len(list(folder.iterdir())) == 3  # both builds kept
     products = {"bf16 dot products": "avx512_bf16", "int8 by VNNI": "avx512_vnni", "int8 by sdot": "asimddp"}
-    assert all((name in native.describe(mine)) == (flag in best.needs)
-               for name, flag in products.items()), native.describe(mine)  # each product where the build has it
+    isa = next(v for flag, v in [("avx512f", ("avx512", 16)), ("avx2", ("avx2", 8)), ("asimd", ("neon", 4)),
+                                 ("", ("generic", 8))] if flag in best.needs or not flag)
+    assert native.describe(mine) == f"{best.name} ({isa[0]}, {isa[1]} lanes" + "".join(  # each product where the
+        f", {name}" for name, flag in products.items() if flag in best.needs) + ")"  # build has it, in this order
 
     monkeypatch.setenv("GPTLAB_KERNEL_BUILD", "plain")
     assert native.build_for_cpu() is plain
@@ -166,6 +169,17 @@ def test_builds_are_named_by_their_target_and_share_a_folder(tmp_path, monkeypat
             native.build_for_cpu("x86-64-v4")
         assert str(refused.value) == ("the x86-64-v4 kernel build needs avx512bw, avx512cd, avx512dq, avx512vl, "
                                       "which this CPU lacks: pick one of x86-64-v3, plain")
+
+
+def test_describe_names_the_build_its_vectors_and_its_products_in_one_line():
+    """An ARM dot-product build as its library reports itself (this machine may not load one): the line `bench` and
+    `sample --verbose` print. A library that does not say which build it is shows "?"."""
+    arm = types.SimpleNamespace(gptlab_bf16_dot=lambda: 0, gptlab_int8_vnni=lambda: 0, gptlab_int8_sdot=lambda: 1,
+                                gptlab_simd=lambda: b"neon", gptlab_lanes=lambda: 4, gptlab_build="armv8.2-a+dotprod")
+    assert native.describe(arm) == "armv8.2-a+dotprod (neon, 4 lanes, int8 by sdot)"
+    del arm.gptlab_build
+    arm.gptlab_int8_sdot, arm.gptlab_int8_vnni, arm.gptlab_bf16_dot = (lambda: 0), (lambda: 1), (lambda: 1)
+    assert native.describe(arm) == "? (neon, 4 lanes, bf16 dot products, int8 by VNNI)"
 
 
 def test_collecting_the_tests_builds_nothing_and_writes_nothing_into_the_users_cache(tmp_path):

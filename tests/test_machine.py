@@ -1,11 +1,13 @@
 """What the machine offers, read in one place: the CPU's model and features from /proc/cpuinfo (a file written here
 by hand), and the cache folder from the environment."""
 
+import shutil
 from pathlib import Path
 
 import pytest
 
 from gptlab import machine
+from gptlab.inference import native
 
 CPUINFO = """processor\t: 0
 vendor_id\t: GenuineIntel
@@ -59,3 +61,13 @@ def test_the_cache_folder_is_gptlab_cache_then_xdg_then_home(tmp_path, monkeypat
     monkeypatch.delenv("XDG_CACHE_HOME")
     assert machine.cache_root() == tmp_path / "home" / ".cache" / "gptlab"
     assert machine.cache_root() == Path.home() / ".cache" / "gptlab"
+
+
+def test_without_a_compiler_missing_names_the_one_it_looked_for(monkeypatch, tmp_path):
+    """Outside the fused tests, which skip (through `missing`) where it says something is missing."""
+    monkeypatch.delenv("CXX", raising=False)
+    assert (native.missing() is None) == (shutil.which("g++") is not None)
+    monkeypatch.setenv("PATH", str(tmp_path))  # no compiler on it
+    assert native.missing() == "no g++ on PATH"
+    monkeypatch.setenv("CXX", "clang++")
+    assert native.missing() == "no clang++ on PATH"
