@@ -182,6 +182,17 @@ def test_describe_names_the_build_its_vectors_and_its_products_in_one_line():
     assert native.describe(arm) == "? (neon, 4 lanes, bf16 dot products, int8 by VNNI)"
 
 
+def test_a_source_that_does_not_compile_fails_with_the_compilers_own_message(tmp_path):
+    broken = tmp_path / "broken.cpp"
+    broken.write_text("int gptlab_decode_step( { return 0; }\n")
+    with pytest.raises(native.KernelBuildError) as failed:
+        native.build_library(broken, tmp_path / "kernels", "plain", ("-O0",))
+    first, _, rest = str(failed.value).partition("\n")
+    assert first.startswith(f"{native._compiler()} ") and str(broken) in first and first.endswith(" failed:"), first
+    assert "broken.cpp" in rest and "error" in rest  # the compiler's message, all of it
+    assert not list((tmp_path / "kernels").glob("*.so"))
+
+
 def test_collecting_the_tests_builds_nothing_and_writes_nothing_into_the_users_cache(tmp_path):
     """`make test` points the kernel folder at a temporary one before collecting, and collecting builds nothing:
     the user's ~/.cache/gptlab/kernels is neither written nor pruned."""

@@ -71,3 +71,11 @@ def test_without_a_compiler_missing_names_the_one_it_looked_for(monkeypatch, tmp
     assert native.missing() == "no g++ on PATH"
     monkeypatch.setenv("CXX", "clang++")
     assert native.missing() == "no clang++ on PATH"
+
+
+def test_without_a_compiler_building_the_kernel_says_which_compiler_is_missing(monkeypatch, tmp_path):
+    monkeypatch.setenv("PATH", str(tmp_path))  # no compiler on it
+    monkeypatch.setenv("CXX", "clang++")
+    with pytest.raises(native.KernelBuildError, match=r"^no clang\+\+ on PATH$"):
+        native.build_library(native.SOURCE, tmp_path / "kernels", "plain")
+    assert not (tmp_path / "kernels").exists()
