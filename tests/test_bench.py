@@ -163,7 +163,8 @@ def test_bench_train_times_finetune_on_gpt2_124m_at_context_256(monkeypatch, tmp
 def test_bench_matmul_takes_the_presets_that_name_a_gpts_shape():
     from gptlab.bench.presets import SHAPED_PRESETS
 
-    assert SHAPED_PRESETS == ("char-quick", "char-small", "gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")
+    assert SHAPED_PRESETS == ("char-quick", "char-race", "char-small", "gpt2", "gpt2-medium", "gpt2-large",
+                              "gpt2-xl")
 
 
 def test_variants_put_the_fp32_reference_first():

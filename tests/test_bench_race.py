@@ -1,7 +1,9 @@
 """`gptlab bench race`: the time to a target loss is read at the first evaluation under it, and the race table
 puts the reference first and names the fastest contender."""
 
-from gptlab.bench.race import contenders, run_race, time_to_target
+import json
+
+from gptlab.bench.race import contenders, run_lap, run_race, time_to_target
 
 TINY_MODEL = dict(n_layer=1, n_head=2, n_embd=16, block_size=16, dropout=0.0)
 
@@ -38,8 +40,24 @@ def test_a_small_race_prints_the_reference_first_and_names_the_fastest(char_data
 
 def test_contenders_are_each_optimizer_in_each_precision_and_auto_is_the_presets_own_choice():
     got = contenders(["adamw", "muon"], ["auto", "fp32"], dict(train=dict(max_steps=7)))
-    assert [name for name, _, _ in got] == ["char-quick, adamw", "char-quick, muon", "char-quick, adamw, fp32",
-                                            "char-quick, muon, fp32"]
-    assert [(t["optimizer"], t["precision"], t["max_steps"]) for _, _, t in got] == [
-        ("adamw", "auto", 7), ("muon", "auto", 7), ("adamw", "fp32", 7), ("muon", "fp32", 7)]
-    assert [name for name, _, _ in contenders(["adamw"])] == ["char-quick, adamw"]
+    assert [name for name, _, _, _ in got] == ["char-quick, adamw", "char-quick, muon", "char-quick, adamw, fp32",
+                                               "char-quick, muon, fp32"]
+    assert [(p, t["optimizer"], t["precision"], t["max_steps"]) for _, p, _, t in got] == [
+        ("char-quick", "adamw", "auto", 7), ("char-quick", "muon", "auto", 7), ("char-quick", "adamw", "fp32", 7),
+        ("char-quick", "muon", "fp32", 7)]
+    assert [name for name, _, _, _ in contenders(["adamw"])] == ["char-quick, adamw"]
+    assert [(name, p) for name, p, _, _ in contenders(["muon"], ["fp32"], presets=["char-quick", "char-race"])] == [
+        ("char-quick, muon, fp32", "char-quick"), ("char-race, muon, fp32", "char-race")]
+
+
+def test_a_lap_of_the_race_preset_trains_its_shape_and_settings(char_data, tmp_path):
+    """char-race is the fp32 race's preset: 2 layers 192 wide, Muon at 0.04 (docs/benchmarks.md, the sweep)."""
+    lap, history = run_lap("char-race, muon, fp32", char_data, {}, {"optimizer": "muon", "precision": "fp32",
+                                                                    "max_steps": 2}, tmp_path / "r", 1, 100.0,
+                           preset="char-race")
+    config = json.loads((tmp_path / "r" / "config.json").read_text())
+    assert (config["preset"], config["model"]["n_layer"], config["model"]["n_embd"], config["model"]["block_size"]) \
+        == ("char-race", 2, 192, 64)
+    assert (config["train"]["optimizer"], config["train"]["muon_lr"], config["train"]["batch_size"],
+            config["train"]["precision"]) == ("muon", 0.04, 32, "fp32")
+    assert lap.steps_to_target == 1 and [r["step"] for r in history if r.get("kind") == "eval"][:2] == [1, 2]

@@ -1,7 +1,8 @@
 """`gptlab bench race`: the training time each contender needs to reach a target validation loss on the bundled
 Tiny Shakespeare, in one run on one machine: the reference — nanoGPT's CPU recipe (4 layers, 4 heads, 128 wide,
 context 64, batch 12, lr 1e-3 with a cosine over 2000 steps, fp32, AdamW) reproduced through gptlab — then the
-default preset and its variants. The target is the reference's own final validation loss unless one is given.
+default preset (or the presets asked for: char-race is tuned for this race in fp32) with each optimizer in each
+precision. The target is the reference's own final validation loss unless one is given.
 
 Every contender is evaluated often (every `eval_every` steps, the same fixed batches for all); the clock counts
 training steps only (evaluations and checkpoints are left out), so a contender's time to the target is the training
@@ -43,24 +44,26 @@ def time_to_target(history: list[dict[str, Any]], target: float) -> tuple[int | 
     return None, None
 
 
-def contenders(optimizers: list[str], precisions: list[str] | None = None,
-               changes: dict | None = None) -> list[tuple[str, dict, dict]]:
-    """(name, model overrides, train overrides) of the default preset with each optimizer in each precision
-    (default ["auto"]: the preset's own choice, bf16 where the CPU computes it natively; "fp32" shows what a CPU
-    without native bf16 gets), plus `changes` ({"model": ..., "train": ...}, which tests use to shrink the race)."""
+def contenders(optimizers: list[str], precisions: list[str] | None = None, changes: dict | None = None,
+               presets: list[str] | None = None) -> list[tuple[str, str, dict, dict]]:
+    """(name, preset, model overrides, train overrides) of each preset (default ["char-quick"], the default
+    preset) with each optimizer in each precision (default ["auto"]: the preset's own choice, bf16 where the CPU
+    computes it natively; "fp32" shows what a CPU without native bf16 gets), plus `changes` ({"model": ...,
+    "train": ...}, which tests use to shrink the race)."""
     changes, precisions = changes or {}, precisions or ["auto"]
-    return [(f"char-quick, {opt}" + ("" if precision == "auto" else f", {precision}"), dict(changes.get("model", {})),
-             {**changes.get("train", {}), "optimizer": opt, "precision": precision})
-            for precision in precisions for opt in optimizers]
+    return [(f"{preset}, {opt}" + ("" if precision == "auto" else f", {precision}"), preset,
+             dict(changes.get("model", {})), {**changes.get("train", {}), "optimizer": opt, "precision": precision})
+            for preset in presets or ["char-quick"] for precision in precisions for opt in optimizers]
 
 
 def run_lap(name: str, data: Path, model: dict, train: dict, folder: Path, eval_every: int, target: float | None,
-            quiet: bool = True) -> tuple[Lap, list[dict[str, Any]]]:
-    """Train one contender into `folder`; its Lap against `target` (None: decided later) and its history."""
+            quiet: bool = True, preset: str | None = None) -> tuple[Lap, list[dict[str, Any]]]:
+    """Train one contender (`preset`, default the default preset, with `model` and `train` over it) into `folder`;
+    its Lap against `target` (None: decided later) and its history."""
     from gptlab.runs import resolve, start
 
-    spec = resolve(model=model, train={**train, "eval_interval": eval_every, "eval_batches": 20}, run=folder,
-                   data=data, quiet=quiet)
+    spec = resolve(preset, model=model, train={**train, "eval_interval": eval_every, "eval_batches": 20},
+                   run=folder, data=data, quiet=quiet)
     with contextlib.redirect_stdout(io.StringIO()):  # the evaluations' lines: the race prints one table
         result = start(spec, quiet=quiet)
     steps, seconds = time_to_target(result.history, target) if target is not None else (None, None)
@@ -69,7 +72,7 @@ def run_lap(name: str, data: Path, model: dict, train: dict, folder: Path, eval_
 
 def run_race(optimizers: list[str], target: float | None = None, eval_every: int = 25, data: Path | None = None,
              reference: dict | None = None, changes: dict | None = None,
-             precisions: list[str] | None = None) -> list[Lap]:
+             precisions: list[str] | None = None, presets: list[str] | None = None) -> list[Lap]:
     """The race, printed as a table whose last line is the headline; returns the laps (the reference first)."""
     from gptlab.runs import data_dir_for
 
@@ -82,9 +85,9 @@ def run_race(optimizers: list[str], target: float | None = None, eval_every: int
         target = ref_lap.final_val if target is None else target
         ref_lap.steps_to_target, ref_lap.seconds_to_target = time_to_target(ref_history, target)
         laps.append(ref_lap)
-        for name, model, train in contenders(optimizers, precisions, changes):
+        for name, preset, model, train in contenders(optimizers, precisions, changes, presets):
             laps.append(run_lap(name, data, model, train, Path(tmp) / name.replace(", ", "-"), eval_every,
-                                target)[0])
+                                target, preset=preset)[0])
     print_race(laps, target, watch.stop().report())
     return laps
 

@@ -207,8 +207,11 @@ def bench_prepare(args: argparse.Namespace) -> int:
 
 
 def add_bench_race(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--presets", nargs="+", choices=("char-quick", "char-race"), default=["char-quick"],
+                   help="the presets raced (default: char-quick, the default; char-race is tuned for the race in "
+                        "fp32) ...")
     p.add_argument("--optimizers", nargs="+", choices=("adamw", "muon"), default=["adamw", "muon"],
-                   help="the default preset is raced once with each (default: adamw muon)")
+                   help="... each once with each of these optimizers (default: adamw muon)")
     p.add_argument("--precisions", nargs="+", choices=TRAIN_PRECISIONS, default=["auto"],
                    help="... in each of these precisions (default auto: bf16 where the CPU computes it natively; "
                         "fp32 shows what a CPU without native bf16 gets)")
@@ -222,7 +225,8 @@ def bench_race(args: argparse.Namespace) -> int:
     from gptlab.bench.race import run_race
 
     at_least(args, eval_every=1)
-    run_race(args.optimizers, target=args.target, eval_every=args.eval_every, precisions=args.precisions)
+    run_race(args.optimizers, target=args.target, eval_every=args.eval_every, precisions=args.precisions,
+             presets=args.presets)
     return 0
 
 
