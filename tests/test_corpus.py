@@ -12,6 +12,7 @@ import py_compile
 import random
 import shutil
 import signal
+import subprocess
 import sys
 import threading
 from pathlib import Path
@@ -483,6 +484,42 @@ def test_a_worker_that_dies_ends_the_encoding_with_one_line_and_ends_the_others_
         "a worker process encoding the text was killed by signal 9 (out of memory?); run the same command again to "
         "continue from the last checkpoint, with --workers 1 if it happens again")
     assert not [p for p in multiprocessing.active_children() if p not in before]
+
+
+def test_a_worker_encodes_what_arrives_in_order_sends_a_units_error_back_and_stops_at_none(monkeypatch):
+    """The worker's loop, run here (a spawned worker's own run is seen only through the results it sends)."""
+    monkeypatch.setattr(signal, "signal", lambda *args: None)  # it ignores Ctrl-C in its own process, not in pytest's
+    tok = GPT2Tokenizer()
+    inbox, to_worker = multiprocessing.Pipe(duplex=False)
+    from_worker, outbox = multiprocessing.Pipe(duplex=False)
+    for unit in ([(0, "ab", False)], [(1, "é<|endoftext|>", False)], [(1, "cd", True)], None, [(0, "after", False)]):
+        to_worker.send(unit)
+    encoder._work(tok.to_dict(), False, inbox, outbox)  # returns at None
+    first, error, third = (from_worker.recv() for _ in range(3))
+    assert (first[0].tolist(), first[1].tolist()) == (tok.encode("ab"), [])
+    assert isinstance(error, GptlabError) and "special token" in str(error)  # special text is not allowed here
+    assert (third[0].tolist(), third[1].tolist()) == ([], tok.encode("cd") + [tok.eot_id])
+    assert not from_worker.poll(0.5)  # nothing after None was encoded
+    to_worker.close()
+
+
+def test_a_worker_that_exits_with_a_unit_pending_is_named_with_its_exit_code():
+    worker = encoder._Worker(multiprocessing.get_context("spawn"), GPT2Tokenizer().to_dict(), False)
+    worker.send(None)  # the end: it exits at once, with status 0, before the unit the caller waits for
+    with pytest.raises(GptlabError, match=r"^a worker process encoding the text exited with code 0 \(out of memory\?\); "):
+        worker.receive()
+
+
+def test_a_program_that_stops_reading_halfway_exits_without_waiting_for_the_workers(tmp_path):
+    script = tmp_path / "half.py"
+    script.write_text("import sys\nfrom gptlab.data import encoder\nfrom gptlab.tokenizer import GPT2Tokenizer\n"
+                      "if __name__ == '__main__':\n"
+                      "    units = ([(0, f'unit {i}', False)] for i in range(50))\n"
+                      "    KEPT = encoder.encode_units(GPT2Tokenizer(), units, 2)\n"
+                      "    print(next(KEPT)[0].tolist(), flush=True)\n"
+                      "    sys.exit(0)  # the generator left open: the interpreter ends the workers at exit\n")
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert (done.returncode, done.stdout) == (0, f"{GPT2Tokenizer().encode('unit 0')}\n"), done.stderr
 
 
 def test_a_units_error_in_a_worker_reaches_the_caller_and_ends_the_workers():
