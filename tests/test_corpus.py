@@ -466,12 +466,29 @@ def _consume(it, seconds=120):
     return outcome[0]
 
 
-def test_a_worker_that_dies_ends_the_encoding_with_one_line_and_ends_the_others_instead_of_a_wait_for_ever():
-    rng = random.Random(0)  # 2.6 million characters of distinct words: a unit takes a worker about 0.3 s
+def _big_units(count=8):
+    """Units of 2.6 million characters of distinct words: each takes a worker about 0.3 s, and its 1.5 million ids
+    (6 MB) do not fit in a pipe's buffer."""
+    rng = random.Random(0)
     text = " ".join("".join(rng.choice("abcdefghijklmnopqrstuvwxyzé") for _ in range(rng.randint(2, 9)))
                     for _ in range(400_000))
     letters = "abcdefghijklmnopqrstuvwxyz"
-    units = ([(0, text.translate(str.maketrans(letters, letters[i:] + letters[:i])), False)] for i in range(8))
+    return ([(0, text.translate(str.maketrans(letters, letters[i:] + letters[:i])), False)] for i in range(count))
+
+
+def test_leaving_the_encoding_early_ends_the_workers_even_with_big_results_unread():
+    before = set(multiprocessing.active_children())
+    it = encoder.encode_units(GPT2Tokenizer(), _big_units(), 2)
+    next(it)
+    closer = threading.Thread(target=it.close, daemon=True)  # a worker blocked sending a result nobody reads
+    closer.start()  # must be ended, not waited for
+    closer.join(60)
+    assert not closer.is_alive(), "closing the encoding waits for ever for the workers"
+    assert not [p for p in multiprocessing.active_children() if p not in before]
+
+
+def test_a_worker_that_dies_ends_the_encoding_with_one_line_and_ends_the_others_instead_of_a_wait_for_ever():
+    units = _big_units()
     before = set(multiprocessing.active_children())
     it = encoder.encode_units(GPT2Tokenizer(), units, 2)
     next(it)
