@@ -292,7 +292,9 @@ def test_a_key_is_required_when_set(run_dir):
     try:
         url, good = running.url, {"Authorization": "Bearer s3cret"}
         routes = [("POST", "/v1/completions", {"prompt": "All:", "max_tokens": 2}), ("GET", "/v1/models", None),
-                  ("GET", "/metrics", None), ("POST", "/inspect", {"text": "All:"})]
+                  ("GET", "/metrics", None), ("POST", "/inspect", {"text": "All:"}),
+                  ("POST", "/tokenize", {"prompt": "All:"}), ("POST", "/detokenize", {"tokens": [1, 2]}),
+                  ("GET", "/tokenizer_info", None)]  # lm-evaluation-harness's tokenizer routes too
         for method, route, body in routes:  # every route but /health and the page, without the key or a wrong one
             for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "s3cret"}):
                 refused = httpx.request(method, url + route, json=body, headers=headers, timeout=30)

@@ -492,6 +492,25 @@ def test_a_streamed_echo_sends_each_choices_prompt_first():
                                                [(1, "a", None, "length")], [(0, "b", None, "length")], []]
 
 
+def test_a_streamed_echo_with_logprobs_sends_each_prompt_with_its_logprobs_to_each_of_its_choices():
+    """With logprobs the echo waits for the prompt's logprobs ("prompt" events, in the order the scheduler scores
+    the prompts): each of the prompt's n choices gets its prompt text with those entries, then its tokens."""
+    first = {"tokens": ["O", "ù"], "token_logprobs": [None, -1.5], "top_logprobs": [None, {"ù": -1.5}],
+             "text_offset": [0, 1]}
+    second = {"tokens": ["z"], "token_logprobs": [None], "top_logprobs": [None], "text_offset": [0]}
+    events = [("prompt", 1, second), ("prompt", 0, first), ("token", 3, "a", 1, None, "length"),
+              ("token", 0, "b", 2, None, "length"), ("done", USAGE)]
+    parts, freed = streamed({"prompt": ["Où", "z"], "echo": True, "stream": True, "logprobs": 1, "n": 2}, events,
+                            prompt_ids=((1, 2), (3,)))
+    assert freed and parts[-1] == "data: [DONE]\n\n"
+    assert [[(c["index"], c["text"], c["logprobs"], c["finish_reason"]) for c in chunk["choices"]]
+            for chunk in chunks_of(parts)][:4] == [[(2, "z", second, None)], [(3, "z", second, None)],
+                                                   [(0, "Où", first, None)], [(1, "Où", first, None)]]
+    token_chunks = [chunk["choices"][0] for chunk in chunks_of(parts)[4:6]]
+    assert [(c["index"], c["text"], c["finish_reason"]) for c in token_chunks] == [(3, "a", "length"),
+                                                                                   (0, "b", "length")]
+
+
 def test_an_engine_error_ends_a_stream_in_openais_shape_then_done():
     parts, freed = streamed({"prompt": "xy", "stream": True}, [("token", 0, "a", 1, None, None),
                                                                ("error", "the server is shutting down")])
