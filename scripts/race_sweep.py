@@ -1,17 +1,16 @@
 """The race's levers one at a time (issue 25, part 3): trains variants of the default preset in fp32 on the bundled
 Tiny Shakespeare, evaluated as `gptlab bench race` evaluates (every 25 steps, 20 fixed batches), and prints for each
-the first step at or under the target, the tokens and the model FLOPs it took to get there, its final loss and its
-training seconds. Steps and tokens do not depend on the machine's load; seconds do (run it alone for those).
+the first step at or under the target, the tokens and the model FLOPs (GPT.flops_per_token) it took to get there,
+its final loss and its training seconds. Steps and tokens do not depend on the machine's load; seconds do (run it alone for those).
 
     python scripts/race_sweep.py                    # every variant below
-    python scripts/race_sweep.py base wsd-300       # some of them
+    python scripts/race_sweep.py base cos-300       # some of them
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
-import io
+import json
 import sys
 import tempfile
 import time
@@ -36,12 +35,11 @@ for bs in (16, 24, 48):
 for mlr in (0.01, 0.04):
     VARIANTS[f"muon-lr-{mlr:g}-cos-250"] = ({}, {"optimizer": "muon", "muon_lr": mlr, "max_steps": 250})
 VARIANTS["3-layers-cos-300"] = ({"n_layer": 3}, {"max_steps": 300})
-VARIANTS["2-layers-192-cos-300"] = ({"n_layer": 2, "n_embd": 192, "n_head": 4}, {"max_steps": 300})
 for layers, width in ((2, 192), (3, 192), (2, 256)):  # wider and shallower: fewer steps to the target
     for n in (300, 400):
         VARIANTS[f"{layers}x{width}-cos-{n}"] = ({"n_layer": layers, "n_embd": width, "n_head": 4}, {"max_steps": n})
-VARIANTS["2x192-batch-16-cos-600"] = ({"n_layer": 2, "n_embd": 192, "n_head": 4}, {"batch_size": 16, "max_steps": 600})
 W192 = {"n_layer": 2, "n_embd": 192, "n_head": 4}
+VARIANTS["2x192-batch-16-cos-600"] = (W192, {"batch_size": 16, "max_steps": 600})
 for n in (175, 200, 250):  # Muon on the wider, shallower model
     VARIANTS[f"2x192-muon-cos-{n}"] = (W192, {"optimizer": "muon", "max_steps": n})
 for mlr in (0.03, 0.04, 0.06):
@@ -56,32 +54,23 @@ VARIANTS["context-32-batch-64-cos-300"] = ({"block_size": 32}, {"batch_size": 64
 VARIANTS["warmup-20-cos-300"] = ({}, {"max_steps": 300, "warmup_steps": 20})
 
 
-def flops_per_token(model) -> float:
-    """6 x the parameters in the blocks' matrices and the head, plus attention's 12 x layers x width x context / 2."""
-    cfg = model.config
-    matrices = sum(p.numel() for name, p in model.named_parameters() if p.dim() == 2 and "wpe" not in name
-                   and "wte" not in name) + cfg.vocab_size * cfg.n_embd
-    return 6 * matrices + 6 * cfg.n_layer * cfg.n_embd * cfg.block_size
-
-
 def run(name: str, model: dict, train: dict, data: Path, folder: Path) -> str:
-    from gptlab.bench.race import time_to_target
-    from gptlab.runs import resolve, start
+    """One variant, raced as `gptlab bench race` races a contender (bench.race.run_lap), as a table row."""
+    from gptlab.bench.race import run_lap
+    from gptlab.config import ModelConfig, build
+    from gptlab.model import build_model
 
-    spec = resolve(model=model, train={**FP32, **train, "eval_interval": 25, "eval_batches": 20}, run=folder,
-                   data=data, quiet=True)
     began = time.perf_counter()
-    with contextlib.redirect_stdout(io.StringIO()):
-        result = start(spec, quiet=True)
+    lap, _ = run_lap(name, data, model, {**FP32, **train}, folder, 25, TARGET)
     wall = time.perf_counter() - began
-    step, seconds = time_to_target(result.history, TARGET)
-    cfg_t, cfg_m = spec.train, spec.model
-    tokens = None if step is None else step * cfg_t.batch_size * cfg_t.grad_accum * cfg_m.block_size
-    from gptlab.model import GPT
-    per_token = flops_per_token(GPT(cfg_m))
-    return (f"{name:<30} {step if step is not None else 'never':>6} {tokens or 0:>10,} "
-            f"{(tokens or 0) * per_token / 1e12:>8.2f} {result.val_loss:>9.4f} "
-            f"{seconds if seconds is not None else float('nan'):>8.1f} {result.train_seconds:>8.1f} {wall:>7.1f}")
+    config = json.loads((folder / "config.json").read_text())
+    cfg_m, cfg_t = config["model"], config["train"]
+    per_token = build_model(build(ModelConfig, cfg_m, {})).flops_per_token()  # model FLOPs, training (x3)
+    tokens = (lap.steps_to_target or 0) * cfg_t["batch_size"] * cfg_t["grad_accum"] * cfg_m["block_size"]
+    to_target = lap.seconds_to_target if lap.seconds_to_target is not None else float("nan")
+    return (f"{name:<30} {lap.steps_to_target if lap.steps_to_target is not None else 'never':>6} {tokens:>10,} "
+            f"{tokens * per_token / 1e12:>8.2f} {lap.final_val:>9.4f} {to_target:>8.1f} {lap.train_seconds:>8.1f} "
+            f"{wall:>7.1f}")
 
 
 def main(argv: list[str] | None = None) -> int:

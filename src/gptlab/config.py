@@ -291,8 +291,9 @@ PRESETS: dict[str, Preset] = {
         dict(batch_size=32, max_steps=600, lr=6e-3, min_lr=6e-4, warmup_steps=50, beta2=0.99,
              weight_decay=0.1, eval_interval=300, eval_batches=20)),
     "char-race": Preset(
-        "the race preset: the shortest time to the nanoGPT CPU recipe's validation loss in fp32 (`gptlab bench "
-        "race --presets char-race`): 2 layers 192 wide, Muon at 0.04 for 250 steps (docs/benchmarks.md)",
+        "the race preset, tuned for the shortest time to the nanoGPT CPU recipe's validation loss in fp32 "
+        "(`gptlab bench race --presets char-race`): 2 layers 192 wide, Muon at 0.04 for 250 steps "
+        "(docs/benchmarks.md)",
         dict(block_size=64, n_layer=2, n_head=4, n_embd=192, dropout=0.0),
         dict(batch_size=32, max_steps=250, lr=6e-3, min_lr=6e-4, warmup_steps=50, beta2=0.99, weight_decay=0.1,
              optimizer="muon", muon_lr=0.04, eval_interval=25, eval_batches=20)),

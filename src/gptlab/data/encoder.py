@@ -124,7 +124,8 @@ def encode_units(tok: Tokenizer, stream: Iterable[Unit], workers: int,
     pool: list[_Worker] = []
     finished = False
     try:
-        pool.extend(_Worker(context, tok.to_dict(), allow_special) for _ in range(workers))
+        tokenizer = tok.to_dict()
+        pool.extend(_Worker(context, tokenizer, allow_special) for _ in range(workers))
         pending: deque[_Worker] = deque()
         for i, unit in enumerate(itertools.chain(head, stream)):
             pool[i % workers].send(unit)
