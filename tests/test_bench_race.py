@@ -46,8 +46,26 @@ def test_contenders_are_each_optimizer_in_each_precision_and_auto_is_the_presets
         ("char-quick", "adamw", "auto", 7), ("char-quick", "muon", "auto", 7), ("char-quick", "adamw", "fp32", 7),
         ("char-quick", "muon", "fp32", 7)]
     assert [name for name, _, _, _ in contenders(["adamw"])] == ["char-quick, adamw"]
-    assert [(name, p) for name, p, _, _ in contenders(["muon"], ["fp32"], presets=["char-quick", "char-race"])] == [
-        ("char-quick, muon, fp32", "char-quick"), ("char-race, muon, fp32", "char-race")]
+    assert [(name, p) for name, p, _, _ in contenders(["adamw", "muon"], ["fp32"], presets=["char-quick", "char-race"])
+            ] == [("char-quick, adamw, fp32", "char-quick"), ("char-quick, muon, fp32", "char-quick"),
+                  ("char-race, adamw, fp32", "char-race"), ("char-race, muon, fp32", "char-race")]  # preset by preset
+
+
+def test_the_race_trains_each_contender_from_its_own_preset(char_data, monkeypatch):
+    from gptlab.bench import race
+
+    reference = dict(model=TINY_MODEL, train=dict(batch_size=4, max_steps=2, lr=1e-3, min_lr=1e-4, warmup_steps=1,
+                                                  precision="fp32"))
+    trained = []
+
+    def lap(name, *args, preset=None, **kw):
+        trained.append((name, preset))
+        return real(name, *args, preset=preset, **kw)
+    real = race.run_lap
+    monkeypatch.setattr(race, "run_lap", lap)
+    race.run_race(["muon"], target=100.0, eval_every=1, data=char_data, reference=reference,
+                  changes=dict(train=dict(max_steps=1)), precisions=["fp32"], presets=["char-race"])
+    assert trained == [("nanoGPT CPU recipe (reference)", None), ("char-race, muon, fp32", "char-race")]
 
 
 def test_a_lap_of_the_race_preset_trains_its_shape_and_settings(char_data, tmp_path):
@@ -61,3 +79,18 @@ def test_a_lap_of_the_race_preset_trains_its_shape_and_settings(char_data, tmp_p
     assert (config["train"]["optimizer"], config["train"]["muon_lr"], config["train"]["batch_size"],
             config["train"]["precision"]) == ("muon", 0.04, 32, "fp32")
     assert lap.steps_to_target == 1 and [r["step"] for r in history if r.get("kind") == "eval"][:2] == [1, 2]
+
+
+def test_the_command_line_races_the_presets_optimizers_and_precisions_it_names(monkeypatch):
+    """`gptlab bench race`'s flags as the race receives them (the race itself is the tests above: minutes here)."""
+    from gptlab.bench import race
+    from gptlab.cli import main
+
+    asked = []
+    monkeypatch.setattr(race, "run_race", lambda optimizers, **kw: asked.append((optimizers, kw)))
+    assert main(["bench", "race", "--presets", "char-quick", "char-race", "--optimizers", "muon",
+                 "--precisions", "fp32", "--eval-every", "5", "--target", "1.9"]) == 0
+    assert main(["bench", "race"]) == 0
+    assert asked == [
+        (["muon"], dict(target=1.9, eval_every=5, precisions=["fp32"], presets=["char-quick", "char-race"])),
+        (["adamw", "muon"], dict(target=None, eval_every=25, precisions=["auto"], presets=["char-quick"]))]

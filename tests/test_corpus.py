@@ -449,6 +449,14 @@ def test_encoding_processes_are_spawned_fresh_and_hold_two_units_each(monkeypatc
         assert [(a.tolist(), b.tolist()) for a, b in [first, *it]] == expected
 
 
+def test_a_single_unit_is_encoded_here_whatever_the_workers():
+    before = set(multiprocessing.active_children())
+    it = encoder.encode_units(GPT2Tokenizer(), [[(0, "only one", False)]], 4)
+    assert next(it)[0].tolist() == GPT2Tokenizer().encode("only one")
+    assert not [p for p in multiprocessing.active_children() if p not in before]  # no process started for it
+    assert list(it) == []
+
+
 def _consume(it, seconds=120):
     """What iterating `it` to the end raised, from a thread that may wait at most `seconds` (a wait for ever fails
     the test instead of hanging it)."""

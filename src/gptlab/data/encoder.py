@@ -96,7 +96,7 @@ class _Worker:
         connection.wait([self.outbox, self.process.sentinel])
         try:
             result = self.outbox.recv()
-        except (EOFError, OSError):
+        except EOFError:  # the pipe's other end closed with the process, before its result was whole
             self.process.join()
             code = self.process.exitcode
             how = f"was killed by signal {-code}" if code is not None and code < 0 else f"exited with code {code}"
