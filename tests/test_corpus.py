@@ -535,6 +535,20 @@ def test_a_worker_that_exits_with_a_unit_pending_is_named_with_its_exit_code():
         worker.receive()
 
 
+def test_a_worker_killed_halfway_through_sending_its_result_is_named_with_its_signal():
+    """A result bigger than the pipe's buffer is written in pieces: the out-of-memory killer may strike between
+    two of them, and the reader then sees the end of the pipe inside a message (OSError, not EOFError)."""
+    worker = encoder._Worker(multiprocessing.get_context("spawn"), GPT2Tokenizer().to_dict(), False)
+    os.kill(worker.process.pid, signal.SIGKILL)
+    worker.process.join()
+    reader, writer = multiprocessing.Pipe(duplex=False)
+    os.write(writer.fileno(), (1000).to_bytes(4, "big") + b"x" * 10)  # a 1000-byte message cut after 10 bytes
+    writer.close()
+    worker.outbox = reader
+    with pytest.raises(GptlabError, match=r"^a worker process encoding the text was killed by signal 9 \(out of "):
+        worker.receive()
+
+
 def test_a_program_that_stops_reading_halfway_exits_without_waiting_for_the_workers(tmp_path):
     script = tmp_path / "half.py"
     script.write_text("import sys\nfrom gptlab.data import encoder\nfrom gptlab.tokenizer import GPT2Tokenizer\n"

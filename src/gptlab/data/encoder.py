@@ -96,7 +96,8 @@ class _Worker:
         connection.wait([self.outbox, self.process.sentinel])
         try:
             result = self.outbox.recv()
-        except EOFError:  # the pipe's other end closed with the process, before its result was whole
+        except (EOFError, OSError):  # the process died between two messages (EOFError) or halfway through
+            # sending one ("got end of file during message", OSError): either way its result never comes
             self.process.join()
             code = self.process.exitcode
             how = f"was killed by signal {-code}" if code is not None and code < 0 else f"exited with code {code}"
