@@ -553,12 +553,12 @@ def pruned_while_read(monkeypatch, times):
     first `times` times, then loads."""
     real, calls = ck._load_checkpoint, []
 
-    def load(run_dir, ckpt, device):
+    def load(run_dir, ckpt, device, merge):
         calls.append(ckpt.step)
         if len(calls) <= times:
             shutil.rmtree(ckpt.path)
             raise FileNotFoundError(errno.ENOENT, "No such file or directory", str(ckpt.path / "model.safetensors"))
-        return real(run_dir, ckpt, device)
+        return real(run_dir, ckpt, device, merge)
     monkeypatch.setattr(ck, "_load_checkpoint", load)
     return calls
 

@@ -98,6 +98,20 @@ def test_two_processes_train_like_one_and_their_checkpoint_resumes_in_one(straig
     assert_same_weights(root / "ddp", root / "one-8", 8)
 
 
+def test_lora_adapters_train_in_two_processes_like_in_one(straight):
+    """DDP over a frozen base: only the adapters' gradients are averaged; the base is a trained run (one-8)."""
+    root = straight[0]
+    adapters = ["--init-from", str(root / "one-8"), "--lora-rank", "2", "--lora-targets", "c_attn,c_fc",
+                "--max-steps=4", "--quiet"]
+    assert main(["train", "--data", str(root / "data"), "--run", str(root / "lora-1"), *adapters, *flags()]) == 0
+    gptlab("train", "--nproc", "2", "--data", str(root / "data"), "--run", str(root / "lora-2"), *adapters, *flags())
+    assert_same_weights(root / "lora-2", root / "lora-1", 4)
+    trained = ck.read_tensors(ck.find_checkpoint(root / "lora-2", "step").path, "model")
+    assert sorted(trained) == sorted(f"transformer.h.{i}.{layer}.lora_{ab}.weight" for i in range(2)
+                                     for layer in ("attn.c_attn", "mlp.c_fc") for ab in "AB")
+    assert all(trained[n].abs().max() > 0 for n in trained)  # B moved off zero
+
+
 TORCHRUN = ("-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2")
 INIT_SCRIPT = """
 import json, sys, torch

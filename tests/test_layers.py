@@ -19,9 +19,9 @@ STAGES = ("data", "training", "distributed", "hf")  # packages that are a stage'
 MAY_IMPORT = {
     "data": {"errors", "machine", "config", "tokenizer", "rundir"},  # text -> token files -> batches: no model
     "distributed": {"errors", "machine", "config", "model", "runtime", "rundir", "sharded", "checkpoint"},
-    "training": {"errors", "config", "tokenizer", "rundir", "data", "model", "runtime", "peak", "optim", "plots",
-                 "checkpoint", "distributed", "reference"},
-    "hf": {"errors", "config", "tokenizer", "rundir", "model", "checkpoint"},
+    "training": {"errors", "config", "tokenizer", "rundir", "data", "model", "lora", "runtime", "peak", "optim",
+                 "plots", "checkpoint", "distributed", "reference"},
+    "hf": {"errors", "config", "tokenizer", "rundir", "model", "lora", "checkpoint"},
     "inference": {"errors", "machine", "compiled", "config", "tokenizer", "model", "runtime", "checkpoint"},
     # the naive C++ engine: the equations beside the model, needing nothing after the optimizer's groups
     "reference": {"errors", "machine", "compiled", "config", "model", "optim"},

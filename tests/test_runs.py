@@ -233,7 +233,7 @@ def test_info_lists_every_checkpoint_with_its_validity_and_loss(tmp_path, char_d
     bad = info["checkpoints"][2]["valid"]
     assert "checksum" in bad or "damaged" in bad, bad
     assert info == {"run": asdict(list_runs(run)[0]), "data": str(char_data.resolve()), "model": config["model"],
-                    "train": config["train"], "resumes": [], "checkpoints": [
+                    "train": config["train"], "resumes": [], "lora": None, "checkpoints": [
                         {"name": f"step-{s:08d}", "step": s, "valid": "valid", "val_loss": json.loads(
                             (run / rundir.CKPTS / f"step-{s:08d}" / "state.json").read_text())["val_loss"]}
                         for s in (10, 5)] + [{"name": f"best-{s:08d}", "step": s, "valid": bad, "val_loss": None}

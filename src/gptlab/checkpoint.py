@@ -27,6 +27,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
+from gptlab import lora
 from gptlab.config import ModelConfig, from_dict
 from gptlab.errors import GptlabError
 from gptlab.rundir import (CKPTS, TOKENIZER, RunLock, TrainingState, fsync_dir, read_run_config, umask_mode,
@@ -51,12 +52,15 @@ def sha256_file(path: Path) -> str:
 # ---- state <-> tensors -----------------------------------------------------------------------------------------
 
 def model_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The model's weights by GPT-2 name, without wrapper prefixes and with the tied LM head stored once."""
+    """The model's weights by GPT-2 name, without wrapper prefixes and with the tied LM head stored once; of a model
+    with LoRA adapters, the adapters alone (its base is stored once, in its own run)."""
     state = {}
     for name, tensor in model.state_dict().items():
         for prefix in WRAPPER_PREFIXES:
             name = name.removeprefix(prefix)
         state[name] = tensor.detach().contiguous()
+    if any(lora.is_adapter(name) for name in state):
+        return {name: t for name, t in state.items() if lora.is_adapter(name)}
     wte = state.get("transformer.wte.weight")
     if wte is not None and "lm_head.weight" in state and state["lm_head.weight"].data_ptr() == wte.data_ptr():
         del state["lm_head.weight"]
@@ -64,8 +68,11 @@ def model_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 def load_model_tensors(model: torch.nn.Module, tensors: dict[str, torch.Tensor], source: str) -> None:
-    """Copy `tensors` into `model`, insisting that names and shapes match exactly (the tied head may be absent)."""
+    """Copy `tensors` into `model`, insisting that names and shapes match exactly (the tied head may be absent); a
+    model with LoRA adapters takes its adapters alone."""
     own = model.state_dict()
+    if any(lora.is_adapter(name) for name in own):
+        own = {name: t for name, t in own.items() if lora.is_adapter(name)}
     missing = sorted(set(own) - set(tensors) - {"lm_head.weight"})
     unexpected = sorted(set(tensors) - set(own))
     wrong = [f"{k} {tuple(tensors[k].shape)} vs {tuple(own[k].shape)}" for k in own
@@ -292,9 +299,11 @@ class LoadedRun:
     checkpoint: Checkpoint
 
 
-def load_run(run_dir: str | Path, which: str = "best", device: torch.device | str = "cpu") -> LoadedRun:
+def load_run(run_dir: str | Path, which: str = "best", device: torch.device | str = "cpu",
+             merge: bool = True) -> LoadedRun:
     """The model of a run (its best checkpoint, else its latest) in eval mode, with its tokenizer; safe while the
-    run is being trained (a checkpoint pruned while it is read is replaced by the newer one).
+    run is being trained (a checkpoint pruned while it is read is replaced by the newer one). A LoRA run's model is
+    its base with the adapters merged in (with `merge` False: adapted, the adapters apart).
     Raises GptlabError when the run is missing, not a run, has no usable checkpoint, or its parts do not fit."""
     read_run_config(run_dir)
     for attempt in range(3):
@@ -309,14 +318,14 @@ def load_run(run_dir: str | Path, which: str = "best", device: torch.device | st
                                   "evaluation (one every --eval-interval steps) or pass --run")
             raise GptlabError(f"run {run_dir} has no checkpoint yet; train it with `gptlab train --run {run_dir}`")
         try:
-            return _load_checkpoint(Path(run_dir), ckpt, device)
+            return _load_checkpoint(Path(run_dir), ckpt, device, merge)
         except (GptlabError, FileNotFoundError):
             if ckpt.path.exists() or attempt == 2:
                 raise
     raise AssertionError("unreachable")
 
 
-def _load_checkpoint(run_dir: Path, ckpt: Checkpoint, device: torch.device | str) -> LoadedRun:
+def _load_checkpoint(run_dir: Path, ckpt: Checkpoint, device: torch.device | str, merge: bool) -> LoadedRun:
     state = read_state(ckpt)
     model_cfg = from_dict(ModelConfig, state.model)
     run_tokenizer = run_dir / TOKENIZER
@@ -328,5 +337,29 @@ def _load_checkpoint(run_dir: Path, ckpt: Checkpoint, device: torch.device | str
         raise GptlabError(f"the tokenizer of {run_dir} has {tokenizer.vocab_size} tokens but the weights only "
                           f"{model_cfg.vocab_size}: they do not belong together")
     model = build_model(model_cfg)
+    adapters = lora.settings(state.train)
+    if adapters is not None:
+        load_model_tensors(model, base_tensors(run_dir, state, model_cfg), str(ckpt.path))
+        lora.apply_lora(model, adapters)
     load_model_tensors(model, read_tensors(ckpt.path, "model"), str(ckpt.path))
+    if adapters is not None and merge:
+        lora.merge_lora(model)
     return LoadedRun(model.to(device).eval(), tokenizer, model_cfg, state, ckpt)
+
+
+def base_tensors(run_dir: Path, state: TrainingState, model_cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """The weights a LoRA run's adapters were trained on: its base run's, cut to the run's block_size, checked
+    against the sha256 the run recorded. GptlabError when the base is gone, moved or has changed."""
+    base = state.base or {}
+    if not base.get("run") or not base.get("sha256"):
+        raise GptlabError(f"{run_dir} holds LoRA adapters but does not name its base run; the checkpoint is damaged")
+    if not Path(base["run"]).is_dir():
+        raise GptlabError(f"the base of LoRA run {run_dir}, {base['run']}, is gone (moved or deleted); put it back "
+                          "there to use the adapters")
+    tensors = model_tensors(load_run(base["run"]).model)
+    if "transformer.wpe.weight" in tensors:  # trained at a shorter context: the positions it used
+        tensors["transformer.wpe.weight"] = tensors["transformer.wpe.weight"][:model_cfg.block_size]
+    if lora.tensors_sha256(tensors) != base["sha256"]:
+        raise GptlabError(f"the base of LoRA run {run_dir}, {base['run']}, has changed since the adapters were "
+                          "trained on it (its weights' sha256 differs); restore its checkpoint or fine-tune again")
+    return tensors

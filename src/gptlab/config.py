@@ -24,6 +24,8 @@ DEVICES = ("auto", "cpu", "cuda", "mps")
 TOKENIZERS = ("char", "bpe", "gpt2")
 OPTIMIZERS = ("adamw", "muon")
 ENGINES = ("torch", "reference")  # train's and sample's --engine
+# the layers LoRA may adapt, by GPT-2's module names; "c_proj" is attention's and the MLP's (as in PEFT)
+LORA_TARGETS = ("c_attn", "c_proj", "c_fc", "attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")
 
 
 def _check(ok: bool, message: str) -> None:
@@ -145,6 +147,12 @@ class TrainConfig:
     spike_factor: float = setting(0.0, "stop when the loss stays above this multiple of its recent mean (0: off)")
     spike_patience: int = setting(3, "steps the loss must stay that high before the run stops")
     init_from: str = setting("", "start from this run's or Hugging Face GPT-2 folder's weights (fine-tuning)")
+    lora_rank: int = setting(0, "LoRA: train adapters of this rank on the --init-from run's frozen weights (0: "
+                                "fine-tune every weight)")
+    lora_alpha: float = setting(8.0, "LoRA: the adapters' update is scaled by lora_alpha / lora_rank")
+    lora_dropout: float = setting(0.0, "LoRA: dropout on the adapters' input")
+    lora_targets: str = setting("c_attn", "LoRA: the layers adapted, comma-separated: c_attn, c_proj, c_fc (or "
+                                          "attn.c_proj, mlp.c_proj, ...)")
     optimizer: str = setting("adamw", "adamw, or muon: Muon (orthogonalised momentum) for the blocks' matrices and "
                                       "AdamW for embeddings, gains and biases", OPTIMIZERS)
     muon_lr: float = setting(0.02, "peak learning rate of Muon's matrices (the schedule scales it like lr)")
@@ -177,12 +185,29 @@ class TrainConfig:
         _check(not (self.optimizer == "muon" and self.fsdp), "optimizer muon orthogonalises whole matrices, which "
                "FSDP splits across processes; use --optimizer adamw with --fsdp")
         _check_choice("engine", self.engine, ENGINES)
+        self._check_lora()
         if self.engine == "reference":
             _check_reference(self)
 
     @property
     def decay_steps(self) -> int:
         return self.lr_decay_steps or self.max_steps
+
+    def _check_lora(self) -> None:
+        _check(self.lora_rank >= 0, f"lora_rank must be at least 1 (or 0: no adapters), not {self.lora_rank}")
+        _check(self.lora_alpha > 0, f"lora_alpha must be > 0, not {self.lora_alpha}")
+        _check(0 <= self.lora_dropout < 1, f"lora_dropout must be in [0, 1), not {self.lora_dropout}")
+        targets = [t.strip() for t in self.lora_targets.split(",")]
+        unknown = [t for t in targets if t not in LORA_TARGETS]
+        _check(not unknown, f"lora_targets: unknown layer {', '.join(map(repr, unknown))}; choose among "
+                            f"{', '.join(LORA_TARGETS)} (comma-separated)")
+        if self.lora_rank:
+            _check(bool(self.init_from), "LoRA adapts a trained model: name it with --init-from RUN (a gptlab run; "
+                                         "import a Hugging Face folder first with `gptlab import hf`)")
+            _check(not self.fsdp, "--fsdp does not shard LoRA's frozen base yet; train the adapters with DDP (drop "
+                                  "--fsdp: the adapters and their optimizer state are small)")
+            _check(self.engine == "torch", "the reference engine trains every weight; drop --lora-rank or use "
+                                           "--engine torch")
 
 
 def _check_reference(cfg: TrainConfig) -> None:

@@ -146,6 +146,7 @@ class TrainingState:
     sampler: dict[str, int] | None = None  # {"seed", "next_step"}: the next batch is drawn from (seed, next_step)
     optimizer: dict[str, Any] | None = None  # the optimizer state's JSON part (step checkpoints; see checkpoint.py)
     imported_from: str | None = None  # the folder imported weights came from (gptlab import)
+    base: dict[str, str] | None = None  # a LoRA run's base: {"run": its folder, "sha256": lora.tensors_sha256}
     gptlab_version: str | None = None
     git_commit: str | None = None
     time: float | None = None  # when it was written, seconds since the epoch (save_checkpoint stamps it)

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from gptlab import checkpoint as ck
-from gptlab import rundir
+from gptlab import lora, rundir
 from gptlab.config import DEFAULT_PRESET, FINETUNE_PRESET, ModelConfig, TrainConfig, build, get_preset, to_dict
 from gptlab.configfile import read_config_file
 from gptlab.data.prepare import prepare
@@ -131,7 +131,12 @@ def start(spec: TrainSpec, quiet: bool = False) -> Any:
     from gptlab.training.train import train
 
     init = None
-    if spec.train.init_from and not spec.resume:  # the weights to start from, checked against model and data
+    if spec.train.lora_rank and not rundir.is_run(Path(spec.train.init_from)):
+        raise GptlabError(f"LoRA needs a gptlab run as its base, and {spec.train.init_from} is not one; import a "
+                          f"Hugging Face folder first (gptlab import hf {spec.train.init_from} --run RUN) and give "
+                          "--init-from RUN")
+    # the weights to start from (a LoRA run's base, resumed too), checked against model and data
+    if spec.train.init_from and (not spec.resume or spec.train.lora_rank):
         from gptlab.hf.hf import init_tensors
         from gptlab.tokenizer import load as load_tokenizer
 
@@ -229,7 +234,8 @@ def summarize(run: str | Path) -> RunSummary:
     else:
         where = "new" if ckpt is None else "finished" if step >= max_steps else "interrupted"
     best = state.best_val_loss if state else None
-    return RunSummary(Path(run), config.get("preset", "?"), step, max_steps,
+    preset = config.get("preset", "?") + ("+lora" if config["train"].get("lora_rank") else "")
+    return RunSummary(Path(run), preset, step, max_steps,
                       best if isinstance(best, float) and best != float("inf") else None,
                       (state.tokens_seen if state else None) or 0, training_seconds(run), where)
 
@@ -256,7 +262,8 @@ def _summary_or_damaged(run: Path) -> RunSummary:
 
 def run_info(run: str | Path) -> dict[str, Any]:
     """A run's resolved settings and checkpoints, for `gptlab info`: {"run": summary fields, "data", "model",
-    "train", "checkpoints": [{name, step, valid, val_loss}], "resumes"}."""
+    "train", "checkpoints": [{name, step, valid, val_loss}], "resumes", "lora": None or {"adapters": what they are,
+    "parameters": how many, "base": {"run", "sha256"}}}."""
     config = rundir.read_run_config(run)
     checkpoints = []
     for kind in ("step", "best"):
@@ -266,7 +273,16 @@ def run_info(run: str | Path) -> dict[str, Any]:
             checkpoints.append({"name": c.path.name, "step": c.step, "valid": problem or "valid", "val_loss": val})
     return {"run": asdict(summarize(run)), "data": config.get("data") or config.get("imported_from"),
             "model": config["model"], "train": config["train"], "checkpoints": checkpoints,
-            "resumes": config.get("resumes", [])}
+            "resumes": config.get("resumes", []), "lora": _lora_info(config)}
+
+
+def _lora_info(config: dict[str, Any]) -> dict[str, Any] | None:
+    adapters = lora.settings(config["train"])
+    if adapters is None:
+        return None
+    shape = config["model"]
+    return {"adapters": str(adapters), "parameters": adapters.parameters(shape["n_layer"], shape["n_embd"]),
+            "base": config.get("base") or {}}
 
 
 

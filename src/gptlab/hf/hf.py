@@ -23,7 +23,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from gptlab import checkpoint as ck
-from gptlab import rundir
+from gptlab import lora, rundir
 from gptlab.config import ModelConfig, TrainConfig, from_dict, to_dict
 from gptlab.errors import GptlabError
 from gptlab.hf.hf_tokenizer import read_hf_tokenizer, write_tokenizer_files
@@ -257,16 +257,23 @@ def staged_folder(out: Path):
         raise
 
 
-def export_hf(run_dir: str | Path, out_dir: str | Path, which: str = "best") -> list[str]:
+def export_hf(run_dir: str | Path, out_dir: str | Path, which: str = "best", merge: bool = False) -> list[str]:
     """Write the run's model (its best checkpoint, else its latest) as a HF GPT-2 folder: config.json,
-    model.safetensors and tokenizer files, all or nothing (see staged_folder). Returns the names written; raises
-    GptlabError on bad input."""
+    model.safetensors and tokenizer files, all or nothing (see staged_folder); a LoRA run's with `merge`, its
+    adapters merged into its base. Returns the names written; raises GptlabError on bad input."""
     out = Path(out_dir)
     if out.resolve() == Path(run_dir).resolve() or rundir.folder_kind(out) in ("run", "data"):
         kind = "the run itself" if out.resolve() == Path(run_dir).resolve() else \
             {"run": "a gptlab run", "data": "a prepared data folder"}[rundir.folder_kind(out)]
         raise GptlabError(f"--out {out} is {kind}; exporting there would overwrite its config.json and "
                           "tokenizer.json, so give --out a folder of its own")
+    adapters = lora.settings(rundir.read_run_config(run_dir)["train"])
+    if adapters is not None and not merge:
+        raise GptlabError(f"{run_dir} holds LoRA adapters ({adapters}): export --merge writes the whole model with "
+                          "them merged in, --format peft the adapters alone")
+    if merge and adapters is None:
+        raise GptlabError(f"{run_dir} has no LoRA adapters to merge (it was trained in full); export it without "
+                          "--merge")
     loaded = ck.load_run(run_dir, which)
     if not isinstance(loaded.model, GPT):
         raise GptlabError(f"{run_dir} holds a {loaded.model_cfg.arch} model; only GPT models have a Hugging Face "

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from gptlab import checkpoint as ck
-from gptlab import rundir
+from gptlab import lora, rundir
 from gptlab.config import ModelConfig, TrainConfig, from_dict, to_dict
 from gptlab.data.batches import Dataset
 from gptlab.errors import GptlabError
@@ -33,7 +33,7 @@ def check_data(dataset: Dataset, model_cfg: ModelConfig) -> None:
 
 def check_memory(model_cfg: ModelConfig, cfg: TrainConfig, device: torch.device, processes: int) -> None:
     """Refuse, before allocating anything, what cannot fit the device's memory by a lower bound alone: the
-    weights, gradients and AdamW moments (16 bytes a parameter), or one micro-batch's logits and their gradient
+    weights, gradients and AdamW moments (16 bytes a trained parameter, 4 a frozen one), or one micro-batch's logits and their gradient
     (8 bytes per position and vocabulary entry)."""
     if device.type == "cuda":
         total = torch.cuda.get_device_properties(device).total_memory
@@ -43,11 +43,16 @@ def check_memory(model_cfg: ModelConfig, cfg: TrainConfig, device: torch.device,
         return
     with torch.device("meta"):
         params = build_model(model_cfg).num_params()
+    adapters = lora.settings(cfg)  # LoRA: the base frozen (its weights alone), the adapters trained
+    trained = adapters.parameters(model_cfg.n_layer, model_cfg.n_embd) if adapters else params
+    frozen = params if adapters else 0
+    need = frozen * 4 + trained * 16  # a trained weight: 4 bytes, its gradient 4 and its AdamW moments 8
     gib = f"the {total / 2**30:,.0f} GiB of this {device.type}"
-    if params * 16 > total:
-        raise GptlabError(f"this model has {params:,} parameters: training it needs about {params * 16 / 2**30:,.0f} "
+    if need > total:
+        raise GptlabError(f"this model has {params:,} parameters: training it needs about {need / 2**30:,.0f} "
                           f"GiB for its weights, gradients and AdamW state, more than {gib}; choose a smaller "
-                          "--n-embd or --n-layer")
+                          "--n-embd or --n-layer" + (", or train LoRA adapters (--lora-rank 8)"
+                                                     if cfg.init_from and not adapters else ""))
     rows = max(1, cfg.batch_size // processes)
     logits = rows * model_cfg.block_size * model_cfg.vocab_size * 8
     if logits > total:

@@ -17,7 +17,7 @@ from typing import Any, TextIO
 import torch
 
 from gptlab import checkpoint as ck
-from gptlab import __version__, rundir
+from gptlab import __version__, lora, rundir
 from gptlab.config import ModelConfig, TrainConfig, to_dict
 from gptlab.data.batches import Dataset, load_dataset
 from gptlab.distributed import distributed
@@ -100,7 +100,7 @@ def train(data_dir: str | Path, run_dir: str | Path, model_cfg: ModelConfig, cfg
     dataset = load_dataset(data_dir)
     if model_cfg.vocab_size == 0:
         model_cfg.vocab_size = dataset.tokenizer.vocab_size
-    if cfg.init_from and not resume and init is None:
+    if cfg.init_from and (not resume or cfg.lora_rank) and init is None:  # a LoRA run needs its base even to resume
         raise GptlabError(f"init_from {cfg.init_from!r} needs its weights: start the run with gptlab.runs.start")
     if not resume:  # a resume checks first that the data is the run's (check_resume): what is wrong when it is not
         check_data(dataset, model_cfg)
@@ -131,6 +131,7 @@ def _train_locked(dataset: Dataset, run: Path, model_cfg: ModelConfig, cfg: Trai
     parallel.check_same_start(resume, ckpt.step if ckpt else None)
     torch.manual_seed(cfg.seed)
     model = parallel.build(model_cfg, cfg.fsdp, init, cfg.init_from)  # with FSDP: only this process's slices
+    base = adapt(model, cfg, init, state)
     speed = cached_speed(device, precision, cfg.batch_size * model_cfg.block_size * cfg.grad_accum,
                          model.flops_per_token(), parallel.world_size)
     if cfg.engine == "reference":
@@ -150,7 +151,8 @@ def _train_locked(dataset: Dataset, run: Path, model_cfg: ModelConfig, cfg: Trai
             rundir.update_run_config(run, model_cfg, cfg, {**where, **extra},
                                  {"step": state.step, "changes": changes, "time": time.time()})
         else:
-            rundir.init_run(run, model_cfg, cfg, dataset.tokenizer, {**where, **extra})
+            lora_base = {"base": base} if base else {}
+            rundir.init_run(run, model_cfg, cfg, dataset.tokenizer, {**where, **extra, **lora_base})
     model, optimizer = parallel.wrap(model, optimizer, cfg.fsdp)
     parallel.reseed(cfg.seed, progress.step)
     ctx = StepContext(dataset, cfg, model_cfg.block_size, device, precision, parallel)
@@ -163,10 +165,33 @@ def _train_locked(dataset: Dataset, run: Path, model_cfg: ModelConfig, cfg: Trai
             _keep_metrics_until(metrics, progress.step)
         elif metrics.exists():
             metrics.unlink()
-    trainer = Trainer(model, optimizer, ctx, model_cfg, run, progress, speed)
+    trainer = Trainer(model, optimizer, ctx, model_cfg, run, progress, speed, base)
     result = trainer.loop(quiet)
     parallel.barrier()  # no process leaves while rank 0 may still be writing
     return result
+
+
+def adapt(model: torch.nn.Module, cfg: TrainConfig, init: dict[str, torch.Tensor] | None,
+          state: rundir.TrainingState | None) -> dict[str, str] | None:
+    """With cfg.lora_rank: put fresh adapters on `model` (built from `init`, its base) and return the base's
+    reference for the run's checkpoints; a resume must find the same adapters and the same base."""
+    adapters = lora.settings(cfg)
+    if adapters is None:
+        if state is not None and lora.settings(state.train):
+            raise GptlabError("this run trains LoRA adapters; resume it with its own --lora-rank "
+                              f"{state.train['lora_rank']} (or drop the flag)")
+        return None
+    assert init is not None, "train() checks that a LoRA run has its base's weights"
+    if state is not None and lora.settings(state.train) != adapters:
+        raise GptlabError(f"this run's LoRA adapters are {lora.settings(state.train)}; a resume keeps them (drop the "
+                          "--lora-* flags, or fine-tune into a new --run)")
+    lora.apply_lora(model, adapters)
+    base = {"run": str(Path(cfg.init_from).resolve()), "sha256": lora.tensors_sha256(init)}
+    if state is not None and state.base != base:
+        raise GptlabError(f"the base of this LoRA run, {cfg.init_from}, is not the one its adapters were trained on "
+                          f"({(state.base or {}).get('run')}: moved, or its weights changed); restore it or "
+                          "fine-tune again into a new --run")
+    return base
 
 
 @dataclass
@@ -198,6 +223,7 @@ class Trainer:
     run: Path
     progress: Progress
     speed: Speed
+    base: dict[str, str] | None = None  # a LoRA run's base (path and weights' sha256), named in every checkpoint
     history: list[dict[str, Any]] = field(default_factory=list)  # every row written to metrics.jsonl
     last_checkpoint: Path | None = None  # the newest step checkpoint: named when the run stops on a fault
     val_loss: float = math.nan  # of the last evaluation
@@ -361,7 +387,7 @@ class Trainer:
             best_val_loss=progress.best_val_loss, val_loss=self.val_loss,
             data_fingerprint=self.ctx.dataset.fingerprint(),
             sampler={"seed": self.cfg.seed, "next_step": progress.step}, gptlab_version=__version__,
-            git_commit=rundir.git_commit())
+            git_commit=rundir.git_commit(), base=self.base)
         self.parallel.barrier()
         model, optimizer, shards = self.model, self.optimizer, self.parallel.shard_writer(self.model, self.optimizer)
         if not self.parallel.is_main:

@@ -1,0 +1,134 @@
+"""LoRA adapters in PEFT's format, both ways: adapter_config.json + adapter_model.safetensors, the folder that
+`peft.PeftModel.from_pretrained` loads onto transformers' GPT2LMHeadModel of the exported base. transformers' GPT-2
+keeps its Linears as Conv1D (weights transposed), so PEFT marks them fan_in_fan_out; its lora_A (r, in) and lora_B
+(out, r) are laid out as ours, under "base_model.model." + our names."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+from gptlab import checkpoint as ck
+from gptlab import lora, rundir
+from gptlab.config import TrainConfig, to_dict
+from gptlab.errors import GptlabError
+from gptlab.hf.hf import staged_folder
+
+CONFIG, WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
+PREFIX = "base_model.model."
+# PEFT settings gptlab's adapters do not have: an adapter that uses one is refused rather than loaded differently
+UNSUPPORTED = {"use_dora": False, "use_rslora": False, "modules_to_save": None, "layers_to_transform": None,
+               "rank_pattern": {}, "alpha_pattern": {}, "lora_bias": False, "bias": "none",
+               "trainable_token_indices": None, "target_parameters": None, "layer_replication": None,
+               "use_qalora": False, "exclude_modules": None}
+
+
+def adapter_config(adapters: lora.LoraSettings, base: str) -> dict[str, Any]:
+    """adapter_config.json for `adapters` on transformers' GPT-2 (PEFT's LoraConfig fields that matter; PEFT
+    fills in the rest with its defaults)."""
+    return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base, "r": adapters.rank,
+            "lora_alpha": adapters.alpha, "lora_dropout": adapters.dropout, "target_modules": list(adapters.targets),
+            "fan_in_fan_out": True, "bias": "none", "inference_mode": True, "init_lora_weights": True,
+            "use_rslora": False, "use_dora": False, "modules_to_save": None}
+
+
+def export_peft(run_dir: str | Path, out_dir: str | Path, which: str = "best") -> list[str]:
+    """Write a LoRA run's adapters (its best checkpoint, else its latest) in PEFT's format, all or nothing;
+    returns the names written. GptlabError when the run has no adapters or --out is taken."""
+    out = Path(out_dir)
+    if rundir.folder_kind(out) in ("run", "data"):
+        raise GptlabError(f"--out {out} is a gptlab {rundir.folder_kind(out)} folder; give --out a folder of its own")
+    if out.exists() and not out.is_dir():
+        raise GptlabError(f"{out} exists and is not a folder; give --out a new or existing folder")
+    adapters = lora.settings(rundir.read_run_config(run_dir)["train"])
+    if adapters is None:
+        raise GptlabError(f"{run_dir} has no LoRA adapters (it was trained in full); export it with --format hf")
+    loaded = ck.load_run(run_dir, which, merge=False)
+    tensors = {PREFIX + name: t.float().contiguous() for name, t in ck.model_tensors(loaded.model).items()}
+    base = (loaded.state.base or {}).get("run", "")
+    with staged_folder(out) as staging:
+        try:
+            save_file(tensors, staging / WEIGHTS, metadata={"format": "pt"})
+            os.chmod(staging / WEIGHTS, rundir.umask_mode())  # safetensors writes 0600
+        except (OSError, SafetensorError) as exc:
+            reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc).strip()
+            raise GptlabError(f"cannot write {out / WEIGHTS}: {reason}; check free space") from None
+        rundir.write_json(staging / CONFIG, adapter_config(adapters, base))
+    return [CONFIG, WEIGHTS]
+
+
+def read_adapter(folder: str | Path) -> tuple[lora.LoraSettings, dict[str, torch.Tensor]]:
+    """The LoRA settings and tensors (under gptlab's names) of a PEFT adapter folder; GptlabError when it is not
+    one, or uses a PEFT feature gptlab's adapters do not have."""
+    folder = Path(folder)
+    try:
+        config = json.loads((folder / CONFIG).read_text())
+    except FileNotFoundError:
+        raise GptlabError(f"{folder} is not a PEFT adapter folder (no {CONFIG})") from None
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise GptlabError(f"{folder / CONFIG} is damaged (not valid JSON)") from None
+    if not isinstance(config, dict) or config.get("peft_type") != "LORA":
+        kind = config.get("peft_type") if isinstance(config, dict) else None
+        raise GptlabError(f"{folder} holds a PEFT adapter of type {kind!r}; gptlab imports LoRA adapters only")
+    for key, plain in UNSUPPORTED.items():
+        if config.get(key, plain) not in (plain, None, {}, False):
+            raise GptlabError(f"{folder}: the adapter sets {key} = {config[key]!r}, which gptlab's LoRA does not "
+                              "implement; only plain LoRA adapters import")
+    targets = config.get("target_modules")
+    targets = [targets] if isinstance(targets, str) else targets
+    try:
+        train = TrainConfig(init_from="-", lora_rank=int(config["r"]), lora_alpha=float(config["lora_alpha"]),
+                            lora_dropout=float(config.get("lora_dropout") or 0.0), lora_targets=",".join(targets))
+    except (KeyError, TypeError, ValueError) as exc:
+        raise GptlabError(f"{folder / CONFIG} lacks a usable r, lora_alpha or target_modules ({exc})") from None
+    except GptlabError as exc:
+        raise GptlabError(f"{folder}: {exc}") from None
+    if not (folder / WEIGHTS).is_file():
+        raise GptlabError(f"{folder} has no {WEIGHTS} (gptlab reads adapters in safetensors only)")
+    try:
+        tensors = load_file(folder / WEIGHTS)
+    except (SafetensorError, OSError) as exc:
+        raise GptlabError(f"{folder / WEIGHTS} cannot be read ({exc})") from None
+    named = {name.removeprefix(PREFIX).replace(".default.", "."): t.float() for name, t in tensors.items()}
+    settings = lora.settings(train)
+    assert settings is not None
+    return settings, named
+
+
+def import_peft(folder: str | Path, base_run: str | Path, run_dir: str | Path) -> int:
+    """Turn a PEFT LoRA adapter for the model of `base_run` (a gptlab run) into a LoRA run at `run_dir` (config,
+    tokenizer, one "best" checkpoint at step 0 holding the adapters and naming its base); returns the adapters'
+    parameter count. GptlabError on bad input; nothing is written then."""
+    run = Path(run_dir)
+    if rundir.folder_kind(run) is not None:
+        raise GptlabError(f"{run} already holds a {rundir.folder_kind(run)}; choose another --run or delete it first")
+    if not rundir.is_run(Path(base_run)):
+        raise GptlabError(f"--base {base_run} is not a gptlab run; import the base model first (gptlab import hf "
+                          "FOLDER --run RUN) and give --base RUN")
+    adapters, tensors = read_adapter(folder)
+    loaded = ck.load_run(base_run)
+    model, base = loaded.model, ck.model_tensors(loaded.model)
+    try:
+        lora.apply_lora(model, adapters)
+        ck.load_model_tensors(model, tensors, str(folder))
+    except GptlabError as exc:
+        raise GptlabError(f"the adapter in {folder} does not fit the model of {base_run}: {exc}") from None
+    source = str(Path(folder).resolve())
+    train = TrainConfig(init_from=str(Path(base_run).resolve()), lora_rank=adapters.rank, lora_alpha=adapters.alpha,
+                        lora_dropout=adapters.dropout, lora_targets=",".join(adapters.targets))
+    ref = {"run": train.init_from, "sha256": lora.tensors_sha256(base)}
+    state = rundir.TrainingState(to_dict(loaded.model_cfg), train=to_dict(train), imported_from=source, base=ref)
+    with rundir.RunLock(run) as lock:
+        try:
+            rundir.init_run(run, loaded.model_cfg, train, loaded.tokenizer, {"imported_from": source, "base": ref})
+            ck.save_checkpoint(run, "best", 0, model, state, keep=1)
+        except GptlabError:
+            lock.undo()
+            raise
+    return lora.adapter_count(model)

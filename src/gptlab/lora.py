@@ -1,0 +1,153 @@
+"""LoRA: low-rank adapters on the GPT's Linear layers, applied from outside the model (as parallelism is).
+
+An adapted layer computes W x + b + (alpha / r) B A dropout(x), with W and b frozen, A (r x in) drawn as PEFT draws
+it and B (out x r) zero, so that training starts from the base model exactly. The adapted layer keeps the Linear's
+own names (weight, bias) and adds lora_A.weight and lora_B.weight beside them, the names PEFT gives them on
+transformers' GPT-2 (minus its base_layer), so checkpoints and exports map one to one. A model with adapters saves
+and loads its adapters alone: its base is stored once, in the run it came from, and named by its path and the
+sha256 of its weights (tensors_sha256).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from gptlab.config import LORA_TARGETS as TARGETS  # a name matches a module named so or ending in "." + it
+from gptlab.errors import GptlabError
+from gptlab.model import Dropout
+
+
+@dataclass(frozen=True)
+class LoraSettings:
+    rank: int
+    alpha: float
+    dropout: float
+    targets: tuple[str, ...]
+
+    @property
+    def scaling(self) -> float:
+        return self.alpha / self.rank
+
+    def __str__(self) -> str:
+        return f"rank {self.rank}, alpha {self.alpha:g}, dropout {self.dropout:g} on {','.join(self.targets)}"
+
+    def parameters(self, n_layer: int, n_embd: int) -> int:
+        """How many adapter parameters a GPT of n_layer blocks n_embd wide gets: r x (in + out) per adapted layer."""
+        widths = {"attn.c_attn": (n_embd, 3 * n_embd), "attn.c_proj": (n_embd, n_embd),
+                  "mlp.c_fc": (n_embd, 4 * n_embd), "mlp.c_proj": (4 * n_embd, n_embd)}
+        layers = {name for name in widths for t in self.targets if name == t or name.endswith("." + t)}
+        return n_layer * sum(self.rank * sum(widths[name]) for name in layers)
+
+
+def settings(train: Any) -> LoraSettings | None:
+    """The LoRA settings of a TrainConfig or its JSON (a run's or a checkpoint's), None without adapters."""
+    get = train.get if isinstance(train, dict) else lambda name, default=None: getattr(train, name, default)
+    if not train or not get("lora_rank", 0):
+        return None
+    targets = tuple(t.strip() for t in str(get("lora_targets", "c_attn")).split(",") if t.strip())
+    return LoraSettings(int(get("lora_rank")), float(get("lora_alpha", 8.0)), float(get("lora_dropout", 0.0)),
+                        targets)
+
+
+def is_adapter(name: str) -> bool:
+    """Whether the tensor called `name` is an adapter's (lora_A or lora_B of an adapted layer)."""
+    return ".lora_A." in name or ".lora_B." in name
+
+
+class LoRALinear(nn.Linear):
+    """A frozen Linear plus its low-rank update: y = x W^T + b + scaling * dropout(x) A^T B^T."""
+
+    def __init__(self, base: nn.Linear, rank: int, alpha: float, dropout: float):
+        nn.Module.__init__(self)  # nn.Linear's own __init__ would allocate a second weight
+        self.in_features, self.out_features = base.in_features, base.out_features
+        self.weight, self.bias = base.weight, base.bias
+        kind = dict(device=base.weight.device, dtype=base.weight.dtype)
+        self.lora_A = nn.Linear(self.in_features, rank, bias=False, **kind)
+        self.lora_B = nn.Linear(rank, self.out_features, bias=False, **kind)
+        self.lora_dropout = Dropout(dropout) if dropout > 0 else nn.Identity()
+        self.scaling = alpha / rank
+        nn.init.kaiming_uniform_(self.lora_A.weight, a=math.sqrt(5))  # PEFT's init: A random, B zero
+        nn.init.zeros_(self.lora_B.weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias) + self.lora_B(self.lora_A(self.lora_dropout(x))) * self.scaling
+
+    def merged(self) -> nn.Linear:
+        """A plain Linear whose weight is W + scaling * B A (computed in fp32), the bias shared."""
+        out = nn.Linear(self.in_features, self.out_features, bias=self.bias is not None,
+                        device=self.weight.device, dtype=self.weight.dtype)
+        with torch.no_grad():
+            delta = self.lora_B.weight.float() @ self.lora_A.weight.float()  # (out, in)
+            out.weight.copy_(self.weight.float() + self.scaling * delta)
+            if self.bias is not None:
+                out.bias = self.bias
+        return out
+
+
+def _targets_of(model: nn.Module, lora: LoraSettings) -> dict[str, nn.Linear]:
+    """The Linear layers of the model's blocks that `lora` targets; GptlabError for a target that names none."""
+    blocks = getattr(getattr(model, "transformer", None), "h", None)
+    if blocks is None:
+        raise GptlabError("LoRA adapts a GPT's layers; this model (a bigram) has none: fine-tune it in full")
+    found: dict[str, nn.Linear] = {}
+    for target in lora.targets:
+        if target not in TARGETS:
+            raise GptlabError(f"--lora-targets: unknown layer {target!r}; choose among {', '.join(TARGETS)} "
+                              "(comma-separated)")
+        for name, module in model.named_modules():
+            if name.startswith("transformer.h.") and (name == target or name.endswith("." + target)) \
+                    and isinstance(module, nn.Linear):
+                found[name] = module
+    return found
+
+
+def apply_lora(model: nn.Module, lora: LoraSettings) -> list[str]:
+    """Freeze every parameter of `model` and put a fresh adapter on each targeted layer (in place, drawing A from
+    torch's default generator); returns the adapted layers' names. GptlabError when a target or the rank does not
+    fit the model."""
+    if lora.rank < 1:
+        raise GptlabError(f"--lora-rank must be at least 1, not {lora.rank}")
+    layers = _targets_of(model, lora)
+    narrowest = min(min(m.in_features, m.out_features) for m in layers.values())
+    if lora.rank > narrowest:
+        raise GptlabError(f"--lora-rank {lora.rank} is more than the narrowest adapted layer's width "
+                          f"({narrowest}); choose a rank of at most {narrowest}")
+    for p in model.parameters():
+        p.requires_grad_(False)
+    for name, layer in layers.items():
+        parent, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent), child, LoRALinear(layer, lora.rank, lora.alpha, lora.dropout))
+    return sorted(layers)
+
+
+def merge_lora(model: nn.Module) -> nn.Module:
+    """Replace each adapted layer of `model` (in place) by a plain Linear with its update merged into the weight,
+    so that inference runs the model's own paths (fused, int8) unchanged; returns the model."""
+    for name, module in list(model.named_modules()):
+        if isinstance(module, LoRALinear):
+            parent, _, child = name.rpartition(".")
+            setattr(model.get_submodule(parent), child, module.merged())
+    return model
+
+
+def adapter_count(model: nn.Module) -> int:
+    """The number of adapter parameters in `model`."""
+    return sum(p.numel() for name, p in model.named_parameters() if is_adapter(name))
+
+
+def tensors_sha256(tensors: dict[str, torch.Tensor]) -> str:
+    """A fingerprint of a model's weights: sha256 over each tensor's name, dtype, shape and bytes, in name order
+    (the same weights give the same hash whatever file holds them)."""
+    sha = hashlib.sha256()
+    for name in sorted(tensors):
+        t = tensors[name].detach().cpu().contiguous()
+        sha.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
+        sha.update(t.reshape(-1).view(torch.uint8).numpy())  # the tensor's own memory, not a copy
+    return sha.hexdigest()

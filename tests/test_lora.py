@@ -1,0 +1,251 @@
+"""LoRA: adapters on a frozen base, held to PEFT on transformers' GPT-2 (the same adapters give the same logits,
+both ways through PEFT's files), merged equal to unmerged, only adapters trained, exact resume, the base named by
+path and sha256, and one clear line for each bad input. The models are tiny random GPT-2s built here."""
+
+import json
+import shutil
+
+import pytest
+import torch
+from peft import LoraConfig, PeftModel, get_peft_model, set_peft_model_state_dict
+from safetensors.torch import load_file
+from transformers import GPT2LMHeadModel
+
+from helpers import CORPUS, hf_folder, run_bad, run_ok, tree
+from gptlab import lora
+from gptlab.checkpoint import load_run, model_tensors
+from gptlab.config import SampleConfig, TrainConfig
+from gptlab.engine import generate
+from gptlab.errors import GptlabError
+from gptlab.hf.hf import load_hf_model
+from gptlab.inference import load_for_inference
+from gptlab.optim import make_optimizer
+
+TINY = dict(vocab_size=50257, n_embd=32, n_head=2, n_layer=2, n_positions=64)
+LORA = ["--block-size", "32", "--batch-size", "4", "--grad-accum", "1", "--lr", "1e-2", "--min-lr", "1e-2",
+        "--warmup-steps", "0", "--eval-interval", "4", "--eval-batches", "2", "--log-interval", "2",
+        "--precision", "fp32", "--device", "cpu", "--dropout", "0", "--quiet", "--lora-rank", "4",
+        "--lora-alpha", "16", "--lora-targets", "c_attn,c_proj,c_fc"]
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory):
+    """A folder with GPT-2-tokenized data, a tiny random GPT-2 imported as runs/base, and runs/lo: LoRA adapters
+    (rank 4, alpha 16: scaling 4) on every layer kind, trained 8 steps, so that B is far from its zero start."""
+    root = tmp_path_factory.mktemp("lora")
+    hf_folder(root / "tiny-hf", seed=7, **TINY)
+    (root / "corpus.txt").write_text(CORPUS * 20, encoding="utf-8")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.chdir(root)
+        assert main_ok("prepare", "corpus.txt", "--tokenizer", "gpt2", "--out", "data", "--quiet")
+        assert main_ok("import", "tiny-hf", "--run", "runs/base")
+        assert main_ok("train", "--init-from", "runs/base", "--data", "data", "--run", "runs/lo", "--max-steps", "8",
+                       *LORA)
+    return root
+
+
+def main_ok(*argv):
+    from gptlab.cli import main
+
+    return main(list(argv)) == 0
+
+
+@pytest.fixture
+def at(work, monkeypatch):
+    monkeypatch.chdir(work)
+    return work
+
+
+def peft_model(base_hf, adapters_dir=None, **config):
+    """transformers' GPT-2 from `base_hf` with PEFT's LoRA: loaded from `adapters_dir`, or made from `config`."""
+    base = GPT2LMHeadModel.from_pretrained(base_hf)
+    if adapters_dir is not None:
+        return PeftModel.from_pretrained(base, adapters_dir).eval()
+    return get_peft_model(base, LoraConfig(fan_in_fan_out=True, task_type="CAUSAL_LM", **config)).eval()
+
+
+def ids(n=40, seed=0):
+    return torch.randint(0, TINY["vocab_size"], (3, n), generator=torch.Generator().manual_seed(seed))
+
+
+# ---- parity with PEFT ---------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("targets", [["c_attn"], ["c_attn", "c_proj", "c_fc"], ["mlp.c_proj"]])
+def test_adapters_on_our_gpt_give_peft_s_logits(tmp_path, targets):
+    hf_folder(tmp_path / "hf", seed=3, **TINY)
+    theirs = peft_model(tmp_path / "hf", r=3, lora_alpha=12, target_modules=targets)
+    ours = load_hf_model(tmp_path / "hf")
+    names = lora.apply_lora(ours, lora.LoraSettings(3, 12.0, 0.0, tuple(targets)))
+    adapters = {n: torch.randn_like(t) * 0.3 for n, t in model_tensors(ours).items()}  # B far from zero
+    ours.load_state_dict(adapters, strict=False)
+    result = set_peft_model_state_dict(theirs, {f"base_model.model.{n}": t for n, t in adapters.items()})
+    assert not result.unexpected_keys
+    x = ids()
+    with torch.no_grad():
+        want, got = theirs(x).logits, ours(x)[0]
+    assert (got - want).abs().max().item() <= 1e-5
+    assert (want - GPT2LMHeadModel.from_pretrained(tmp_path / "hf")(x).logits).abs().max().item() > 1e-2  # adapted
+    assert sum(p.numel() for _, p in ours.named_parameters() if p.requires_grad) == \
+        theirs.get_nb_trainable_parameters()[0]
+    assert len(names) == {1: 2, 3: 8}[len(targets)]  # 2 blocks; c_proj is attention's and the MLP's
+
+
+def test_a_trained_run_exported_for_peft_loads_there_with_equal_logits_and_greedy_ids(at, capsys):
+    run_ok(capsys, "export", "runs/base", "--out", "base-hf")
+    out = run_ok(capsys, "export", "runs/lo", "--format", "peft", "--out", "lo-peft")
+    assert "adapter_config.json, adapter_model.safetensors" in out
+    theirs = peft_model(at / "base-hf", at / "lo-peft")
+    assert theirs.peft_config["default"].r == 4 and theirs.peft_config["default"].lora_alpha == 16
+    stored = load_file(at / "lo-peft/adapter_model.safetensors")
+    assert all(t.abs().max() > 1e-3 for n, t in stored.items() if "lora_B" in n)  # trained away from zero
+    x = ids(32)  # the run's context (the base's is 64)
+    ours = load_run("runs/lo", merge=False).model
+    with torch.no_grad():
+        assert (ours(x)[0] - theirs(x).logits).abs().max().item() <= 1e-5
+    prompt = x[0, :8].tolist()
+    want = theirs.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, 8, dtype=torch.long),
+                           max_new_tokens=12, min_new_tokens=12, do_sample=False, pad_token_id=0)[0, 8:].tolist()
+    served = load_for_inference("runs/lo", "cpu", "fp32").model  # what sample, eval and serve load: merged
+    got = [step[0] for step in generate(served, prompt, SampleConfig(max_new_tokens=12, temperature=0))]
+    assert got == want
+
+
+def test_merged_equals_unmerged_and_export_merge_is_that_model_in_transformers(at, capsys):
+    merged, adapted = load_run("runs/lo").model, load_run("runs/lo", merge=False).model
+    assert not any(isinstance(m, lora.LoRALinear) for m in merged.modules())
+    assert sum(isinstance(m, lora.LoRALinear) for m in adapted.modules()) == 2 * 4  # c_attn, both c_proj, c_fc
+    x = ids(32, seed=1)
+    with torch.no_grad():
+        assert (merged(x)[0] - adapted(x)[0]).abs().max().item() <= 1e-5
+        run_ok(capsys, "export", "runs/lo", "--merge", "--out", "lo-merged")
+        hf = GPT2LMHeadModel.from_pretrained(at / "lo-merged").eval()
+        assert (hf(x).logits - adapted(x)[0]).abs().max().item() <= 1e-5
+
+
+def test_a_peft_adapter_imported_is_the_same_model(at, capsys):
+    run_ok(capsys, "export", "runs/lo", "--format", "peft", "--out", "lo-peft2")
+    out = run_ok(capsys, "import", "peft", "lo-peft2", "--base", "runs/base", "--run", "runs/from-peft")
+    assert "4,096 adapter parameters" in out  # 2 layers x 4 x ((32+96) + (32+32) + (32+128) + (128+32))
+    x = ids(24, seed=2)
+    with torch.no_grad():
+        assert torch.equal(load_run("runs/from-peft").model(x)[0], load_run("runs/lo").model(x)[0])
+
+
+# ---- training --------------------------------------------------------------------------------------------------
+
+def test_a_step_changes_only_the_adapters():
+    from gptlab.model import GPT
+    from gptlab.config import ModelConfig
+
+    model = GPT(ModelConfig(vocab_size=61, block_size=16, n_layer=2, n_head=2, n_embd=24, dropout=0.0))
+    lora.apply_lora(model, lora.LoraSettings(2, 4.0, 0.0, ("c_attn", "c_fc")))
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    optimizer = make_optimizer(model, TrainConfig(lr=1e-2, weight_decay=0.1))
+    for _ in range(2):  # the second step moves A too (B is zero at the first)
+        x = torch.randint(0, 61, (4, 16))
+        model(x, x)[1].backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    changed = {n for n, p in model.named_parameters() if not torch.equal(p, before[n])}
+    adapters = {n for n, _ in model.named_parameters() if lora.is_adapter(n)}
+    assert changed == adapters and len(adapters) == 2 * 2 * 2
+
+
+def test_a_resumed_lora_run_ends_exactly_where_one_straight_run_does(at, capsys):
+    common = ["--init-from", "runs/base", "--data", "data", *LORA, "--lora-dropout", "0.1"]
+    run_ok(capsys, "train", "--run", "runs/straight", "--max-steps", "8", *common)
+    run_ok(capsys, "train", "--run", "runs/halves", "--max-steps", "4", *common)
+    run_ok(capsys, "train", "--run", "runs/halves", "--resume", "--max-steps", "8", "--quiet")
+    a = load_file(at / "runs/straight/checkpoints/step-00000008/model.safetensors")
+    b = load_file(at / "runs/halves/checkpoints/step-00000008/model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert all(lora.is_adapter(k) for k in a)  # the base is not copied into the run's checkpoints
+    optimizer = load_file(at / "runs/halves/checkpoints/step-00000008/optimizer.safetensors")
+    assert sum(t.numel() for t in optimizer.values() if t.dim() > 0) == 2 * 4096  # AdamW's two moments, adapters
+
+
+def test_info_and_runs_show_the_base_and_the_adapters(at, capsys):
+    out = run_ok(capsys, "info", "runs/lo")
+    sha = json.loads((at / "runs/lo/config.json").read_text())["base"]["sha256"]
+    stored = load_file(next((at / "runs/base/checkpoints").glob("best-*")) / "model.safetensors")
+    base = lora.tensors_sha256({**stored, "transformer.wpe.weight": stored["transformer.wpe.weight"][:32]})
+    assert sha == base
+    assert (f"LoRA adapters: rank 4, alpha 16, dropout 0 on c_attn,c_proj,c_fc (4,096 parameters) on base "
+            f"{at / 'runs/base'} (weights sha256 {base[:12]})") in out
+    assert "finetune+lora" in run_ok(capsys, "runs", "runs")
+
+
+def test_a_base_that_moved_or_changed_is_refused_in_one_line(at, capsys, tmp_path):
+    hf_folder(tmp_path / "other", seed=8, **TINY)
+    run_ok(capsys, "import", "tiny-hf", "--run", "runs/base2")
+    run_ok(capsys, "train", "--init-from", "runs/base2", "--data", "data", "--run", "runs/on2", "--max-steps", "4",
+           *LORA)
+    shutil.move(at / "runs/base2", at / "runs/base2-moved")
+    assert "is gone (moved or deleted)" in run_bad(capsys, "sample", "--run", "runs/on2", "--max-new-tokens", "2")
+    run_ok(capsys, "import", str(tmp_path / "other"), "--run", "runs/base2")  # another model in its place
+    line = run_bad(capsys, "sample", "--run", "runs/on2", "--max-new-tokens", "2")
+    assert "has changed since the adapters were trained on it" in line
+    line = run_bad(capsys, "train", "--run", "runs/on2", "--resume", "--max-steps", "6", "--quiet")
+    assert "is not the one its adapters were trained on" in line
+
+
+def test_the_memory_check_counts_the_frozen_base_at_its_own_bytes(monkeypatch):
+    from gptlab.config import ModelConfig
+    from gptlab.training.preflight import check_memory
+
+    model_cfg = ModelConfig(vocab_size=50257, block_size=64, n_layer=2, n_head=12, n_embd=768)
+    params = 50257 * 768 + 64 * 768 + 2 * (12 * 768 * 768 + 13 * 768) + 2 * 768  # GPT-2's count, worked out
+    adapters = 2 * 8 * (768 + 3 * 768)  # c_attn, rank 8
+    total = params * 4 + adapters * 16
+    monkeypatch.setattr("os.sysconf", lambda name: {"SC_PAGE_SIZE": 1, "SC_PHYS_PAGES": total}[name])
+    lora_cfg = TrainConfig(batch_size=1, init_from="runs/base", lora_rank=8)
+    check_memory(model_cfg, lora_cfg, torch.device("cpu"), 1)  # exactly enough
+    with pytest.raises(GptlabError, match="or train LoRA adapters"):
+        check_memory(model_cfg, TrainConfig(batch_size=1, init_from="runs/base"), torch.device("cpu"), 1)
+    monkeypatch.setattr("os.sysconf", lambda name: {"SC_PAGE_SIZE": 1, "SC_PHYS_PAGES": total - 1}[name])
+    with pytest.raises(GptlabError, match="this model has"):
+        check_memory(model_cfg, lora_cfg, torch.device("cpu"), 1)
+
+
+# ---- bad input ---------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("flags, words", [
+    (["--lora-rank", "4"], "LoRA adapts a trained model: name it with --init-from"),
+    (["--init-from", "runs/base", "--lora-rank", "33"], "--lora-rank 33 is more than the narrowest adapted layer's"),
+    (["--init-from", "runs/base", "--lora-rank", "-1"], "lora_rank must be at least 1 (or 0: no adapters)"),
+    (["--init-from", "runs/base", "--lora-rank", "4", "--lora-targets", "c_attn,wte"], "unknown layer 'wte'"),
+    (["--init-from", "tiny-hf", "--lora-rank", "4"], "LoRA needs a gptlab run as its base"),
+    (["--init-from", "runs/base", "--lora-rank", "4", "--lora-dropout", "1"], "lora_dropout must be in [0, 1)"),
+])
+def test_bad_lora_settings_are_one_line_and_write_nothing(at, capsys, flags, words):
+    before = tree(at)
+    line = run_bad(capsys, "train", "--data", "data", "--run", "runs/bad", "--max-steps", "2", "--quiet", *flags)
+    assert words in line
+    assert tree(at) == before
+
+
+def test_bad_exports_and_imports_are_one_line_and_write_nothing(at, capsys, tmp_path):
+    hf_folder(tmp_path / "wide", seed=1, **{**TINY, "n_embd": 48})
+    run_ok(capsys, "import", str(tmp_path / "wide"), "--run", "runs/wide")
+    run_ok(capsys, "export", "runs/lo", "--format", "peft", "--out", "lo-peft3")
+    before = tree(at)
+    cases = [
+        (["export", "runs/lo", "--out", "x"], "holds LoRA adapters (rank 4, alpha 16, dropout 0 on c_attn,c_proj,c_fc)"
+                                              ": export --merge"),
+        (["export", "runs/base", "--merge", "--out", "x"], "has no LoRA adapters to merge"),
+        (["export", "runs/base", "--format", "peft", "--out", "x"], "has no LoRA adapters (it was trained in full)"),
+        (["export", "runs/lo", "--format", "peft", "--merge", "--out", "x"], "drop --merge"),
+        (["import", "peft", "lo-peft3", "--base", "runs/wide", "--run", "runs/x"], "does not fit the model of "
+                                                                                    "runs/wide"),
+        (["import", "peft", "lo-peft3", "--run", "runs/x"], "needs the run of the model the adapter was trained on"),
+        (["import", "peft", "tiny-hf", "--base", "runs/base", "--run", "runs/x"], "is not a PEFT adapter folder"),
+        (["import", "peft", "lo-peft3", "--base", "tiny-hf", "--run", "runs/x"], "--base tiny-hf is not a gptlab run"),
+    ]
+    for argv, words in cases:
+        assert words in run_bad(capsys, *argv), argv
+    assert tree(at) == before
+    config = json.loads((at / "lo-peft3/adapter_config.json").read_text())
+    (at / "lo-peft3/adapter_config.json").write_text(json.dumps({**config, "use_dora": True}))
+    line = run_bad(capsys, "import", "peft", "lo-peft3", "--base", "runs/base", "--run", "runs/x")
+    assert "sets use_dora = True, which gptlab's LoRA does not implement" in line
+    assert not (at / "runs/x").exists()
