@@ -106,6 +106,8 @@ MODULES = {
                 "test_tasks test_harness"),
     "reference": _m("reference/model reference/optim reference/native reference/train reference/check compiled",
                     "test_reference test_reference_cli test_reference_mutants test_compiled"),
+    # issue 26: LoRA adapters and PEFT's format
+    "lora": _m("lora hf/peft", "test_lora test_distributed::test_lora_adapters_train_in_two_processes_like_in_one"),
 }
 
 
