@@ -249,3 +249,25 @@ def test_bad_exports_and_imports_are_one_line_and_write_nothing(at, capsys, tmp_
     line = run_bad(capsys, "import", "peft", "lo-peft3", "--base", "runs/base", "--run", "runs/x")
     assert "sets use_dora = True, which gptlab's LoRA does not implement" in line
     assert not (at / "runs/x").exists()
+
+
+def test_eval_and_inspect_take_a_lora_run_and_eval_scores_what_peft_computes(at, capsys):
+    import numpy as np
+    from gptlab.data.batches import load_dataset
+
+    run_ok(capsys, "export", "runs/base", "--out", "base-hf4")
+    run_ok(capsys, "export", "runs/lo", "--format", "peft", "--out", "lo-peft4")
+    theirs = peft_model(at / "base-hf4", at / "lo-peft4")
+    val = torch.as_tensor(np.asarray(load_dataset("data").val, dtype=np.int64))
+    nats = count = 0
+    with torch.no_grad():
+        for start in range(0, len(val) - 1, 32):  # windows of 32 predictions, each token predicted once
+            window = val[start:start + 33]
+            logits = theirs(window[None, :-1]).logits[0]
+            nats += torch.nn.functional.cross_entropy(logits, window[1:], reduction="sum").item()
+            count += len(window) - 1
+    scored = json.loads(run_ok(capsys, "eval", "--run", "runs/lo", "--precision", "fp32", "--json"))["scores"][0]
+    assert scored["tokens"] == count and scored["loss"] == pytest.approx(nats / count, rel=1e-5)
+    assert "total" in run_ok(capsys, "inspect", "model", "--run", "runs/lo")
+    run_ok(capsys, "inspect", "lens", "--run", "runs/lo", "--prompt", "Speak, speak.", "--out", "lens")
+    assert (at / "lens").is_dir() and any((at / "lens").glob("*.png"))
