@@ -212,7 +212,8 @@ def test_the_memory_check_counts_the_frozen_base_at_its_own_bytes(monkeypatch):
 @pytest.mark.parametrize("flags, words", [
     (["--lora-rank", "4"], "LoRA adapts a trained model: name it with --init-from"),
     (["--init-from", "runs/base", "--lora-rank", "33"], "--lora-rank 33 is more than the narrowest adapted layer's"),
-    (["--init-from", "runs/base", "--lora-rank", "-1"], "lora_rank must be at least 1 (or 0: no adapters)"),
+    (["--init-from", "runs/base", "--lora-rank", "0"], "lora_rank must be at least 1, not 0 (leave it unset"),
+    (["--init-from", "runs/base", "--lora-rank", "-1"], "lora_rank must be at least 1, not -1"),
     (["--init-from", "runs/base", "--lora-rank", "4", "--lora-targets", "c_attn,wte"], "unknown layer 'wte'"),
     (["--init-from", "tiny-hf", "--lora-rank", "4"], "LoRA needs a gptlab run as its base"),
     (["--init-from", "runs/base", "--lora-rank", "4", "--lora-dropout", "1"], "lora_dropout must be in [0, 1)"),

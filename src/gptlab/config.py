@@ -147,8 +147,8 @@ class TrainConfig:
     spike_factor: float = setting(0.0, "stop when the loss stays above this multiple of its recent mean (0: off)")
     spike_patience: int = setting(3, "steps the loss must stay that high before the run stops")
     init_from: str = setting("", "start from this run's or Hugging Face GPT-2 folder's weights (fine-tuning)")
-    lora_rank: int = setting(0, "LoRA: train adapters of this rank on the --init-from run's frozen weights (0: "
-                                "fine-tune every weight)")
+    lora_rank: int | None = setting(None, "LoRA: train adapters of this rank on the --init-from run's frozen weights "
+                                          "(unset: fine-tune every weight)")
     lora_alpha: float = setting(8.0, "LoRA: the adapters' update is scaled by lora_alpha / lora_rank")
     lora_dropout: float = setting(0.0, "LoRA: dropout on the adapters' input")
     lora_targets: str = setting("c_attn", "LoRA: the layers adapted, comma-separated: c_attn, c_proj, c_fc (or "
@@ -194,7 +194,8 @@ class TrainConfig:
         return self.lr_decay_steps or self.max_steps
 
     def _check_lora(self) -> None:
-        _check(self.lora_rank >= 0, f"lora_rank must be at least 1 (or 0: no adapters), not {self.lora_rank}")
+        _check(self.lora_rank is None or self.lora_rank >= 1, f"lora_rank must be at least 1, not {self.lora_rank} "
+               "(leave it unset to fine-tune every weight)")
         _check(self.lora_alpha > 0, f"lora_alpha must be > 0, not {self.lora_alpha}")
         _check(0 <= self.lora_dropout < 1, f"lora_dropout must be in [0, 1), not {self.lora_dropout}")
         targets = [t.strip() for t in self.lora_targets.split(",")]
