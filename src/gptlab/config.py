@@ -24,6 +24,7 @@ DEVICES = ("auto", "cpu", "cuda", "mps")
 TOKENIZERS = ("char", "bpe", "gpt2")
 OPTIMIZERS = ("adamw", "muon")
 ENGINES = ("torch", "reference")  # train's and sample's --engine
+LOGGERS = ("tensorboard", "csv", "wandb", "mlflow")  # train's --log (gptlab.training.loggers)
 
 
 def _check(ok: bool, message: str) -> None:
@@ -150,6 +151,9 @@ class TrainConfig:
     muon_lr: float = setting(0.02, "peak learning rate of Muon's matrices (the schedule scales it like lr)")
     engine: str = setting("torch", "torch (autograd and every fast path) or reference (the naive C++ engine: "
                                    "hand-written backward and AdamW, fp32, CPU, one process)", ENGINES)
+    log: list[str] = setting([], "also log the metrics.jsonl rows, the settings and the loss curve to NAME under "
+                                 "RUN/logs: tensorboard, csv, wandb (offline unless logged in) or mlflow (a local "
+                                 "store); repeatable, or NAME,NAME", LOGGERS, metavar="NAME")
 
     def __post_init__(self) -> None:
         _check_types(self)
@@ -177,6 +181,9 @@ class TrainConfig:
         _check(not (self.optimizer == "muon" and self.fsdp), "optimizer muon orthogonalises whole matrices, which "
                "FSDP splits across processes; use --optimizer adamw with --fsdp")
         _check_choice("engine", self.engine, ENGINES)
+        self.log = list(dict.fromkeys(name for entry in self.log for name in entry.split(",") if name))
+        for name in self.log:
+            _check_choice("log", name, LOGGERS)
         if self.engine == "reference":
             _check_reference(self)
 

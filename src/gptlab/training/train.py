@@ -29,6 +29,7 @@ from gptlab.peak import Speed, cached_speed
 from gptlab.plots import plot_loss, read_metrics
 from gptlab.runtime import compile_model, configure_matmul, resolve_precision, reuse_freed_memory, set_threads
 from gptlab.training.faults import GracefulStop, Interrupted, LossSpike, NonFiniteLoss, SpikeGuard, is_out_of_memory
+from gptlab.training.loggers import Loggers, check_loggers, open_loggers, sample_ids
 from gptlab.reference.train import naive_model, naive_optimizer
 from gptlab.training.preflight import (check_data, check_engine, check_memory, check_new_run, check_resume,
                                        settings_changed)
@@ -106,6 +107,7 @@ def train(data_dir: str | Path, run_dir: str | Path, model_cfg: ModelConfig, cfg
         check_data(dataset, model_cfg)
     check_memory(model_cfg, cfg, device, parallel.world_size)
     run = Path(run_dir)
+    check_loggers(cfg.log, run)
     own_lock = parallel.is_main and os.environ.get(LOCKED_RUN_ENV) != str(run.resolve())
     lock = rundir.RunLock(run) if own_lock else contextlib.nullcontext()
     with lock:
@@ -163,8 +165,8 @@ def _train_locked(dataset: Dataset, run: Path, model_cfg: ModelConfig, cfg: Trai
             _keep_metrics_until(metrics, progress.step)
         elif metrics.exists():
             metrics.unlink()
-    trainer = Trainer(model, optimizer, ctx, model_cfg, run, progress, speed)
-    result = trainer.loop(quiet)
+    with open_loggers(cfg.log if parallel.is_main else [], run, progress.step) as loggers:
+        result = Trainer(model, optimizer, ctx, model_cfg, run, progress, speed, loggers=loggers).loop(quiet)
     parallel.barrier()  # no process leaves while rank 0 may still be writing
     return result
 
@@ -207,6 +209,7 @@ class Trainer:
     eager: torch.nn.Module = field(init=False)  # the model uncompiled: evaluating compiled costs a compilation
     plain: bool = False  # no terminal (CI, nohup, | tee): a plain progress line now and then instead of a bar
     metrics: TextIO | None = None  # metrics.jsonl (os.devnull off rank 0), open while the loop runs
+    loggers: Loggers = field(default_factory=Loggers)  # --log: where each row goes besides (rank 0's)
 
     def __post_init__(self) -> None:
         found = ck.find_checkpoint(self.run, "step")
@@ -257,6 +260,7 @@ class Trainer:
         seconds = time.perf_counter() - clock.start
         if self.parallel.is_main:
             plot_loss(self.run / rundir.METRICS, self.run / "loss.png", title=self.run.name)
+            self.loggers.media(self.run / "loss.png", self.sample, progress.step)
         rate = (progress.step - clock.start_step) * self.tokens_per_step / max(clock.train_seconds, 1e-9)
         return TrainResult(self.run, progress.step, self.val_loss, progress.best_val_loss, seconds, rate,
                            self.history, self.parallel.rank, clock.train_seconds)
@@ -310,6 +314,14 @@ class Trainer:
         self.history.append(row)
         self.metrics.write(json.dumps(row) + "\n")
         self.metrics.flush()
+        self.loggers.log(row)
+
+    def sample(self) -> str | None:
+        """A short sample for the loggers' end (None with several processes: each would have to take part)."""
+        if self.parallel.active:
+            return None
+        ids = sample_ids(self.eager, int(self.ctx.dataset.val[0]), self.model_cfg.block_size, self.ctx.device)
+        return self.ctx.dataset.tokenizer.decode(ids)
 
     def log(self, loss: torch.Tensor, norm: torch.Tensor, bar: Any) -> None:
         """A train row: loss, norm, lr, and the speed since the last row (tokens/s; MFU once the peak is cached)."""
