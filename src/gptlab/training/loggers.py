@@ -96,6 +96,7 @@ def kept_id(run: Path, name: str, resume_step: int) -> str | None:
 
 
 def keep_id(run: Path, name: str, ident: str) -> str:
+    """Keep `ident` as the backend's run id in RUN/logs/NAME.id; returns it."""
     rundir.write_atomic(run / LOGS / f"{name}.id", ident.encode())
     return ident
 

@@ -209,7 +209,7 @@ class Trainer:
     eager: torch.nn.Module = field(init=False)  # the model uncompiled: evaluating compiled costs a compilation
     plain: bool = False  # no terminal (CI, nohup, | tee): a plain progress line now and then instead of a bar
     metrics: TextIO | None = None  # metrics.jsonl (os.devnull off rank 0), open while the loop runs
-    loggers: Loggers = field(default_factory=Loggers)  # --log: where each row goes besides (rank 0's)
+    loggers: Loggers = field(default_factory=Loggers)  # --log's, each row's other readers (rank 0's; none elsewhere)
 
     def __post_init__(self) -> None:
         found = ck.find_checkpoint(self.run, "step")
