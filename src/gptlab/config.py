@@ -6,13 +6,12 @@ files (configfile.py) hold them, and Python callers construct them directly. Not
 
 from __future__ import annotations
 
-import dataclasses
-import math
-import types
-from dataclasses import dataclass, field, fields
-from typing import Any, Union, get_args, get_origin, get_type_hints
+from dataclasses import dataclass
+from typing import Any
 
 from gptlab.errors import GptlabError
+from gptlab.settings import build, check as _check, check_choice as _check_choice, check_types as _check_types
+from gptlab.settings import field_help, field_types, from_dict, parse_value, setting, to_dict  # noqa: F401 (callers')
 
 ATTENTION_PATHS = ("auto", "sdpa", "naive")
 ACTIVATIONS = ("gelu", "gelu_tanh")
@@ -26,53 +25,10 @@ OPTIMIZERS = ("adamw", "muon")
 ENGINES = ("torch", "reference")  # train's and sample's --engine
 # the layers LoRA may adapt, by GPT-2's module names; "c_proj" is attention's and the MLP's (as in PEFT)
 LORA_TARGETS = ("c_attn", "c_proj", "c_fc", "attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")
-
-
-def _check(ok: bool, message: str) -> None:
-    if not ok:
-        raise GptlabError(message)
-
-
-def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
-    _check(value in choices, f"{name} must be one of {', '.join(choices)}, not {value!r}")
+LOGGERS = ("tensorboard", "csv", "wandb", "mlflow")  # train's --log (gptlab.training.loggers)
 
 
 SEED_LIMIT = 1 << 63
-
-
-def _check_types(obj: Any) -> None:
-    """Every field holds a value of its declared type (settings also come from hand-edited JSON), and every
-    number is finite: NaN passes every comparison-based check below and would poison a run silently."""
-    for name, kind in field_types(type(obj)).items():
-        value = getattr(obj, name)
-        if value is None:
-            continue
-        if kind is float and isinstance(value, int) and not isinstance(value, bool):
-            value = float(value)
-            setattr(obj, name, value)
-        ok = isinstance(value, kind) and not (kind is int and isinstance(value, bool)) if isinstance(kind, type) \
-            else isinstance(value, list) and all(isinstance(v, str) for v in value)
-        if not ok:
-            what = {int: "an integer", float: "a number", bool: "true or false", str: "text"}.get(kind,
-                                                                                                 "a list of text")
-            raise GptlabError(f"{name} must be {what}, not {value!r}")
-        if kind is float:
-            _check(math.isfinite(value), f"{name} must be a finite number, not {value}")
-
-
-def setting(default: Any, help: str, choices: tuple[str, ...] | None = None, metavar: str | None = None) -> Any:
-    """A dataclass field with the one-line help (and the fixed set of values, if any, and the name its value goes
-    by, if not its type's) that `--help` shows."""
-    meta = {"help": help, "choices": choices, "metavar": metavar}
-    if isinstance(default, list):
-        return field(default_factory=lambda: list(default), metadata=meta)
-    return field(default=default, metadata=meta)
-
-
-def field_help(cls: type) -> dict[str, tuple[str, tuple[str, ...] | None, str | None]]:
-    """Field name -> (help text, choices or None, the name its value goes by in --help or None)."""
-    return {f.name: (f.metadata.get("help", ""), f.metadata.get("choices"), f.metadata.get("metavar"))
-            for f in fields(cls)}
 
 
 @dataclass
@@ -158,6 +114,9 @@ class TrainConfig:
     muon_lr: float = setting(0.02, "peak learning rate of Muon's matrices (the schedule scales it like lr)")
     engine: str = setting("torch", "torch (autograd and every fast path) or reference (the naive C++ engine: "
                                    "hand-written backward and AdamW, fp32, CPU, one process)", ENGINES)
+    log: list[str] = setting([], "also log the metrics.jsonl rows, the settings and the loss curve to NAME under "
+                                 "RUN/logs: tensorboard, csv, wandb (offline unless logged in) or mlflow (a local "
+                                 "store); repeatable, or NAME,NAME", LOGGERS, metavar="NAME")
 
     def __post_init__(self) -> None:
         _check_types(self)
@@ -186,6 +145,9 @@ class TrainConfig:
                "FSDP splits across processes; use --optimizer adamw with --fsdp")
         _check_choice("engine", self.engine, ENGINES)
         self._check_lora()
+        self.log = list(dict.fromkeys(name for entry in self.log for name in entry.split(",") if name))
+        for name in self.log:
+            _check_choice("log", name, LOGGERS)
         if self.engine == "reference":
             _check_reference(self)
 
@@ -355,59 +317,3 @@ def get_preset(name: str) -> Preset:
     if name not in PRESETS:
         raise GptlabError(f"unknown preset {name!r}; choose one of: {', '.join(PRESETS)}")
     return PRESETS[name]
-
-
-def field_types(cls: type) -> dict[str, type]:
-    """Field name -> its Python type (X for an optional `X | None`), for building CLI flags and parsing overrides."""
-    hints = get_type_hints(cls)
-    return {f.name: _required(hints[f.name]) for f in fields(cls)}
-
-
-def _required(kind: Any) -> Any:
-    """X for `X | None`, else `kind` unchanged."""
-    if get_origin(kind) in (Union, types.UnionType):
-        rest = [a for a in get_args(kind) if a is not type(None)]
-        if len(rest) == 1:
-            return rest[0]
-    return kind
-
-
-def parse_value(cls: type, name: str, text: str) -> Any:
-    """Turn the command-line text for field `name` of dataclass `cls` into a value of the field's type."""
-    kind = field_types(cls)[name]
-    if kind is bool:
-        lowered = text.lower()
-        if lowered in ("1", "true", "yes", "on"):
-            return True
-        if lowered in ("0", "false", "no", "off"):
-            return False
-        raise GptlabError(f"{name} must be true or false, not {text!r}")
-    if kind in (int, float):
-        try:
-            value = kind(text)
-        except ValueError:
-            raise GptlabError(f"{name} must be {'an integer' if kind is int else 'a number'}, not {text!r}") from None
-        if kind is float and not math.isfinite(value):
-            raise GptlabError(f"{name} must be a finite number, not {text!r}")
-        return value
-    return text
-
-
-def build(cls: type, base: dict[str, Any], overrides: dict[str, Any]) -> Any:
-    """An instance of dataclass `cls` from preset values updated with overrides; validates once."""
-    names = {f.name for f in fields(cls)}
-    unknown = sorted(set(base) - names) + sorted(set(overrides) - names)
-    if unknown:
-        raise GptlabError(f"unknown setting {unknown[0]!r} for {cls.__name__}; known: {', '.join(sorted(names))}")
-    return cls(**{**base, **overrides})
-
-
-def to_dict(obj: Any) -> dict[str, Any]:
-    return dataclasses.asdict(obj)
-
-
-def from_dict(cls: type, data: dict[str, Any]) -> Any:
-    """Rebuild a dataclass from JSON, ignoring keys newer versions may have added."""
-    names = {f.name for f in fields(cls)}
-    return cls(**{k: v for k, v in data.items() if k in names})
-

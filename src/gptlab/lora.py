@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import math
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -151,3 +152,24 @@ def tensors_sha256(tensors: dict[str, torch.Tensor]) -> str:
         sha.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
         sha.update(t.reshape(-1).view(torch.uint8).numpy())  # the tensor's own memory, not a copy
     return sha.hexdigest()
+
+
+def adapt(model: nn.Module, cfg: Any, init: dict[str, torch.Tensor] | None, saved: dict[str, Any] | None,
+          saved_base: dict[str, str] | None) -> dict[str, str] | None:
+    """Training's start: with cfg.lora_rank (a TrainConfig), put fresh adapters on `model` (built from `init`, its
+    base) and return the base's reference for the run's checkpoints ({"run", "sha256"}); a resume (`saved`: the
+    checkpoint's training settings, `saved_base` its base) must find the same adapters on the same base."""
+    adapters, before = settings(cfg), settings(saved) if saved else None
+    if adapters != before and saved is not None:
+        raise GptlabError(f"this run's LoRA adapters are {before or 'none'}; a resume keeps them (drop the --lora-* "
+                          "settings, or fine-tune into a new --run)")
+    if adapters is None:
+        return None
+    assert init is not None, "train() checks that a LoRA run has its base's weights"
+    apply_lora(model, adapters)
+    base = {"run": str(Path(cfg.init_from).resolve()), "sha256": tensors_sha256(init)}
+    if saved is not None and saved_base != base:
+        raise GptlabError(f"the base of this LoRA run, {cfg.init_from}, is not the one its adapters were trained on "
+                          f"({(saved_base or {}).get('run')}: moved, or its weights changed); restore it or fine-tune "
+                          "again into a new --run")
+    return base

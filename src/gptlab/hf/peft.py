@@ -20,10 +20,10 @@ from gptlab.config import TrainConfig, to_dict
 from gptlab.errors import GptlabError
 from gptlab.hf.hf import staged_folder
 
-CONFIG, WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
+ADAPTER_CONFIG, ADAPTER_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
 PREFIX = "base_model.model."
 # PEFT settings gptlab's adapters do not have: an adapter that uses one is refused rather than loaded differently
-UNSUPPORTED = {"use_dora": False, "use_rslora": False, "modules_to_save": None, "layers_to_transform": None,
+_UNSUPPORTED = {"use_dora": False, "use_rslora": False, "modules_to_save": None, "layers_to_transform": None,
                "rank_pattern": {}, "alpha_pattern": {}, "lora_bias": False, "bias": "none",
                "trainable_token_indices": None, "target_parameters": None, "layer_replication": None,
                "use_qalora": False, "exclude_modules": None}
@@ -54,13 +54,13 @@ def export_peft(run_dir: str | Path, out_dir: str | Path, which: str = "best") -
     base = (loaded.state.base or {}).get("run", "")
     with staged_folder(out) as staging:
         try:
-            save_file(tensors, staging / WEIGHTS, metadata={"format": "pt"})
-            os.chmod(staging / WEIGHTS, rundir.umask_mode())  # safetensors writes 0600
+            save_file(tensors, staging / ADAPTER_WEIGHTS, metadata={"format": "pt"})
+            os.chmod(staging / ADAPTER_WEIGHTS, rundir.umask_mode())  # safetensors writes 0600
         except (OSError, SafetensorError) as exc:
             reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc).strip()
-            raise GptlabError(f"cannot write {out / WEIGHTS}: {reason}; check free space") from None
-        rundir.write_json(staging / CONFIG, adapter_config(adapters, base))
-    return [CONFIG, WEIGHTS]
+            raise GptlabError(f"cannot write {out / ADAPTER_WEIGHTS}: {reason}; check free space") from None
+        rundir.write_json(staging / ADAPTER_CONFIG, adapter_config(adapters, base))
+    return [ADAPTER_CONFIG, ADAPTER_WEIGHTS]
 
 
 def read_adapter(folder: str | Path) -> tuple[lora.LoraSettings, dict[str, torch.Tensor]]:
@@ -68,15 +68,15 @@ def read_adapter(folder: str | Path) -> tuple[lora.LoraSettings, dict[str, torch
     one, or uses a PEFT feature gptlab's adapters do not have."""
     folder = Path(folder)
     try:
-        config = json.loads((folder / CONFIG).read_text())
+        config = json.loads((folder / ADAPTER_CONFIG).read_text())
     except FileNotFoundError:
-        raise GptlabError(f"{folder} is not a PEFT adapter folder (no {CONFIG})") from None
+        raise GptlabError(f"{folder} is not a PEFT adapter folder (no {ADAPTER_CONFIG})") from None
     except (json.JSONDecodeError, UnicodeDecodeError):
-        raise GptlabError(f"{folder / CONFIG} is damaged (not valid JSON)") from None
+        raise GptlabError(f"{folder / ADAPTER_CONFIG} is damaged (not valid JSON)") from None
     if not isinstance(config, dict) or config.get("peft_type") != "LORA":
         kind = config.get("peft_type") if isinstance(config, dict) else None
         raise GptlabError(f"{folder} holds a PEFT adapter of type {kind!r}; gptlab imports LoRA adapters only")
-    for key, plain in UNSUPPORTED.items():
+    for key, plain in _UNSUPPORTED.items():
         if config.get(key, plain) not in (plain, None, {}, False):
             raise GptlabError(f"{folder}: the adapter sets {key} = {config[key]!r}, which gptlab's LoRA does not "
                               "implement; only plain LoRA adapters import")
@@ -86,15 +86,15 @@ def read_adapter(folder: str | Path) -> tuple[lora.LoraSettings, dict[str, torch
         train = TrainConfig(init_from="-", lora_rank=int(config["r"]), lora_alpha=float(config["lora_alpha"]),
                             lora_dropout=float(config.get("lora_dropout") or 0.0), lora_targets=",".join(targets))
     except (KeyError, TypeError, ValueError) as exc:
-        raise GptlabError(f"{folder / CONFIG} lacks a usable r, lora_alpha or target_modules ({exc})") from None
+        raise GptlabError(f"{folder / ADAPTER_CONFIG} lacks a usable r, lora_alpha or target_modules ({exc})") from None
     except GptlabError as exc:
         raise GptlabError(f"{folder}: {exc}") from None
-    if not (folder / WEIGHTS).is_file():
-        raise GptlabError(f"{folder} has no {WEIGHTS} (gptlab reads adapters in safetensors only)")
+    if not (folder / ADAPTER_WEIGHTS).is_file():
+        raise GptlabError(f"{folder} has no {ADAPTER_WEIGHTS} (gptlab reads adapters in safetensors only)")
     try:
-        tensors = load_file(folder / WEIGHTS)
+        tensors = load_file(folder / ADAPTER_WEIGHTS)
     except (SafetensorError, OSError) as exc:
-        raise GptlabError(f"{folder / WEIGHTS} cannot be read ({exc})") from None
+        raise GptlabError(f"{folder / ADAPTER_WEIGHTS} cannot be read ({exc})") from None
     named = {name.removeprefix(PREFIX).replace(".default.", "."): t.float() for name, t in tensors.items()}
     settings = lora.settings(train)
     assert settings is not None

@@ -33,8 +33,8 @@ def check_data(dataset: Dataset, model_cfg: ModelConfig) -> None:
 
 def check_memory(model_cfg: ModelConfig, cfg: TrainConfig, device: torch.device, processes: int) -> None:
     """Refuse, before allocating anything, what cannot fit the device's memory by a lower bound alone: the
-    weights, gradients and AdamW moments (16 bytes a trained parameter, 4 a frozen one), or one micro-batch's logits and their gradient
-    (8 bytes per position and vocabulary entry)."""
+    weights, gradients and AdamW moments (16 bytes a trained parameter, 4 a frozen one), or one micro-batch's
+    logits and their gradient (8 bytes per position and vocabulary entry)."""
     if device.type == "cuda":
         total = torch.cuda.get_device_properties(device).total_memory
     elif device.type == "cpu" and hasattr(os, "sysconf") and "SC_PHYS_PAGES" in os.sysconf_names:

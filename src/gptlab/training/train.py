@@ -29,6 +29,7 @@ from gptlab.peak import Speed, cached_speed
 from gptlab.plots import plot_loss, read_metrics
 from gptlab.runtime import compile_model, configure_matmul, resolve_precision, reuse_freed_memory, set_threads
 from gptlab.training.faults import GracefulStop, Interrupted, LossSpike, NonFiniteLoss, SpikeGuard, is_out_of_memory
+from gptlab.training.loggers import Loggers, check_loggers, open_loggers, sample_ids
 from gptlab.reference.train import naive_model, naive_optimizer
 from gptlab.training.preflight import (check_data, check_engine, check_memory, check_new_run, check_resume,
                                        settings_changed)
@@ -106,6 +107,7 @@ def train(data_dir: str | Path, run_dir: str | Path, model_cfg: ModelConfig, cfg
         check_data(dataset, model_cfg)
     check_memory(model_cfg, cfg, device, parallel.world_size)
     run = Path(run_dir)
+    check_loggers(cfg.log, run)
     own_lock = parallel.is_main and os.environ.get(LOCKED_RUN_ENV) != str(run.resolve())
     lock = rundir.RunLock(run) if own_lock else contextlib.nullcontext()
     with lock:
@@ -131,7 +133,7 @@ def _train_locked(dataset: Dataset, run: Path, model_cfg: ModelConfig, cfg: Trai
     parallel.check_same_start(resume, ckpt.step if ckpt else None)
     torch.manual_seed(cfg.seed)
     model = parallel.build(model_cfg, cfg.fsdp, init, cfg.init_from)  # with FSDP: only this process's slices
-    base = adapt(model, cfg, init, state)
+    base = lora.adapt(model, cfg, init, state.train if state else None, state.base if state else None)
     speed = cached_speed(device, precision, cfg.batch_size * model_cfg.block_size * cfg.grad_accum,
                          model.flops_per_token(), parallel.world_size)
     if cfg.engine == "reference":
@@ -165,33 +167,10 @@ def _train_locked(dataset: Dataset, run: Path, model_cfg: ModelConfig, cfg: Trai
             _keep_metrics_until(metrics, progress.step)
         elif metrics.exists():
             metrics.unlink()
-    trainer = Trainer(model, optimizer, ctx, model_cfg, run, progress, speed, base)
-    result = trainer.loop(quiet)
+    with open_loggers(cfg.log if parallel.is_main else [], run, progress.step) as loggers:
+        result = Trainer(model, optimizer, ctx, model_cfg, run, progress, speed, base, loggers=loggers).loop(quiet)
     parallel.barrier()  # no process leaves while rank 0 may still be writing
     return result
-
-
-def adapt(model: torch.nn.Module, cfg: TrainConfig, init: dict[str, torch.Tensor] | None,
-          state: rundir.TrainingState | None) -> dict[str, str] | None:
-    """With cfg.lora_rank: put fresh adapters on `model` (built from `init`, its base) and return the base's
-    reference for the run's checkpoints; a resume must find the same adapters and the same base."""
-    adapters = lora.settings(cfg)
-    if adapters is None:
-        if state is not None and lora.settings(state.train):
-            raise GptlabError("this run trains LoRA adapters; resume it with its own --lora-rank "
-                              f"{state.train['lora_rank']} (or drop the flag)")
-        return None
-    assert init is not None, "train() checks that a LoRA run has its base's weights"
-    if state is not None and lora.settings(state.train) != adapters:
-        raise GptlabError(f"this run's LoRA adapters are {lora.settings(state.train)}; a resume keeps them (drop the "
-                          "--lora-* flags, or fine-tune into a new --run)")
-    lora.apply_lora(model, adapters)
-    base = {"run": str(Path(cfg.init_from).resolve()), "sha256": lora.tensors_sha256(init)}
-    if state is not None and state.base != base:
-        raise GptlabError(f"the base of this LoRA run, {cfg.init_from}, is not the one its adapters were trained on "
-                          f"({(state.base or {}).get('run')}: moved, or its weights changed); restore it or "
-                          "fine-tune again into a new --run")
-    return base
 
 
 @dataclass
@@ -233,6 +212,7 @@ class Trainer:
     eager: torch.nn.Module = field(init=False)  # the model uncompiled: evaluating compiled costs a compilation
     plain: bool = False  # no terminal (CI, nohup, | tee): a plain progress line now and then instead of a bar
     metrics: TextIO | None = None  # metrics.jsonl (os.devnull off rank 0), open while the loop runs
+    loggers: Loggers = field(default_factory=Loggers)  # --log's, each row's other readers (rank 0's; none elsewhere)
 
     def __post_init__(self) -> None:
         found = ck.find_checkpoint(self.run, "step")
@@ -283,6 +263,7 @@ class Trainer:
         seconds = time.perf_counter() - clock.start
         if self.parallel.is_main:
             plot_loss(self.run / rundir.METRICS, self.run / "loss.png", title=self.run.name)
+            self.loggers.media(self.run / "loss.png", self.sample, progress.step)
         rate = (progress.step - clock.start_step) * self.tokens_per_step / max(clock.train_seconds, 1e-9)
         return TrainResult(self.run, progress.step, self.val_loss, progress.best_val_loss, seconds, rate,
                            self.history, self.parallel.rank, clock.train_seconds)
@@ -336,6 +317,14 @@ class Trainer:
         self.history.append(row)
         self.metrics.write(json.dumps(row) + "\n")
         self.metrics.flush()
+        self.loggers.log(row)
+
+    def sample(self) -> str | None:
+        """A short sample for the loggers' end (None with several processes: each would have to take part)."""
+        if self.parallel.active:
+            return None
+        ids = sample_ids(self.eager, int(self.ctx.dataset.val[0]), self.model_cfg.block_size, self.ctx.device)
+        return self.ctx.dataset.tokenizer.decode(ids)
 
     def log(self, loss: torch.Tensor, norm: torch.Tensor, bar: Any) -> None:
         """A train row: loss, norm, lr, and the speed since the last row (tokens/s; MFU once the peak is cached)."""

@@ -1,0 +1,86 @@
+"""The Hugging Face verbs: import (a GPT-2 folder, or a PEFT LoRA adapter, into a run) and export (a run as a GPT-2
+folder transformers loads, merged or not, or a LoRA run's adapters in PEFT's format)."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from gptlab.cli.common import command
+from gptlab.errors import GptlabError
+
+
+# ---- import / export --------------------------------------------------------------------------------------------
+
+@command("import", "turn a local Hugging Face GPT-2 folder (or a PEFT LoRA adapter) into a gptlab run (nothing is "
+                   "downloaded)")
+def cmd_import(args: argparse.Namespace) -> int:
+    from gptlab.runs import RUNS
+
+    kind, path = _import_source(args.source)
+    run = Path(args.run) if args.run else RUNS / Path(path).resolve().name
+    if kind == "peft":
+        from gptlab.hf.peft import import_peft
+
+        if not args.base:
+            raise GptlabError("import peft needs the run of the model the adapter was trained on: --base RUN")
+        count = import_peft(path, args.base, run)
+        print(f"imported the LoRA adapter in {path} into {run}: {count:,} adapter parameters on base {args.base}")
+        print(f"sample it: gptlab sample --run {run}; export it merged: gptlab export {run} --merge --out DIR")
+        return 0
+    from gptlab.hf.hf import import_hf
+
+    if args.base:
+        raise GptlabError("--base is for `gptlab import peft DIR --base RUN`; a Hugging Face model is whole")
+    model = import_hf(path, run)
+    c = model.config
+    print(f"imported {path} into {run}: {model.num_params():,} parameters, {c.n_layer} layers x {c.n_head} "
+          f"heads x {c.n_embd} wide, context {c.block_size}, vocabulary {c.vocab_size:,}")
+    print(f"sample it: gptlab sample --run {run}; fine-tune it: gptlab train --init-from {run} --data DATA")
+    return 0
+
+
+def _import_source(source: list[str]) -> tuple[str, str]:
+    """("hf" or "peft", the folder) from `import [hf|peft] FOLDER`."""
+    if len(source) == 1:
+        return "hf", source[0]
+    if len(source) == 2 and source[0] in ("hf", "peft"):
+        return source[0], source[1]
+    raise GptlabError(f"import takes [hf|peft] FOLDER, not {' '.join(source)}")
+
+
+def add_import(p: argparse.ArgumentParser) -> None:
+    p.add_argument("source", nargs="+", metavar="[hf|peft] FOLDER", help="a Hugging Face GPT-2 folder (config.json "
+                   "+ model.safetensors or pytorch_model.bin), or `peft` and a PEFT LoRA adapter folder "
+                   "(adapter_config.json + adapter_model.safetensors)")
+    p.add_argument("--run", help="run folder to create (default: runs/ + the folder's name)")
+    p.add_argument("--base", help="peft: the gptlab run of the model the adapter was trained on")
+
+
+@command("export", "write a run's model as a Hugging Face GPT-2 folder that transformers loads, or a LoRA run's "
+                   "adapters in PEFT's format")
+def cmd_export(args: argparse.Namespace) -> int:
+    if args.format == "peft":
+        from gptlab.hf.peft import export_peft
+
+        if args.merge:
+            raise GptlabError("--format peft writes the adapters apart from their base; drop --merge, or export "
+                              "--format hf --merge for one merged model")
+        names = export_peft(args.run_dir, args.out)
+        print(f"exported the LoRA adapters of {args.run_dir} to {args.out}: {', '.join(names)}")
+        print(f"load them: peft.PeftModel.from_pretrained(GPT2LMHeadModel of the exported base, {str(args.out)!r})")
+        return 0
+    from gptlab.hf.hf import export_hf
+
+    names = export_hf(args.run_dir, args.out, merge=args.merge)
+    print(f"exported {args.run_dir} to {args.out}: {', '.join(names)}")
+    print(f"load it: transformers.GPT2LMHeadModel.from_pretrained({str(args.out)!r})")
+    return 0
+
+
+def add_export(p: argparse.ArgumentParser) -> None:
+    p.add_argument("run_dir", help="the run to export (its best checkpoint, else its latest)")
+    p.add_argument("--format", choices=("hf", "peft"), default="hf", help="hf: Hugging Face GPT-2 (default); peft: "
+                   "a LoRA run's adapters as PEFT writes them")
+    p.add_argument("--merge", action="store_true", help="hf of a LoRA run: its adapters merged into the base")
+    p.add_argument("--out", required=True, help="folder to write (created if needed; files in it are replaced)")
