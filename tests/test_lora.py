@@ -272,3 +272,83 @@ def test_eval_and_inspect_take_a_lora_run_and_eval_scores_what_peft_computes(at,
     assert "total" in run_ok(capsys, "inspect", "model", "--run", "runs/lo")
     run_ok(capsys, "inspect", "lens", "--run", "runs/lo", "--prompt", "Speak, speak.", "--out", "lens")
     assert (at / "lens").is_dir() and any((at / "lens").glob("*.png"))
+
+
+# ---- what the planted bugs showed unguarded ----------------------------------------------------------------------
+
+def test_unset_lora_settings_take_peft_s_defaults():
+    defaults = LoraConfig()
+    assert lora.settings({"lora_rank": 4}) == lora.LoraSettings(4, float(defaults.lora_alpha),
+                                                                float(defaults.lora_dropout), ("c_attn",))
+    assert lora.settings({"lora_rank": None}) is None and lora.settings(None) is None
+
+
+def test_a_new_adapter_draws_a_as_peft_does_and_b_is_zero(tmp_path):
+    hf_folder(tmp_path / "hf", seed=3, **{**TINY, "n_embd": 256, "n_head": 4, "n_layer": 1})
+    theirs = peft_model(tmp_path / "hf", r=16, target_modules=["c_attn"])
+    ours = load_hf_model(tmp_path / "hf")
+    lora.apply_lora(ours, lora.LoraSettings(16, 8.0, 0.0, ("c_attn",)))
+    a, b = ours.transformer.h[0].attn.c_attn.lora_A.weight, ours.transformer.h[0].attn.c_attn.lora_B.weight
+    peft_a = theirs.base_model.model.transformer.h[0].attn.c_attn.lora_A["default"].weight
+    assert a.shape == peft_a.shape and not b.any()
+    # uniform on (-bound, bound), bound = 1 / sqrt(in) for kaiming_uniform(a=sqrt(5)): 4,096 draws reach it closely
+    assert a.abs().max().item() == pytest.approx(peft_a.abs().max().item(), rel=2e-3)
+    assert a.abs().max().item() <= 1 / 256 ** 0.5
+
+
+def test_adapter_dropout_drops_in_training_only():
+    layer = lora.LoRALinear(torch.nn.Linear(64, 48), 4, 8.0, 0.5)
+    torch.nn.init.normal_(layer.lora_B.weight)
+    x = torch.randn(8, 64)
+    assert not torch.equal(layer(x), layer(x))  # a new mask each call
+    layer.eval()
+    assert torch.equal(layer(x), layer(x))
+    plain = lora.LoRALinear(torch.nn.Linear(64, 48), 4, 8.0, 0.0)
+    assert torch.equal(plain(x), plain(x))
+
+
+def test_a_target_outside_the_list_is_named_with_the_choices():
+    from gptlab.config import ModelConfig
+    from gptlab.model import GPT
+
+    model = GPT(ModelConfig(vocab_size=11, block_size=8, n_layer=1, n_head=1, n_embd=8))
+    with pytest.raises(GptlabError, match=r"^--lora-targets: unknown layer 'wte'; choose among c_attn, c_proj, c_fc, "
+                                          r"attn\.c_attn, attn\.c_proj, mlp\.c_fc, mlp\.c_proj \(comma-separated\)$"):
+        lora.apply_lora(model, lora.LoraSettings(2, 4.0, 0.0, ("wte",)))
+
+
+def test_the_peft_config_names_the_base_and_loads_without_peft_s_complaints(at, capsys, recwarn):
+    run_ok(capsys, "export", "runs/base", "--out", "base-hf5")
+    run_ok(capsys, "export", "runs/lo", "--format", "peft", "--out", "lo-peft5")
+    config = json.loads((at / "lo-peft5/adapter_config.json").read_text())
+    assert config["base_model_name_or_path"] == str(at / "runs/base")
+    recwarn.clear()
+    peft_model(at / "base-hf5", at / "lo-peft5")
+    assert not [w for w in recwarn if "fan_in_fan_out" in str(w.message)]  # PEFT fixes a wrong flag, with a warning
+
+
+def test_a_peft_export_into_a_gptlab_folder_or_a_full_disk_is_refused_and_writes_nothing(at, capsys, monkeypatch):
+    before = tree(at)
+    assert "is a gptlab data folder" in run_bad(capsys, "export", "runs/lo", "--format", "peft", "--out", "data")
+    assert "is a gptlab run folder" in run_bad(capsys, "export", "runs/lo", "--format", "peft", "--out", "runs/base")
+
+    def no_space(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr("gptlab.hf.peft.save_file", no_space)
+    line = run_bad(capsys, "export", "runs/lo", "--format", "peft", "--out", "full/lo")
+    assert line == ("gptlab: error: cannot write full/lo/adapter_model.safetensors: No space left on device; check "
+                    "free space")
+    assert tree(at) == before
+
+
+def test_a_peft_adapter_of_another_type_or_with_dropout_imports_as_it_says(at, capsys):
+    run_ok(capsys, "export", "runs/lo", "--format", "peft", "--out", "lo-peft6")
+    config = json.loads((at / "lo-peft6/adapter_config.json").read_text())
+    (at / "lo-peft6/adapter_config.json").write_text(json.dumps({**config, "peft_type": "PREFIX_TUNING"}))
+    line = run_bad(capsys, "import", "peft", "lo-peft6", "--base", "runs/base", "--run", "runs/y")
+    assert "holds a PEFT adapter of type 'PREFIX_TUNING'; gptlab imports LoRA adapters only" in line
+    (at / "lo-peft6/adapter_config.json").write_text(json.dumps({**config, "lora_dropout": 0.125}))
+    run_ok(capsys, "import", "peft", "lo-peft6", "--base", "runs/base", "--run", "runs/y")
+    train = json.loads((at / "runs/y/config.json").read_text())["train"]
+    assert (train["lora_rank"], train["lora_alpha"], train["lora_dropout"], train["lora_targets"]) == \
+        (4, 16.0, 0.125, "c_attn,c_proj,c_fc")
