@@ -28,12 +28,25 @@ LORA = ["--block-size", "32", "--batch-size", "4", "--grad-accum", "1", "--lr", 
         "--lora-alpha", "16", "--lora-targets", "c_attn,c_proj,c_fc"]
 
 
+def base_folder(path, seed, **shape):
+    """A random transformers GPT-2 saved in `path`, its biases and LayerNorms moved off their zero / one init (a
+    fresh init hides a dropped bias)."""
+    hf_folder(path, seed=seed, **shape)
+    model = GPT2LMHeadModel.from_pretrained(path)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias") or ".ln_" in name:
+                p.add_(torch.randn_like(p) * 0.2)
+    model.save_pretrained(path)
+    return path
+
+
 @pytest.fixture(scope="module")
 def work(tmp_path_factory):
     """A folder with GPT-2-tokenized data, a tiny random GPT-2 imported as runs/base, and runs/lo: LoRA adapters
     (rank 4, alpha 16: scaling 4) on every layer kind, trained 8 steps, so that B is far from its zero start."""
     root = tmp_path_factory.mktemp("lora")
-    hf_folder(root / "tiny-hf", seed=7, **TINY)
+    base_folder(root / "tiny-hf", seed=7, **TINY)
     (root / "corpus.txt").write_text(CORPUS * 20, encoding="utf-8")
     with pytest.MonkeyPatch.context() as mp:
         mp.chdir(root)
@@ -72,7 +85,7 @@ def ids(n=40, seed=0):
 
 @pytest.mark.parametrize("targets", [["c_attn"], ["c_attn", "c_proj", "c_fc"], ["mlp.c_proj"]])
 def test_adapters_on_our_gpt_give_peft_s_logits(tmp_path, targets):
-    hf_folder(tmp_path / "hf", seed=3, **TINY)
+    base_folder(tmp_path / "hf", seed=3, **TINY)
     theirs = peft_model(tmp_path / "hf", r=3, lora_alpha=12, target_modules=targets)
     ours = load_hf_model(tmp_path / "hf")
     names = lora.apply_lora(ours, lora.LoraSettings(3, 12.0, 0.0, tuple(targets)))
