@@ -30,8 +30,8 @@ from gptlab.plots import plot_loss, read_metrics
 from gptlab.runtime import compile_model, configure_matmul, resolve_precision, reuse_freed_memory, set_threads
 from gptlab.training.faults import GracefulStop, Interrupted, LossSpike, NonFiniteLoss, SpikeGuard, is_out_of_memory
 from gptlab.reference.train import naive_model, naive_optimizer
-from gptlab.training.preflight import (check_data, check_engine, check_memory, check_new_run, check_resume,
-                                       settings_changed)
+from gptlab.training.preflight import (check_checkpointing, check_data, check_engine, check_memory, check_new_run,
+                                       check_resume, settings_changed)
 from gptlab.training.step import StepContext, defers_finite_check, estimate_loss, train_step, warm_up
 
 log = logging.getLogger("gptlab")
@@ -95,6 +95,7 @@ def train(data_dir: str | Path, run_dir: str | Path, model_cfg: ModelConfig, cfg
     device = parallel.device
     precision = "fp32" if reference else resolve_precision(cfg.precision, device)
     check_engine(cfg, model_cfg, parallel.world_size)
+    check_checkpointing(cfg, model_cfg)
     configure_matmul(device, precision)
     parallel.check_batch(cfg.batch_size)
     dataset = load_dataset(data_dir)
@@ -131,6 +132,7 @@ def _train_locked(dataset: Dataset, run: Path, model_cfg: ModelConfig, cfg: Trai
     parallel.check_same_start(resume, ckpt.step if ckpt else None)
     torch.manual_seed(cfg.seed)
     model = parallel.build(model_cfg, cfg.fsdp, init, cfg.init_from)  # with FSDP: only this process's slices
+    model.checkpoint_blocks = cfg.activation_checkpointing  # kept under DDP, FSDP and compile, which wrap it
     speed = cached_speed(device, precision, cfg.batch_size * model_cfg.block_size * cfg.grad_accum,
                          model.flops_per_token(), parallel.world_size)
     if cfg.engine == "reference":
