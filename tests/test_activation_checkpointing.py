@@ -1,7 +1,8 @@
 """Activation checkpointing (--activation-checkpointing): each block recomputed in backward gives the plain path's
 gradients bit for bit in fp32 with dropout on (the recomputation redraws the same masks) and under bf16 autocast
 (held to 1e-6); only a training forward with gradients and no cache recomputes; it composes with compile, DDP and
-FSDP; a CLI run with it resumes exactly, with it switched either way; bigram and the reference engine refuse it."""
+FSDP; a CLI run with it resumes exactly, with it switched either way; bigram and the reference engine refuse it;
+`bench train --activation-checkpointing` measures it."""
 
 import json
 import os
@@ -15,9 +16,13 @@ import torch.utils.checkpoint
 
 from helpers import CORPUS, tiny_config
 from gptlab import checkpoint as ck
+from gptlab.bench import peak
+from gptlab.bench.memory import saved_bytes
+from gptlab.bench.train import checkpointing_variants, run_train_bench
 from gptlab.cli import main
 from gptlab.config import ModelConfig, TrainConfig
 from gptlab.model import GPT
+from gptlab.peak import Peak
 from gptlab.runtime import autocast
 from gptlab.training.train import train
 
@@ -104,6 +109,17 @@ def test_only_a_training_forward_with_gradients_and_no_cache_recomputes(recomput
     cached = model(x, kv_cache=cache)[0]
     assert len(recomputed) == 3
     assert (cached - want).abs().max() < 1e-5 and cache.pos.tolist() == [13] * 3
+
+
+def test_checkpointing_keeps_a_fraction_of_what_the_plain_forward_keeps_for_backward():
+    model = moved_model(n_layer=4)
+    x, y = batch()
+    model.train()
+    plain = saved_bytes(model, lambda: model(x, y))
+    model.checkpoint_blocks = True
+    kept = saved_bytes(model, lambda: model(x, y))
+    block_inputs = 4 * 3 * 13 * 36 * 4  # what checkpointing keeps per block: its input, (B, T, C) in fp32
+    assert block_inputs < kept < plain / 3, (kept, plain)
 
 
 @pytest.mark.device_path("torch.compile")
@@ -222,3 +238,26 @@ def test_a_model_or_engine_without_blocks_to_recompute_refuses_it_in_one_line(ar
     err = capsys.readouterr().err
     assert says in err and err.count("\n") == 1 and "Traceback" not in err
     assert not run.exists()
+
+
+def test_bench_train_compares_memory_and_time_without_and_with_it(char_data, monkeypatch, capsys):
+    """The tiny bench: each variant's memory measured in a fresh process, then timed side by side; the table ends
+    with the ratios (no timing is asserted)."""
+    monkeypatch.setattr(peak, "measure_peak", lambda device, quick: Peak(1e10, "test", bf16=2e10))
+    model = tiny_config(vocab_size=0, dropout=0.1, n_layer=3)
+    cfg = TrainConfig(batch_size=4, lr=3e-3, warmup_steps=1, device="cpu")
+    variants = checkpointing_variants(CPU)
+    rows = run_train_bench(char_data, model, cfg, steps=1, warmup=0, variants=variants, memory=True)
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert [r["variant"] for r in rows] == [v.name for v in variants] and variants[1].checkpointing
+    assert rows[0]["val_loss"] == rows[1]["val_loss"]  # the same numbers, recomputed
+    assert 0 < rows[1]["saved_bytes"] < rows[0]["saved_bytes"] / 2
+    assert all(r["base_bytes"] > 0 and r["step_bytes"] >= 0 for r in rows)
+    header = next(i for i, line in enumerate(lines) if line.startswith("variant") and "saved MB" in line)
+    assert [line.split("  ")[0] for line in lines[header + 1:header + 3]] == [v.name for v in variants]
+    assert lines[-1].startswith(f"{variants[1].name}: saved for backward ") and "x the reference's" in lines[-1]
+
+
+def test_bench_train_takes_one_comparison_at_a_time(capsys):
+    assert main(["bench", "train", "--traced", "--activation-checkpointing"]) == 2
+    assert "choose one" in capsys.readouterr().err
