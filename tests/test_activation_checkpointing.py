@@ -9,6 +9,7 @@ import os
 import shutil
 import subprocess
 import sys
+import weakref
 
 import pytest
 import torch
@@ -24,6 +25,7 @@ from gptlab.config import ModelConfig, TrainConfig
 from gptlab.model import GPT
 from gptlab.peak import Peak
 from gptlab.runtime import autocast
+from gptlab.training import train as training
 from gptlab.training.train import train
 
 SHAPE = dict(vocab_size=37, block_size=16, n_layer=3, n_head=3, n_embd=36, dropout=0.1)  # odd sizes on purpose
@@ -111,27 +113,48 @@ def test_only_a_training_forward_with_gradients_and_no_cache_recomputes(recomput
     assert (cached - want).abs().max() < 1e-5 and cache.pos.tolist() == [13] * 3
 
 
-def test_checkpointing_keeps_a_fraction_of_what_the_plain_forward_keeps_for_backward():
-    model = moved_model(n_layer=4)
+def test_checkpointing_keeps_each_blocks_input_and_a_fraction_of_what_the_plain_forward_keeps():
     x, y = batch()
-    model.train()
+    kept = {}
+    for n_layer in (2, 4):
+        model = moved_model(n_layer=n_layer)
+        model.checkpoint_blocks = True
+        kept[n_layer] = saved_bytes(model, lambda: model(x, y))
+    assert kept[4] - kept[2] == 2 * 3 * 13 * 36 * 4  # two blocks more: two inputs more, (B, T, C) in fp32
+    model.checkpoint_blocks = False
     plain = saved_bytes(model, lambda: model(x, y))
-    model.checkpoint_blocks = True
-    kept = saved_bytes(model, lambda: model(x, y))
-    block_inputs = 4 * 3 * 13 * 36 * 4  # what checkpointing keeps per block: its input, (B, T, C) in fp32
-    assert block_inputs < kept < plain / 3, (kept, plain)
+    assert kept[4] < plain / 3, (kept, plain)
+    linear, x = torch.nn.Linear(8, 8, bias=False), torch.randn(4, 8, requires_grad=True)
+    assert saved_bytes(linear, lambda: linear(x)) == x.nbytes  # the weight it saves too is a parameter
+
+
+def test_measuring_what_a_forward_keeps_lets_all_of_it_go_afterwards():
+    """The pack hook must not hand autograd back the tensor itself: a saved output would then hold its own graph
+    node, and the whole graph would never be freed (the bench's later measurements would count it)."""
+    model = moved_model(attention="naive")  # its softmax saves its output
+    x, y = batch()
+    kept = []
+    handle = model.transformer.ln_f.register_forward_hook(lambda m, args, out: kept.append(weakref.ref(out)))
+    model.train()
+    assert saved_bytes(model, lambda: model(x, y)) > 0
+    handle.remove()
+    assert kept and kept[0]() is None  # ln_f's output, saved by the LM head, was freed with the graph
 
 
 @pytest.mark.device_path("torch.compile")
-def test_compiled_training_with_checkpointing_matches_eager_without(tmp_path, char_data, caplog):
+def test_compiled_training_with_checkpointing_matches_eager_without(tmp_path, char_data, caplog, monkeypatch):
     if not any(shutil.which(cc) for cc in ("g++", "c++", "clang++")):
         pytest.skip("torch.compile's CPU backend (inductor) needs a C++ compiler and none is on PATH")
     shape = dict(vocab_size=0, n_layer=1, bias=False)  # no key bias: its true gradient is 0, Adam amplifies noise
     settings = dict(batch_size=4, max_steps=2, lr=3e-3, warmup_steps=1, eval_interval=2, eval_batches=2,
                     log_interval=1, precision="fp32", device="cpu")
+    compiling, compile_model = [], training.compile_model
+    monkeypatch.setattr(training, "compile_model", lambda model, warm_up: compiling.append(model.checkpoint_blocks)
+                        or compile_model(model, warm_up))
     compiled = train(char_data, tmp_path / "compiled", tiny_config(**shape),
                      TrainConfig(**settings, compile=True, activation_checkpointing=True), quiet=True)
     assert "torch.compile is unavailable" not in caplog.text, caplog.text
+    assert compiling == [True]  # the model compiled recomputes its blocks (no spy here: dynamo would stop at it)
     eager = train(char_data, tmp_path / "eager", tiny_config(**shape), TrainConfig(**settings), quiet=True)
     losses = [[r["loss"] for r in result.history if r["kind"] == "train"] for result in (compiled, eager)]
     assert losses[0] == pytest.approx(losses[1], rel=1e-5)
@@ -234,7 +257,7 @@ def test_a_model_or_engine_without_blocks_to_recompute_refuses_it_in_one_line(ar
                                                                                 capsys):
     run = tmp_path / "run"
     assert main(["train", "--data", str(char_data), "--run", str(run), "--activation-checkpointing", "--quiet",
-                 *argv]) == 2
+                 "--max-steps", "1", "--eval-batches", "1", *argv]) == 2  # a short run where it is taken
     err = capsys.readouterr().err
     assert says in err and err.count("\n") == 1 and "Traceback" not in err
     assert not run.exists()

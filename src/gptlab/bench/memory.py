@@ -20,8 +20,7 @@ from gptlab.config import ModelConfig, TrainConfig
 
 def saved_bytes(model: torch.nn.Module, forward: Callable[[], Any]) -> int:
     """Bytes of the distinct storages that `forward()` (a training forward of `model`) keeps for backward: every
-    tensor autograd saves, parameters left out, and each block's input, which activation checkpointing keeps to
-    recompute the block from (without it autograd saves that input anyway)."""
+    tensor autograd saves, parameters left out (activation checkpointing saves each block's input this way too)."""
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     kept: dict[int, int] = {}
 
@@ -31,17 +30,8 @@ def saved_bytes(model: torch.nn.Module, forward: Callable[[], Any]) -> int:
             kept[storage.data_ptr()] = storage.nbytes()
         return tensor.detach()  # the tensor itself would tie a saved output to its own graph node: never freed
 
-    def note_input(block: torch.nn.Module, args: tuple) -> None:
-        note(args[0])
-
-    blocks = getattr(getattr(model, "transformer", None), "h", [])
-    handles = [block.register_forward_pre_hook(note_input) for block in blocks]
-    try:
-        with torch.autograd.graph.saved_tensors_hooks(note, lambda tensor: tensor):
-            result = forward()
-    finally:
-        for handle in handles:
-            handle.remove()
+    with torch.autograd.graph.saved_tensors_hooks(note, lambda tensor: tensor):
+        result = forward()
     del result  # every storage noted was alive until now (held by the graph), so no address was noted twice
     return sum(kept.values())
 
