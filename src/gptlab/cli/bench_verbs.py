@@ -45,7 +45,8 @@ def add_bench_train(p: argparse.ArgumentParser) -> None:
 
 
 @BENCHES("train", "train one model side by side: fp32 eager (the reference), bf16, bf16 + compile (+ flash attention "
-         "on CUDA): tokens/s, ms/step, MFU, and the loss after the same steps", add_bench_train)
+         "on CUDA), or without and with activation checkpointing: tokens/s, ms/step, MFU, and the loss after the same "
+         "steps (and memory)", add_bench_train)
 def bench_train(args: argparse.Namespace) -> int:
     from gptlab.bench.train import checkpointing_variants, run_train_bench, train_variants
     from gptlab.runtime import resolve_device
