@@ -365,3 +365,28 @@ def test_a_peft_adapter_of_another_type_or_with_dropout_imports_as_it_says(at, c
     train = json.loads((at / "runs/y/config.json").read_text())["train"]
     assert (train["lora_rank"], train["lora_alpha"], train["lora_dropout"], train["lora_targets"]) == \
         (4, 16.0, 0.125, "c_attn,c_proj,c_fc")
+
+
+def test_bench_train_sets_lora_beside_full_fine_tuning_with_memory_split(char_data, monkeypatch, capsys):
+    """The tiny bench: full fine-tuning, LoRA and LoRA with activation checkpointing, each one's memory measured in a
+    fresh process; the split's weights and trained bytes worked out here (no timing is asserted)."""
+    from gptlab.bench import peak
+    from gptlab.bench.train import lora_variants, run_train_bench
+    from gptlab.config import ModelConfig
+    from gptlab.peak import Peak
+
+    monkeypatch.setattr(peak, "measure_peak", lambda device, quick: Peak(1e10, "test", bf16=2e10))
+    model = ModelConfig(block_size=32, n_layer=3, n_head=2, n_embd=48, dropout=0.1, vocab_size=0)
+    variants = lora_variants(torch.device("cpu"), 4)
+    rows = run_train_bench(char_data, model, TrainConfig(batch_size=4, lr=3e-3, warmup_steps=1, device="cpu"),
+                           steps=1, warmup=0, variants=variants, memory=True)
+    lines = capsys.readouterr().out.strip().splitlines()
+    V = len(set(CORPUS))
+    params = V * 48 + 32 * 48 + 3 * (12 * 48 * 48 + 13 * 48) + 2 * 48  # tied head; biases, LayerNorms
+    adapters = 3 * 4 * (48 + 3 * 48)  # rank 4 on c_attn (48 -> 144) in 3 blocks
+    assert [r["weights_bytes"] for r in rows] == [params * 4, (params + adapters) * 4, (params + adapters) * 4]
+    assert [r["trained_bytes"] for r in rows] == [params * 12, adapters * 12, adapters * 12]
+    assert 0 < rows[2]["saved_bytes"] < rows[1]["saved_bytes"] / 2  # the checkpointed blocks keep their inputs only
+    assert rows[1]["val_loss"] == rows[2]["val_loss"] != rows[0]["val_loss"]
+    assert lines[-1].startswith(f"{variants[1].name}: peak ") and f"; {variants[2].name}: peak " in lines[-1]
+    assert main_ok("bench", "train", "--lora-rank", "4", "--traced") is False

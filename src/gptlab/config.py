@@ -99,6 +99,8 @@ class TrainConfig:
     device: str = setting("auto", "where to train (auto: cuda, then mps, then cpu)", DEVICES)
     compile: bool = setting(False, "torch.compile the model (eager, with a warning, where it cannot)")
     fsdp: bool = setting(False, "with several processes: shard weights, gradients and AdamW state (FSDP2)")
+    activation_checkpointing: bool = setting(False, "keep only each block's input in the forward pass and "
+                                                    "recompute the block in backward: less memory, more time")
     keep_last: int = setting(2, "valid step checkpoints to keep (at least 2)")
     spike_factor: float = setting(0.0, "stop when the loss stays above this multiple of its recent mean (0: off)")
     spike_patience: int = setting(3, "steps the loss must stay that high before the run stops")
@@ -176,7 +178,8 @@ class TrainConfig:
 def _check_reference(cfg: TrainConfig) -> None:
     """The settings the reference engine does not implement, each refused in one line that says so."""
     unsupported = {"optimizer muon": cfg.optimizer == "muon", f"precision {cfg.precision}": cfg.precision == "bf16",
-                   "compile": cfg.compile, "fsdp": cfg.fsdp, f"device {cfg.device}": cfg.device in ("cuda", "mps")}
+                   "compile": cfg.compile, "fsdp": cfg.fsdp, f"device {cfg.device}": cfg.device in ("cuda", "mps"),
+                   "activation checkpointing": cfg.activation_checkpointing}
     for name, given in unsupported.items():
         _check(not given, f"the reference engine does not implement {name} (it trains with AdamW in fp32 on the "
                           "CPU, one process); drop that setting or use --engine torch")

@@ -13,6 +13,7 @@ from typing import NamedTuple
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+import torch.utils.checkpoint
 
 from gptlab.config import ModelConfig
 
@@ -239,6 +240,9 @@ class GPT(nn.Module):
         ))
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         self.lm_head.weight = self.transformer.wte.weight
+        # activation checkpointing, set by training: keep only each block's input in a training forward and
+        # recompute the block in backward (the random state is restored first, so dropout draws the same masks)
+        self.checkpoint_blocks = False
         self.apply(self._init_weights)
         for name, p in self.named_parameters():
             if name.endswith("c_proj.weight"):  # residual projections: keep the residual stream's variance flat
@@ -265,8 +269,12 @@ class GPT(nn.Module):
             assert step.end <= self.config.block_size, "position beyond block_size: slide the window"
             pos = kv_cache.pos[:, None] + torch.arange(T, device=idx.device)  # (B, T)
         x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))  # (B, T, C)
+        recompute = self.checkpoint_blocks and self.training and torch.is_grad_enabled() and kv_cache is None
         for layer, block in enumerate(self.transformer.h):
-            x = block(x, kv_cache, layer)
+            if recompute:
+                x = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False, preserve_rng_state=True)
+            else:
+                x = block(x, kv_cache, layer)
         x = self.transformer.ln_f(x)
         if kv_cache is not None:
             kv_cache.pos += T

@@ -39,17 +39,36 @@ def add_bench_train(p: argparse.ArgumentParser) -> None:
     p.add_argument("--attention", choices=("auto", "sdpa", "naive"), help="attention path (default: the preset's)")
     p.add_argument("--traced", action="store_true", help="add the fp32 reference traced by `gptlab inspect` before "
                    "every step: tracing leaves the step's speed and result alone")
+    p.add_argument("--activation-checkpointing", action="store_true", help="instead: the default precision "
+                   "without and with activation checkpointing, and each one's memory, measured in a fresh process "
+                   "(try --preset gpt2 --batch-size 2)")
+    p.add_argument("--lora-rank", type=int, metavar="R", help="instead: full fine-tuning beside LoRA adapters of "
+                   "rank R on c_attn, without and with activation checkpointing: step time and peak memory split "
+                   "into weights, gradients + AdamW state and activations, each in a fresh process (try --preset "
+                   "finetune --batch-size 4 --lora-rank 8)")
 
 
 @BENCHES("train", "train one model side by side: fp32 eager (the reference), bf16, bf16 + compile (+ flash attention "
-         "on CUDA): tokens/s, ms/step, MFU, and the loss after the same steps", add_bench_train)
+         "on CUDA), or without and with activation checkpointing: tokens/s, ms/step, MFU, and the loss after the same "
+         "steps (and memory)", add_bench_train)
 def bench_train(args: argparse.Namespace) -> int:
-    from gptlab.bench.train import run_train_bench, train_variants
+    from gptlab.bench.train import checkpointing_variants, lora_variants, run_train_bench, train_variants
     from gptlab.runtime import resolve_device
 
+    if args.traced and args.activation_checkpointing:
+        raise GptlabError("--traced and --activation-checkpointing are two different comparisons; choose one")
     data, model_cfg, train_cfg = _bench_train_settings(args)
-    variants = train_variants(resolve_device(args.device), traced=True) if args.traced else None
-    run_train_bench(data, model_cfg, train_cfg, steps=args.steps, warmup=args.warmup, variants=variants)
+    device = resolve_device(args.device)
+    variants = train_variants(device, traced=True) if args.traced else None
+    if args.activation_checkpointing:
+        variants = checkpointing_variants(device)
+    if args.lora_rank is not None:
+        if args.traced or args.activation_checkpointing or args.lora_rank < 1:
+            raise GptlabError("--lora-rank N (at least 1) is its own comparison: full fine-tuning, LoRA, and LoRA "
+                              "with activation checkpointing; drop --traced and --activation-checkpointing")
+        variants = lora_variants(device, args.lora_rank)
+    run_train_bench(data, model_cfg, train_cfg, steps=args.steps, warmup=args.warmup, variants=variants,
+                    memory=args.activation_checkpointing or args.lora_rank is not None)
     return 0
 
 

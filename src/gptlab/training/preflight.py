@@ -86,6 +86,13 @@ def check_engine(cfg: TrainConfig, model_cfg: ModelConfig, world_size: int) -> N
                           "--engine torch")
 
 
+def check_checkpointing(cfg: TrainConfig, model_cfg: ModelConfig) -> None:
+    """Activation checkpointing recomputes transformer blocks: refuse it for a model without them."""
+    if cfg.activation_checkpointing and model_cfg.arch != "gpt":
+        raise GptlabError(f"activation checkpointing recomputes transformer blocks, and arch {model_cfg.arch} has "
+                          "none; drop --activation-checkpointing")
+
+
 def check_resume(run: Path, dataset: Dataset, model_cfg: ModelConfig,
                  cfg: TrainConfig) -> tuple[ck.Checkpoint, rundir.TrainingState]:
     """Everything a resume must satisfy, checked before anything is written: a valid checkpoint, the same model

@@ -31,8 +31,8 @@ from gptlab.runtime import compile_model, configure_matmul, resolve_precision, r
 from gptlab.training.faults import GracefulStop, Interrupted, LossSpike, NonFiniteLoss, SpikeGuard, is_out_of_memory
 from gptlab.training.loggers import Loggers, check_loggers, open_loggers, sample_ids
 from gptlab.reference.train import naive_model, naive_optimizer
-from gptlab.training.preflight import (check_data, check_engine, check_memory, check_new_run, check_resume,
-                                       settings_changed)
+from gptlab.training.preflight import (check_checkpointing, check_data, check_engine, check_memory, check_new_run,
+                                       check_resume, settings_changed)
 from gptlab.training.step import StepContext, defers_finite_check, estimate_loss, train_step, warm_up
 
 log = logging.getLogger("gptlab")
@@ -96,6 +96,7 @@ def train(data_dir: str | Path, run_dir: str | Path, model_cfg: ModelConfig, cfg
     device = parallel.device
     precision = "fp32" if reference else resolve_precision(cfg.precision, device)
     check_engine(cfg, model_cfg, parallel.world_size)
+    check_checkpointing(cfg, model_cfg)
     configure_matmul(device, precision)
     parallel.check_batch(cfg.batch_size)
     dataset = load_dataset(data_dir)
@@ -134,6 +135,7 @@ def _train_locked(dataset: Dataset, run: Path, model_cfg: ModelConfig, cfg: Trai
     torch.manual_seed(cfg.seed)
     model = parallel.build(model_cfg, cfg.fsdp, init, cfg.init_from)  # with FSDP: only this process's slices
     base = lora.adapt(model, cfg, init, state.train if state else None, state.base if state else None)
+    model.checkpoint_blocks = cfg.activation_checkpointing  # kept under DDP, FSDP and compile, which wrap it
     speed = cached_speed(device, precision, cfg.batch_size * model_cfg.block_size * cfg.grad_accum,
                          model.flops_per_token(), parallel.world_size)
     if cfg.engine == "reference":
@@ -144,7 +146,7 @@ def _train_locked(dataset: Dataset, run: Path, model_cfg: ModelConfig, cfg: Trai
         resume_state(ckpt, state, model, optimizer, progress)
     if parallel.is_main:  # every check has passed: now the run folder may change
         where = {"data": str(dataset.path.resolve()), "precision": precision, "device": str(device),
-                 "processes": parallel.world_size}
+                 "processes": parallel.world_size, **({"base": base} if base else {})}  # LoRA's base, named
         if resume:
             changes = settings_changed(state, model_cfg, cfg)
             if changes:
@@ -153,8 +155,7 @@ def _train_locked(dataset: Dataset, run: Path, model_cfg: ModelConfig, cfg: Trai
             rundir.update_run_config(run, model_cfg, cfg, {**where, **extra},
                                  {"step": state.step, "changes": changes, "time": time.time()})
         else:
-            lora_base = {"base": base} if base else {}
-            rundir.init_run(run, model_cfg, cfg, dataset.tokenizer, {**where, **extra, **lora_base})
+            rundir.init_run(run, model_cfg, cfg, dataset.tokenizer, {**where, **extra})
     model, optimizer = parallel.wrap(model, optimizer, cfg.fsdp)
     parallel.reseed(cfg.seed, progress.step)
     ctx = StepContext(dataset, cfg, model_cfg.block_size, device, precision, parallel)
