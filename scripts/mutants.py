@@ -108,6 +108,9 @@ MODULES = {
                     "test_reference test_reference_cli test_reference_mutants test_compiled"),
     # issue 26: LoRA adapters and PEFT's format
     "lora": _m("lora hf/peft", "test_lora test_distributed::test_lora_adapters_train_in_two_processes_like_in_one"),
+    "loggers": _m("training/loggers", "test_loggers"),
+    "memory": _m("bench/memory", "test_activation_checkpointing "
+                 "test_lora::test_bench_train_sets_lora_beside_full_fine_tuning_with_memory_split"),
 }
 
 
