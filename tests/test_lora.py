@@ -387,6 +387,8 @@ def test_bench_train_sets_lora_beside_full_fine_tuning_with_memory_split(char_da
     assert [r["weights_bytes"] for r in rows] == [params * 4, (params + adapters) * 4, (params + adapters) * 4]
     assert [r["trained_bytes"] for r in rows] == [params * 12, adapters * 12, adapters * 12]
     assert 0 < rows[2]["saved_bytes"] < rows[1]["saved_bytes"] / 2  # the checkpointed blocks keep their inputs only
+    assert rows[0]["step_bytes"] >= params * 4  # a step of full fine-tuning makes every weight's gradient
+    assert all(r["step_bytes"] > 0 and r["base_bytes"] > (params + adapters) * 4 for r in rows)
     assert rows[1]["val_loss"] == rows[2]["val_loss"] != rows[0]["val_loss"]
     assert lines[-1].startswith(f"{variants[1].name}: peak ") and f"; {variants[2].name}: peak " in lines[-1]
     assert main_ok("bench", "train", "--lora-rank", "4", "--traced") is False
