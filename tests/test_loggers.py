@@ -5,6 +5,7 @@ One run with all four loggers (wandb starts slowly) is shared by the module. No 
 import csv
 import io
 import json
+import os
 import shutil
 import socket
 import subprocess
@@ -234,3 +235,10 @@ def test_wandb_goes_online_only_for_a_user_who_logged_in(tmp_path, monkeypatch):
     monkeypatch.setenv("NETRC", str(tmp_path / "none"))
     monkeypatch.setenv("WANDB_API_KEY", "x" * 40)
     assert loggers.wandb_mode() == "online"
+
+
+def test_mlflow_gets_its_file_store_allowed_and_telemetry_off_unless_the_user_set_them(monkeypatch):
+    monkeypatch.delenv("MLFLOW_ALLOW_FILE_STORE", raising=False)
+    monkeypatch.setenv("MLFLOW_DISABLE_TELEMETRY", "false")  # the user's own choice is kept
+    loggers.Mlflow.load()
+    assert os.environ["MLFLOW_ALLOW_FILE_STORE"] == "true" and os.environ["MLFLOW_DISABLE_TELEMETRY"] == "false"
