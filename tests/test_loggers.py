@@ -10,6 +10,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import time
 from collections import defaultdict
 
 import pytest
@@ -179,6 +180,7 @@ def test_mlflow_keeps_one_run_in_its_local_store_with_metrics_jsonls_values(logg
     for tag, points in expected(run).items():  # a crash's rows stay in MLflow: the resumed run's come after them
         history = sorted(client.get_metric_history(found.info.run_id, tag), key=lambda m: m.timestamp)
         assert {(m.step, m.value) for m in history} == set(points) | set(crashed[tag]), tag
+        assert all(abs(m.timestamp / 1000 - time.time()) < 3600 for m in history), tag  # MLflow's are milliseconds
         assert sorted({m.step: m.value for m in history}.items()) == points, tag
     params = found.data.params
     assert (params["train.lr"], params["model.n_embd"]) == (str(settings(run)["train"]["lr"]), "16")
