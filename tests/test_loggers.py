@@ -119,6 +119,9 @@ def test_tensorboard_holds_each_step_once_with_metrics_jsonls_values(logged):
     assert picture.step == 10 and (int(width), int(height)) == Image.open(run / "loss.png").size
     assert pixels(io.BytesIO(png)) == pixels(run / "loss.png")
     [sample] = events.Tensors("sample/text_summary")
+    [text] = events.Tensors("config/text_summary")
+    logged = json.loads(make_ndarray(text.tensor_proto).item().decode().strip("`\n"))
+    assert text.step == 0 and logged == {k: v for k, v in settings(run).items() if k != "resumes"}  # its start's
     assert sample.step == 10 and make_ndarray(sample.tensor_proto).item().decode().strip("`\n")
     content = events.PluginTagToContent("hparams")["_hparams_/session_start_info"]
     hparams = plugin_data_pb2.HParamsPluginData.FromString(content).session_start_info.hparams
@@ -184,6 +187,10 @@ def test_mlflow_keeps_one_run_in_its_local_store_with_metrics_jsonls_values(logg
         assert sorted({m.step: m.value for m in history}.items()) == points, tag
     params = found.data.params
     assert (params["train.lr"], params["model.n_embd"]) == (str(settings(run)["train"]["lr"]), "16")
+    config = settings(run)  # every setting of the run's start, nested ones by their dotted names (resumes came later)
+    names = {f"{k}.{inner}" if isinstance(v, dict) else k for k, v in config.items() if k != "resumes"
+             for inner in (v if isinstance(v, dict) else [None])}
+    assert set(params) == names
     assert {a.path for a in client.list_artifacts(found.info.run_id)} == {"loss.png", "sample.txt"}
 
 
