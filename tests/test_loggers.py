@@ -165,6 +165,8 @@ def test_wandb_ran_offline_and_the_resume_continued_its_run(logged):
     [media] = [r["history"]["item"] for r in records[1] if r["type"] == "history" and "loss_curve.path" in
                r["history"]["item"]]
     [config] = [r["run"]["config"]["update"] for r in records[0] if r["type"] == "run"]
+    [meta] = [r["run"] for r in records[0] if r["type"] == "run"]
+    assert (meta["project"], meta["display_name"]) == ("gptlab", run.name)  # WANDB_PROJECT unset: gptlab's own
     assert config["train"]["lr"] == settings(run)["train"]["lr"] and config["model"]["n_embd"] == 16
     assert media["step"] == 10 and pixels(folders[1] / "files" / media["loss_curve.path"]) == pixels(run / "loss.png")
     summary = {k: v for r in records[1] if r["type"] == "summary" for k, v in r["summary"]["update"].items()}
