@@ -342,12 +342,16 @@ def test_the_peft_config_names_the_base_and_loads_without_peft_s_complaints(at, 
 
 def test_a_peft_export_into_a_gptlab_folder_or_a_full_disk_is_refused_and_writes_nothing(at, capsys, monkeypatch):
     before = tree(at)
-    assert "is a gptlab data folder" in run_bad(capsys, "export", "runs/lo", "--format", "peft", "--out", "data")
-    assert "is a gptlab run folder" in run_bad(capsys, "export", "runs/lo", "--format", "peft", "--out", "runs/base")
+    assert "--out data is a prepared data folder; exporting there would overwrite" in run_bad(
+        capsys, "export", "runs/lo", "--format", "peft", "--out", "data")
+    assert "--out runs/base is a gptlab run; exporting there would overwrite" in run_bad(
+        capsys, "export", "runs/lo", "--format", "peft", "--out", "runs/base")
+    assert "--out runs/lo is the run itself" in run_bad(capsys, "export", "runs/lo", "--format", "peft", "--out",
+                                                        "runs/lo")
 
     def no_space(*args, **kwargs):
         raise OSError(28, "No space left on device")
-    monkeypatch.setattr("gptlab.hf.peft.save_file", no_space)
+    monkeypatch.setattr("gptlab.hf.hf.save_file", no_space)
     line = run_bad(capsys, "export", "runs/lo", "--format", "peft", "--out", "full/lo")
     assert line == ("gptlab: error: cannot write full/lo/adapter_model.safetensors: No space left on device; check "
                     "free space")

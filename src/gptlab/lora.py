@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 from gptlab.config import LORA_TARGETS as TARGETS  # a name matches a module named so or ending in "." + it
 from gptlab.errors import GptlabError
-from gptlab.model import Dropout
+from gptlab.model import Dropout, build_model
 
 
 @dataclass(frozen=True)
@@ -38,13 +38,6 @@ class LoraSettings:
 
     def __str__(self) -> str:
         return f"rank {self.rank}, alpha {self.alpha:g}, dropout {self.dropout:g} on {','.join(self.targets)}"
-
-    def parameters(self, n_layer: int, n_embd: int) -> int:
-        """How many adapter parameters a GPT of n_layer blocks n_embd wide gets: r x (in + out) per adapted layer."""
-        widths = {"attn.c_attn": (n_embd, 3 * n_embd), "attn.c_proj": (n_embd, n_embd),
-                  "mlp.c_fc": (n_embd, 4 * n_embd), "mlp.c_proj": (4 * n_embd, n_embd)}
-        layers = {name for name in widths for t in self.targets if name == t or name.endswith("." + t)}
-        return n_layer * sum(self.rank * sum(widths[name]) for name in layers)
 
 
 def settings(train: Any) -> LoraSettings | None:
@@ -141,6 +134,17 @@ def merge_lora(model: nn.Module) -> nn.Module:
 def adapter_count(model: nn.Module) -> int:
     """The number of adapter parameters in `model`."""
     return sum(p.numel() for name, p in model.named_parameters() if is_adapter(name))
+
+
+def count_parameters(model_cfg: Any, lora: LoraSettings | None) -> tuple[int, int]:
+    """(the parameters of a model of `model_cfg`, those `lora`'s adapters would add to it), counted on a model built
+    on the meta device (nothing allocated)."""
+    with torch.device("meta"):
+        model = build_model(model_cfg)
+        params = model.num_params()
+        if lora is not None:
+            apply_lora(model, lora)
+    return params, adapter_count(model)
 
 
 def tensors_sha256(tensors: dict[str, torch.Tensor]) -> str:

@@ -20,7 +20,8 @@ from typing import Any
 
 from gptlab import checkpoint as ck
 from gptlab import lora, rundir
-from gptlab.config import DEFAULT_PRESET, FINETUNE_PRESET, ModelConfig, TrainConfig, build, get_preset, to_dict
+from gptlab.config import (DEFAULT_PRESET, FINETUNE_PRESET, ModelConfig, TrainConfig, build, from_dict, get_preset,
+                           to_dict)
 from gptlab.configfile import read_config_file
 from gptlab.data.prepare import prepare
 from gptlab.errors import GptlabError
@@ -280,9 +281,8 @@ def _lora_info(config: dict[str, Any]) -> dict[str, Any] | None:
     adapters = lora.settings(config["train"])
     if adapters is None:
         return None
-    shape = config["model"]
-    return {"adapters": str(adapters), "parameters": adapters.parameters(shape["n_layer"], shape["n_embd"]),
-            "base": config.get("base") or {}}
+    _, added = lora.count_parameters(from_dict(ModelConfig, config["model"]), adapters)
+    return {"adapters": str(adapters), "parameters": added, "base": config.get("base") or {}}
 
 
 

@@ -174,23 +174,34 @@ def import_hf(folder: str | Path, run_dir: str | Path) -> GPT:
     """Turn the HF GPT-2 folder into a gptlab run at `run_dir` (config, tokenizer, one "best" checkpoint at step
     0) and return the model. Raises GptlabError on bad input or when `run_dir` already holds a run."""
     folder, run = Path(folder), Path(run_dir)
-    if rundir.folder_kind(run) is not None:
-        what = {"run": "a run", "data": "prepared data", "hf": "a model (config.json)"}[rundir.folder_kind(run)]
-        raise GptlabError(f"{run} already holds {what}; choose another --run or delete it first")
+    check_import_folder(run)
     model_cfg, tensors = read_hf_model(folder)
     tokenizer = read_hf_tokenizer(folder, model_cfg.vocab_size)
     model = GPT(model_cfg)
     ck.load_model_tensors(model, tensors, str(folder))
     source = str(folder.resolve())
+    write_imported_run(run, model, TrainConfig(), tokenizer, {"imported_from": source},
+                       rundir.TrainingState(to_dict(model_cfg), imported_from=source))
+    return model.eval()
+
+
+def check_import_folder(run: Path) -> None:
+    """GptlabError when `run` already holds a run, prepared data or another model."""
+    if rundir.folder_kind(run) is not None:
+        what = {"run": "a run", "data": "prepared data", "hf": "a model (config.json)"}[rundir.folder_kind(run)]
+        raise GptlabError(f"{run} already holds {what}; choose another --run or delete it first")
+
+
+def write_imported_run(run: Path, model: torch.nn.Module, train_cfg: TrainConfig, tokenizer: Tokenizer,
+                       extra: dict[str, Any], state: rundir.TrainingState) -> None:
+    """A new run at `run` holding `model` as its one "best" checkpoint at step 0; nothing left when it fails."""
     with rundir.RunLock(run) as lock:
         try:
-            rundir.init_run(run, model_cfg, TrainConfig(), tokenizer, {"imported_from": source})
-            ck.save_checkpoint(run, "best", 0, model, rundir.TrainingState(to_dict(model_cfg), imported_from=source),
-                               keep=1)
+            rundir.init_run(run, from_dict(ModelConfig, state.model), train_cfg, tokenizer, extra)
+            ck.save_checkpoint(run, "best", 0, model, state, keep=1)
         except GptlabError:
             lock.undo()
             raise
-    return model.eval()
 
 
 # ---- export -----------------------------------------------------------------------------------------------------
@@ -257,16 +268,34 @@ def staged_folder(out: Path):
         raise
 
 
-def export_hf(run_dir: str | Path, out_dir: str | Path, which: str = "best", merge: bool = False) -> list[str]:
-    """Write the run's model (its best checkpoint, else its latest) as a HF GPT-2 folder: config.json,
-    model.safetensors and tokenizer files, all or nothing (see staged_folder); a LoRA run's with `merge`, its
-    adapters merged into its base. Returns the names written; raises GptlabError on bad input."""
-    out = Path(out_dir)
+def check_export_folder(out: Path, run_dir: str | Path) -> None:
+    """GptlabError when `out` cannot take an export of `run_dir`: the run itself, a run or data folder, a file."""
     if out.resolve() == Path(run_dir).resolve() or rundir.folder_kind(out) in ("run", "data"):
         kind = "the run itself" if out.resolve() == Path(run_dir).resolve() else \
             {"run": "a gptlab run", "data": "a prepared data folder"}[rundir.folder_kind(out)]
         raise GptlabError(f"--out {out} is {kind}; exporting there would overwrite its config.json and "
                           "tokenizer.json, so give --out a folder of its own")
+    if out.exists() and not out.is_dir():
+        raise GptlabError(f"{out} exists and is not a folder; give --out a new or existing folder")
+
+
+def write_weights(tensors: dict[str, torch.Tensor], staging: Path, out: Path, name: str) -> None:
+    """`tensors` as staging/name in safetensors with the "pt" format mark transformers and PEFT check, readable as
+    the umask allows (safetensors writes 0600); one line naming out/name when the disk refuses."""
+    try:
+        save_file(tensors, staging / name, metadata={"format": "pt"})
+        os.chmod(staging / name, rundir.umask_mode())
+    except (OSError, SafetensorError) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc).strip()
+        raise GptlabError(f"cannot write {out / name}: {reason}; check free space") from None
+
+
+def export_hf(run_dir: str | Path, out_dir: str | Path, which: str = "best", merge: bool = False) -> list[str]:
+    """Write the run's model (its best checkpoint, else its latest) as a HF GPT-2 folder: config.json,
+    model.safetensors and tokenizer files, all or nothing (see staged_folder); a LoRA run's with `merge`, its
+    adapters merged into its base. Returns the names written; raises GptlabError on bad input."""
+    out = Path(out_dir)
+    check_export_folder(out, run_dir)
     adapters = lora.settings(rundir.read_run_config(run_dir)["train"])
     if adapters is not None and not merge:
         raise GptlabError(f"{run_dir} holds LoRA adapters ({adapters}): export --merge writes the whole model with "
@@ -278,16 +307,9 @@ def export_hf(run_dir: str | Path, out_dir: str | Path, which: str = "best", mer
     if not isinstance(loaded.model, GPT):
         raise GptlabError(f"{run_dir} holds a {loaded.model_cfg.arch} model; only GPT models have a Hugging Face "
                           "GPT-2 form")
-    if out.exists() and not out.is_dir():
-        raise GptlabError(f"{out} exists and is not a folder; give --out a new or existing folder")
     tensors = to_hf_tensors(loaded.model, loaded.tokenizer.vocab_size)
     with staged_folder(out) as staging:
-        try:
-            save_file(tensors, staging / "model.safetensors", metadata={"format": "pt"})  # transformers checks it
-            os.chmod(staging / "model.safetensors", rundir.umask_mode())  # safetensors writes 0600
-        except (OSError, SafetensorError) as exc:
-            reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc).strip()
-            raise GptlabError(f"cannot write {out / 'model.safetensors'}: {reason}; check free space") from None
+        write_weights(tensors, staging, out, "model.safetensors")
         rundir.write_json(staging / HF_CONFIG, hf_config(loaded.model_cfg, loaded.tokenizer))
         names = write_tokenizer_files(staging, loaded.tokenizer, loaded.model_cfg.block_size)
     return [HF_CONFIG, "model.safetensors"] + names

@@ -6,19 +6,19 @@ keeps its Linears as Conv1D (weights transposed), so PEFT marks them fan_in_fan_
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import Any
 
 import torch
 from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from gptlab import checkpoint as ck
 from gptlab import lora, rundir
 from gptlab.config import TrainConfig, to_dict
 from gptlab.errors import GptlabError
-from gptlab.hf.hf import staged_folder
+from gptlab.hf.hf import (check_export_folder, check_import_folder, staged_folder, write_imported_run,
+                         write_weights)
 
 ADAPTER_CONFIG, ADAPTER_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
 PREFIX = "base_model.model."
@@ -42,10 +42,7 @@ def export_peft(run_dir: str | Path, out_dir: str | Path, which: str = "best") -
     """Write a LoRA run's adapters (its best checkpoint, else its latest) in PEFT's format, all or nothing;
     returns the names written. GptlabError when the run has no adapters or --out is taken."""
     out = Path(out_dir)
-    if rundir.folder_kind(out) in ("run", "data"):
-        raise GptlabError(f"--out {out} is a gptlab {rundir.folder_kind(out)} folder; give --out a folder of its own")
-    if out.exists() and not out.is_dir():
-        raise GptlabError(f"{out} exists and is not a folder; give --out a new or existing folder")
+    check_export_folder(out, run_dir)
     adapters = lora.settings(rundir.read_run_config(run_dir)["train"])
     if adapters is None:
         raise GptlabError(f"{run_dir} has no LoRA adapters (it was trained in full); export it with --format hf")
@@ -53,12 +50,7 @@ def export_peft(run_dir: str | Path, out_dir: str | Path, which: str = "best") -
     tensors = {PREFIX + name: t.float().contiguous() for name, t in ck.model_tensors(loaded.model).items()}
     base = (loaded.state.base or {}).get("run", "")
     with staged_folder(out) as staging:
-        try:
-            save_file(tensors, staging / ADAPTER_WEIGHTS, metadata={"format": "pt"})
-            os.chmod(staging / ADAPTER_WEIGHTS, rundir.umask_mode())  # safetensors writes 0600
-        except (OSError, SafetensorError) as exc:
-            reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc).strip()
-            raise GptlabError(f"cannot write {out / ADAPTER_WEIGHTS}: {reason}; check free space") from None
+        write_weights(tensors, staging, out, ADAPTER_WEIGHTS)
         rundir.write_json(staging / ADAPTER_CONFIG, adapter_config(adapters, base))
     return [ADAPTER_CONFIG, ADAPTER_WEIGHTS]
 
@@ -106,8 +98,7 @@ def import_peft(folder: str | Path, base_run: str | Path, run_dir: str | Path) -
     tokenizer, one "best" checkpoint at step 0 holding the adapters and naming its base); returns the adapters'
     parameter count. GptlabError on bad input; nothing is written then."""
     run = Path(run_dir)
-    if rundir.folder_kind(run) is not None:
-        raise GptlabError(f"{run} already holds a {rundir.folder_kind(run)}; choose another --run or delete it first")
+    check_import_folder(run)
     if not rundir.is_run(Path(base_run)):
         raise GptlabError(f"--base {base_run} is not a gptlab run; import the base model first (gptlab import hf "
                           "FOLDER --run RUN) and give --base RUN")
@@ -124,11 +115,5 @@ def import_peft(folder: str | Path, base_run: str | Path, run_dir: str | Path) -
                         lora_dropout=adapters.dropout, lora_targets=",".join(adapters.targets))
     ref = {"run": train.init_from, "sha256": lora.tensors_sha256(base)}
     state = rundir.TrainingState(to_dict(loaded.model_cfg), train=to_dict(train), imported_from=source, base=ref)
-    with rundir.RunLock(run) as lock:
-        try:
-            rundir.init_run(run, loaded.model_cfg, train, loaded.tokenizer, {"imported_from": source, "base": ref})
-            ck.save_checkpoint(run, "best", 0, model, state, keep=1)
-        except GptlabError:
-            lock.undo()
-            raise
+    write_imported_run(run, model, train, loaded.tokenizer, {"imported_from": source, "base": ref}, state)
     return lora.adapter_count(model)

@@ -15,7 +15,6 @@ from gptlab import lora, rundir
 from gptlab.config import ModelConfig, TrainConfig, from_dict, to_dict
 from gptlab.data.batches import Dataset
 from gptlab.errors import GptlabError
-from gptlab.model import build_model
 from gptlab.tokenizer import load as load_tokenizer
 
 
@@ -41,11 +40,9 @@ def check_memory(model_cfg: ModelConfig, cfg: TrainConfig, device: torch.device,
         total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     else:
         return
-    with torch.device("meta"):
-        params = build_model(model_cfg).num_params()
     adapters = lora.settings(cfg)  # LoRA: the base frozen (its weights alone), the adapters trained
-    trained = adapters.parameters(model_cfg.n_layer, model_cfg.n_embd) if adapters else params
-    frozen = params if adapters else 0
+    params, added = lora.count_parameters(model_cfg, adapters)
+    trained, frozen = (added, params) if adapters else (params, 0)
     need = frozen * 4 + trained * 16  # a trained weight: 4 bytes, its gradient 4 and its AdamW moments 8
     gib = f"the {total / 2**30:,.0f} GiB of this {device.type}"
     if need > total:
