@@ -356,10 +356,16 @@ def base_tensors(run_dir: Path, state: TrainingState, model_cfg: ModelConfig) ->
     if not Path(base["run"]).is_dir():
         raise GptlabError(f"the base of LoRA run {run_dir}, {base['run']}, is gone (moved or deleted); put it back "
                           "there to use the adapters")
-    tensors = model_tensors(load_run(base["run"]).model)
-    if "transformer.wpe.weight" in tensors:  # trained at a shorter context: the positions it used
-        tensors["transformer.wpe.weight"] = tensors["transformer.wpe.weight"][:model_cfg.block_size]
+    tensors = crop_positions(model_tensors(load_run(base["run"]).model), model_cfg.block_size)
     if lora.tensors_sha256(tensors) != base["sha256"]:
         raise GptlabError(f"the base of LoRA run {run_dir}, {base['run']}, has changed since the adapters were "
                           "trained on it (its weights' sha256 differs); restore its checkpoint or fine-tune again")
+    return tensors
+
+
+def crop_positions(tensors: dict[str, torch.Tensor], block_size: int) -> dict[str, torch.Tensor]:
+    """`tensors` (a model's, by name) with the position embeddings cut to the first `block_size`, as a model
+    fine-tuned at a shorter context keeps them (a bigram has none); in place, returned."""
+    if "transformer.wpe.weight" in tensors:
+        tensors["transformer.wpe.weight"] = tensors["transformer.wpe.weight"][:block_size].clone()
     return tensors

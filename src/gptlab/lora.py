@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +21,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from gptlab.config import LORA_TARGETS as TARGETS  # a name matches a module named so or ending in "." + it
+from gptlab.config import TrainConfig
 from gptlab.errors import GptlabError
 from gptlab.model import Dropout, build_model
 
@@ -40,14 +41,19 @@ class LoraSettings:
         return f"rank {self.rank}, alpha {self.alpha:g}, dropout {self.dropout:g} on {','.join(self.targets)}"
 
 
+_DEFAULTS = {f.name: f.default for f in fields(TrainConfig) if f.name.startswith("lora_")}
+
+
 def settings(train: Any) -> LoraSettings | None:
     """The LoRA settings of a TrainConfig or its JSON (a run's or a checkpoint's), None without adapters."""
-    get = train.get if isinstance(train, dict) else lambda name, default=None: getattr(train, name, default)
-    if not train or not get("lora_rank", 0):
+    if not train:
         return None
-    targets = tuple(t.strip() for t in str(get("lora_targets", "c_attn")).split(",") if t.strip())
-    return LoraSettings(int(get("lora_rank")), float(get("lora_alpha", 8.0)), float(get("lora_dropout", 0.0)),
-                        targets)
+    given = train if isinstance(train, dict) else vars(train)
+    get = {**_DEFAULTS, **{k: v for k, v in given.items() if k in _DEFAULTS}}.get  # unset: TrainConfig's defaults
+    if not get("lora_rank"):
+        return None
+    targets = tuple(t.strip() for t in str(get("lora_targets")).split(",") if t.strip())
+    return LoraSettings(int(get("lora_rank")), float(get("lora_alpha")), float(get("lora_dropout")), targets)
 
 
 def is_adapter(name: str) -> bool:

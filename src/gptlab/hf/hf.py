@@ -358,6 +358,4 @@ def init_tensors(source: str | Path, model_cfg: ModelConfig, tokenizer: Tokenize
         raise GptlabError(f"--init-from {source}: the data was prepared with a {tokenizer.kind} tokenizer of "
                           f"{tokenizer.vocab_size} ids, but the source uses a different {src_tokenizer.kind} "
                           f"tokenizer of {src_tokenizer.vocab_size}; prepare the data with {fix}")
-    if "transformer.wpe.weight" in tensors:  # a bigram has no positions to crop
-        tensors["transformer.wpe.weight"] = tensors["transformer.wpe.weight"][:model_cfg.block_size].clone()
-    return tensors
+    return ck.crop_positions(tensors, model_cfg.block_size)
