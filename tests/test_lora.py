@@ -230,6 +230,9 @@ def test_the_memory_check_counts_the_frozen_base_at_its_own_bytes(monkeypatch):
     (["--init-from", "runs/base", "--lora-rank", "4", "--lora-targets", "c_attn,wte"], "unknown layer 'wte'"),
     (["--init-from", "tiny-hf", "--lora-rank", "4"], "LoRA needs a gptlab run as its base"),
     (["--init-from", "runs/base", "--lora-rank", "4", "--lora-dropout", "1"], "lora_dropout must be in [0, 1)"),
+    (["--init-from", "runs/base", "--lora-rank", "4", "--fsdp"], "--fsdp does not shard LoRA's frozen base yet"),
+    (["--init-from", "runs/base", "--lora-rank", "4", "--engine", "reference"], "the reference engine trains every "
+                                                                                 "weight; drop --lora-rank"),
 ])
 def test_bad_lora_settings_are_one_line_and_write_nothing(at, capsys, flags, words):
     before = tree(at)
@@ -254,6 +257,9 @@ def test_bad_exports_and_imports_are_one_line_and_write_nothing(at, capsys, tmp_
         (["import", "peft", "lo-peft3", "--run", "runs/x"], "needs the run of the model the adapter was trained on"),
         (["import", "peft", "tiny-hf", "--base", "runs/base", "--run", "runs/x"], "is not a PEFT adapter folder"),
         (["import", "peft", "lo-peft3", "--base", "tiny-hf", "--run", "runs/x"], "--base tiny-hf is not a gptlab run"),
+        (["import", "tiny-hf", "--base", "runs/base", "--run", "runs/x"], "--base is for `gptlab import peft DIR "
+                                                                          "--base RUN`"),
+        (["import", "lora", "tiny-hf", "--run", "runs/x"], "import takes [hf|peft] FOLDER, not lora tiny-hf"),
     ]
     for argv, words in cases:
         assert words in run_bad(capsys, *argv), argv
@@ -396,3 +402,19 @@ def test_bench_train_sets_lora_beside_full_fine_tuning_with_memory_split(char_da
     assert rows[1]["val_loss"] == rows[2]["val_loss"] != rows[0]["val_loss"]
     assert lines[-1].startswith(f"{variants[1].name}: peak ") and f"; {variants[2].name}: peak " in lines[-1]
     assert main_ok("bench", "train", "--lora-rank", "4", "--traced") is False
+
+
+def test_bench_train_lora_rank_runs_the_three_variants_with_memory(monkeypatch, capsys, tmp_path):
+    """The command line reaches the bench: --lora-rank R gives full fine-tuning, LoRA of rank R and LoRA with
+    activation checkpointing, memory measured; a rank under 1 or another comparison beside it is refused."""
+    import gptlab.bench.train
+
+    seen = {}
+    monkeypatch.chdir(tmp_path)  # the bench prepares the bundled corpus here
+    monkeypatch.setattr(gptlab.bench.train, "run_train_bench", lambda data, model, cfg, **kw: seen.update(kw))
+    assert main_ok("bench", "train", "--lora-rank", "6", "--device", "cpu")
+    assert [(v.lora_rank, v.checkpointing) for v in seen["variants"]] == [(0, False), (6, False), (6, True)]
+    assert seen["memory"] is True
+    for bad in (["--lora-rank", "0"], ["--lora-rank", "4", "--activation-checkpointing"]):
+        assert main_ok("bench", "train", *bad) is False
+        assert "is its own comparison" in capsys.readouterr().err

@@ -87,7 +87,7 @@ def read_adapter(folder: str | Path) -> tuple[lora.LoraSettings, dict[str, torch
         tensors = load_file(folder / ADAPTER_WEIGHTS)
     except (SafetensorError, OSError) as exc:
         raise GptlabError(f"{folder / ADAPTER_WEIGHTS} cannot be read ({exc})") from None
-    named = {name.removeprefix(PREFIX).replace(".default.", "."): t.float() for name, t in tensors.items()}
+    named = {name.removeprefix(PREFIX): t.float() for name, t in tensors.items()}
     settings = lora.settings(train)
     assert settings is not None
     return settings, named
