@@ -8,6 +8,7 @@ import shutil
 import pytest
 import torch
 from peft import LoraConfig, PeftModel, get_peft_model, set_peft_model_state_dict
+from safetensors import safe_open
 from safetensors.torch import load_file
 from transformers import GPT2LMHeadModel
 
@@ -109,6 +110,10 @@ def test_a_trained_run_exported_for_peft_loads_there_with_equal_logits_and_greed
     assert "adapter_config.json, adapter_model.safetensors" in out
     theirs = peft_model(at / "base-hf", at / "lo-peft")
     assert theirs.peft_config["default"].r == 4 and theirs.peft_config["default"].lora_alpha == 16
+    with safe_open(at / "lo-peft/adapter_model.safetensors", "pt") as f:  # transformers 4.x refuses other files
+        assert f.metadata() == {"format": "pt"}
+    with safe_open(at / "base-hf/model.safetensors", "pt") as f:
+        assert f.metadata() == {"format": "pt"}
     stored = load_file(at / "lo-peft/adapter_model.safetensors")
     assert all(t.abs().max() > 1e-3 for n, t in stored.items() if "lora_B" in n)  # trained away from zero
     x = ids(32)  # the run's context (the base's is 64)
@@ -227,7 +232,8 @@ def test_the_memory_check_counts_the_frozen_base_at_its_own_bytes(monkeypatch):
     (["--init-from", "runs/base", "--lora-rank", "33"], "--lora-rank 33 is more than the narrowest adapted layer's"),
     (["--init-from", "runs/base", "--lora-rank", "0"], "lora_rank must be at least 1, not 0 (leave it unset"),
     (["--init-from", "runs/base", "--lora-rank", "-1"], "lora_rank must be at least 1, not -1"),
-    (["--init-from", "runs/base", "--lora-rank", "4", "--lora-targets", "c_attn,wte"], "unknown layer 'wte'"),
+    (["--init-from", "runs/base", "--lora-rank", "4", "--lora-targets", "c_attn,wte"],
+     "error: lora_targets: unknown layer 'wte'; choose among"),  # refused with the settings, before any model
     (["--init-from", "tiny-hf", "--lora-rank", "4"], "LoRA needs a gptlab run as its base"),
     (["--init-from", "runs/base", "--lora-rank", "4", "--lora-dropout", "1"], "lora_dropout must be in [0, 1)"),
     (["--init-from", "runs/base", "--lora-rank", "4", "--fsdp"], "--fsdp does not shard LoRA's frozen base yet"),
@@ -334,6 +340,19 @@ def test_a_target_outside_the_list_is_named_with_the_choices():
     with pytest.raises(GptlabError, match=r"^--lora-targets: unknown layer 'wte'; choose among c_attn, c_proj, c_fc, "
                                           r"attn\.c_attn, attn\.c_proj, mlp\.c_fc, mlp\.c_proj \(comma-separated\)$"):
         lora.apply_lora(model, lora.LoraSettings(2, 4.0, 0.0, ("wte",)))
+
+
+def test_a_rank_up_to_the_narrowest_adapted_width_is_taken_as_peft_takes_it():
+    from gptlab.config import ModelConfig
+    from gptlab.model import GPT
+
+    model = GPT(ModelConfig(vocab_size=11, block_size=8, n_layer=1, n_head=1, n_embd=8))
+    lora.apply_lora(model, lora.LoraSettings(8, 8.0, 0.0, ("c_attn",)))  # c_attn is 8 -> 24: rank 8 is its width
+    assert model.transformer.h[0].attn.c_attn.lora_A.weight.shape == (8, 8)
+    with pytest.raises(GptlabError, match=r"^--lora-rank 9 is more than the narrowest adapted layer's width \(8\); "
+                                          r"choose a rank of at most 8$"):
+        lora.apply_lora(GPT(ModelConfig(vocab_size=11, block_size=8, n_layer=1, n_head=1, n_embd=8)),
+                        lora.LoraSettings(9, 8.0, 0.0, ("c_attn",)))
 
 
 def test_the_peft_config_names_the_base_and_loads_without_peft_s_complaints(at, capsys, recwarn):
