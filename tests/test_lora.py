@@ -437,3 +437,19 @@ def test_bench_train_lora_rank_runs_the_three_variants_with_memory(monkeypatch, 
     for bad in (["--lora-rank", "0"], ["--lora-rank", "4", "--activation-checkpointing"]):
         assert main_ok("bench", "train", *bad) is False
         assert "is its own comparison" in capsys.readouterr().err
+
+
+def test_the_bench_makes_adamw_state_for_the_adapters_only_and_no_gradient_for_the_frozen_base():
+    """bench.memory's base level is the model and the optimizer's state: a frozen weight must get neither."""
+    from gptlab.bench.memory import _allocate_optimizer_state
+    from gptlab.config import ModelConfig
+    from gptlab.model import GPT
+
+    model = GPT(ModelConfig(vocab_size=11, block_size=8, n_layer=2, n_head=2, n_embd=8))
+    lora.apply_lora(model, lora.LoraSettings(2, 8.0, 0.0, ("c_attn",)))
+    optimizer = make_optimizer(model, TrainConfig(lr=1e-2))
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    _allocate_optimizer_state(model, optimizer)
+    assert all(p.grad is None for p in model.parameters())
+    assert {id(p) for p in optimizer.state} == {id(p) for n, p in model.named_parameters() if lora.is_adapter(n)}
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())  # at lr 0 nothing moves
