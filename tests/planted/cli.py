@@ -83,7 +83,7 @@ PLANTED = [
             "tests/test_cli.py::test_eval_of_a_non_ascii_file_prints_its_scores_per_token_character_and_byte"),
     Planted("cli: export's model.safetensors keeps the 0600 safetensors gives it",
             "src/gptlab/hf/hf.py",
-            [("            os.chmod(staging / \"model.safetensors\", rundir.umask_mode())  # safetensors writes 0600\n", "")],
+            [("        os.chmod(staging / name, rundir.umask_mode())\n", "")],
             "tests/test_hf.py::test_export_then_import_is_the_same_run"),
     Planted("cli: runs shows a damaged run's steps as 0/0",
             "src/gptlab/cli/verbs.py",
