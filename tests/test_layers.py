@@ -17,7 +17,7 @@ STAGES = ("data", "training", "distributed", "hf")  # packages that are a stage'
 # A room is a top-level module or a package with everything inside it. What each of these packages may import
 # besides itself: the rooms before it, as the code has them.
 MAY_IMPORT = {
-    "data": {"errors", "machine", "config", "tokenizer", "rundir"},  # text -> token files -> batches: no model
+    "data": {"errors", "machine", "config", "tokenizer", "chat", "rundir"},  # text -> token files -> batches: no model
     "distributed": {"errors", "machine", "config", "model", "runtime", "rundir", "sharded", "checkpoint"},
     "training": {"errors", "config", "tokenizer", "rundir", "data", "model", "lora", "runtime", "peak", "optim",
                  "plots", "checkpoint", "distributed", "reference"},
@@ -25,7 +25,7 @@ MAY_IMPORT = {
     "inference": {"errors", "machine", "compiled", "config", "tokenizer", "model", "runtime", "checkpoint"},
     # the naive C++ engine: the equations beside the model, needing nothing after the optimizer's groups
     "reference": {"errors", "machine", "compiled", "config", "model", "optim"},
-    "serve": {"errors", "config", "tokenizer", "checkpoint", "inference", "engine", "textstream", "inspect"},
+    "serve": {"errors", "config", "tokenizer", "chat", "checkpoint", "inference", "engine", "textstream", "inspect"},
 }
 # ... and which rooms may import each of these packages besides itself: the later ones that use it, no others.
 IMPORTED_ONLY_BY = {

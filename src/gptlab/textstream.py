@@ -20,7 +20,7 @@ class Completion:
     """One row's generated text as it grows. `text` is what has been released (never a stop string, never half a
     character), `ids` the tokens generated before the end (the end-of-text token not included), `finish_reason`
     None while generating, then "stop" (a stop string appeared; it and everything after it is cut), "eot" (the
-    end-of-text token) or "length" (max_new_tokens)."""
+    end-of-text token, or a chat tokenizer's end of turn) or "length" (max_new_tokens)."""
 
     tokenizer: Tokenizer = field(repr=False)
     stop: Sequence[str] = ()
@@ -31,12 +31,13 @@ class Completion:
     def __post_init__(self) -> None:
         self._decoder = StreamDecoder(self.tokenizer)
         self._pending = ""  # decoded but held back: it may be the start of a stop string
+        self._ends = self.tokenizer.end_ids
 
     def push(self, token: int) -> str:
         """Take one generated token; return the text that is now safe to show ("" once finished)."""
         if self.finish_reason is not None:
             return ""
-        if token == self.tokenizer.eot_id:
+        if token in self._ends:  # end-of-text, or a chat turn's end
             return self.close("eot")
         self.ids.append(token)
         return self._release(self._decoder.push([token]), final=False)

@@ -32,6 +32,11 @@ class Tokenizer:
     def vocab_size(self) -> int:
         raise NotImplementedError
 
+    @property
+    def end_ids(self) -> frozenset[int]:
+        """The ids that end a generation: end-of-text, and a chat tokenizer's end of turn."""
+        return frozenset() if self.eot_id is None else frozenset([self.eot_id])
+
     def encode(self, text: str, allow_special: bool = False) -> list[int]:
         """Token ids of `text`. `<|endoftext|>` in the text is a special token only with allow_special=True;
         otherwise it raises GptlabError. Raises GptlabError for text the vocabulary cannot represent."""
@@ -197,6 +202,109 @@ class GPT2Tokenizer(Tokenizer):
         return {"type": self.kind}
 
 
+# ---- chat: role markers added after a tokenizer's own ids, and the template that renders conversations --------
+
+ROLES = ("system", "user", "assistant")
+CHAT_END = "<|end|>"
+CHAT_TOKENS = tuple(f"<|{role}|>" for role in ROLES) + (CHAT_END,)
+# The template as transformers keeps it (tokenizer_config.json's chat_template): each message is its role's marker,
+# its content and the end marker, nothing between; the generation prompt is the assistant's marker.
+CHAT_TEMPLATE = (
+    "{%- for message in messages -%}"
+    "{%- if message['role'] not in ['system', 'user', 'assistant'] -%}"
+    "{{- raise_exception('unknown role ' + message['role'] + '; use system, user or assistant') -}}"
+    "{%- endif -%}"
+    "{{- '<|' + message['role'] + '|>' + message['content'] + '<|end|>' -}}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '<|assistant|>' -}}{%- endif -%}")
+
+
+class ChatTokenizer(Tokenizer):
+    """A tokenizer with the chat template's four special tokens (`<|system|>`, `<|user|>`, `<|assistant|>`,
+    `<|end|>`) added after its own ids. Message contents encode with the base tokenizer; `render` turns messages
+    into ids exactly as transformers' `apply_chat_template` does with CHAT_TEMPLATE and the exported tokenizer."""
+
+    def __init__(self, base: Tokenizer):
+        if isinstance(base, ChatTokenizer):
+            base = base.base
+        self.base, self.kind, self.eot_id = base, base.kind, base.eot_id
+        self.special_ids = {token: base.vocab_size + i for i, token in enumerate(CHAT_TOKENS)}
+        self.role_ids = {role: self.special_ids[f"<|{role}|>"] for role in ROLES}
+        self.end_id = self.special_ids[CHAT_END]
+
+    @property
+    def vocab_size(self) -> int:
+        return self.base.vocab_size + len(CHAT_TOKENS)
+
+    @property
+    def end_ids(self) -> frozenset[int]:
+        return self.base.end_ids | {self.end_id}
+
+    def encode(self, text: str, allow_special: bool = False) -> list[int]:
+        """The base tokenizer's ids of `text`; a chat marker in it is a special token only with allow_special
+        (otherwise GptlabError: a message's content cannot hold one)."""
+        marker = next((m for m in CHAT_TOKENS if m in text), None)
+        if marker is None:
+            return self.base.encode(text, allow_special)
+        if not allow_special:
+            raise GptlabError(f"the text contains the chat marker {marker}; a message cannot hold the chat template's "
+                              f"special tokens ({', '.join(CHAT_TOKENS)})")
+        ids: list[int] = []
+        for piece in _split_markers(text):
+            ids += [self.special_ids[piece]] if piece in self.special_ids else self.base.encode(piece, True)
+        return ids
+
+    def decode_bytes(self, ids: Sequence[int]) -> bytes:
+        out, run = bytearray(), []
+        first = self.base.vocab_size
+        for i in list(ids) + [None]:
+            if i is None or i >= first:
+                out += self.base.decode_bytes(run) if run else b""
+                run = []
+                out += CHAT_TOKENS[i - first].encode() if i is not None else b""
+            else:
+                run.append(i)
+        return bytes(out)
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self.decode_bytes(ids).decode("utf-8", errors="replace")
+
+    def render(self, messages: Sequence[dict[str, str]],
+               add_generation_prompt: bool = False) -> tuple[list[int], list[bool]]:
+        """The ids of a conversation (messages with "role" and "content", already checked) and, for each id,
+        whether training predicts it: the assistant's content and its end marker, nothing else. With
+        add_generation_prompt the ids end with the assistant's marker, the prompt for its answer."""
+        ids: list[int] = []
+        trained: list[bool] = []
+        for message in messages:
+            content = self.encode(message["content"]) + [self.end_id]
+            ids += [self.role_ids[message["role"]]] + content
+            trained += [False] + [message["role"] == "assistant"] * len(content)
+        if add_generation_prompt:
+            ids.append(self.role_ids["assistant"])
+            trained.append(False)
+        return ids, trained
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**self.base.to_dict(), "chat": {"tokens": list(CHAT_TOKENS), "template": CHAT_TEMPLATE}}
+
+
+def _split_markers(text: str) -> list[str]:
+    """`text` cut before and after every chat marker."""
+    import re
+
+    return [piece for piece in re.split("(" + "|".join(re.escape(m) for m in CHAT_TOKENS) + ")", text) if piece]
+
+
+def chat_of(tokenizer: Tokenizer) -> ChatTokenizer:
+    """`tokenizer` as a ChatTokenizer; GptlabError when it has no chat template."""
+    if not isinstance(tokenizer, ChatTokenizer):
+        raise GptlabError("this run's tokenizer has no chat template; fine-tune it on conversations first: "
+                          "`gptlab prepare --chat CONVERSATIONS.jsonl --tokenizer-from RUN --out DATA`, then "
+                          "`gptlab train --data DATA --init-from RUN`")
+    return tokenizer
+
+
 def train_tokenizer(kind: str, chunks: Iterable[str], vocab_size: int = 1024) -> Tokenizer:
     """A tokenizer of `kind` ("char", "bpe", "gpt2") built from the text chunks (gpt2 needs none)."""
     if kind == "char":
@@ -209,6 +317,12 @@ def train_tokenizer(kind: str, chunks: Iterable[str], vocab_size: int = 1024) ->
 
 
 def from_dict(data: dict[str, Any]) -> Tokenizer:
+    if "chat" in data:
+        chat = data["chat"]
+        if chat != {"tokens": list(CHAT_TOKENS), "template": CHAT_TEMPLATE}:
+            raise GptlabError("the tokenizer file's chat template is not the one this gptlab renders; prepare the "
+                              "conversations again with this version")
+        return ChatTokenizer(from_dict({k: v for k, v in data.items() if k != "chat"}))
     kind = data.get("type")
     if kind == "char":
         return CharTokenizer(data["chars"])

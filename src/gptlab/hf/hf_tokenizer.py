@@ -11,7 +11,8 @@ from typing import Any
 
 from gptlab.errors import GptlabError
 from gptlab.rundir import write_atomic
-from gptlab.tokenizer import EOT, CharTokenizer, GPT2Tokenizer, Tokenizer, byte_decoder, gpt2_ranks
+from gptlab.tokenizer import (CHAT_TEMPLATE, CHAT_TOKENS, EOT, CharTokenizer, ChatTokenizer, GPT2Tokenizer, Tokenizer,
+                              byte_decoder, gpt2_ranks)
 from gptlab.tokenizer import load as load_tokenizer
 
 GPTLAB_TOKENIZER = "gptlab_tokenizer.json"  # written by export, so that importing the folder back is exact
@@ -100,6 +101,10 @@ def _hf_tokenizer(tokenizer: Tokenizer) -> Any:
     """The tokenizer as a Hugging Face `tokenizers.Tokenizer`, which transformers loads from tokenizer.json."""
     from tokenizers import AddedToken, Regex, Tokenizer as HFTokenizer, decoders, models, pre_tokenizers
 
+    if isinstance(tokenizer, ChatTokenizer):  # the base's, with the chat markers added after its ids
+        hf = HFTokenizer.from_str(_hf_tokenizer(tokenizer.base).to_str())  # a copy: a trained BPE is shared
+        hf.add_special_tokens([AddedToken(token, special=True, normalized=False) for token in CHAT_TOKENS])
+        return hf
     if isinstance(tokenizer, GPT2Tokenizer):
         hf = HFTokenizer(models.BPE(vocab=gpt2_vocab(), merges=gpt2_merges()))
         hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -118,9 +123,11 @@ def write_tokenizer_files(out: Path, tokenizer: Tokenizer, max_length: int) -> l
     """Write tokenizer.json + tokenizer_config.json (and GPT-2's vocab.json + merges.txt for a GPT-2 run) that
     transformers' AutoTokenizer loads, plus gptlab's own tokenizer file. Returns the names written."""
     special = {"bos_token": EOT, "eos_token": EOT, "unk_token": EOT} if tokenizer.eot_id is not None else {}
-    gpt2 = isinstance(tokenizer, GPT2Tokenizer)
+    gpt2 = isinstance(tokenizer, GPT2Tokenizer)  # a chat tokenizer is GPT-2's with added tokens: tokenizer.json only
     config = {"tokenizer_class": "GPT2Tokenizer" if gpt2 else "PreTrainedTokenizerFast",
               "model_max_length": max_length, "clean_up_tokenization_spaces": False, **special}
+    if isinstance(tokenizer, ChatTokenizer):
+        config.update(chat_template=CHAT_TEMPLATE, additional_special_tokens=list(CHAT_TOKENS))
     files = {"tokenizer.json": _hf_tokenizer(tokenizer).to_str(),
              GPTLAB_TOKENIZER: json.dumps(tokenizer.to_dict(), ensure_ascii=False)}
     if gpt2:
