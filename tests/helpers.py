@@ -216,6 +216,32 @@ def reference_continuation(plain, prompt, cfg) -> list[int]:
     return generated
 
 
+def chat_run(root, seed: int = 0, end_logit: float = 4.0):
+    """A run folder `root`/chat-run holding a random 1-layer model over a char vocabulary with the chat markers
+    (ChatTokenizer), block_size 64, whose end-of-turn logit is raised by about `end_logit` (so that answers end by
+    themselves, after ~10 tokens at temperature 1), as a run trained on conversations would be laid out."""
+    from gptlab import rundir
+    from gptlab.checkpoint import save_checkpoint
+    from gptlab.config import TrainConfig, to_dict
+    from gptlab.tokenizer import CharTokenizer, ChatTokenizer
+
+    tokenizer = ChatTokenizer(CharTokenizer("abcdefghijklmnopqrstuvwxyz ABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789.,!?'\n"
+                                            "éü-+=:"))
+    cfg = ModelConfig(vocab_size=tokenizer.vocab_size, block_size=64, n_layer=1, n_head=2, n_embd=32, dropout=0.0)
+    torch.manual_seed(seed)
+    model = GPT(cfg).eval()
+    with torch.no_grad():
+        direction = torch.nn.functional.normalize(torch.randn(32), dim=0)
+        model.transformer.ln_f.bias.add_(direction)
+        model.transformer.wte.weight[tokenizer.end_id] += end_logit * direction
+    run = root / "chat-run"
+    train_cfg = TrainConfig(max_steps=1)
+    rundir.init_run(run, cfg, train_cfg, tokenizer, {"preset": "char-quick"})
+    state = rundir.TrainingState(model=to_dict(cfg), train=to_dict(train_cfg), best_val_loss=1.0, val_loss=1.0)
+    save_checkpoint(run, "best", 1, model, state, extra_files={"tokenizer.json": (run / "tokenizer.json").read_bytes()})
+    return run
+
+
 def eot_model(tokenizer) -> GPT:
     """A 1-layer model over GPT-2's vocabulary whose end-of-text logit is 10 above zero at every position (the final
     LayerNorm's gain zeroed, its bias along the end-of-text embedding): drawn at temperature 1, about a third of the
