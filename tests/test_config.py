@@ -83,7 +83,8 @@ def test_prepare_settings_default_as_prepare_always_did_and_a_validation_corpus_
     assert vars(PrepareConfig()) == {
         "tokenizer": "char", "tokenizer_from": "", "allow_special": False, "vocab_size": 1024, "val_fraction": 0.1,
         "seed": 0, "val": [], "encoding": "utf-8", "text_field": "text", "include": [], "exclude": [], "strict": False,
-        "workers": None, "shard_tokens": 100_000_000}
+        "workers": None, "shard_tokens": 100_000_000,
+        "chat": False, "context": 1024, "chat_loss": "assistant"}
     assert PrepareConfig(val=["held-out/"], val_fraction=0.0).val == ["held-out/"]  # the fraction is not used then
 
 

@@ -246,12 +246,22 @@ class PrepareConfig:
     shard_tokens: int = setting(SHARD_TOKENS, "token ids per token file: each split is written in shards of at most "
                                               "N, which training reads as one stream; an interrupted prepare resumes "
                                               "from its last checkpoint when run again", metavar="N")
+    chat: bool = setting(False, "read the inputs as conversations (JSONL, one {\"messages\": [{\"role\", "
+                                "\"content\"}, ...]} per line, OpenAI's format) and write a loss mask that trains on "
+                                "the assistant's turns only; the tokenizer gets the chat template's role markers")
+    context: int = setting(1024, "with --chat: the most tokens a training row holds (the block_size you will train "
+                                 "with): longer conversations are split before a user turn, each piece keeping the "
+                                 "system message", metavar="TOKENS")
+    chat_loss: str = setting("assistant", "with --chat: the tokens training predicts: the assistant's (its turns and "
+                                          "their end markers) or all of them", ("assistant", "all"))
 
     def __post_init__(self) -> None:
         _check_types(self)
         _check_choice("tokenizer", self.tokenizer, TOKENIZERS)
         _check(self.workers is None or self.workers >= 1, f"--workers must be at least 1, not {self.workers}")
         _check(self.shard_tokens >= 1, f"--shard-tokens must be at least 1, not {self.shard_tokens}")
+        _check(self.context >= 8, f"--context must be at least 8 tokens, not {self.context}")
+        _check_choice("chat_loss", self.chat_loss, ("assistant", "all"))
         _check(bool(self.val) or 0 < self.val_fraction < 1,
                f"val_fraction must be in (0, 1): training needs a validation split, not {self.val_fraction}")
 

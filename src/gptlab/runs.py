@@ -85,7 +85,18 @@ def resolve(preset: str | None = None, model: dict[str, Any] | None = None, trai
     model_cfg = build(ModelConfig, model_base, model)
     train_cfg = build(TrainConfig, train_base, train)
     data_dir = data_dir_for(data, extra["preset"], quiet, run_dir if resume else None)
+    if init_from and not resume:
+        model_cfg.vocab_size = max(model_cfg.vocab_size, _data_vocab(data_dir))  # + the chat markers, if any
     return TrainSpec(run_dir, data_dir, model_cfg, train_cfg, bool(resume), extra["preset"], extra)
+
+
+def _data_vocab(data_dir: Path) -> int:
+    """The size of the prepared data's vocabulary (0 when it is not prepared yet): fine-tuning on conversations
+    grows the source's vocabulary by the chat markers (hf.init_tensors checks that this is all that differs)."""
+    from gptlab.tokenizer import load as load_tokenizer
+
+    file = Path(data_dir) / "tokenizer.json"
+    return load_tokenizer(file).vocab_size if file.is_file() else 0
 
 
 def init_from_model_base(source: str | None, model_base: dict[str, Any]) -> dict[str, Any]:

@@ -60,7 +60,7 @@ def step_memory(build: Callable[..., Any], variant: Any, model_cfg: ModelConfig,
     _return_freed_memory()
     device = resolve_device(cfg.device)
     c = build(variant, model_cfg, cfg, load_dataset(data_dir), device)
-    x, y = c.ctx.batch(c.ctx.dataset.train, batch_generator(cfg.seed, 0))
+    x, y = c.ctx.batch("train", batch_generator(cfg.seed, 0))
     with c.running(device):
         saved = saved_bytes(c.eager, lambda: c.ctx.loss(c.model, x, y))
     _allocate_optimizer_state(c.eager, c.optimizer)

@@ -37,6 +37,14 @@ def cmd_prepare(args: argparse.Namespace) -> int:
         meta = prepare(args.paths, out, cfg, quiet=args.quiet, overwrite=args.overwrite)
     except OtherData:
         raise OtherData(out, runs_trained_on(out)) from None
+    if cfg.chat:
+        chat = meta["chat"]
+        print(f"prepared {out}: {meta['train_tokens']:,} train + {meta['val_tokens']:,} val tokens from "
+              f"{chat['conversations']['train']:,} + {chat['conversations']['val']:,} conversations "
+              f"({chat['pieces']['train']:,} + {chat['pieces']['val']:,} rows of at most {chat['context']:,} tokens, "
+              f"the longest {chat['longest']:,}), {meta['tokenizer']} tokenizer with the chat markers, "
+              f"{meta['vocab_size']:,} ids")
+        return 0
     held = "split by characters" if meta["split"] == "characters" else f"{meta['val_documents']:,} held out"
     print(f"prepared {out}: {meta['train_tokens']:,} train + {meta['val_tokens']:,} val tokens from "
           f"{meta['documents']:,} document{'s' * (meta['documents'] != 1)} ({held}), {meta['tokenizer']} tokenizer "

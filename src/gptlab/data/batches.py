@@ -2,7 +2,9 @@
 
 Batches are windows of block_size + 1 tokens cut at random offsets: x is the first block_size, y the same shifted by
 one, so each window holds block_size next-token lessons. The offsets are a pure function of (seed, step, micro-step,
-rank), which makes training reproducible and resumable without storing the sampler.
+rank), which makes training reproducible and resumable without storing the sampler. Conversations (`prepare --chat`)
+are cut differently: each window starts where a conversation (or a piece of one) starts, and y is -1 (no lesson)
+wherever the target is not the assistant's or belongs to a conversation the window cuts off.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from gptlab.data.conversations import load_chat_split
 from gptlab.data.tokenfiles import ShardedTokens, read_split
 from gptlab.errors import GptlabError
 from gptlab.tokenizer import Tokenizer
@@ -31,6 +34,10 @@ class Dataset:
     val: np.ndarray | ShardedTokens
     tokenizer: Tokenizer
     meta: dict[str, Any]
+    chat: dict[str, tuple[np.ndarray, np.ndarray]] | None = None  # conversations: each split's (mask, starts)
+
+    def split(self, name: str) -> np.ndarray | ShardedTokens:
+        return self.train if name == "train" else self.val
 
     def fingerprint(self) -> str:
         """sha256 of the metadata, which holds the sha256 of both token files: changes whenever the data does."""
@@ -53,7 +60,36 @@ def load_dataset(data_dir: str | Path) -> Dataset:
         raise GptlabError(f"the token files in {path} do not match its meta.json ({len(train)} / {len(val)} tokens, "
                           f"meta.json says {meta.get('train_tokens')} / {meta.get('val_tokens')}); run `gptlab "
                           "prepare` again")
-    return Dataset(path, train, val, load_tokenizer(path / "tokenizer.json"), meta)
+    chat = {split: load_chat_split(path, meta, split, len(tokens)) for split, tokens in
+            (("train", train), ("val", val))} if isinstance(meta.get("chat"), dict) else None
+    return Dataset(path, train, val, load_tokenizer(path / "tokenizer.json"), meta, chat)
+
+
+def draw_batch(dataset: Dataset, split: str, batch_size: int, block_size: int,
+               generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """A batch of the split: random windows (get_batch), or for conversations rows from their starts
+    (get_chat_batch)."""
+    if dataset.chat is None:
+        return get_batch(dataset.split(split), batch_size, block_size, generator)
+    return get_chat_batch(dataset.split(split), *dataset.chat[split], batch_size, block_size, generator)
+
+
+def get_chat_batch(tokens: np.ndarray | ShardedTokens, mask: np.ndarray, starts: np.ndarray, batch_size: int,
+                   block_size: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """`batch_size` rows of block_size + 1 ids, each from the start of a random piece of conversation on (padded
+    past the split's end): x (B, T), and y (B, T) the next ids where they are trained targets (the mask's 1s) of
+    pieces wholly inside the row, else -1."""
+    tokens = np.asarray(tokens)
+    length = len(tokens)
+    picked = starts[torch.randint(len(starts) - 1, (batch_size,), generator=generator).numpy()]
+    at = picked[:, None] + np.arange(block_size + 1)  # (B, T+1) positions in the split
+    inside = np.minimum(at, length - 1)
+    window = np.where(at < length, tokens[inside], 0).astype(np.int64)  # past the end: padding, never a target
+    last = np.searchsorted(starts, picked + block_size + 1, side="right") - 1
+    whole = at < starts[last][:, None]  # inside the pieces that end within the row
+    trained = whole & (mask[inside] == 1)
+    y = np.where(trained[:, 1:], window[:, 1:], -1)
+    return torch.from_numpy(window[:, :-1]), torch.from_numpy(y)
 
 
 def batch_generator(seed: int, step: int, micro: int = 0, rank: int = 0) -> torch.Generator:

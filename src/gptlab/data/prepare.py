@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 
 from gptlab.config import PrepareConfig, build
+from gptlab.data import conversations
 from gptlab.data.corpus import Source, collect_sources
 from gptlab.data.encoder import Piece, encode_units, units
 from gptlab.data.readers import Scan, documents, scan_sources, val_documents
@@ -157,6 +158,8 @@ def _prepare(paths: list[str], out: Path, cfg: PrepareConfig, quiet: bool, overw
         raise GptlabError(f"{out} holds a {'gptlab run' if kind == 'run' else 'model (config.json)'}; "
                           "preparing data there would overwrite its files, so give --out a folder of its own")
     fixed = tokenizer_of(cfg.tokenizer_from) if cfg.tokenizer_from else None
+    if cfg.chat:
+        return _prepare_chat(paths, out, cfg, overwrite, fixed)
     pruned: list[str] = []
     scan = _scan_inputs([paths] + ([cfg.val] if cfg.val else []), cfg, pruned, quiet, fixed)
     if fixed:
@@ -180,6 +183,22 @@ def _prepare(paths: list[str], out: Path, cfg: PrepareConfig, quiet: bool, overw
         except OSError as exc:
             raise GptlabError(f"cannot write the token files in {out}: {exc.strerror}; free some space or fix the "
                               "permissions (the prepared folder was not changed)") from None
+
+
+def _prepare_chat(paths: list[str], out: Path, cfg: PrepareConfig, overwrite: bool,
+                  fixed: Tokenizer | None) -> dict[str, Any]:
+    """prepare() of conversations (see conversations.py): the same folder of the same data is left as it is."""
+    built = conversations.build_chat(paths, cfg, fixed)
+    if folder_kind(out) == "data":
+        if _made_by(out) == built.meta["fingerprint"]:
+            return json.loads((out / "meta.json").read_text(encoding="utf-8"))
+        if not overwrite:
+            raise OtherData(out)
+    try:
+        return conversations.write_chat(out, built)
+    except OSError as exc:
+        raise GptlabError(f"cannot write the conversations' token files in {out}: {exc.strerror}; free some space "
+                          "or fix the permissions") from None
 
 
 def _new_tokenizer(cfg: PrepareConfig, scan: Scan) -> Tokenizer:

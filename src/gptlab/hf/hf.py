@@ -341,21 +341,28 @@ def _read_source(source: str | Path) -> tuple[ModelConfig, dict[str, torch.Tenso
 def init_tensors(source: str | Path, model_cfg: ModelConfig, tokenizer: Tokenizer) -> dict[str, torch.Tensor]:
     """The weights of `source` (a gptlab run's best checkpoint, else its latest, or a HF GPT-2 folder) for a model
     of `model_cfg` that trains on data tokenized by `tokenizer`: only dropout, the attention path and a shorter
-    block_size (position embeddings cropped) may differ from the source. Raises GptlabError when the shape or
-    the tokenizer does not match."""
+    block_size (position embeddings cropped) may differ from the source, and the vocabulary when `tokenizer` is the
+    source's with the chat markers added (their rows grown, see checkpoint.grow_vocab). Raises GptlabError when the
+    shape or the tokenizer does not match."""
     src_cfg, tensors, src_tokenizer = _read_source(source)
-    same = ("arch", "vocab_size", "n_layer", "n_head", "n_embd", "bias", "activation", "layer_norm_eps")
+    chat = ck.chat_rows_added(src_tokenizer, tokenizer)
+    vocab = max(src_cfg.vocab_size, tokenizer.vocab_size) if chat else src_cfg.vocab_size
+    same = ("arch", "n_layer", "n_head", "n_embd", "bias", "activation", "layer_norm_eps")
     diff = [f"{k}={getattr(model_cfg, k)} (source {getattr(src_cfg, k)})" for k in same
             if getattr(model_cfg, k) != getattr(src_cfg, k)]
+    if model_cfg.vocab_size != vocab:
+        diff.insert(0, f"vocab_size={model_cfg.vocab_size} (source {vocab})")
     if diff:
         raise GptlabError(f"--init-from {source}: the model shape comes from the source, but {', '.join(diff)}; "
                           "drop those settings")
     if model_cfg.block_size > src_cfg.block_size:
         raise GptlabError(f"--init-from {source}: block_size {model_cfg.block_size} is longer than the source's "
                           f"{src_cfg.block_size}; it can only be cut shorter")
-    if tokenizer.to_dict() != src_tokenizer.to_dict():
+    if not chat and tokenizer.to_dict() != src_tokenizer.to_dict():
         fix = "--tokenizer gpt2" if src_tokenizer.kind == "gpt2" else "the source's own tokenizer"
         raise GptlabError(f"--init-from {source}: the data was prepared with a {tokenizer.kind} tokenizer of "
                           f"{tokenizer.vocab_size} ids, but the source uses a different {src_tokenizer.kind} "
                           f"tokenizer of {src_tokenizer.vocab_size}; prepare the data with {fix}")
+    if chat:
+        tensors = ck.grow_vocab(tensors, src_tokenizer.vocab_size, vocab)
     return ck.crop_positions(tensors, model_cfg.block_size)

@@ -21,8 +21,13 @@ from gptlab.tokenizer import load as load_tokenizer
 def check_data(dataset: Dataset, model_cfg: ModelConfig) -> None:
     """Refuse data the model cannot learn from, with the numbers that make it so."""
     need = model_cfg.block_size + 1
+    if dataset.chat is not None:  # conversations: rows start at a conversation, so each must fit one
+        longest = dataset.meta["chat"]["longest"]
+        if longest > need:
+            raise GptlabError(f"{dataset.path} holds conversations of up to {longest} tokens, more than a row of "
+                              f"block_size + 1 = {need}; prepare them with --context {model_cfg.block_size}")
     for split, tokens in (("training", dataset.train), ("validation", dataset.val)):
-        if len(tokens) < need:
+        if len(tokens) < need and dataset.chat is None:
             raise GptlabError(f"the {split} split of {dataset.path} has {len(tokens)} tokens, fewer than "
                               f"block_size + 1 = {need}; use a longer corpus or a smaller --block-size")
     if model_cfg.vocab_size < dataset.tokenizer.vocab_size:

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from gptlab.config import TrainConfig
-from gptlab.data.batches import Dataset, batch_generator, get_batch
+from gptlab.data.batches import Dataset, batch_generator, draw_batch
 from gptlab.distributed.distributed import Parallel
 from gptlab.optim import lr_at, step_if_finite
 from gptlab.reference.optim import NaiveAdamW, clip_grad_norm
@@ -35,9 +35,10 @@ class StepContext:
         if self.parallel is None:
             object.__setattr__(self, "parallel", Parallel(self.device))
 
-    def batch(self, tokens, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-        """This process's rows of one batch of `tokens` drawn by `generator`, on the device."""
-        x, y = self.parallel.local_rows(*get_batch(tokens, self.cfg.batch_size, self.block_size, generator))
+    def batch(self, split: str, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+        """This process's rows of one batch of the split ("train" or "val") drawn by `generator`, on the device."""
+        batch = draw_batch(self.dataset, split, self.cfg.batch_size, self.block_size, generator)
+        x, y = self.parallel.local_rows(*batch)
         return to_device(x, self.device), to_device(y, self.device)
 
     def loss(self, model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -54,10 +55,10 @@ def estimate_loss(model: torch.nn.Module, ctx: StepContext) -> dict[str, float]:
     was_training = model.training
     model.eval()
     out = {}
-    for split, tokens in (("train", dataset.train), ("val", dataset.val)):
+    for split in ("train", "val"):
         total = torch.zeros((), device=ctx.device)
         for i in range(cfg.eval_batches):
-            total += ctx.parallel.mean(ctx.loss(model, *ctx.batch(tokens, batch_generator(cfg.seed, i, -1))))
+            total += ctx.parallel.mean(ctx.loss(model, *ctx.batch(split, batch_generator(cfg.seed, i, -1))))
         out[split] = total.item() / cfg.eval_batches
     model.train(was_training)
     return out
@@ -74,12 +75,13 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, ctx: St
     for group in optimizer.param_groups:
         group["lr"] = lr_at(step, cfg) * group.get("lr_scale", 1.0)  # Muon's matrices: their own peak
     loss_sum = torch.zeros((), device=ctx.device)
-    for micro in range(cfg.grad_accum):
-        x, y = ctx.batch(ctx.dataset.train, batch_generator(cfg.seed, step, micro))
+    batches = [ctx.batch("train", batch_generator(cfg.seed, step, micro)) for micro in range(cfg.grad_accum)]
+    weights = lesson_weights([y for _, y in batches], parallel) if ctx.dataset.chat else None
+    for micro, (x, y) in enumerate(batches):
         with parallel.no_sync(last=micro == cfg.grad_accum - 1):
             loss = ctx.loss(model, x, y)
-            (loss / cfg.grad_accum).backward()
-        loss_sum += loss.detach()
+            (loss / cfg.grad_accum if weights is None else loss * weights[micro]).backward()
+        loss_sum += loss.detach() if weights is None else loss.detach() * weights[micro] * cfg.grad_accum
     limit = cfg.grad_clip if cfg.grad_clip > 0 else math.inf
     if isinstance(optimizer, NaiveAdamW):  # the reference engine clips in C++ too
         norm = clip_grad_norm(model.parameters(), limit)
@@ -94,6 +96,15 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, ctx: St
     return loss, norm
 
 
+def lesson_weights(targets: list[torch.Tensor], parallel: Parallel) -> list[torch.Tensor]:
+    """Where only some targets are lessons (-1 elsewhere: conversations), the weight of each micro-batch's mean
+    loss that makes the step's loss the mean over every lesson of the step, in every process: its lessons x
+    processes / all the step's lessons (DDP then averages the processes' gradients)."""
+    counts = [(y != -1).sum().to(torch.float32) for y in targets]
+    total = parallel.mean(torch.stack(counts).sum()) * parallel.world_size
+    return [n * parallel.world_size / total for n in counts]
+
+
 def defers_finite_check(device: torch.device) -> bool:
     """Whether the host learns of non-finite steps only at log rows and evaluations (on CUDA: asking after
     every step would make the host wait for the GPU every step; elsewhere the answer is free)."""
@@ -104,5 +115,5 @@ def warm_up(ctx: StepContext) -> Callable[[torch.nn.Module], None]:
     """One forward and backward pass on the first batch, to compile the training graph before the clock runs."""
 
     def run(model: torch.nn.Module) -> None:
-        ctx.loss(model, *ctx.batch(ctx.dataset.train, batch_generator(ctx.cfg.seed, 0))).backward()
+        ctx.loss(model, *ctx.batch("train", batch_generator(ctx.cfg.seed, 0))).backward()
     return run
