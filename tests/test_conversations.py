@@ -1,0 +1,339 @@
+"""Conversations: the chat template renders the ids transformers' apply_chat_template renders (GPT-2's, a char and a
+trained BPE tokenizer, non-ASCII text); `prepare --chat` writes a mask that trains on the assistant's tokens alone
+(checked against ids and masks written out by hand), holds out whole conversations, splits a long one before a user
+turn keeping its system message, and refuses bad input in one line naming file and line, writing nothing; rows of
+conversations start at one and train only on whole ones; the loss ignores the user's targets and is the mean over a
+step's lessons across micro-batches; fine-tuning grows the vocabulary by the markers (rows at the mean)."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from helpers import CORPUS, run_bad, run_ok, tree
+
+from gptlab.chat import check_messages, fit_context
+from gptlab.config import ModelConfig, PrepareConfig, TrainConfig
+from gptlab.data.batches import batch_generator, get_chat_batch, load_dataset
+from gptlab.data.prepare import prepare
+from gptlab.errors import GptlabError
+from gptlab.hf.hf_tokenizer import write_tokenizer_files
+from gptlab.model import GPT
+from gptlab.tokenizer import CHAT_TEMPLATE, BPETokenizer, CharTokenizer, ChatTokenizer, GPT2Tokenizer, from_dict
+from gptlab.training.step import StepContext, train_step
+
+CONVERSATIONS = [
+    [{"role": "system", "content": "Réponds brièvement."}, {"role": "user", "content": "  deux mots\n"},
+     {"role": "assistant", "content": "d'accord — ok"}],
+    [{"role": "user", "content": "Ünïcode? 漢字"}, {"role": "assistant", "content": "yes: 漢字"},
+     {"role": "user", "content": "and again"}, {"role": "assistant", "content": " again"}],
+    [{"role": "user", "content": ""}, {"role": "assistant", "content": "empty question"}],
+]
+
+
+def write_jsonl(path, conversations):
+    path.write_text("".join(json.dumps({"messages": m}, ensure_ascii=False) + "\n" for m in conversations),
+                    encoding="utf-8")
+    return path
+
+
+def every_text(conversations):
+    return "".join(m["content"] for c in conversations for m in c)
+
+
+@pytest.fixture(scope="module")
+def tokenizers():
+    text = every_text(CONVERSATIONS)
+    return {"gpt2": ChatTokenizer(GPT2Tokenizer()), "char": ChatTokenizer(CharTokenizer(text)),
+            "bpe": ChatTokenizer(BPETokenizer.train([text * 5, CORPUS], 300))}
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "char", "bpe"])
+def test_gptlab_renders_the_ids_that_transformers_apply_chat_template_renders(tmp_path, tokenizers, kind):
+    from transformers import AutoTokenizer
+
+    tok = tokenizers[kind]
+    write_tokenizer_files(tmp_path, tok, 128)
+    hf = AutoTokenizer.from_pretrained(tmp_path)
+    for messages in CONVERSATIONS:
+        for end, prompt in ((len(messages), False), (len(messages) - 1, True)):
+            theirs = hf.apply_chat_template(messages[:end], tokenize=True, add_generation_prompt=prompt)
+            theirs = theirs["input_ids"] if hasattr(theirs, "keys") else theirs
+            assert tok.render(messages[:end], add_generation_prompt=prompt)[0] == list(theirs)
+    assert [hf.convert_tokens_to_ids(t) for t in ("<|system|>", "<|user|>", "<|assistant|>", "<|end|>")] == \
+        list(range(tok.base.vocab_size, tok.base.vocab_size + 4))
+
+
+def test_the_rendered_text_is_the_jinja_template_s_and_decodes_back(tokenizers):
+    import jinja2
+
+    template = jinja2.Environment().from_string(CHAT_TEMPLATE)
+    for tok in tokenizers.values():
+        for messages in CONVERSATIONS:
+            text = template.render(messages=messages, add_generation_prompt=True)
+            assert tok.decode(tok.render(messages, add_generation_prompt=True)[0]) == text
+    assert template.render(messages=CONVERSATIONS[2], add_generation_prompt=False) == \
+        "<|user|><|end|><|assistant|>empty question<|end|>"  # by hand
+
+
+def test_a_message_holding_a_chat_marker_or_end_of_text_is_refused_not_read_as_one(tokenizers):
+    for tok in tokenizers.values():
+        with pytest.raises(GptlabError, match="<\\|user\\|>"):
+            tok.render([{"role": "user", "content": "say <|user|> now"}])
+    with pytest.raises(GptlabError, match="endoftext"):
+        tokenizers["gpt2"].render([{"role": "user", "content": "a<|endoftext|>"}])
+
+
+def test_the_tokenizer_file_keeps_the_template_and_refuses_another(tokenizers):
+    data = json.loads(json.dumps(tokenizers["char"].to_dict()))
+    again = from_dict(data)
+    assert isinstance(again, ChatTokenizer) and again.render(CONVERSATIONS[0]) == tokenizers["char"].render(
+        CONVERSATIONS[0])
+    data["chat"]["template"] = data["chat"]["template"].replace("<|end|>", "\n")
+    with pytest.raises(GptlabError, match="chat template"):
+        from_dict(data)
+
+
+def test_messages_are_checked_for_every_door():
+    assert check_messages([{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text",
+                                                                                       "text": "b"}]}]) == \
+        [{"role": "user", "content": "ab"}]
+    for bad, words in (([], "non-empty"), ([{"role": "robot", "content": "x"}], "unknown role 'robot'"),
+                       ([{"role": "user"}], "no content"), (["hi"], "not an object"),
+                       ([{"role": "user", "content": 3}], "not text")):
+        with pytest.raises(GptlabError, match=words):
+            check_messages(bad, "here")
+    with pytest.raises(GptlabError, match="ends on a user turn"):
+        check_messages([{"role": "user", "content": "q"}], "f:3", training=True)
+
+
+def test_the_oldest_whole_turns_are_dropped_to_fit_and_the_system_message_stays():
+    tok = ChatTokenizer(CharTokenizer("abcdefgh"))
+    messages = [{"role": "system", "content": "ab"}, {"role": "user", "content": "abc"},
+                {"role": "assistant", "content": "abcd"}, {"role": "user", "content": "a"},
+                {"role": "assistant", "content": "b"}, {"role": "user", "content": "c"}]
+    # lengths by hand: system 4, user "abc" 5, assistant "abcd" 6, then 3 + 3 + 3, and the prompt's 1: 25 in all
+    assert fit_context(messages, tok, 25) == (messages, 0)
+    assert fit_context(messages, tok, 24) == ([messages[0]] + messages[3:], 2)
+    assert fit_context(messages, tok, 8) == ([messages[0], messages[5]], 4)
+    with pytest.raises(GptlabError, match="system messages and last turn"):
+        fit_context(messages, tok, 7)
+
+
+# ---- prepare --chat ----------------------------------------------------------------------------------------------
+
+def by_hand(chars, messages):
+    """The ids and mask of a conversation over CharTokenizer(chars) + markers, spelled out: each message is its
+    role's marker, its characters and the end marker; the assistant's characters and end marker are trained."""
+    vocab = sorted(set(chars))
+    marker = {"system": len(vocab), "user": len(vocab) + 1, "assistant": len(vocab) + 2}
+    ids, mask = [], []
+    for m in messages:
+        body = [vocab.index(c) for c in m["content"]] + [len(vocab) + 3]
+        ids += [marker[m["role"]]] + body
+        mask += [0] + [int(m["role"] == "assistant")] * len(body)
+    return ids, mask
+
+
+def test_prepare_chat_writes_the_ids_and_trains_only_the_assistant_s_tokens(tmp_path, capsys):
+    write_jsonl(tmp_path / "c.jsonl", CONVERSATIONS * 4)
+    out = run_ok(capsys, "prepare", "--chat", str(tmp_path / "c.jsonl"), "--out", str(tmp_path / "d"),
+                 "--val-fraction", "0.25")
+    assert "9 + 3 conversations" in out
+    ds = load_dataset(tmp_path / "d")
+    chars = every_text(CONVERSATIONS)
+    expected = [by_hand(chars, m) for m in CONVERSATIONS * 4]
+    seen = []
+    for split in ("train", "val"):
+        tokens, (mask, starts) = np.asarray(ds.split(split)), ds.chat[split]
+        for a, b in zip(starts[:-1], starts[1:]):
+            seen.append((tokens[a:b].tolist(), mask[a:b].tolist()))
+    assert sorted(seen) == sorted(expected)
+    assert len(ds.chat["val"][1]) - 1 == 3 and ds.tokenizer.vocab_size == len(set(chars)) + 4
+    assert ds.meta["chat"]["conversations"] == {"train": 9, "val": 3}
+
+
+def test_chat_loss_all_trains_every_token(tmp_path, capsys):
+    write_jsonl(tmp_path / "c.jsonl", CONVERSATIONS * 2)
+    run_ok(capsys, "prepare", "--chat", str(tmp_path / "c.jsonl"), "--out", str(tmp_path / "d"), "--chat-loss", "all")
+    assert np.asarray(load_dataset(tmp_path / "d").chat["train"][0]).all()
+
+
+def test_a_long_conversation_is_split_before_a_user_turn_each_piece_keeping_the_system_message(tmp_path):
+    system = {"role": "system", "content": "sys"}
+    turns = [{"role": r, "content": c} for q in ("ab", "cd", "ef") for r, c in (("user", q), ("assistant", q[::-1]))]
+    write_jsonl(tmp_path / "c.jsonl", [[system] + turns, turns[:2]])
+    chars = "sysabcdef"
+    # by hand: system 5 ids, each exchange 8 (user 4 + assistant 4): 29 in all; a context of 21 holds the system
+    # message and two exchanges, so the pieces are [system, 1, 2] and [system, 3]
+    cfg = PrepareConfig(chat=True, context=21, val_fraction=0.5, tokenizer="char")
+    prepare([str(tmp_path / "c.jsonl")], tmp_path / "d", cfg, quiet=True)
+    ds = load_dataset(tmp_path / "d")
+    pieces = []
+    for split in ("train", "val"):
+        tokens, (mask, starts) = np.asarray(ds.split(split)), ds.chat[split]
+        pieces += [(tokens[a:b].tolist(), mask[a:b].tolist()) for a, b in zip(starts[:-1], starts[1:])]
+    assert sorted(pieces) == sorted([by_hand(chars, [system] + turns[:4]), by_hand(chars, [system] + turns[4:]),
+                                     by_hand(chars, turns[:2])])
+    assert ds.meta["chat"]["longest"] == 21
+
+
+BAD = [
+    ('{"messages": [{"role": "robot", "content": "x"}, {"role": "assistant", "content": "y"}]}', "unknown role"),
+    ('{"messages": [{"role": "user"}, {"role": "assistant", "content": "y"}]}', "no content"),
+    ('{"messages": [{"role": "user", "content": "x"}]}', "ends on a user turn"),
+    ('{"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": "' + "y" * 70 + '"}]}',
+     "assistant turn of 72 tokens, is longer than the context"),
+    ('{"messages": [{"role": "user", "content": "' + "x" * 70 + '"}, {"role": "assistant", "content": "y"}]}',
+     "longer than the context"),
+    ('{"messages": "hello"}', "non-empty list"),
+    ('not json', "not a JSON object"),
+    ('{"text": "no messages"}', "a conversation is an object"),
+]
+
+
+@pytest.mark.parametrize("line, words", BAD, ids=[w for _, w in BAD])
+def test_a_bad_conversation_is_one_line_naming_file_and_line_and_nothing_is_written(tmp_path, capsys, line, words):
+    good = json.dumps({"messages": CONVERSATIONS[0]}, ensure_ascii=False)
+    write_jsonl(tmp_path / "c.jsonl", [])
+    (tmp_path / "c.jsonl").write_text(f"{good}\n\n{good}\n{line}\n{good}\n", encoding="utf-8")
+    before = tree(tmp_path)
+    err = run_bad(capsys, "prepare", "--chat", str(tmp_path / "c.jsonl"), "--out", str(tmp_path / "d"),
+                  "--context", "60")
+    assert f"{tmp_path / 'c.jsonl'}:4" in err and words in err
+    assert tree(tmp_path) == before
+
+
+def test_a_character_the_source_s_char_vocabulary_lacks_is_refused_with_its_line(tmp_path, capsys):
+    (tmp_path / "corpus.txt").write_text("abc abc\n" * 50)
+    run_ok(capsys, "prepare", str(tmp_path / "corpus.txt"), "--out", str(tmp_path / "text"))
+    write_jsonl(tmp_path / "c.jsonl", [[{"role": "user", "content": "abc"}, {"role": "assistant", "content": "cba"}],
+                                       [{"role": "user", "content": "ab"}, {"role": "assistant", "content": "bz"}]])
+    err = run_bad(capsys, "prepare", "--chat", str(tmp_path / "c.jsonl"), "--tokenizer-from", str(tmp_path / "text"),
+                  "--out", str(tmp_path / "d"))
+    assert f"c.jsonl:2: message 2" in err and "'z'" in err and not (tmp_path / "d").exists()
+
+
+# ---- rows and the loss -------------------------------------------------------------------------------------------
+
+def test_rows_start_at_a_conversation_and_train_only_the_whole_ones_in_them():
+    tokens = np.arange(100, 130)
+    mask = np.array([i % 3 != 0 for i in range(30)], dtype=np.uint8)
+    starts = np.array([0, 7, 9, 20, 26, 30])
+    x, y = get_chat_batch(tokens, mask, starts, 64, 12, batch_generator(3, 0))
+    assert x.shape == y.shape == (64, 12)
+    for row_x, row_y in zip(x.tolist(), y.tolist()):
+        s = row_x[0] - 100
+        assert s in starts[:-1]
+        # by hand: the pieces wholly inside [s, s + 13), and past the split's end nothing
+        end = max(b for b in starts if b <= s + 13)
+        for j in range(12):
+            t = s + j + 1
+            if t < 30:
+                assert row_x[j] == 100 + s + j
+            assert row_y[j] == (100 + t if t < end and mask[t] else -1), (s, j)
+    assert {r[0] - 100 for r in x.tolist()} == set(starts[:-1].tolist())  # 64 draws reach every start
+
+
+@pytest.fixture
+def chat_data(tmp_path):
+    convs = [[{"role": "user", "content": f"q{i}{'x' * (i % 5)}"}, {"role": "assistant", "content": "a" * (1 + i % 7)}]
+             for i in range(40)]  # each its own: a row's first ids tell which conversation it starts at
+    write_jsonl(tmp_path / "c.jsonl", convs)
+    prepare([str(tmp_path / "c.jsonl")], tmp_path / "d", PrepareConfig(chat=True, context=24, tokenizer="char"),
+            quiet=True)
+    return load_dataset(tmp_path / "d")
+
+
+def trained_model(vocab):
+    torch.manual_seed(0)
+    model = GPT(ModelConfig(vocab_size=vocab, block_size=24, n_layer=1, n_head=2, n_embd=16, dropout=0.0))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)  # away from the initial values
+    return model
+
+
+def assistant_positions(ids, tok):
+    """Targets inside the assistant's turns, found from the markers alone: from after <|assistant|> to its <|end|>."""
+    inside, out = False, []
+    for i, t in enumerate(ids):
+        out.append(inside)
+        if t == tok.role_ids["assistant"]:
+            inside = True
+        elif t == tok.end_id:
+            inside = False
+    return out
+
+
+def test_the_loss_is_the_assistant_s_alone_and_ignores_the_user_s_targets(chat_data):
+    tok, ctx = chat_data.tokenizer, StepContext(chat_data, TrainConfig(batch_size=6), 24, torch.device("cpu"), "fp32")
+    model = trained_model(tok.vocab_size)
+    x, y = ctx.batch("train", batch_generator(0, 1))
+    loss = ctx.loss(model, x, y)
+    tokens, (mask, starts) = np.asarray(chat_data.train), chat_data.chat["train"]
+    nll, keep = [], []
+    for row in x.tolist():
+        s = next(a for a in starts[:-1] if tokens[a:a + 24].tolist() == row[:len(tokens[a:a + 24])])  # unique
+        window = np.concatenate([tokens[s:s + 25], np.zeros(max(0, s + 25 - len(tokens)), dtype=tokens.dtype)])
+        whole_end = max(b for b in starts if b <= s + 25)
+        full = torch.tensor(window[1:].astype(np.int64))
+        logits = model(torch.from_numpy(window[None, :-1].astype(np.int64)))[0][0]
+        scrambled = torch.where(torch.tensor(assistant_positions(window.tolist(), tok)[1:]), full,
+                                torch.randint(tok.vocab_size, (24,)))  # the user's targets changed at random
+        nll.append(F.cross_entropy(logits, scrambled.clamp(min=0), reduction="none"))
+        keep.append(torch.tensor(assistant_positions(window.tolist(), tok)[1:]) &
+                    (torch.arange(24) + s + 1 < whole_end))
+    nll, keep = torch.stack(nll), torch.stack(keep)
+    assert keep.sum() > 0 and (y != -1).sum() == keep.sum()
+    assert loss.item() == pytest.approx((nll * keep).sum().item() / keep.sum().item(), rel=1e-5)
+
+
+def test_a_step_s_loss_is_the_mean_over_its_lessons_across_micro_batches(chat_data):
+    cfg = TrainConfig(batch_size=3, grad_accum=2, grad_clip=0.0, warmup_steps=0, lr=1.0, min_lr=1.0, seed=5)
+    ctx = StepContext(chat_data, cfg, 24, torch.device("cpu"), "fp32")
+    model = trained_model(chat_data.tokenizer.vocab_size)
+    batches = [ctx.batch("train", batch_generator(cfg.seed, 0, micro)) for micro in range(2)]
+    assert (batches[0][1] != -1).sum() != (batches[1][1] != -1).sum()  # unequal lessons: a plain mean would differ
+    x, y = torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches])
+    reference = F.cross_entropy(model(x)[0].flatten(0, 1), y.flatten(), ignore_index=-1, reduction="sum") / (
+        y != -1).sum()
+    reference.backward()
+    want = {n: p.detach() - p.grad for n, p in model.named_parameters()}  # SGD with lr 1
+    model.zero_grad()
+    loss, _ = train_step(model, torch.optim.SGD(model.parameters(), lr=1.0), ctx, 0)
+    assert loss.item() == pytest.approx(reference.item(), rel=1e-6)
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.detach(), want[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+# ---- fine-tuning a run on conversations --------------------------------------------------------------------------
+
+def test_fine_tuning_grows_the_vocabulary_by_the_markers_at_the_mean_row(tmp_path, capsys):
+    from gptlab.checkpoint import load_run, model_tensors
+    from gptlab.hf.hf import init_tensors
+
+    (tmp_path / "corpus.txt").write_text(CORPUS)
+    run_ok(capsys, "prepare", str(tmp_path / "corpus.txt"), "--out", str(tmp_path / "text"))
+    run_ok(capsys, "train", "--data", str(tmp_path / "text"), "--run", str(tmp_path / "base"), "--max-steps", "3",
+           "--n-layer", "1", "--n-head", "2", "--n-embd", "16", "--block-size", "32", "--batch-size", "4",
+           "--precision", "fp32", "--quiet")
+    convs = [[{"role": "user", "content": "Speak"}, {"role": "assistant", "content": "First Citizen"}]] * 6
+    write_jsonl(tmp_path / "c.jsonl", convs)
+    run_ok(capsys, "prepare", "--chat", str(tmp_path / "c.jsonl"), "--tokenizer-from", str(tmp_path / "base"),
+           "--out", str(tmp_path / "chat"), "--context", "32")
+    base = model_tensors(load_run(tmp_path / "base").model)["transformer.wte.weight"]
+    chat = load_dataset(tmp_path / "chat").tokenizer
+    grown = init_tensors(tmp_path / "base", ModelConfig(**{**vars(load_run(tmp_path / "base").model_cfg),
+                                                            "vocab_size": base.shape[0] + 4}), chat)
+    wte = grown["transformer.wte.weight"]
+    assert wte.shape == (base.shape[0] + 4, 16) and torch.equal(wte[:base.shape[0]], base)
+    torch.testing.assert_close(wte[base.shape[0]:], base.mean(0).expand(4, 16))
+    run_ok(capsys, "train", "--data", str(tmp_path / "chat"), "--init-from", str(tmp_path / "base"), "--run",
+           str(tmp_path / "tuned"), "--max-steps", "2", "--batch-size", "4", "--precision", "fp32", "--quiet")
+    tuned = load_run(tmp_path / "tuned")
+    assert tuned.model_cfg.vocab_size == base.shape[0] + 4 and isinstance(tuned.tokenizer, ChatTokenizer)
+    err = run_bad(capsys, "train", "--data", str(tmp_path / "chat"), "--init-from", str(tmp_path / "base"), "--run",
+                  str(tmp_path / "short"), "--block-size", "8", "--max-steps", "1", "--quiet")
+    assert "conversations of up to" in err and "--context 8" in err
