@@ -21,7 +21,7 @@ MAY_IMPORT = {
     "distributed": {"errors", "machine", "config", "model", "runtime", "rundir", "sharded", "checkpoint"},
     "training": {"errors", "config", "tokenizer", "rundir", "data", "model", "lora", "runtime", "peak", "optim",
                  "plots", "checkpoint", "distributed", "reference"},
-    "hf": {"errors", "config", "tokenizer", "rundir", "model", "lora", "checkpoint"},
+    "hf": {"errors", "config", "tokenizer", "chat", "rundir", "model", "lora", "checkpoint"},
     "inference": {"errors", "machine", "compiled", "config", "tokenizer", "model", "runtime", "checkpoint"},
     # the naive C++ engine: the equations beside the model, needing nothing after the optimizer's groups
     "reference": {"errors", "machine", "compiled", "config", "model", "optim"},

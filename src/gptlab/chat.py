@@ -1,6 +1,7 @@
 """Conversations: OpenAI's messages checked once for every door they come in by (a file of conversations, the
-server's chat route, `gptlab chat`), and a conversation cut to a context by dropping its oldest whole turns.
-Rendering messages into ids is the chat tokenizer's (tokenizer.ChatTokenizer.render)."""
+server's chat route, `gptlab chat`), a conversation cut to a context by dropping its oldest whole turns, and a
+model's vocabulary grown by the chat markers when it is fine-tuned on conversations. Rendering messages into ids is
+the chat tokenizer's (tokenizer.ChatTokenizer.render)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,9 @@ from collections.abc import Sequence
 from typing import Any
 
 from gptlab.errors import GptlabError
-from gptlab.tokenizer import ROLES, ChatTokenizer
+import torch
+
+from gptlab.tokenizer import ROLES, ChatTokenizer, Tokenizer
 
 
 def check_messages(messages: Any, where: str = "the conversation", training: bool = False) -> list[dict[str, str]]:
@@ -60,3 +63,29 @@ def fit_context(messages: Sequence[dict[str, str]], tokenizer: ChatTokenizer,
         kept = kept[:turns[0]] + kept[end:]
         dropped += end - turns[0]
     return kept, dropped
+
+
+def rows_added(source: Tokenizer, tokenizer: Tokenizer) -> bool:
+    """Whether a model fine-tuned from one with tokenizer `source` onto conversations tokenized by `tokenizer` adds
+    the chat markers' rows: `tokenizer` is `source` with the chat template (GptlabError for another one)."""
+    if not isinstance(tokenizer, ChatTokenizer) or isinstance(source, ChatTokenizer):
+        return False
+    if tokenizer.base.to_dict() != source.to_dict():
+        raise GptlabError(f"the conversations were prepared with a {tokenizer.kind} tokenizer of "
+                          f"{tokenizer.base.vocab_size} ids that is not the source model's ({source.kind}, "
+                          f"{source.vocab_size} ids); prepare them with --tokenizer-from the source")
+    return True
+
+
+def grow_vocab(tensors: dict[str, torch.Tensor], keep: int, vocab_size: int) -> dict[str, torch.Tensor]:
+    """`tensors` with the token embedding (and an untied LM head) grown to `vocab_size` rows, the rows from `keep`
+    on (new tokens: the chat markers; or a padded vocabulary's unused rows) set to the mean of the first `keep`:
+    a new token starts as the average token, neither near nor far from any. In place, returned."""
+    for name in ("transformer.wte.weight", "lm_head.weight"):
+        if name in tensors:
+            old = tensors[name]
+            grown = torch.empty(vocab_size, old.shape[1], dtype=old.dtype)
+            grown[:keep] = old[:keep]
+            grown[keep:] = old[:keep].double().mean(0).to(old.dtype)
+            tensors[name] = grown
+    return tensors

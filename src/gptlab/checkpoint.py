@@ -27,13 +27,13 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from gptlab import lora
+from gptlab import chat, lora
 from gptlab.config import ModelConfig, from_dict
 from gptlab.errors import GptlabError
 from gptlab.rundir import (CKPTS, TOKENIZER, RunLock, TrainingState, fsync_dir, read_run_config, umask_mode,
                            write_json)
 from gptlab.model import build_model
-from gptlab.tokenizer import ChatTokenizer, Tokenizer, load as load_tokenizer
+from gptlab.tokenizer import Tokenizer, load as load_tokenizer
 
 log = logging.getLogger("gptlab")
 MANIFEST = "manifest.json"
@@ -338,10 +338,12 @@ def _load_checkpoint(run_dir: Path, ckpt: Checkpoint, device: torch.device | str
                           f"{model_cfg.vocab_size}: they do not belong together")
     model = build_model(model_cfg)
     adapters = lora.settings(state.train)
+    tensors = read_tensors(ckpt.path, "model")
     if adapters is not None:
         load_model_tensors(model, base_tensors(run_dir, state, model_cfg), str(ckpt.path))
-        lora.apply_lora(model, adapters)
-    load_model_tensors(model, read_tensors(ckpt.path, "model"), str(ckpt.path))
+        tokens = tensors.get("transformer.wte.token_ids")  # the rows of added tokens, trained whole
+        lora.apply_lora(model, adapters, None if tokens is None else tokens.tolist())
+    load_model_tensors(model, tensors, str(ckpt.path))
     if adapters is not None and merge:
         lora.merge_lora(model)
     return LoadedRun(model.to(device).eval(), tokenizer, model_cfg, state, ckpt)
@@ -358,8 +360,8 @@ def base_tensors(run_dir: Path, state: TrainingState, model_cfg: ModelConfig) ->
                           "there to use the adapters")
     loaded = load_run(base["run"])
     tensors = crop_positions(model_tensors(loaded.model), model_cfg.block_size)
-    if chat_rows_added(loaded.tokenizer, load_tokenizer(run_dir / TOKENIZER)):
-        tensors = grow_vocab(tensors, loaded.tokenizer.vocab_size, model_cfg.vocab_size)
+    if chat.rows_added(loaded.tokenizer, load_tokenizer(run_dir / TOKENIZER)):
+        tensors = chat.grow_vocab(tensors, loaded.tokenizer.vocab_size, model_cfg.vocab_size)
     if lora.tensors_sha256(tensors) != base["sha256"]:
         raise GptlabError(f"the base of LoRA run {run_dir}, {base['run']}, has changed since the adapters were "
                           "trained on it (its weights' sha256 differs); restore its checkpoint or fine-tune again")
@@ -373,28 +375,3 @@ def crop_positions(tensors: dict[str, torch.Tensor], block_size: int) -> dict[st
         tensors["transformer.wpe.weight"] = tensors["transformer.wpe.weight"][:block_size].clone()
     return tensors
 
-
-def chat_rows_added(source: Tokenizer, tokenizer: Tokenizer) -> bool:
-    """Whether a model fine-tuned from one with tokenizer `source` onto conversations tokenized by `tokenizer` adds
-    the chat markers' rows: `tokenizer` is `source` with the chat template (GptlabError for another one)."""
-    if not isinstance(tokenizer, ChatTokenizer) or isinstance(source, ChatTokenizer):
-        return False
-    if tokenizer.base.to_dict() != source.to_dict():
-        raise GptlabError(f"the conversations were prepared with a {tokenizer.kind} tokenizer of "
-                          f"{tokenizer.base.vocab_size} ids that is not the source model's ({source.kind}, "
-                          f"{source.vocab_size} ids); prepare them with --tokenizer-from the source")
-    return True
-
-
-def grow_vocab(tensors: dict[str, torch.Tensor], keep: int, vocab_size: int) -> dict[str, torch.Tensor]:
-    """`tensors` with the token embedding (and an untied LM head) grown to `vocab_size` rows, the rows from `keep`
-    on (new tokens: the chat markers; or a padded vocabulary's unused rows) set to the mean of the first `keep`:
-    a new token starts as the average token, neither near nor far from any. In place, returned."""
-    for name in ("transformer.wte.weight", "lm_head.weight"):
-        if name in tensors:
-            old = tensors[name]
-            grown = torch.empty(vocab_size, old.shape[1], dtype=old.dtype)
-            grown[:keep] = old[:keep]
-            grown[keep:] = old[:keep].double().mean(0).to(old.dtype)
-            tensors[name] = grown
-    return tensors

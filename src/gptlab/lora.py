@@ -57,8 +57,9 @@ def settings(train: Any) -> LoraSettings | None:
 
 
 def is_adapter(name: str) -> bool:
-    """Whether the tensor called `name` is an adapter's (lora_A or lora_B of an adapted layer)."""
-    return ".lora_A." in name or ".lora_B." in name
+    """Whether the tensor called `name` is an adapter's (lora_A or lora_B of an adapted layer, or the rows and ids
+    of the tokens a fine-tune added)."""
+    return ".lora_A." in name or ".lora_B." in name or name.endswith((".token_values", ".token_ids"))
 
 
 class LoRALinear(nn.Linear):
@@ -91,6 +92,65 @@ class LoRALinear(nn.Linear):
         return out
 
 
+class TrainableTokens(nn.Embedding):
+    """The token embedding of a LoRA fine-tune that added tokens (the chat markers): their rows are its own trained
+    `token_values`, every other row the frozen base's `weight` (PEFT's trainable tokens)."""
+
+    def __init__(self, base: nn.Embedding, ids: list[int]):
+        nn.Module.__init__(self)  # nn.Embedding's own __init__ would allocate a second weight
+        self.num_embeddings, self.embedding_dim, self.weight = base.num_embeddings, base.embedding_dim, base.weight
+        self.padding_idx, self.max_norm, self.norm_type, self.scale_grad_by_freq, self.sparse = None, None, 2.0, \
+            False, False
+        index = torch.tensor(ids, dtype=torch.long, device=base.weight.device)
+        self.register_buffer("token_ids", index)
+        slot = torch.full((base.num_embeddings,), -1, dtype=torch.long, device=base.weight.device)
+        self.register_buffer("slot", slot.index_copy(0, index, torch.arange(len(ids), device=index.device)),
+                             persistent=False)  # id -> its row of token_values, -1 for the base's ids
+        self.token_values = nn.Parameter(base.weight.detach()[index].clone())
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        slot = self.slot[idx]
+        own = F.embedding(slot.clamp(min=0), self.token_values)
+        return torch.where((slot >= 0).unsqueeze(-1), own, F.embedding(idx, self.weight))
+
+    def merged_weight(self) -> torch.Tensor:
+        return self.weight.detach().index_copy(0, self.token_ids, self.token_values.detach())
+
+
+class TrainableTokensHead(nn.Linear):
+    """The LM head tied to a TrainableTokens embedding: the added tokens' logits from their trained rows."""
+
+    def __init__(self, head: nn.Linear, embedding: TrainableTokens):
+        nn.Module.__init__(self)
+        self.in_features, self.out_features, self.weight = head.in_features, head.out_features, head.weight
+        self.register_parameter("bias", None)
+        self.embedding = (embedding,)  # in a tuple: not a submodule, so its tensors are named once
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        tokens = self.embedding[0]
+        logits = F.linear(x, self.weight)
+        logits[..., tokens.token_ids] = F.linear(x, tokens.token_values).to(logits.dtype)
+        return logits
+
+
+def train_tokens(model: nn.Module, ids: list[int]) -> None:
+    """Give the tokens `ids` trainable rows of their own in `model`'s embedding and tied LM head (in place)."""
+    wte = TrainableTokens(model.transformer.wte, ids)
+    model.transformer.wte = wte
+    model.lm_head = TrainableTokensHead(model.lm_head, wte)
+
+
+def added_tokens(tokenizer: Any, base_run: str | Path) -> list[int]:
+    """The ids a LoRA fine-tune of `base_run` on data tokenized by `tokenizer` trains whole rows for: the chat
+    markers, when the base run's tokenizer lacks them."""
+    from gptlab.tokenizer import ChatTokenizer, load as load_tokenizer
+
+    if not isinstance(tokenizer, ChatTokenizer) or isinstance(load_tokenizer(Path(base_run) / "tokenizer.json"),
+                                                             ChatTokenizer):
+        return []
+    return sorted(tokenizer.special_ids.values())
+
+
 def _targets_of(model: nn.Module, lora: LoraSettings) -> dict[str, nn.Linear]:
     """The Linear layers of the model's blocks that `lora` targets; GptlabError for a target that names none."""
     blocks = getattr(getattr(model, "transformer", None), "h", None)
@@ -108,10 +168,10 @@ def _targets_of(model: nn.Module, lora: LoraSettings) -> dict[str, nn.Linear]:
     return found
 
 
-def apply_lora(model: nn.Module, lora: LoraSettings) -> list[str]:
+def apply_lora(model: nn.Module, lora: LoraSettings, tokens: list[int] | None = None) -> list[str]:
     """Freeze every parameter of `model` and put a fresh adapter on each targeted layer (in place, drawing A from
-    torch's default generator); returns the adapted layers' names. GptlabError when a target or the rank does not
-    fit the model."""
+    torch's default generator), and trainable rows for the added `tokens`; returns the adapted layers' names.
+    GptlabError when a target or the rank does not fit the model."""
     if lora.rank < 1:
         raise GptlabError(f"--lora-rank must be at least 1, not {lora.rank}")
     layers = _targets_of(model, lora)
@@ -124,6 +184,8 @@ def apply_lora(model: nn.Module, lora: LoraSettings) -> list[str]:
     for name, layer in layers.items():
         parent, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent), child, LoRALinear(layer, lora.rank, lora.alpha, lora.dropout))
+    if tokens:
+        train_tokens(model, tokens)
     return sorted(layers)
 
 
@@ -134,6 +196,12 @@ def merge_lora(model: nn.Module) -> nn.Module:
         if isinstance(module, LoRALinear):
             parent, _, child = name.rpartition(".")
             setattr(model.get_submodule(parent), child, module.merged())
+    if isinstance(model.transformer.wte, TrainableTokens):
+        wte = nn.Embedding(model.transformer.wte.num_embeddings, model.transformer.wte.embedding_dim,
+                           _weight=model.transformer.wte.merged_weight())
+        model.transformer.wte = wte
+        model.lm_head = nn.Linear(model.lm_head.in_features, model.lm_head.out_features, bias=False)
+        model.lm_head.weight = wte.weight
     return model
 
 
@@ -165,10 +233,11 @@ def tensors_sha256(tensors: dict[str, torch.Tensor]) -> str:
 
 
 def adapt(model: nn.Module, cfg: Any, init: dict[str, torch.Tensor] | None, saved: dict[str, Any] | None,
-          saved_base: dict[str, str] | None) -> dict[str, str] | None:
+          saved_base: dict[str, str] | None, tokenizer: Any = None) -> dict[str, str] | None:
     """Training's start: with cfg.lora_rank (a TrainConfig), put fresh adapters on `model` (built from `init`, its
-    base) and return the base's reference for the run's checkpoints ({"run", "sha256"}); a resume (`saved`: the
-    checkpoint's training settings, `saved_base` its base) must find the same adapters on the same base."""
+    base), with trainable rows for the tokens the data's `tokenizer` adds to the base's (added_tokens), and return
+    the base's reference for the run's checkpoints ({"run", "sha256"}); a resume (`saved`: the checkpoint's
+    training settings, `saved_base` its base) must find the same adapters on the same base."""
     adapters, before = settings(cfg), settings(saved) if saved else None
     if adapters != before and saved is not None:
         raise GptlabError(f"this run's LoRA adapters are {before or 'none'}; a resume keeps them (drop the --lora-* "
@@ -176,7 +245,7 @@ def adapt(model: nn.Module, cfg: Any, init: dict[str, torch.Tensor] | None, save
     if adapters is None:
         return None
     assert init is not None, "train() checks that a LoRA run has its base's weights"
-    apply_lora(model, adapters)
+    apply_lora(model, adapters, added_tokens(tokenizer, cfg.init_from))
     base = {"run": str(Path(cfg.init_from).resolve()), "sha256": tensors_sha256(init)}
     if saved is not None and saved_base != base:
         raise GptlabError(f"the base of this LoRA run, {cfg.init_from}, is not the one its adapters were trained on "

@@ -68,7 +68,10 @@ def cmd_export(args: argparse.Namespace) -> int:
                               "--format hf --merge for one merged model")
         names = export_peft(args.run_dir, args.out)
         print(f"exported the LoRA adapters of {args.run_dir} to {args.out}: {', '.join(names)}")
-        print(f"load them: peft.PeftModel.from_pretrained(GPT2LMHeadModel of the exported base, {str(args.out)!r})")
+        grow = "; first grow the base to the adapter's tokenizer (it adds the chat markers): model." \
+            "resize_token_embeddings(len(AutoTokenizer.from_pretrained(OUT)))" if "tokenizer.json" in names else ""
+        print(f"load them: peft.PeftModel.from_pretrained(GPT2LMHeadModel of the exported base, {str(args.out)!r})"
+              f"{grow}")
         return 0
     from gptlab.hf.hf import export_hf
 

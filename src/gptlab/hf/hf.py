@@ -24,6 +24,7 @@ from safetensors.torch import load_file, save_file
 
 from gptlab import checkpoint as ck
 from gptlab import lora, rundir
+from gptlab.chat import grow_vocab, rows_added
 from gptlab.config import ModelConfig, TrainConfig, from_dict, to_dict
 from gptlab.errors import GptlabError
 from gptlab.hf.hf_tokenizer import read_hf_tokenizer, write_tokenizer_files
@@ -342,10 +343,10 @@ def init_tensors(source: str | Path, model_cfg: ModelConfig, tokenizer: Tokenize
     """The weights of `source` (a gptlab run's best checkpoint, else its latest, or a HF GPT-2 folder) for a model
     of `model_cfg` that trains on data tokenized by `tokenizer`: only dropout, the attention path and a shorter
     block_size (position embeddings cropped) may differ from the source, and the vocabulary when `tokenizer` is the
-    source's with the chat markers added (their rows grown, see checkpoint.grow_vocab). Raises GptlabError when the
+    source's with the chat markers added (their rows grown, see chat.grow_vocab). Raises GptlabError when the
     shape or the tokenizer does not match."""
     src_cfg, tensors, src_tokenizer = _read_source(source)
-    chat = ck.chat_rows_added(src_tokenizer, tokenizer)
+    chat = rows_added(src_tokenizer, tokenizer)
     vocab = max(src_cfg.vocab_size, tokenizer.vocab_size) if chat else src_cfg.vocab_size
     same = ("arch", "n_layer", "n_head", "n_embd", "bias", "activation", "layer_norm_eps")
     diff = [f"{k}={getattr(model_cfg, k)} (source {getattr(src_cfg, k)})" for k in same
@@ -364,5 +365,5 @@ def init_tensors(source: str | Path, model_cfg: ModelConfig, tokenizer: Tokenize
                           f"{tokenizer.vocab_size} ids, but the source uses a different {src_tokenizer.kind} "
                           f"tokenizer of {src_tokenizer.vocab_size}; prepare the data with {fix}")
     if chat:
-        tensors = ck.grow_vocab(tensors, src_tokenizer.vocab_size, vocab)
+        tensors = grow_vocab(tensors, src_tokenizer.vocab_size, vocab)
     return ck.crop_positions(tensors, model_cfg.block_size)

@@ -1,10 +1,14 @@
 """LoRA adapters in PEFT's format, both ways: adapter_config.json + adapter_model.safetensors, the folder that
 `peft.PeftModel.from_pretrained` loads onto transformers' GPT2LMHeadModel of the exported base. transformers' GPT-2
 keeps its Linears as Conv1D (weights transposed), so PEFT marks them fan_in_fan_out; its lora_A (r, in) and lora_B
-(out, r) are laid out as ours, under "base_model.model." + our names."""
+(out, r) are laid out as ours, under "base_model.model." + our names. The rows of tokens a fine-tune added (the
+chat markers) are PEFT's trainable tokens (`trainable_token_indices`, tied to the LM head as GPT-2 ties it); PEFT
+puts them on the base's embedding, so the base must first be grown to the adapter's tokenizer
+(`model.resize_token_embeddings(len(tokenizer))`): the folder holds that tokenizer and its chat template."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any
@@ -15,27 +19,33 @@ from safetensors.torch import load_file
 
 from gptlab import checkpoint as ck
 from gptlab import lora, rundir
+from gptlab.chat import grow_vocab
 from gptlab.config import TrainConfig, to_dict
 from gptlab.errors import GptlabError
 from gptlab.hf.hf import (check_export_folder, check_import_folder, staged_folder, write_imported_run,
                          write_weights)
+from gptlab.hf.hf_tokenizer import write_tokenizer_files
+from gptlab.model import build_model
+from gptlab.tokenizer import ChatTokenizer
 
 ADAPTER_CONFIG, ADAPTER_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
 PREFIX = "base_model.model."
+TOKEN_VALUES, TOKEN_IDS = "transformer.wte.token_values", "transformer.wte.token_ids"  # ours; PEFT's name for rows:
+PEFT_TOKENS = "transformer.wte.token_adapter.trainable_tokens_delta"  # (despite the name, the rows themselves)
 # PEFT settings gptlab's adapters do not have: an adapter that uses one is refused rather than loaded differently
 _UNSUPPORTED = {"use_dora": False, "use_rslora": False, "modules_to_save": None, "layers_to_transform": None,
                "rank_pattern": {}, "alpha_pattern": {}, "lora_bias": False, "bias": "none",
-               "trainable_token_indices": None, "target_parameters": None, "layer_replication": None,
+               "target_parameters": None, "layer_replication": None,
                "use_qalora": False, "exclude_modules": None}
 
 
-def adapter_config(adapters: lora.LoraSettings, base: str) -> dict[str, Any]:
-    """adapter_config.json for `adapters` on transformers' GPT-2 (PEFT's LoraConfig fields that matter; PEFT
-    fills in the rest with its defaults)."""
+def adapter_config(adapters: lora.LoraSettings, base: str, tokens: list[int] | None = None) -> dict[str, Any]:
+    """adapter_config.json for `adapters` (and the rows of added `tokens`) on transformers' GPT-2 (PEFT's
+    LoraConfig fields that matter; PEFT fills in the rest with its defaults)."""
     return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base, "r": adapters.rank,
             "lora_alpha": adapters.alpha, "lora_dropout": adapters.dropout, "target_modules": list(adapters.targets),
             "fan_in_fan_out": True, "bias": "none", "inference_mode": True, "init_lora_weights": True,
-            "use_rslora": False, "use_dora": False, "modules_to_save": None}
+            "use_rslora": False, "use_dora": False, "modules_to_save": None, "trainable_token_indices": tokens or None}
 
 
 def export_peft(run_dir: str | Path, out_dir: str | Path, which: str = "best") -> list[str]:
@@ -47,12 +57,18 @@ def export_peft(run_dir: str | Path, out_dir: str | Path, which: str = "best") -
     if adapters is None:
         raise GptlabError(f"{run_dir} has no LoRA adapters (it was trained in full); export it with --format hf")
     loaded = ck.load_run(run_dir, which, merge=False)
-    tensors = {PREFIX + name: t.float().contiguous() for name, t in ck.model_tensors(loaded.model).items()}
+    own = ck.model_tensors(loaded.model)
+    ids = own.pop(TOKEN_IDS, None)
+    tokens = None if ids is None else ids.tolist()
+    if TOKEN_VALUES in own:
+        own[PEFT_TOKENS] = own.pop(TOKEN_VALUES)
+    tensors = {PREFIX + name: t.float().contiguous() for name, t in own.items()}
     base = (loaded.state.base or {}).get("run", "")
     with staged_folder(out) as staging:
         write_weights(tensors, staging, out, ADAPTER_WEIGHTS)
-        rundir.write_json(staging / ADAPTER_CONFIG, adapter_config(adapters, base))
-    return [ADAPTER_CONFIG, ADAPTER_WEIGHTS]
+        rundir.write_json(staging / ADAPTER_CONFIG, adapter_config(adapters, base, tokens))
+        names = write_tokenizer_files(staging, loaded.tokenizer, loaded.model_cfg.block_size) if tokens else []
+    return [ADAPTER_CONFIG, ADAPTER_WEIGHTS] + names
 
 
 def read_adapter(folder: str | Path) -> tuple[lora.LoraSettings, dict[str, torch.Tensor]]:
@@ -88,9 +104,22 @@ def read_adapter(folder: str | Path) -> tuple[lora.LoraSettings, dict[str, torch
     except (SafetensorError, OSError) as exc:
         raise GptlabError(f"{folder / ADAPTER_WEIGHTS} cannot be read ({exc})") from None
     named = {name.removeprefix(PREFIX): t.float() for name, t in tensors.items()}
+    tokens = _token_indices(config.get("trainable_token_indices"), folder)
+    if tokens:
+        named[TOKEN_VALUES], named[TOKEN_IDS] = named.pop(PEFT_TOKENS, torch.zeros(0)), torch.tensor(tokens)
     settings = lora.settings(train)
     assert settings is not None
     return settings, named
+
+
+def _token_indices(given: Any, folder: Path) -> list[int]:
+    """PEFT's trainable_token_indices (a list, or one embedding's list by module name) as a list of ids."""
+    if isinstance(given, dict) and len(given) == 1 and str(next(iter(given))).endswith("wte"):
+        given = next(iter(given.values()))
+    if given is None or (isinstance(given, list) and all(isinstance(i, int) for i in given)):
+        return list(given or [])
+    raise GptlabError(f"{folder}: trainable_token_indices {given!r} is not a list of token ids of the embedding; "
+                      "gptlab trains added tokens on transformer.wte only")
 
 
 def import_peft(folder: str | Path, base_run: str | Path, run_dir: str | Path) -> int:
@@ -104,9 +133,12 @@ def import_peft(folder: str | Path, base_run: str | Path, run_dir: str | Path) -
                           "FOLDER --run RUN) and give --base RUN")
     adapters, tensors = read_adapter(folder)
     loaded = ck.load_run(base_run)
-    model, base = loaded.model, ck.model_tensors(loaded.model)
+    model, base, tokenizer = loaded.model, ck.model_tensors(loaded.model), loaded.tokenizer
+    tokens = tensors[TOKEN_IDS].tolist() if TOKEN_IDS in tensors else None
+    if tokens:  # the chat markers' rows: the base grown for them, as fine-tuning grew it
+        model, base, tokenizer = _grown(loaded, tokens, folder)
     try:
-        lora.apply_lora(model, adapters)
+        lora.apply_lora(model, adapters, tokens)
         ck.load_model_tensors(model, tensors, str(folder))
     except GptlabError as exc:
         raise GptlabError(f"the adapter in {folder} does not fit the model of {base_run}: {exc}") from None
@@ -114,6 +146,19 @@ def import_peft(folder: str | Path, base_run: str | Path, run_dir: str | Path) -
     train = TrainConfig(init_from=str(Path(base_run).resolve()), lora_rank=adapters.rank, lora_alpha=adapters.alpha,
                         lora_dropout=adapters.dropout, lora_targets=",".join(adapters.targets))
     ref = {"run": train.init_from, "sha256": lora.tensors_sha256(base)}
-    state = rundir.TrainingState(to_dict(loaded.model_cfg), train=to_dict(train), imported_from=source, base=ref)
-    write_imported_run(run, model, train, loaded.tokenizer, {"imported_from": source, "base": ref}, state)
+    state = rundir.TrainingState(to_dict(model.config), train=to_dict(train), imported_from=source, base=ref)
+    write_imported_run(run, model, train, tokenizer, {"imported_from": source, "base": ref}, state)
     return lora.adapter_count(model)
+
+
+def _grown(loaded: ck.LoadedRun, tokens: list[int], folder: Path) -> tuple[torch.nn.Module, dict[str, Any], Any]:
+    """The base model, its weights and tokenizer grown by the chat markers, which `tokens` must be."""
+    tokenizer = ChatTokenizer(loaded.tokenizer)
+    if isinstance(loaded.tokenizer, ChatTokenizer) or sorted(tokens) != sorted(tokenizer.special_ids.values()):
+        raise GptlabError(f"{folder}: the adapter trains the rows of tokens {tokens}, which are not the chat "
+                          f"markers added to the base's tokenizer ({sorted(tokenizer.special_ids.values())})")
+    cfg = dataclasses.replace(loaded.model_cfg, vocab_size=max(loaded.model_cfg.vocab_size, tokenizer.vocab_size))
+    base = grow_vocab(ck.model_tensors(loaded.model), loaded.tokenizer.vocab_size, cfg.vocab_size)
+    model = build_model(cfg)
+    ck.load_model_tensors(model, base, str(folder))
+    return model, base, tokenizer

@@ -134,7 +134,7 @@ def _train_locked(dataset: Dataset, run: Path, model_cfg: ModelConfig, cfg: Trai
     parallel.check_same_start(resume, ckpt.step if ckpt else None)
     torch.manual_seed(cfg.seed)
     model = parallel.build(model_cfg, cfg.fsdp, init, cfg.init_from)  # with FSDP: only this process's slices
-    base = lora.adapt(model, cfg, init, state.train if state else None, state.base if state else None)
+    base = lora.adapt(model, cfg, init, *((state.train, state.base) if state else (None, None)), dataset.tokenizer)
     model.checkpoint_blocks = cfg.activation_checkpointing  # kept under DDP, FSDP and compile, which wrap it
     speed = cached_speed(device, precision, cfg.batch_size * model_cfg.block_size * cfg.grad_accum,
                          model.flops_per_token(), parallel.world_size)
