@@ -14,7 +14,7 @@ import torch
 from helpers import CORPUS
 from gptlab import checkpoint as ck
 from gptlab.cli import main
-from gptlab.config import ModelConfig, TrainConfig
+from gptlab.config import ModelConfig, PrepareConfig, TrainConfig
 from gptlab.distributed.distributed import Parallel
 from gptlab.errors import GptlabError
 from gptlab.model import build_model
@@ -110,6 +110,25 @@ def test_lora_adapters_train_in_two_processes_like_in_one(straight):
     assert sorted(trained) == sorted(f"transformer.h.{i}.{layer}.lora_{ab}.weight" for i in range(2)
                                      for layer in ("attn.c_attn", "mlp.c_fc") for ab in "AB")
     assert all(trained[n].abs().max() > 0 for n in trained)  # B moved off zero
+
+
+def test_conversations_train_in_two_processes_like_in_one(straight):
+    """Each process's rows hold different numbers of lessons (assistant tokens): the step's loss and gradient are
+    still the mean over all the step's lessons, as in one process."""
+    from gptlab.data.prepare import prepare
+
+    root = straight[0]
+    lines = [json.dumps({"messages": [{"role": "user", "content": "ab"[: 1 + i % 2]},
+                                      {"role": "assistant", "content": "xyz"[: 1 + i % 3] * (1 + i % 2)}]})
+             for i in range(60)]
+    (root / "chats.jsonl").write_text("\n".join(lines) + "\n")
+    prepare([str(root / "chats.jsonl")], root / "chat", PrepareConfig(chat=True, context=16), quiet=True)
+    one = train(root / "chat", root / "chat-1", ModelConfig(**SHAPE), TrainConfig(**{**SETTINGS, "max_steps": 4}),
+                quiet=True)
+    gptlab("train", "--nproc", "2", "--data", str(root / "chat"), "--run", str(root / "chat-2"), "--max-steps=4",
+           "--quiet", *flags())
+    assert_same_steps(steps(metrics(root / "chat-2")), steps(one.history))
+    assert_same_weights(root / "chat-2", root / "chat-1", 4)
 
 
 TORCHRUN = ("-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2")
