@@ -107,8 +107,15 @@ MODULES = {
     "reference": _m("reference/model reference/optim reference/native reference/train reference/check compiled",
                     "test_reference test_reference_cli test_reference_mutants test_compiled"),
     # issue 26: LoRA adapters and PEFT's format
-    "lora": _m("lora hf/peft", "test_lora test_distributed::test_lora_adapters_train_in_two_processes_like_in_one"),
+    "lora": _m("lora hf/peft", "test_lora test_lora_chat "
+               "test_distributed::test_lora_adapters_train_in_two_processes_like_in_one"),
     "loggers": _m("training/loggers", "test_loggers"),
+    # issue 27: conversations, the chat template, rows and lessons of conversations, the markers' rows under LoRA
+    "chat": _m("chat data/conversations", "test_conversations test_lora_chat"),
+    "chat.tokenizer": _m("tokenizer", "test_tokenizer test_conversations"),
+    "chat.training": _m("data/batches training/step",
+                        "test_conversations test_data test_train "
+                        "test_distributed::test_conversations_train_in_two_processes_like_in_one"),
     "memory": _m("bench/memory", "test_activation_checkpointing "
                  "test_lora::test_bench_train_sets_lora_beside_full_fine_tuning_with_memory_split"),
 }

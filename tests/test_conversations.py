@@ -139,8 +139,8 @@ def by_hand(chars, messages):
 def test_prepare_chat_writes_the_ids_and_trains_only_the_assistant_s_tokens(tmp_path, capsys):
     write_jsonl(tmp_path / "c.jsonl", CONVERSATIONS * 4)
     out = run_ok(capsys, "prepare", "--chat", str(tmp_path / "c.jsonl"), "--out", str(tmp_path / "d"),
-                 "--val-fraction", "0.25")
-    assert "9 + 3 conversations" in out
+                 "--val-fraction", "0.3")
+    assert "8 + 4 conversations" in out  # round(12 x 0.3) = 4 held out
     ds = load_dataset(tmp_path / "d")
     chars = every_text(CONVERSATIONS)
     expected = [by_hand(chars, m) for m in CONVERSATIONS * 4]
@@ -150,8 +150,8 @@ def test_prepare_chat_writes_the_ids_and_trains_only_the_assistant_s_tokens(tmp_
         for a, b in zip(starts[:-1], starts[1:]):
             seen.append((tokens[a:b].tolist(), mask[a:b].tolist()))
     assert sorted(seen) == sorted(expected)
-    assert len(ds.chat["val"][1]) - 1 == 3 and ds.tokenizer.vocab_size == len(set(chars)) + 4
-    assert ds.meta["chat"]["conversations"] == {"train": 9, "val": 3}
+    assert len(ds.chat["val"][1]) - 1 == 4 and ds.tokenizer.vocab_size == len(set(chars)) + 4
+    assert ds.meta["chat"]["conversations"] == {"train": 8, "val": 4}
 
 
 def test_chat_loss_all_trains_every_token(tmp_path, capsys):
@@ -334,6 +334,10 @@ def test_fine_tuning_grows_the_vocabulary_by_the_markers_at_the_mean_row(tmp_pat
            str(tmp_path / "tuned"), "--max-steps", "2", "--batch-size", "4", "--precision", "fp32", "--quiet")
     tuned = load_run(tmp_path / "tuned")
     assert tuned.model_cfg.vocab_size == base.shape[0] + 4 and isinstance(tuned.tokenizer, ChatTokenizer)
+    longest = len(chat.render(convs[0])[0])  # a row of block_size + 1 ids holds it whole at block_size longest - 1
+    assert load_dataset(tmp_path / "chat").meta["chat"]["longest"] == longest
+    run_ok(capsys, "train", "--data", str(tmp_path / "chat"), "--init-from", str(tmp_path / "base"), "--run",
+           str(tmp_path / "fits"), "--block-size", str(longest - 1), "--max-steps", "1", "--quiet")
     err = run_bad(capsys, "train", "--data", str(tmp_path / "chat"), "--init-from", str(tmp_path / "base"), "--run",
-                  str(tmp_path / "short"), "--block-size", "8", "--max-steps", "1", "--quiet")
-    assert "conversations of up to" in err and "--context 8" in err
+                  str(tmp_path / "short"), "--block-size", str(longest - 2), "--max-steps", "1", "--quiet")
+    assert f"conversations of up to {longest}" in err and f"--context {longest - 2}" in err
