@@ -3,6 +3,7 @@ OpenAI's shape, the limits a server enforces, and the JSON of responses and stre
 
 from __future__ import annotations
 
+import json
 import math
 import secrets
 import time
@@ -65,6 +66,8 @@ class CompletionRequest:
     ids: list[list[int]] = field(default_factory=list)  # the encoded prompts, filled by `encode_prompts`
     prompt_ids: list[list[int]] | None = None  # the prompts as sent, where they were token ids
     max_tokens: int = 16  # 0: nothing generated (with echo and logprobs: the prompt's logprobs alone)
+    messages: list[dict[str, str]] | None = None  # a chat completion's conversation (chat_api.encode_chat)
+    include_usage: bool = True  # a stream ends with a usage chunk (chat: only with stream_options.include_usage)
 
 
 UNSUPPORTED = {"best_of": (None, 1), "suffix": (None, ""), "logit_bias": (None, {})}
@@ -138,19 +141,25 @@ def parse_completion(body: Any, limits: Limits) -> CompletionRequest:
     count = len(prompt_ids) if prompt_ids is not None else len(prompts)
     if count * n > limits.max_batch:  # it would never fit in the batch: refused, not queued for ever
         raise _too_many(count, n, limits.max_batch)
+    # left out: OpenAI's default of 16, or the server's --max-tokens where that is lower (0: nothing decoded)
     max_tokens = _integer(body, "max_tokens", min(16, limits.max_tokens), 0, limits.max_tokens)
-    top_k = _integer(body, "top_k", None, 1, 1 << 31)  # an extension (the playground sends it)
-    cfg = SampleConfig(
-        # left out: OpenAI's default of 16, or the server's --max-tokens where that is lower (0: nothing decoded)
-        max_new_tokens=max(1, max_tokens),
+    cfg = sample_settings(body, max(1, max_tokens))
+    return CompletionRequest(prompts, cfg, n, _integer(body, "logprobs", None, 0, 5), _flag(body, "echo"),
+                             _flag(body, "stream"), prompt_ids=prompt_ids, max_tokens=max_tokens)
+
+
+def sample_settings(body: dict, max_new_tokens: int) -> SampleConfig:
+    """The sampling fields completions and chat completions share, checked (ApiError 400 naming the first bad one);
+    a seed left out is drawn at random."""
+    return SampleConfig(
+        max_new_tokens=max_new_tokens,
         temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
-        top_p=_number(body, "top_p", 1.0, 1e-9, 1.0), top_k=top_k,
+        top_p=_number(body, "top_p", 1.0, 1e-9, 1.0),
+        top_k=_integer(body, "top_k", None, 1, 1 << 31),  # an extension (the playground sends it)
         frequency_penalty=_number(body, "frequency_penalty", 0.0, -2.0, 2.0),
         presence_penalty=_number(body, "presence_penalty", 0.0, -2.0, 2.0),
         seed=_integer(body, "seed", secrets.randbelow(SEED_LIMIT), 0, SEED_LIMIT - 1),
         stop=_strings(body, "stop", 4, allow_empty=False))
-    return CompletionRequest(prompts, cfg, n, _integer(body, "logprobs", None, 0, 5), _flag(body, "echo"),
-                             _flag(body, "stream"), prompt_ids=prompt_ids, max_tokens=max_tokens)
 
 
 def _token_prompts(value: Any, most: int) -> list[list[int]] | None:
@@ -204,10 +213,15 @@ def _check_length(ids: list[int], most: int, context: int) -> None:
                             f"model's context is {context} tokens)", "prompt", "context_length_exceeded")
 
 
-def completion_id() -> str:
-    return "cmpl-" + secrets.token_hex(12)
+def completion_id(prefix: str = "cmpl-") -> str:
+    return prefix + secrets.token_hex(12)
 
 
 def envelope(cid: str, model: str) -> dict[str, Any]:
     """The fields every completion response and chunk starts with."""
     return {"id": cid, "object": "text_completion", "created": int(time.time()), "model": model}
+
+
+def sse(data: dict) -> str:
+    """One server-sent event holding `data` as JSON."""
+    return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
