@@ -1,6 +1,6 @@
-"""The HTTP side: a FastAPI app over one Scheduler. Routes: POST /v1/completions and POST /v1/chat/completions (JSON
-or server-sent events), GET /v1/models, /health, /metrics (Prometheus text), / (the playground page) and /inspect (the attention page of
-a text). Errors are OpenAI's shape; no request field ever names a file."""
+"""The HTTP side: a FastAPI app over one Scheduler. Routes: POST /v1/completions and POST /v1/chat/completions
+(JSON or server-sent events), GET /v1/models, /health, /metrics (Prometheus text), / (the playground page) and
+/inspect (the attention page of a text). Errors are OpenAI's shape; no request field ever names a file."""
 
 from __future__ import annotations
 
@@ -19,9 +19,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response, StreamingResponse
 
 from gptlab.errors import GptlabError
-from gptlab.serve.api import (ApiError, CompletionRequest, Limits, completion_id, encode_prompts, envelope,
-                              parse_completion, sse)
-from gptlab.serve.chat_api import chat_response, chat_stream, encode_chat, parse_chat
+from gptlab.serve.api import (ApiError, CompletionRequest, Limits, chat_response, chat_stream, completion_id,
+                              encode_chat, encode_prompts, envelope, parse_chat, parse_completion, sse)
 from gptlab.serve.scheduler import Job, Scheduler
 from gptlab.tokenizer import CHAT_TEMPLATE, EOT, ChatTokenizer
 
