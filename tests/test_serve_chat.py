@@ -240,6 +240,27 @@ def test_a_run_without_a_chat_template_is_400_saying_how_to_make_one(plain_serve
     assert info["chat_template"] is None and info["chat_tokens"] == {}
 
 
+def test_the_chat_route_asks_for_the_key_and_is_counted_in_the_metrics(chat):
+    running = start_server(make_app(load_served(chat.run, "fp32", "cpu"), Limits(**LIMITS), api_key="s3cret"))
+    try:
+        url, body = running.url + "/v1/chat/completions", {"messages": HELLO, "seed": 3}
+        for headers in ({}, {"Authorization": "Bearer wrong"}):
+            refused = httpx.post(url, json=body, headers=headers, timeout=30)
+            assert refused.status_code == 401 and refused.json()["error"]["code"] == "invalid_api_key"
+        good = {"Authorization": "Bearer s3cret"}
+        answer = httpx.post(url, json=body, headers=good, timeout=30).json()["choices"][0]["message"]["content"]
+        assert answer == reference(chat, HELLO, seed=3)[0]
+        assert httpx.post(url, json={"messages": []}, headers=good, timeout=30).status_code == 400
+        lines = httpx.get(running.url + "/metrics", headers=good, timeout=30).text.splitlines()
+        counted = {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in lines if not line.startswith("#")}
+        assert {k: v for k, v in counted.items() if k.startswith("gptlab_requests_total")} == {
+            'gptlab_requests_total{status="200"}': 1, 'gptlab_requests_total{status="400"}': 1,
+            'gptlab_requests_total{status="401"}': 2}
+        assert counted["gptlab_tokens_generated_total"] == len(reference(chat, HELLO, seed=3)[2])
+    finally:
+        running.stop()
+
+
 def test_tokenizer_infos_template_renders_the_ids_the_answers_are_drawn_from(server, chat, client):
     jinja2 = pytest.importorskip("jinja2")
     info = httpx.get(server.url + "/tokenizer_info").json()
