@@ -119,10 +119,11 @@ def test_greedy_and_max_tokens_equal_the_reference(chat, client):
         got = client.chat.completions.create(model="chat-run", messages=messages, temperature=0, max_tokens=40)
         text, reason, _ = reference(chat, messages, temperature=0, max_tokens=40)
         assert (got.choices[0].message.content, got.choices[0].finish_reason) == (text, reason)
-    got = client.chat.completions.create(model="chat-run", messages=HELLO, seed=3, max_completion_tokens=3)
-    assert len(reference(chat, HELLO, seed=3)[0]) > 3  # the limit cuts this answer
-    assert got.choices[0].message.content == reference(chat, HELLO, seed=3, max_tokens=3)[0]
-    assert got.choices[0].finish_reason == "length" and got.usage.completion_tokens == 3
+    assert len(reference(chat, HELLO, seed=3)[0]) > 3  # the limits below cut this answer
+    for limit in ({"max_completion_tokens": 3}, {"max_tokens": 3}, {"max_tokens": 50, "max_completion_tokens": 3}):
+        got = client.chat.completions.create(model="chat-run", messages=HELLO, seed=3, **limit)
+        assert got.choices[0].message.content == reference(chat, HELLO, seed=3, max_tokens=3)[0], limit
+        assert got.choices[0].finish_reason == "length" and got.usage.completion_tokens == 3
 
 
 def test_n_choices_are_drawn_with_seed_plus_i(chat, client):
@@ -221,14 +222,17 @@ def test_a_conversation_over_the_context_is_400_and_one_at_the_context_is_answer
     assert (len(prompt_ids(chat, fits)), len(prompt_ids(chat, over))) == (64, 65)
     error = bad_request(lambda: client.chat.completions.create(model="chat-run", messages=over))
     assert error["code"] == "context_length_exceeded" and "65 tokens" in error["message"]
+    assert error["param"] == "messages"
     got = client.chat.completions.create(model="chat-run", messages=fits, temperature=0, max_tokens=1)
     assert got.choices[0].message.content == reference(chat, fits, temperature=0, max_tokens=1)[0]
     assert got.usage.prompt_tokens == 64
 
 
-def test_top_logprobs_without_logprobs_is_400(client):
-    error = bad_request(lambda: client.chat.completions.create(model="chat-run", messages=HELLO, top_logprobs=2))
-    assert error["param"] == "top_logprobs"
+@pytest.mark.parametrize("field, value", [("top_logprobs", 2), ("response_format", {"type": "json_object"}),
+                                          ("tools", [{"type": "function", "function": {"name": "f"}}]), ("n", 5)])
+def test_a_field_this_server_cannot_honour_is_400_naming_it(client, field, value):
+    error = bad_request(lambda: client.chat.completions.create(model="chat-run", messages=HELLO, **{field: value}))
+    assert error["param"] == field
 
 
 def test_a_run_without_a_chat_template_is_400_saying_how_to_make_one(plain_server):
