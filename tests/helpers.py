@@ -183,7 +183,7 @@ def rows_of(stream):
     return [list(row) for row in zip(*stream)]
 
 
-KEEPS = {1: 1, 2: 1, 3: 2, 4: 3, 9: 6, 16: 12, 24: 18}  # the documented window: a row sees its last block_size
+KEEPS = {1: 1, 2: 1, 3: 2, 4: 3, 9: 6, 16: 12, 24: 18, 64: 48}  # the documented window: a row sees its last block_size
 # tokens; one more slides it to its last 3/4 (rounded down, at least 1), worked out by hand
 
 

@@ -19,14 +19,15 @@ LIMIT_FLAGS = {  # flag -> (Limits field, type, help); the defaults come from Li
 }
 
 
-@command("serve", "serve a run over HTTP: OpenAI-compatible /v1/completions with continuous batching, a playground "
-                  "at /")
+@command("serve", "serve a run over HTTP: OpenAI-compatible /v1/completions (and /v1/chat/completions for a run "
+                  "with a chat template) with continuous batching, a playground at /")
 def cmd_serve(args: argparse.Namespace) -> int:
     from gptlab.checkpoint import read_run_config
     from gptlab.inference import bf16_storage_possible
     from gptlab.runs import latest_run
     from gptlab.runtime import resolve_device, resolve_precision, set_threads
     from gptlab.serve import Limits, check_bind, listen, load_served, serve_run
+    from gptlab.tokenizer import ChatTokenizer
 
     limits = Limits(**{name: getattr(args, name) for name, _, _ in LIMIT_FLAGS.values()})
     check_bind(args.host, args.port, args.api_key)
@@ -40,7 +41,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         served = load_served(run, precision, device)
         port = sock.getsockname()[1]
         shown = "localhost" if args.host in ("127.0.0.1", "::1") else args.host
-        print(f"gptlab: serving {run} at http://{shown}:{port} (playground at /, API at /v1/completions); "
+        chat = " and /v1/chat/completions" if isinstance(served.tokenizer, ChatTokenizer) else ""
+        print(f"gptlab: serving {run} at http://{shown}:{port} (playground at /, API at /v1/completions{chat}); "
               "Ctrl-C stops", file=sys.stderr)
         serve_run(served, sock, limits, args.api_key)
     finally:

@@ -1,16 +1,23 @@
-"""The OpenAI completions API as data: a request body checked field by field into a `CompletionRequest`, errors in
-OpenAI's shape, the limits a server enforces, and the JSON of responses and stream chunks. No HTTP here (app.py)."""
+"""The OpenAI completions and chat completions APIs as data: a request body checked field by field into a
+`CompletionRequest` (a chat's prompt: the conversation rendered by the run's chat template, ending with the
+assistant's marker), errors in OpenAI's shape, the limits a server enforces, and the JSON of responses and stream
+chunks (a chat's: a `chat.completion`, or `chat.completion.chunk` events: a role delta, content deltas, a last delta
+with the finish reason). Generation itself is scheduler.py's; no HTTP here (app.py)."""
 
 from __future__ import annotations
 
+import json
 import math
 import secrets
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from gptlab.chat import check_messages
 from gptlab.config import SEED_LIMIT, SampleConfig
 from gptlab.errors import GptlabError
+from gptlab.tokenizer import chat_of
 
 
 @dataclass
@@ -65,6 +72,8 @@ class CompletionRequest:
     ids: list[list[int]] = field(default_factory=list)  # the encoded prompts, filled by `encode_prompts`
     prompt_ids: list[list[int]] | None = None  # the prompts as sent, where they were token ids
     max_tokens: int = 16  # 0: nothing generated (with echo and logprobs: the prompt's logprobs alone)
+    messages: list[dict[str, str]] | None = None  # a chat completion's conversation (chat_api.encode_chat)
+    include_usage: bool = True  # a stream ends with a usage chunk (chat: only with stream_options.include_usage)
 
 
 UNSUPPORTED = {"best_of": (None, 1), "suffix": (None, ""), "logit_bias": (None, {})}
@@ -138,19 +147,25 @@ def parse_completion(body: Any, limits: Limits) -> CompletionRequest:
     count = len(prompt_ids) if prompt_ids is not None else len(prompts)
     if count * n > limits.max_batch:  # it would never fit in the batch: refused, not queued for ever
         raise _too_many(count, n, limits.max_batch)
+    # left out: OpenAI's default of 16, or the server's --max-tokens where that is lower (0: nothing decoded)
     max_tokens = _integer(body, "max_tokens", min(16, limits.max_tokens), 0, limits.max_tokens)
-    top_k = _integer(body, "top_k", None, 1, 1 << 31)  # an extension (the playground sends it)
-    cfg = SampleConfig(
-        # left out: OpenAI's default of 16, or the server's --max-tokens where that is lower (0: nothing decoded)
-        max_new_tokens=max(1, max_tokens),
+    cfg = sample_settings(body, max(1, max_tokens))
+    return CompletionRequest(prompts, cfg, n, _integer(body, "logprobs", None, 0, 5), _flag(body, "echo"),
+                             _flag(body, "stream"), prompt_ids=prompt_ids, max_tokens=max_tokens)
+
+
+def sample_settings(body: dict, max_new_tokens: int) -> SampleConfig:
+    """The sampling fields completions and chat completions share, checked (ApiError 400 naming the first bad one);
+    a seed left out is drawn at random."""
+    return SampleConfig(
+        max_new_tokens=max_new_tokens,
         temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
-        top_p=_number(body, "top_p", 1.0, 1e-9, 1.0), top_k=top_k,
+        top_p=_number(body, "top_p", 1.0, 1e-9, 1.0),
+        top_k=_integer(body, "top_k", None, 1, 1 << 31),  # an extension (the playground sends it)
         frequency_penalty=_number(body, "frequency_penalty", 0.0, -2.0, 2.0),
         presence_penalty=_number(body, "presence_penalty", 0.0, -2.0, 2.0),
         seed=_integer(body, "seed", secrets.randbelow(SEED_LIMIT), 0, SEED_LIMIT - 1),
         stop=_strings(body, "stop", 4, allow_empty=False))
-    return CompletionRequest(prompts, cfg, n, _integer(body, "logprobs", None, 0, 5), _flag(body, "echo"),
-                             _flag(body, "stream"), prompt_ids=prompt_ids, max_tokens=max_tokens)
 
 
 def _token_prompts(value: Any, most: int) -> list[list[int]] | None:
@@ -204,10 +219,144 @@ def _check_length(ids: list[int], most: int, context: int) -> None:
                             f"model's context is {context} tokens)", "prompt", "context_length_exceeded")
 
 
-def completion_id() -> str:
-    return "cmpl-" + secrets.token_hex(12)
+def completion_id(prefix: str = "cmpl-") -> str:
+    return prefix + secrets.token_hex(12)
 
 
 def envelope(cid: str, model: str) -> dict[str, Any]:
     """The fields every completion response and chunk starts with."""
     return {"id": cid, "object": "text_completion", "created": int(time.time()), "model": model}
+
+
+def sse(data: dict) -> str:
+    """One server-sent event holding `data` as JSON."""
+    return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
+
+
+# ---- chat completions --------------------------------------------------------------------------------------------
+
+# fields of OpenAI's chat API this server has no use for: refused where they would change the answer
+CHAT_UNSUPPORTED = {"tools": (None, []), "functions": (None, []), "logit_bias": (None, {}),
+                    "tool_choice": (None, "none"), "function_call": (None, "none")}
+MAX_TOP_LOGPROBS = 20  # OpenAI's
+
+
+def parse_chat(body: Any, limits: Limits) -> CompletionRequest:
+    """Check a decoded JSON body field by field; ApiError (400, naming the field) for the first bad one. The
+    messages themselves are checked with the template (`encode_chat`)."""
+    if not isinstance(body, dict):
+        raise ApiError(400, "the body must be a JSON object")
+    for name, defaults in CHAT_UNSUPPORTED.items():
+        if body.get(name) not in defaults:
+            raise ApiError(400, f"{name} is not supported by this server", name)
+    response_format = body.get("response_format")
+    if response_format not in (None, {"type": "text"}):
+        raise ApiError(400, "response_format: only {\"type\": \"text\"} is supported by this server", "response_format")
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise ApiError(400, "model must be a string", "model")
+    n = _integer(body, "n", 1, 1, limits.max_n)
+    if n > limits.max_batch:  # it would never fit in the batch: refused, not queued for ever
+        raise _too_many(1, n, limits.max_batch)
+    max_tokens = _integer(body, "max_completion_tokens", None, 1, limits.max_tokens)
+    if max_tokens is None:  # left out: as many as the server gives (the answer ends at the end of its turn)
+        max_tokens = _integer(body, "max_tokens", limits.max_tokens, 1, limits.max_tokens)
+    logprobs = _flag(body, "logprobs")
+    top = _integer(body, "top_logprobs", None, 0, MAX_TOP_LOGPROBS)
+    if top is not None and not logprobs:
+        raise ApiError(400, "top_logprobs needs logprobs: true", "top_logprobs")
+    stream = _flag(body, "stream")
+    options = body.get("stream_options")
+    if options is not None and not (isinstance(options, dict) and stream):
+        raise ApiError(400, "stream_options must be an object, and only with stream: true", "stream_options")
+    cfg = sample_settings(body, max_tokens)
+    return CompletionRequest([], cfg, n, (top or 0) if logprobs else None, stream=stream, max_tokens=max_tokens,
+                             messages=body.get("messages"), include_usage=_flag(options or {}, "include_usage"))
+
+
+def encode_chat(request: CompletionRequest, tokenizer, context: int, limits: Limits) -> None:
+    """Fill request.ids with the conversation's ids, as the run's chat template renders them for the next answer;
+    ApiError 400 for a run without a template (how to make one), bad messages, or a conversation longer than the
+    context (or --max-prompt-tokens)."""
+    try:
+        chat = chat_of(tokenizer)
+    except GptlabError as exc:
+        raise ApiError(400, str(exc), code="no_chat_template") from None
+    try:
+        ids = chat.render(check_messages(request.messages, "messages"), add_generation_prompt=True)[0]
+    except GptlabError as exc:
+        raise ApiError(400, str(exc), "messages") from None
+    most = min(context, limits.max_prompt_tokens or context)
+    if len(ids) > most:
+        raise ApiError(400, f"the conversation is {len(ids)} tokens, longer than this server accepts ({most}: the "
+                            f"model's context is {context} tokens); drop its oldest turns or shorten it", "messages",
+                       "context_length_exceeded")
+    request.ids.append(ids)
+    request.prompts.append(chat.decode(ids))
+
+
+def logprob_content(info: dict | None, token: int, ends: frozenset[int]) -> list[dict]:
+    """The chat logprobs entries of one generated token: [] where none were asked for, or for the token that ends
+    the turn (it is no part of the answer's content)."""
+    if info is None or token in ends:
+        return []
+    return [{"token": info["token"], "logprob": info["logprob"], "bytes": info["bytes"],
+             "top_logprobs": info["ranked"]}]
+
+
+def _chunk(cid: str, model: str, index: int, delta: dict, logprobs: list[dict] | None = None,
+           reason: str | None = None) -> str:
+    choice = {"index": index, "delta": delta, "logprobs": None if logprobs is None else {"content": logprobs},
+              "finish_reason": reason}
+    return sse({**envelope(cid, model), "object": "chat.completion.chunk", "choices": [choice]})
+
+
+async def chat_stream(job, model: str, ends: frozenset[int]) -> AsyncIterator[str]:
+    """Server-sent events in OpenAI's chat chunk format: each choice's role delta, its content deltas (with their
+    logprobs), a last empty delta with its finish reason; the usage where stream_options asked for it; then
+    [DONE]. A client that leaves cancels the job."""
+    cid, req = completion_id("chatcmpl-"), job.request
+    try:
+        for c in range(job.size):
+            yield _chunk(cid, model, c, {"role": "assistant"})
+        while True:
+            event = await job.events.get()
+            if event[0] == "token":
+                _, c, text, token, info, reason = event
+                entries = logprob_content(info, token, ends)
+                if text or entries:
+                    yield _chunk(cid, model, c, {"content": text}, entries if req.logprobs is not None else None)
+                if reason is not None:
+                    yield _chunk(cid, model, c, {}, None, reason)
+            elif event[0] == "done":
+                if req.include_usage:
+                    yield sse({**envelope(cid, model), "object": "chat.completion.chunk", "choices": [],
+                               "usage": event[1]})
+                break
+            else:
+                yield sse({"error": {"message": event[1], "type": "server_error", "param": None, "code": None}})
+                break
+        yield "data: [DONE]\n\n"
+    finally:
+        job.cancelled.set()  # finished, or the client left (the generator is closed): either way, free the rows
+
+
+def chat_response(events: list[tuple], job, model: str, ends: frozenset[int]) -> dict[str, Any]:
+    """The `chat.completion` object of a job's events (all of them, up to its "done")."""
+    req = job.request
+    texts, reasons = [""] * job.size, [None] * job.size
+    content: list[list[dict]] = [[] for _ in range(job.size)]
+    usage = None
+    for event in events:
+        if event[0] == "token":
+            _, c, text, token, info, reason = event
+            texts[c] += text
+            content[c] += logprob_content(info, token, ends)
+            reasons[c] = reason or reasons[c]
+        elif event[0] == "done":
+            usage = event[1]
+    choices = [{"index": c, "message": {"role": "assistant", "content": texts[c]},
+                "logprobs": {"content": content[c]} if req.logprobs is not None else None,
+                "finish_reason": reasons[c]} for c in range(job.size)]
+    return {**envelope(completion_id("chatcmpl-"), model), "object": "chat.completion", "choices": choices,
+            "usage": usage}

@@ -1,6 +1,6 @@
-"""The HTTP side: a FastAPI app over one Scheduler. Routes: POST /v1/completions (JSON or server-sent events),
-GET /v1/models, /health, /metrics (Prometheus text), / (the playground page) and /inspect (the attention page of
-a text). Errors are OpenAI's shape; no request field ever names a file."""
+"""The HTTP side: a FastAPI app over one Scheduler. Routes: POST /v1/completions and POST /v1/chat/completions
+(JSON or server-sent events), GET /v1/models, /health, /metrics (Prometheus text), / (the playground page) and
+/inspect (the attention page of a text). Errors are OpenAI's shape; no request field ever names a file."""
 
 from __future__ import annotations
 
@@ -19,9 +19,10 @@ from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response, StreamingResponse
 
 from gptlab.errors import GptlabError
-from gptlab.serve.api import ApiError, Limits, completion_id, encode_prompts, envelope, parse_completion
+from gptlab.serve.api import (ApiError, CompletionRequest, Limits, chat_response, chat_stream, completion_id,
+                              encode_chat, encode_prompts, envelope, parse_chat, parse_completion, sse)
 from gptlab.serve.scheduler import Job, Scheduler
-from gptlab.tokenizer import EOT
+from gptlab.tokenizer import CHAT_TEMPLATE, EOT, ChatTokenizer
 
 
 @dataclass
@@ -58,6 +59,7 @@ def make_app(served: Served, limits: Limits, api_key: str | None = None) -> Fast
 
     check_key = _key_check(api_key)
     _add_completions(app, served, limits, scheduler, check_key)
+    _add_chat(app, served, limits, scheduler, check_key)
     _add_pages(app, served, limits, scheduler, check_key)
     _add_tokenizer_routes(app, served, limits, check_key)
     return app
@@ -81,27 +83,65 @@ def _add_completions(app: FastAPI, served: Served, limits: Limits, scheduler: Sc
     down), answered as JSON or as server-sent events; every answer counted in the metrics by its status."""
     context = served.model.config.block_size
 
+    def prepare(body: Any) -> CompletionRequest:
+        req = parse_completion(body, limits)
+        encode_prompts(req, served.tokenizer, context, limits)
+        return req
+
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        try:
-            check_key(request)
-            body = await _read_json(request, limits.max_body_bytes)
-            req = parse_completion(body, limits)
-            encode_prompts(req, served.tokenizer, context, limits)
-            job = Job(req, asyncio.get_running_loop(), asyncio.Queue())
-            if not scheduler.submit(job):
-                if scheduler.closing:
-                    raise ApiError(503, "the server is shutting down", type="server_error")
-                raise ApiError(429, f"the queue is full ({limits.queue} requests waiting); retry shortly",
-                               type="rate_limit_error", code="queue_full", headers={"Retry-After": "1"})
-        except ApiError as exc:
-            scheduler.metrics.count(exc.status)
-            raise
-        scheduler.metrics.count(200)
-        if req.stream:
-            return StreamingResponse(_stream(job, served), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        job = await _take(request, limits, scheduler, check_key, prepare)
+        if job.request.stream:
+            return _event_stream(_stream(job, served))
         return await _collect(job, served, request)
+
+
+def _add_chat(app: FastAPI, served: Served, limits: Limits, scheduler: Scheduler,
+              check_key: Callable[[Request], None]) -> None:
+    """POST /v1/chat/completions: the conversation rendered by the run's chat template, then queued, decoded and
+    counted as a completion is; answered in the chat API's shapes."""
+    context = served.model.config.block_size
+    ends = served.tokenizer.end_ids
+
+    def prepare(body: Any) -> CompletionRequest:
+        req = parse_chat(body, limits)
+        encode_chat(req, served.tokenizer, context, limits)
+        return req
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        job = await _take(request, limits, scheduler, check_key, prepare)
+        if job.request.stream:
+            return _event_stream(chat_stream(job, served.name, ends))
+        events = await _gather(job, request)
+        if isinstance(events, Response):
+            return events
+        return JSONResponse(chat_response(events, job, served.name, ends))
+
+
+async def _take(request: Request, limits: Limits, scheduler: Scheduler, check_key: Callable[[Request], None],
+                prepare: Callable[[Any], CompletionRequest]) -> Job:
+    """The request's key and body checked, `prepare`d into a CompletionRequest and queued as a Job (429 when the
+    queue is full, 503 while shutting down); every answer counted in the metrics by its status."""
+    try:
+        check_key(request)
+        req = prepare(await _read_json(request, limits.max_body_bytes))
+        job = Job(req, asyncio.get_running_loop(), asyncio.Queue())
+        if not scheduler.submit(job):
+            if scheduler.closing:
+                raise ApiError(503, "the server is shutting down", type="server_error")
+            raise ApiError(429, f"the queue is full ({limits.queue} requests waiting); retry shortly",
+                           type="rate_limit_error", code="queue_full", headers={"Retry-After": "1"})
+    except ApiError as exc:
+        scheduler.metrics.count(exc.status)
+        raise
+    scheduler.metrics.count(200)
+    return job
+
+
+def _event_stream(events: AsyncIterator[str]) -> StreamingResponse:
+    return StreamingResponse(events, media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
 
 def _add_pages(app: FastAPI, served: Served, limits: Limits, scheduler: Scheduler,
@@ -111,7 +151,8 @@ def _add_pages(app: FastAPI, served: Served, limits: Limits, scheduler: Schedule
     context = served.model.config.block_size
     inspector = _Inspector(served)
     page = resources.files("gptlab.serve").joinpath("playground.html").read_text(encoding="utf-8")
-    playground_page = page.replace("__MODEL__", json.dumps(served.name).replace("</", "<\\/"))
+    playground_page = page.replace("__MODEL__", json.dumps(served.name).replace("</", "<\\/")).replace(
+        "__CHAT__", json.dumps(isinstance(served.tokenizer, ChatTokenizer)))  # the Chat tab: runs with a template
 
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
@@ -179,8 +220,11 @@ def _add_tokenizer_routes(app: FastAPI, served: Served, limits: Limits,
     async def tokenizer_info(request: Request) -> Response:
         check_key(request)
         eos = EOT if served.tokenizer.eot_id is not None else None  # always the key: null without one
+        chat = isinstance(served.tokenizer, ChatTokenizer)  # its template and markers, so that clients render alike
         return JSONResponse({"tokenizer_class": served.tokenizer.kind, "eos_token": eos, "bos_token": eos,
-                             "pad_token": None, "model_max_length": context, "vocab_size": served.tokenizer.vocab_size})
+                             "pad_token": None, "model_max_length": context, "vocab_size": served.tokenizer.vocab_size,
+                             "chat_template": CHAT_TEMPLATE if chat else None,
+                             "chat_tokens": dict(served.tokenizer.special_ids) if chat else {}})
 
 
 async def _read_json(request: Request, limit: int) -> Any:
@@ -221,45 +265,38 @@ async def _stream(job: Job, served: Served) -> AsyncIterator[str]:
             for c in range(len(offsets)):
                 text = req.prompts[c // req.n]
                 offsets[c] = len(text)
-                yield _sse({**envelope(cid, served.name), "choices": [_choice(c, text, None, None)]})
+                yield sse({**envelope(cid, served.name), "choices": [_choice(c, text, None, None)]})
         while True:
             event = await job.events.get()
             if event[0] == "prompt":
                 _, p, entries = event
                 for c in range(p * req.n, (p + 1) * req.n):
                     offsets[c] = len(req.prompts[p])
-                    yield _sse({**envelope(cid, served.name), "choices": [_choice(c, req.prompts[p], entries, None)]})
+                    yield sse({**envelope(cid, served.name), "choices": [_choice(c, req.prompts[p], entries, None)]})
             elif event[0] == "token":
                 _, c, text, _, info, reason = event
-                yield _sse({**envelope(cid, served.name),
+                yield sse({**envelope(cid, served.name),
                             "choices": [_choice(c, text, _logprobs_entry(info, offsets[c]), reason)]})
                 offsets[c] += len(text)
             elif event[0] == "done":
-                yield _sse({**envelope(cid, served.name), "choices": [], "usage": event[1]})
+                yield sse({**envelope(cid, served.name), "choices": [], "usage": event[1]})
                 break
             else:
-                yield _sse({"error": {"message": event[1], "type": "server_error", "param": None, "code": None}})
+                yield sse({"error": {"message": event[1], "type": "server_error", "param": None, "code": None}})
                 break
         yield "data: [DONE]\n\n"
     finally:
         job.cancelled.set()  # finished, or the client left (the generator is closed): either way, free the rows
 
 
-def _sse(data: dict) -> str:
-    return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
-
-
 def _choice(index: int, text: str, logprobs: dict | None, reason: str | None) -> dict:
     return {"text": text, "index": index, "logprobs": logprobs, "finish_reason": reason}
 
 
-async def _collect(job: Job, served: Served, request: Request) -> Response:
-    """The whole completion as one JSON response; a client that leaves before the end cancels the job."""
-    req = job.request
-    size = job.size
-    texts = [req.prompts[c // req.n] if req.echo else "" for c in range(size)]
-    reasons: list[str | None] = [None] * size
-    logprobs = [{"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []} for _ in range(size)]
+async def _gather(job: Job, request: Request) -> list[tuple] | Response:
+    """Every event of the job up to its "done" (the last); instead, a 499 response where the client left before
+    the end (the job is cancelled), a 500 where generation failed."""
+    events: list[tuple] = []
     loop = asyncio.get_running_loop()
     checked = loop.time()
     try:
@@ -274,25 +311,39 @@ async def _collect(job: Job, served: Served, request: Request) -> Response:
                     return Response(status_code=499)
             if event is None:
                 continue
-            if event[0] == "prompt":
-                _, p, entries = event
-                for c in range(p * req.n, (p + 1) * req.n):
-                    for key, value in entries.items():
-                        logprobs[c][key] += value
-            elif event[0] == "token":
-                _, c, text, _, info, reason = event
-                if info is not None:
-                    for key, value in _logprobs_entry(info, len(texts[c])).items():
-                        logprobs[c][key] += value
-                texts[c] += text
-                reasons[c] = reason or reasons[c]
-            elif event[0] == "done":
-                usage = event[1]
-                break
-            else:
+            if event[0] == "error":
                 return JSONResponse(ApiError(500, event[1], type="server_error").body(), 500)
+            events.append(event)
+            if event[0] == "done":
+                return events
     finally:
         job.cancelled.set()
+
+
+async def _collect(job: Job, served: Served, request: Request) -> Response:
+    """The whole completion as one JSON response; a client that leaves before the end cancels the job."""
+    events = await _gather(job, request)
+    if isinstance(events, Response):
+        return events
+    req = job.request
+    size = job.size
+    texts = [req.prompts[c // req.n] if req.echo else "" for c in range(size)]
+    reasons: list[str | None] = [None] * size
+    logprobs = [{"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []} for _ in range(size)]
+    for event in events:
+        if event[0] == "prompt":
+            _, p, entries = event
+            for c in range(p * req.n, (p + 1) * req.n):
+                for key, value in entries.items():
+                    logprobs[c][key] += value
+        elif event[0] == "token":
+            _, c, text, _, info, reason = event
+            if info is not None:
+                for key, value in _logprobs_entry(info, len(texts[c])).items():
+                    logprobs[c][key] += value
+            texts[c] += text
+            reasons[c] = reason or reasons[c]
+    usage = events[-1][1]
     choices = [_choice(c, texts[c], logprobs[c] if req.logprobs is not None else None, reasons[c])
                for c in range(size)]
     return JSONResponse({**envelope(completion_id(), served.name), "choices": choices, "usage": usage})

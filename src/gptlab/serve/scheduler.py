@@ -267,11 +267,15 @@ class Scheduler:
 
 def top_logprobs(logits: torch.Tensor, token: int, top: int, tokenizer: Tokenizer) -> dict[str, Any]:
     """The chosen token's log-probability under the model (temperature 1, no filters) and the `top` most likely
-    tokens' (text -> logprob)."""
+    tokens' (text -> logprob, as completions give them; "ranked": most likely first, each with its bytes, as chat
+    completions give them)."""
     logp = torch.log_softmax(logits[0].float(), dim=-1)
-    best = torch.topk(logp, top) if top else None
-    alternatives = _top_dict([] if best is None else zip(best.values.tolist(), best.indices.tolist()), tokenizer, 5)
-    return {"token": tokenizer.decode([token]), "logprob": round(float(logp[token]), 5), "top": alternatives}
+    best = torch.topk(logp, min(top, logp.numel())) if top else None
+    pairs = [] if best is None else list(zip(best.values.tolist(), best.indices.tolist()))
+    ranked = [{"token": tokenizer.decode([i]), "logprob": round(v, 5), "bytes": list(tokenizer.decode_bytes([i]))}
+              for v, i in pairs]
+    return {"token": tokenizer.decode([token]), "logprob": round(float(logp[token]), 5),
+            "top": _top_dict(pairs, tokenizer, 5), "bytes": list(tokenizer.decode_bytes([token])), "ranked": ranked}
 
 
 def _top_dict(pairs, tokenizer: Tokenizer, digits: int | None) -> dict[str, float]:
