@@ -6,6 +6,7 @@ conversations start at one and train only on whole ones; the loss ignores the us
 step's lessons across micro-batches; fine-tuning grows the vocabulary by the markers (rows at the mean)."""
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -157,7 +158,31 @@ def test_prepare_chat_writes_the_ids_and_trains_only_the_assistant_s_tokens(tmp_
 def test_chat_loss_all_trains_every_token(tmp_path, capsys):
     write_jsonl(tmp_path / "c.jsonl", CONVERSATIONS * 2)
     run_ok(capsys, "prepare", "--chat", str(tmp_path / "c.jsonl"), "--out", str(tmp_path / "d"), "--chat-loss", "all")
-    assert np.asarray(load_dataset(tmp_path / "d").chat["train"][0]).all()
+    ds = load_dataset(tmp_path / "d")
+    assert set(np.asarray(ds.chat["train"][0]).tolist()) == {1}
+    assert ds.meta["chat"]["conversations"] == {"train": 5, "val": 1}  # round(6 x 0.1) = 1: at least one held out
+
+
+def test_a_prepare_that_fails_while_moving_its_files_in_leaves_no_meta_json(tmp_path, monkeypatch):
+    """meta.json is moved in last: a folder it is missing from is never taken for prepared data."""
+    import os
+
+    from gptlab.data import conversations
+
+    write_jsonl(tmp_path / "c.jsonl", CONVERSATIONS * 2)
+    moved = []
+
+    def replace(src, dst):
+        if Path(dst).parent == tmp_path / "d":  # moving in, not the staging folder's own atomic writes
+            if moved:
+                raise OSError(28, "No space left on device")
+            moved.append(dst)
+        os.rename(src, dst)
+
+    monkeypatch.setattr(conversations.os, "replace", replace)
+    with pytest.raises(GptlabError, match="No space left"):
+        prepare([str(tmp_path / "c.jsonl")], tmp_path / "d", PrepareConfig(chat=True), quiet=True)
+    assert len(moved) == 1 and not (tmp_path / "d" / "meta.json").exists()
 
 
 def test_a_long_conversation_is_split_before_a_user_turn_each_piece_keeping_the_system_message(tmp_path):
