@@ -153,7 +153,8 @@ def add_bench_chat(p: argparse.ArgumentParser) -> None:
         p.add_argument(f"--{flag}", type=kind, default=default, help=f"{text} (default {default})")
     p.add_argument("--precision", choices=TRAIN_PRECISIONS, default=d.precision,
                    help=f"training precision (default {d.precision})")
-    p.add_argument("--keep", metavar="DIR", help="work in DIR and keep the conversations, data and runs there")
+    p.add_argument("--keep", metavar="DIR", help="work in DIR (a new or empty folder) and keep the conversations, data "
+                   "and runs there")
 
 
 @BENCHES("chat", "chat fine-tuning on a synthetic task (reverse a word): a char GPT pretrained briefly, fine-tuned on "
