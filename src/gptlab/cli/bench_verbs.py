@@ -137,6 +137,45 @@ def bench_eval(args: argparse.Namespace) -> int:
     return 0
 
 
+def add_bench_chat(p: argparse.ArgumentParser) -> None:
+    from gptlab.bench.chat import ChatBenchSettings
+
+    d = ChatBenchSettings()
+    for flag, kind, text in (("train", int, "training conversations"), ("held", int, "held-out questions"),
+                             ("min-len", int, "shortest word"), ("max-len", int, "longest word"),
+                             ("alphabet", str, "the words' letters"), ("seed", int, "seed of the task and the runs"),
+                             ("n-layer", int, "the model's layers"), ("n-head", int, "its heads"),
+                             ("n-embd", int, "its width"), ("batch-size", int, "rows per training step"),
+                             ("base-steps", int, "the base's pretraining steps on Tiny Shakespeare"),
+                             ("steps", int, "fine-tuning steps of each variant"), ("lr", float, "fine-tuning's peak "
+                                                                                    "learning rate")):
+        default = getattr(d, flag.replace("-", "_"))
+        p.add_argument(f"--{flag}", type=kind, default=default, help=f"{text} (default {default})")
+    p.add_argument("--precision", choices=TRAIN_PRECISIONS, default=d.precision,
+                   help=f"training precision (default {d.precision})")
+    p.add_argument("--keep", metavar="DIR", help="work in DIR (a new or empty folder) and keep the conversations, data "
+                   "and runs there")
+
+
+@BENCHES("chat", "chat fine-tuning on a synthetic task (reverse a word): a char GPT pretrained briefly, fine-tuned on "
+         "generated conversations with the loss mask and without it: exact-match accuracy on held-out questions, "
+         "beside the base before fine-tuning", add_bench_chat)
+def bench_chat(args: argparse.Namespace) -> int:
+    import dataclasses
+
+    from gptlab.bench.chat import ChatBenchSettings, make_conversations, run_chat_bench
+
+    at_least(args, train=1, held=1, min_len=1, max_len=args.min_len, n_layer=1, n_head=1, n_embd=1, batch_size=1,
+             base_steps=1, steps=1)
+    if not args.lr > 0:
+        raise GptlabError(f"--lr must be > 0, not {args.lr}")
+    settings = ChatBenchSettings(**{f.name: getattr(args, f.name) for f in dataclasses.fields(ChatBenchSettings)
+                                    if hasattr(args, f.name)})
+    make_conversations(dataclasses.replace(settings, train=0))  # too few words: refused before any training
+    run_chat_bench(settings, folder=Path(args.keep) if args.keep else None)
+    return 0
+
+
 def add_bench_generate(p: argparse.ArgumentParser) -> None:
     add_device(p)
     p.add_argument("--new-tokens", type=int, default=256, help="tokens generated per row (default 256)")
