@@ -252,24 +252,31 @@ TMUX = shutil.which("tmux")
 
 
 class Pane:
-    """`gptlab chat` in a tmux pane of a tmux server of its own: keys in, screen out."""
+    """An interactive bash in a tmux pane of a tmux server of its own, as a user's terminal: keys in, screen out.
+    Its prompt is SHELL; a command typed at it runs in the foreground, where Ctrl-C reaches it alone."""
 
-    def __init__(self, command: str):
-        self.dir = tempfile.mkdtemp(prefix="chat-tmux-")
-        (Path(self.dir) / "conf").write_text("set -g remain-on-exit on\nset -g history-limit 5000\n")
-        self.tmux = [TMUX, "-S", f"{self.dir}/s", "-f", f"{self.dir}/conf"]
-        subprocess.run(self.tmux + ["new-session", "-d", "-x", "150", "-y", "50", "-s", "chat", command], check=True)
+    def __init__(self):
+        self.dir = Path(tempfile.mkdtemp(prefix="chat-tmux-"))
+        self.tmux = [TMUX, "-S", str(self.dir / "s"), "-f", "/dev/null"]
+        subprocess.run(self.tmux + ["new-session", "-d", "-x", "150", "-y", "50", "-s", "chat",
+                                    f"env PS1='{SHELL} ' HISTFILE= bash --norc --noprofile -i"], check=True)
 
-    def keys(self, *keys: str, literal: bool = False) -> None:
-        subprocess.run(self.tmux + ["send-keys", "-t", "chat"] + (["-l"] if literal else []) + list(keys), check=True)
+    def type(self, line: str) -> None:
+        """Type `line` and press Enter."""
+        subprocess.run(self.tmux + ["send-keys", "-t", "chat", "-l", line], check=True)
+        self.keys("Enter")
+
+    def keys(self, *keys: str) -> None:
+        subprocess.run(self.tmux + ["send-keys", "-t", "chat", *keys], check=True)
+
+    def run(self, command: str) -> None:
+        """Type a command that runs `command` (a file sourced by the shell: the screen shows a short line)."""
+        (self.dir / "command").write_text(command + "\n")
+        self.type(f". {self.dir / 'command'}")
 
     def screen(self) -> str:
         return subprocess.run(self.tmux + ["capture-pane", "-p", "-t", "chat", "-S", "-"], check=True,
                               capture_output=True, text=True).stdout
-
-    def dead_status(self) -> str:
-        return subprocess.run(self.tmux + ["display", "-p", "-t", "chat", "#{pane_dead} #{pane_dead_status}"],
-                              check=True, capture_output=True, text=True).stdout.strip()
 
     def wait(self, done, what: str, deadline: float = 120.0) -> str:
         """Poll the screen until done(screen); the deadline only keeps a broken run from hanging the tests."""
@@ -287,6 +294,13 @@ class Pane:
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
+SHELL = "shell$"
+
+
+def last_line(screen: str) -> str:
+    return ([x.rstrip() for x in screen.splitlines() if x.strip()] or [""])[-1]
+
+
 def prompts(screen: str) -> int:
     return len(re.findall(r"^you>", screen, re.M))
 
@@ -298,22 +312,25 @@ def test_a_conversation_in_a_terminal(talking):
     fresh = talking.answer([user("how are you?")])
     assert "\n" not in a1 + a2 + fresh and a2 != fresh  # premise: one line each, and /reset shows
     src = Path(gptlab.__file__).resolve().parents[1]
-    pane = Pane(f"env PYTHONPATH={src} {sys.executable} -m gptlab chat --run {talking.run} --device cpu "
-                f"--precision fp32 {' '.join(GREEDY)}")
+    pane = Pane()
     try:
+        pane.wait(lambda s: last_line(s) == SHELL, "the shell's prompt")
+        pane.run(f"env PYTHONPATH={src} {sys.executable} -m gptlab chat --run {talking.run} --device cpu "
+                 f"--precision fp32 {' '.join(GREEDY)}")
         pane.wait(lambda s: prompts(s) == 1, "the first prompt")
         for n, line in enumerate(["hello", "how are you?", "/reset", "how are you?"], 2):
-            pane.keys(line, literal=True)
-            pane.keys("Enter")
+            pane.type(line)
             screen = pane.wait(lambda s, n=n: prompts(s) == n, f"prompt {n}")
         shown = [x.rstrip() for x in screen.splitlines() if x.startswith(("you>", "assistant>"))]
         assert shown == ["you> hello", f"assistant> {a1}".rstrip(), "you> how are you?",
                          f"assistant> {a2}".rstrip(), "you> /reset", "you> how are you?",
                          f"assistant> {fresh}".rstrip(), "you>"]
         assert "the conversation is forgotten" in screen
-        pane.keys("C-c")  # at the prompt: the end, exit 130
-        pane.wait(lambda s: pane.dead_status().startswith("1 "), "the end of gptlab chat")
-        assert pane.dead_status() == "1 130"
-        assert "Traceback" not in pane.screen()
+        pane.keys("C-c")  # at the prompt: gptlab chat ends, and the shell's prompt is back
+        pane.wait(lambda s: last_line(s) == SHELL and prompts(s) == 5, "the shell's prompt after Ctrl-C")
+        pane.type("echo exit=$?")
+        screen = pane.wait(lambda s: re.search(r"^exit=\d+", s, re.M), "the exit code")
+        assert re.search(r"^exit=(\d+)", screen, re.M).group(1) == "130"
+        assert "Traceback" not in screen
     finally:
         pane.close()
