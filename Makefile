@@ -27,8 +27,8 @@ test: $(STAMP) browser
 # Debian packages some tests use, installed when missing and we are root with apt-get (otherwise those tests skip and
 # the summary says so): chromium, which the attention page's and the playground's tests drive with Playwright (pip's
 # Playwright cannot fetch its own browser here); the ARM64 cross compiler and qemu-user, which build and run the
-# decode kernel's ARM builds (tests/test_arm.py).
-APT_TOOLS := chromium:chromium aarch64-linux-gnu-g++:g++-aarch64-linux-gnu qemu-aarch64:qemu-user
+# decode kernel's ARM builds (tests/test_arm.py); tmux, the terminal tests/test_chat_cli.py drives `gptlab chat` in.
+APT_TOOLS := chromium:chromium aarch64-linux-gnu-g++:g++-aarch64-linux-gnu qemu-aarch64:qemu-user tmux:tmux
 browser:
 	@missing=""; for pair in $(APT_TOOLS); do command -v $${pair%%:*} >/dev/null 2>&1 || missing="$$missing $${pair#*:}"; \
 	  done; test -z "$$missing" || { test "$$(id -u)" = 0 && command -v apt-get >/dev/null && apt-get update -q && \

@@ -1,9 +1,9 @@
 """The `gptlab` command: it only parses and prints. Every verb is one entry of COMMANDS, made by `@command(name,
 help)` over a function that turns its flags into typed values, calls one library function and prints the result;
 its flags come from the function `add_NAME` beside it, in the same module: verbs.py (prepare, train, sample, eval,
-runs, compare, info), hf_verbs.py (import, export), inspect_verbs.py (inspect), serve_verbs.py (serve) and
-bench_verbs.py (bench); common.py holds the registry and the flags generated from config.py, and this module
-`main`. Policy lives in the library (runs.py: presets, overrides,
+runs, compare, info), chat_verbs.py (chat), hf_verbs.py (import, export), inspect_verbs.py (inspect), serve_verbs.py
+(serve) and bench_verbs.py (bench); common.py holds the registry and the flags generated from config.py, and this
+module `main`. Policy lives in the library (runs.py: presets, overrides,
 resumes, run folders; evaluate.py: scoring), so a Python caller gets what a command does.
 
 Flags for model, training and sampling settings are generated from the dataclasses in config.py, with their help
@@ -23,6 +23,7 @@ from gptlab.cli import (
     serve_verbs,  # noqa: F401
     verbs,  # noqa: F401  (each import registers its verbs; --help lists them in this order)
 )
+from gptlab.cli import chat_verbs  # noqa: F401, I001  (chat after verbs' info in --help)
 from gptlab.cli import hf_verbs  # noqa: F401, I001  (import and export after verbs' info in --help)
 from gptlab.cli.bench_verbs import BENCHES  # noqa: F401  (tests list the bench verbs)
 from gptlab.cli.common import COMMANDS, Parser

@@ -164,10 +164,7 @@ def cmd_sample(args: argparse.Namespace) -> int:
     from gptlab.textstream import TextStream
 
     set_threads()
-    settings = overrides(args, SampleConfig)
-    if "stop" in settings:
-        settings["stop"] = [unescape(s) for s in settings["stop"]]
-    cfg = build(SampleConfig, {}, settings)
+    cfg = sample_config(args)
     if args.num_samples < 1:  # before loading the model (the engine checks it too, for Python callers)
         raise GptlabError(f"--num-samples must be >= 1, not {args.num_samples}")
     prompt: list[int] = []  # read with the run's tokenizer before the model is prepared: a bad one is refused first
@@ -188,6 +185,16 @@ def cmd_sample(args: argparse.Namespace) -> int:
     for completion in stream.completions[1:]:
         sys.stdout.write("-" * 40 + "\n" + echo + completion.text + "\n")
     return 0
+
+
+def sample_config(args: argparse.Namespace, **defaults) -> SampleConfig:
+    """The sampling settings given by the flags of add_config_flags(SampleConfig) (`--stop` unescaped), over
+    `defaults`, over SampleConfig's own; GptlabError (one line) for a value out of range. `gptlab chat` reads its
+    flags here too."""
+    settings = overrides(args, SampleConfig)
+    if "stop" in settings:
+        settings["stop"] = [unescape(s) for s in settings["stop"]]
+    return build(SampleConfig, {}, {**defaults, **settings})
 
 
 def load_naive(args: argparse.Namespace, prompt: list[int]):
@@ -211,6 +218,16 @@ def load_naive(args: argparse.Namespace, prompt: list[int]):
     return ready
 
 
+def add_inference_flags(p: argparse.ArgumentParser) -> None:
+    """--device and --precision: where and in what a run's model generates (sample, chat)."""
+    add_device(p)
+    p.add_argument("--precision", choices=INFERENCE_PRECISIONS, default="auto",
+                   help="inference weights: fp32 (the reference), bf16 (faster where the hardware computes it "
+                        "natively; see docs/benchmarks.md), int8 (weight-only, per-row scales, fp32 activations: "
+                        "half bf16's bytes to read per token), or auto (bf16 where native or where the native "
+                        "decode step stores it, else fp32) (default auto)")
+
+
 def add_sample(p: argparse.ArgumentParser) -> None:
     p.add_argument("--run", help="run folder (default: the most recent under runs/)")
     p.add_argument("--prompt", help="text to continue (default: a newline, or end-of-text for BPE models)")
@@ -220,12 +237,7 @@ def add_sample(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-samples", type=int, default=1, help="continuations of the prompt, from one prefill; "
                    "sample i draws with --seed + i (as `gptlab serve` does for n)")
     p.add_argument("--no-echo", dest="echo_prompt", action="store_false", help="do not print the prompt")
-    add_device(p)
-    p.add_argument("--precision", choices=INFERENCE_PRECISIONS, default="auto",
-                   help="inference weights: fp32 (the reference), bf16 (faster where the hardware computes it "
-                        "natively; see docs/benchmarks.md), int8 (weight-only, per-row scales, fp32 activations: "
-                        "half bf16's bytes to read per token), or auto (bf16 where native or where the native "
-                        "decode step stores it, else fp32) (default auto)")
+    add_inference_flags(p)
     p.add_argument("--engine", choices=ENGINES, default="torch",
                    help="torch (the KV-cached engine and its fast paths) or reference (the naive C++ engine: fp32, "
                         "no KV cache, every step recomputes the window) (default torch)")
