@@ -44,7 +44,8 @@ def chat(tmp_path_factory):
     (root / "hf").mkdir()
     write_tokenizer_files(root / "hf", loaded.tokenizer, loaded.model.config.block_size)
     hf = transformers.AutoTokenizer.from_pretrained(str(root / "hf"), local_files_only=True)
-    return SimpleNamespace(run=run, plain=loaded.model.eval(), hf=hf, end=hf.convert_tokens_to_ids("<|end|>"))
+    ends = {hf.convert_tokens_to_ids(m) for m in ("<|end|>", "<|system|>", "<|user|>", "<|assistant|>")}
+    return SimpleNamespace(run=run, plain=loaded.model.eval(), hf=hf, ends=ends)  # a marker ends the turn too
 
 
 @pytest.fixture(scope="module")
@@ -93,7 +94,7 @@ def reference(chat, messages, temperature=1.0, seed=0, max_tokens=60, stop=()):
             probs, _ = reference_probs(logits.double().numpy(), np.zeros(len(logits)), cfg)
             token = int(np.searchsorted(np.cumsum(probs), torch.rand(1, generator=generator).item(), side="right"))
         drawn.append(token)
-        if token == chat.end:
+        if token in chat.ends:
             return chat.hf.decode(drawn[:-1]), "stop", drawn
         text = chat.hf.decode(drawn)
         hits = [text.index(s) for s in stop if s in text]
@@ -349,3 +350,22 @@ def test_the_playground_has_no_chat_tab_without_a_template(plain_server, browser
     assert view.locator("#prompt").is_visible() and view.locator("#model").inner_text() == "plain"
     view.close()
     assert not errors, errors
+
+
+def test_the_openai_client_s_answers_equal_gptlab_chat_s_with_the_same_seed_and_settings(chat, client):
+    """Two doors to one conversation: `gptlab chat` in the terminal (its first answer drawn with --seed) and the
+    server's chat route (seed), the same settings."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    for seed in (1, 4):
+        proc = subprocess.run([str(Path(sys.executable).parent / "gptlab"), "chat", "--run", str(chat.run), "--system",
+                               "Be brief.", "--seed", str(seed), "--temperature", "0.9", "--top-k", "20",
+                               "--max-new-tokens", "30", "--precision", "fp32", "--device", "cpu"],
+                              input="Hello there!\n", capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 0, proc.stderr
+        answer = proc.stdout.split("assistant> ", 1)[1].split("\nyou> ")[0].rstrip("\n")
+        got = client.chat.completions.create(model="chat-run", messages=HELLO, seed=seed, temperature=0.9,
+                                             max_tokens=30, extra_body={"top_k": 20})
+        assert got.choices[0].message.content == answer and len(answer) >= 2

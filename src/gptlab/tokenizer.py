@@ -34,7 +34,7 @@ class Tokenizer:
 
     @property
     def end_ids(self) -> frozenset[int]:
-        """The ids that end a generation: end-of-text, and a chat tokenizer's end of turn."""
+        """The ids that end a generation: end-of-text, and a chat tokenizer's markers."""
         return frozenset() if self.eot_id is None else frozenset([self.eot_id])
 
     def encode(self, text: str, allow_special: bool = False) -> list[int]:
@@ -238,7 +238,9 @@ class ChatTokenizer(Tokenizer):
 
     @property
     def end_ids(self) -> frozenset[int]:
-        return self.base.end_ids | {self.end_id}
+        """End-of-text, the end of a turn, and every role marker: a model that starts another turn ends its own
+        (a message cannot hold a marker, so an answer never does)."""
+        return self.base.end_ids | set(self.special_ids.values())
 
     def encode(self, text: str, allow_special: bool = False) -> list[int]:
         """The base tokenizer's ids of `text`; a chat marker in it is a special token only with allow_special

@@ -55,16 +55,14 @@ def cmd_chat(args: argparse.Namespace) -> int:
 
 
 def chat_config(args: argparse.Namespace, block_size: int) -> SampleConfig:
-    """The sampling settings of the answers: the flags, --max-new-tokens by default half the context (the rest
-    holds the conversation), and the role markers as stop strings (the model starting another turn ends its own)."""
-    from gptlab.tokenizer import CHAT_END, CHAT_TOKENS
-
+    """The sampling settings of the answers: the flags, and --max-new-tokens by default half the context (the rest
+    holds the conversation). An answer ends at the end of its turn or at any role marker (tokenizer.ChatTokenizer's
+    end_ids: the model starting another turn ends its own)."""
     cfg = sample_config(args, max_new_tokens=max(1, block_size // 2))
     if cfg.max_new_tokens >= block_size:
         raise GptlabError(f"--max-new-tokens {cfg.max_new_tokens} leaves no room for the conversation in the model's "
                           f"context of {block_size} tokens; give at most {block_size - 1}")
-    markers = [m for m in CHAT_TOKENS if m != CHAT_END and m not in cfg.stop]
-    return replace(cfg, stop=[*cfg.stop, *markers])
+    return cfg
 
 
 class Chat:
