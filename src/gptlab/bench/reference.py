@@ -16,7 +16,6 @@ import dataclasses
 import json
 import time
 from dataclasses import dataclass, field
-from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -95,12 +94,13 @@ def _step_paths(shape: ReferenceShape) -> list[StepPath]:
     from gptlab.model import GPT
     from gptlab.optim import make_optimizer
     from gptlab.reference.train import naive_model, naive_optimizer
+    from gptlab.data.batches import Dataset
     from gptlab.training.step import StepContext
 
     cfg, T = shape.train, shape.model.block_size
     stream = torch.Generator().manual_seed(cfg.seed)
     tokens = torch.randint(shape.model.vocab_size, (max(_TOKENS, T + 1),), generator=stream).numpy()
-    data = SimpleNamespace(train=tokens, val=tokens)
+    data = Dataset(path=None, train=tokens, val=tokens, tokenizer=None, meta={})
     paths = []
     for name, precision in ((NAIVE, "fp32"), ("torch fp32", "fp32"), fastest_torch()):
         torch.manual_seed(cfg.seed)
