@@ -366,3 +366,55 @@ def test_fine_tuning_grows_the_vocabulary_by_the_markers_at_the_mean_row(tmp_pat
     err = run_bad(capsys, "train", "--data", str(tmp_path / "chat"), "--init-from", str(tmp_path / "base"), "--run",
                   str(tmp_path / "short"), "--block-size", str(longest - 2), "--max-steps", "1", "--quiet")
     assert f"conversations of up to {longest}" in err and f"--context {longest - 2}" in err
+
+
+def test_validation_conversations_can_be_named_by_file_and_one_alone_is_not_enough(tmp_path, capsys):
+    write_jsonl(tmp_path / "train.jsonl", CONVERSATIONS * 3)
+    write_jsonl(tmp_path / "val.jsonl", CONVERSATIONS[1:2])
+    run_ok(capsys, "prepare", "--chat", str(tmp_path / "train.jsonl"), "--val", str(tmp_path / "val.jsonl"),
+           "--out", str(tmp_path / "d"))
+    ds = load_dataset(tmp_path / "d")
+    assert ds.meta["chat"]["conversations"] == {"train": 9, "val": 1} and ds.meta["split"] == "validation files"
+    assert (np.asarray(ds.val).tolist(), np.asarray(ds.chat["val"][0]).tolist()) == by_hand(
+        every_text(CONVERSATIONS), CONVERSATIONS[1])
+    write_jsonl(tmp_path / "one.jsonl", CONVERSATIONS[:1])
+    err = run_bad(capsys, "prepare", "--chat", str(tmp_path / "one.jsonl"), "--out", str(tmp_path / "e"))
+    assert "one.jsonl holds 1 conversation(s); training and validation need at least 2" in err
+    (tmp_path / "empty.jsonl").write_text("\n")
+    err = run_bad(capsys, "prepare", "--chat", str(tmp_path / "train.jsonl"), "--val", str(tmp_path / "empty.jsonl"),
+                  "--out", str(tmp_path / "e"))
+    assert "holds 0 conversation(s); give at least 1" in err and not (tmp_path / "e").exists()
+
+
+def test_an_assistant_turn_of_exactly_the_context_is_taken(tmp_path):
+    write_jsonl(tmp_path / "c.jsonl", [[{"role": "assistant", "content": "y" * 14}]] * 2)  # 1 + 14 + 1 ids
+    prepare([str(tmp_path / "c.jsonl")], tmp_path / "d", PrepareConfig(chat=True, context=16), quiet=True)
+    assert load_dataset(tmp_path / "d").meta["chat"]["longest"] == 16
+
+
+def test_the_same_conversations_again_change_nothing_and_others_are_refused(tmp_path, capsys):
+    write_jsonl(tmp_path / "c.jsonl", CONVERSATIONS * 2)
+    argv = ["prepare", "--chat", str(tmp_path / "c.jsonl"), "--out", str(tmp_path / "d")]
+    run_ok(capsys, *argv)
+    before, written = tree(tmp_path / "d"), (tmp_path / "d" / "meta.json").stat().st_mtime_ns
+    run_ok(capsys, *argv)
+    assert tree(tmp_path / "d") == before and (tmp_path / "d" / "meta.json").stat().st_mtime_ns == written
+    write_jsonl(tmp_path / "c.jsonl", CONVERSATIONS * 3)
+    assert "prepared from other inputs or settings" in run_bad(capsys, *argv)
+    assert tree(tmp_path / "d") == before
+    run_ok(capsys, *argv, "--overwrite")
+    assert load_dataset(tmp_path / "d").meta["chat"]["conversations"]["train"] == 8
+
+
+def test_conversation_files_that_do_not_match_the_tokens_are_refused(tmp_path):
+    write_jsonl(tmp_path / "c.jsonl", CONVERSATIONS * 2)
+    prepare([str(tmp_path / "c.jsonl")], tmp_path / "d", PrepareConfig(chat=True), quiet=True)
+    mask = np.load(tmp_path / "d" / "train.mask.npy")
+    np.save(tmp_path / "d" / "train.mask.npy", mask[:-1])
+    with pytest.raises(GptlabError, match="do not match its token files"):
+        load_dataset(tmp_path / "d")
+    np.save(tmp_path / "d" / "train.mask.npy", mask)
+    starts = np.load(tmp_path / "d" / "train.starts.npy")
+    np.save(tmp_path / "d" / "train.starts.npy", starts[:-1])
+    with pytest.raises(GptlabError, match="do not match its token files"):
+        load_dataset(tmp_path / "d")
