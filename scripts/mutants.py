@@ -113,6 +113,9 @@ MODULES = {
     # issue 27: conversations, the chat template, rows and lessons of conversations, the markers' rows under LoRA
     "chat": _m("chat data/conversations", "test_conversations test_lora_chat"),
     "chat.tokenizer": _m("tokenizer", "test_tokenizer test_conversations"),
+    "chat.cli": _m("cli/chat_verbs", "test_chat_cli test_serve_chat::"
+                   "test_the_openai_client_s_answers_equal_gptlab_chat_s_with_the_same_seed_and_settings"),
+    "bench.chat": _m("bench/chat", "test_bench_chat"),
     "chat.training": _m("data/batches training/step",
                         "test_conversations test_data test_train "
                         "test_distributed::test_conversations_train_in_two_processes_like_in_one"),
