@@ -353,7 +353,7 @@ def test_prepare_flags_keep_their_spellings_and_defaults_and_a_switch_takes_no_v
         "paths": [], "out": None, "overwrite": False, "quiet": False, "tokenizer": "char", "tokenizer_from": "",
         "allow_special": False, "vocab_size": 1024, "val_fraction": 0.1, "seed": 0, "val": None, "encoding": "utf-8",
         "text_field": "text", "include": None, "exclude": None, "strict": False, "workers": None,
-        "shard_tokens": 100_000_000}
+        "shard_tokens": 100_000_000, "chat": False, "context": 1024, "chat_loss": "assistant"}
     args = make_parser().parse_args([
         "prepare", "--strict", "--allow-special", "a.txt", "--include", "*.py", "--include", "*.md", "--exclude",
         "tests/*", "--val", "v/", "--tokenizer", "bpe", "--tokenizer-from", "runs/x", "--vocab-size", "300",

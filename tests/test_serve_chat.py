@@ -369,3 +369,18 @@ def test_the_openai_client_s_answers_equal_gptlab_chat_s_with_the_same_seed_and_
         got = client.chat.completions.create(model="chat-run", messages=HELLO, seed=seed, temperature=0.9,
                                              max_tokens=30, extra_body={"top_k": 20})
         assert got.choices[0].message.content == answer and len(answer) >= 2
+
+
+def test_the_readme_s_chat_client_example_runs_against_a_live_server(server, capsys):
+    """The README's openai example, as written, but for the server's address: an answer, then the same streamed."""
+    import re
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8")
+    [code] = [b for b in re.findall(r"```python\n(.*?)```", readme, re.S) if "chat.completions" in b]
+    code = code.replace("http://localhost:8000", server.url)
+    exec(compile(code, "README.md", "exec"), {})
+    printed = capsys.readouterr().out.splitlines()
+    answer, reason, total = printed[0].rsplit(" ", 2)
+    assert reason in ("stop", "length") and int(total) > 0
+    assert printed[1] == answer  # the stream with the same seed writes the same answer

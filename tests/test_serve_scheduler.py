@@ -153,8 +153,11 @@ def test_top_logprobs_are_the_log_softmax_rounded_to_5_places():
     logits = torch.tensor([[0.5, 1.2, 3.0]])
     lse = math.log(math.exp(0.5) + math.exp(1.2) + math.exp(3.0))
     assert top_logprobs(logits, 1, 2, tokenizer) == {
-        "token": "é", "logprob": round(1.2 - lse, 5), "top": {"€": round(3.0 - lse, 5), "é": round(1.2 - lse, 5)}}
-    assert top_logprobs(logits, 0, 0, tokenizer) == {"token": "x", "logprob": round(0.5 - lse, 5), "top": {}}
+        "token": "é", "logprob": round(1.2 - lse, 5), "top": {"€": round(3.0 - lse, 5), "é": round(1.2 - lse, 5)},
+        "bytes": [0xC3, 0xA9], "ranked": [{"token": "€", "logprob": round(3.0 - lse, 5), "bytes": [0xE2, 0x82, 0xAC]},
+                                          {"token": "é", "logprob": round(1.2 - lse, 5), "bytes": [0xC3, 0xA9]}]}
+    assert top_logprobs(logits, 0, 0, tokenizer) == {"token": "x", "logprob": round(0.5 - lse, 5), "top": {},
+                                                     "bytes": [0x78], "ranked": []}
     assert all(round(v - lse, 6) != round(v - lse, 5) for v in (0.5, 1.2, 3.0))  # a 6th place would show
 
 
@@ -200,7 +203,7 @@ def test_logprobs_are_the_plain_forwards_and_zero_gives_no_alternatives(make):
         assert info["logprob"] == pytest.approx(float(logp[token]), abs=2e-5)
         assert list(info["top"]) == [TOKENIZER.decode([int(i)]) for i in best.indices]
         assert list(info["top"].values()) == pytest.approx(best.values.tolist(), abs=2e-5)
-        assert info0 == {**info, "top": {}}
+        assert info0 == {**info, "top": {}, "ranked": []}
         context.append(token)
 
 
