@@ -418,3 +418,21 @@ def test_conversation_files_that_do_not_match_the_tokens_are_refused(tmp_path):
     np.save(tmp_path / "d" / "train.starts.npy", starts[:-1])
     with pytest.raises(GptlabError, match="do not match its token files"):
         load_dataset(tmp_path / "d")
+
+
+def test_a_whole_conversation_renders_each_message_s_mask_and_the_prompt_is_not_trained(tokenizers):
+    chars = every_text(CONVERSATIONS)
+    tok = tokenizers["char"]
+    for messages in CONVERSATIONS:
+        ids, mask = by_hand(chars, messages)
+        assert tok.render(messages) == (ids, [bool(m) for m in mask])
+        assert tok.render(messages, add_generation_prompt=True) == (ids + [tok.role_ids["assistant"]],
+                                                                    [bool(m) for m in mask] + [False])
+
+
+def test_markers_in_text_are_special_tokens_only_when_allowed_and_bad_bytes_decode_replaced(tokenizers):
+    tok = tokenizers["gpt2"]
+    assert tok.encode("<|user|>hi<|end|>", allow_special=True) == [tok.role_ids["user"], *tok.encode("hi"),
+                                                                   tok.end_id]
+    bad = [i for i in range(256) if tok.decode_bytes([i]) == b"\xff"]
+    assert tok.decode(bad + [tok.end_id]) == "\ufffd<|end|>"

@@ -4,7 +4,7 @@ import pytest
 from hypothesis import assume, given, strategies as st
 
 from gptlab.errors import GptlabError
-from gptlab.tokenizer import EOT, BPETokenizer, CharTokenizer, GPT2Tokenizer, StreamDecoder, load
+from gptlab.tokenizer import EOT, BPETokenizer, CharTokenizer, GPT2Tokenizer, StreamDecoder, load, train_tokenizer
 
 VARIED = "Héllo wörld — naïve café 😀🚀 日本語テキスト\n\n\t  spaces   and 12345 don't we'll\n"
 
@@ -121,3 +121,24 @@ def test_gpt2_round_trip_on_any_text_and_in_a_stream(text):
     assert b"".join(tok.decode_bytes([i]) for i in ids) == text.encode("utf-8")
     decoder = StreamDecoder(tok)
     assert "".join([decoder.push([i]) for i in ids] + [decoder.flush()]) == text
+
+
+def test_more_than_ten_unseen_characters_are_shown_ten_and_an_ellipsis():
+    tok = CharTokenizer("ab")
+    with pytest.raises(GptlabError) as many:
+        tok.encode("cdefghijklm")  # 11 unseen
+    with pytest.raises(GptlabError) as ten:
+        tok.encode("cdefghijkl")
+    assert str(many.value).count("'") == 20 and " ..." in str(many.value) and " ..." not in str(ten.value)
+
+
+def test_train_tokenizer_builds_each_kind():
+    assert isinstance(train_tokenizer("gpt2", []), GPT2Tokenizer)
+    assert isinstance(train_tokenizer("char", ["ab"]), CharTokenizer)
+
+
+def test_the_stream_decoder_replaces_bytes_that_are_not_utf8():
+    tok = GPT2Tokenizer()
+    bad = [i for i in range(256) if tok.decode_bytes([i]) == b"\xff"]  # a byte no UTF-8 text holds
+    stream = StreamDecoder(tok)
+    assert len(bad) == 1 and stream.push(bad + tok.encode("ok")) + stream.flush() == "\ufffdok"
