@@ -107,3 +107,26 @@ def test_a_merged_export_carries_the_markers_and_the_template_to_transformers(tu
         torch.testing.assert_close(model(input_ids=x).logits, ours.model(x)[0], rtol=0, atol=1e-5)
     ids = tokenizer.apply_chat_template(CHATS[3], tokenize=True)
     assert list(ids["input_ids"] if hasattr(ids, "keys") else ids) == ours.tokenizer.render(CHATS[3])[0]
+
+
+def test_a_peft_folder_with_bad_token_indices_or_a_damaged_config_is_one_line(tuned, capsys, tmp_path):
+    import shutil
+
+    from helpers import run_bad
+
+    if not (tuned / "peft").exists():
+        run_ok(capsys, "export", str(tuned / "runs" / "chat"), "--format", "peft", "--out", str(tuned / "peft"))
+    config = json.loads((tuned / "peft" / "adapter_config.json").read_text())
+    for n, (indices, words) in enumerate(((["a", "b"], "not a list of token ids"), ({"lm_head": [1]}, "not a list"),
+                                          ({"transformer.wte": [50257, 50258, 50259, 50260]}, None))):
+        folder = tmp_path / f"p{n}"
+        shutil.copytree(tuned / "peft", folder)
+        (folder / "adapter_config.json").write_text(json.dumps({**config, "trainable_token_indices": indices}))
+        argv = ["import", "peft", str(folder), "--base", str(tuned / "runs" / "base"), "--run", str(tmp_path / f"r{n}")]
+        if words:
+            assert words in run_bad(capsys, *argv)
+        else:  # one embedding's ids by module name, as PEFT also writes them
+            run_ok(capsys, *argv)
+    (folder / "adapter_config.json").write_text("{")
+    assert "is damaged (not valid JSON)" in run_bad(capsys, "import", "peft", str(folder), "--base",
+                                                    str(tuned / "runs" / "base"), "--run", str(tmp_path / "r9"))
