@@ -130,3 +130,23 @@ def test_a_peft_folder_with_bad_token_indices_or_a_damaged_config_is_one_line(tu
     (folder / "adapter_config.json").write_text("{")
     assert "is damaged (not valid JSON)" in run_bad(capsys, "import", "peft", str(folder), "--base",
                                                     str(tuned / "runs" / "base"), "--run", str(tmp_path / "r9"))
+
+
+def test_a_peft_export_takes_the_best_checkpoint_not_the_latest(tuned, capsys, tmp_path, monkeypatch):
+    import shutil
+
+    from safetensors.torch import load_file
+
+    from gptlab.hf.peft import PEFT_TOKENS, PREFIX, export_peft
+
+    run = tmp_path / "chat"
+    shutil.copytree(tuned / "runs" / "chat", run)
+    monkeypatch.chdir(tuned)  # the run names its base as it was given: runs/base, from there
+    run_ok(capsys, "train", "--run", str(run), "--resume", "--max-steps", "9", "--eval-interval", "100",
+           "--lr", "1.0", "--min-lr", "1.0", "--quiet")  # three more steps at a learning rate far too high
+    best, latest = find_checkpoint(run, "best"), find_checkpoint(run, "step")
+    assert (best.step, latest.step) == (6, 9)  # the last evaluation, at step 9, was worse
+    export_peft(run, tmp_path / "peft")
+    exported = load_file(tmp_path / "peft" / "adapter_model.safetensors")
+    torch.testing.assert_close(exported[PREFIX + PEFT_TOKENS], read_tensors(best.path, "model")[
+        "transformer.wte.token_values"], rtol=0, atol=0)
