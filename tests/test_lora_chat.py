@@ -141,7 +141,7 @@ def test_a_peft_export_takes_the_best_checkpoint_not_the_latest(tuned, capsys, t
 
     run = tmp_path / "chat"
     shutil.copytree(tuned / "runs" / "chat", run)
-    monkeypatch.chdir(tuned)  # the run names its base as it was given: runs/base, from there
+    monkeypatch.chdir(tmp_path)  # elsewhere than where it was started with --init-from runs/base: found all the same
     run_ok(capsys, "train", "--run", str(run), "--resume", "--max-steps", "9", "--eval-interval", "100",
            "--lr", "1.0", "--min-lr", "1.0", "--quiet")  # three more steps at a learning rate far too high
     best, latest = find_checkpoint(run, "best"), find_checkpoint(run, "step")

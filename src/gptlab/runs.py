@@ -85,8 +85,10 @@ def resolve(preset: str | None = None, model: dict[str, Any] | None = None, trai
     model_cfg = build(ModelConfig, model_base, model)
     train_cfg = build(TrainConfig, train_base, train)
     data_dir = data_dir_for(data, extra["preset"], quiet, run_dir if resume else None)
-    if init_from and not resume and model_cfg.vocab_size:  # 0 is "the data's", taken when training starts
-        model_cfg.vocab_size = max(model_cfg.vocab_size, _data_vocab(data_dir))  # + the chat markers, if any
+    if init_from and not resume:
+        train_cfg.init_from = str(Path(init_from).resolve())  # recorded whole: a resume finds it from anywhere
+        if model_cfg.vocab_size:  # 0 is "the data's", taken when training starts
+            model_cfg.vocab_size = max(model_cfg.vocab_size, _data_vocab(data_dir))  # + the chat markers, if any
     return TrainSpec(run_dir, data_dir, model_cfg, train_cfg, bool(resume), extra["preset"], extra)
 
 
