@@ -268,9 +268,6 @@ class ChatTokenizer(Tokenizer):
                 run.append(i)
         return bytes(out)
 
-    def decode(self, ids: Sequence[int]) -> str:
-        return self.decode_bytes(ids).decode("utf-8", errors="replace")
-
     def render(self, messages: Sequence[dict[str, str]],
                add_generation_prompt: bool = False) -> tuple[list[int], list[bool]]:
         """The ids of a conversation (messages with "role" and "content", already checked) and, for each id,
