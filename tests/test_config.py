@@ -91,3 +91,11 @@ def test_prepare_settings_default_as_prepare_always_did_and_a_validation_corpus_
 def test_every_setting_says_what_it_does():
     for cls in (ModelConfig, TrainConfig, SampleConfig, PrepareConfig):
         assert all(text for text, _, _ in field_help(cls).values()), cls.__name__
+
+
+def test_chat_settings_are_checked_once():
+    assert PrepareConfig(chat=True, context=8, chat_loss="all").context == 8  # the smallest context taken
+    with pytest.raises(GptlabError, match="--context must be at least 8 tokens, not 7"):
+        PrepareConfig(chat=True, context=7)
+    with pytest.raises(GptlabError, match="chat_loss"):
+        PrepareConfig(chat=True, chat_loss="user")
