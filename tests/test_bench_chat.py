@@ -84,8 +84,12 @@ def test_conversations_are_seeded():
     assert make_conversations(settings) != make_conversations(ChatBenchSettings(train=50, held=5, seed=1))
 
 
-def test_bad_bench_flags_are_one_line(capsys):
+def test_bad_bench_flags_are_one_line(capsys, tmp_path):
     assert main(["bench", "chat", "--steps", "0"]) == 2
     assert "--steps must be >= 1, not 0" in capsys.readouterr().err
-    assert main(["bench", "chat", "--held", "30", "--min-len", "1", "--max-len", "1", "--alphabet", "ab"]) == 2
+    assert main(["bench", "chat", "--lr", "0"]) == 2
+    assert "--lr must be > 0, not 0.0" in capsys.readouterr().err
+    assert main(["bench", "chat", "--held", "30", "--min-len", "1", "--max-len", "1", "--alphabet", "ab", "--keep",
+                 str(tmp_path / "kept")]) == 2
     assert "too few" in capsys.readouterr().err
+    assert not (tmp_path / "kept").exists() or not any((tmp_path / "kept").iterdir())  # refused before any work

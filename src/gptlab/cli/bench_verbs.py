@@ -163,7 +163,7 @@ def add_bench_chat(p: argparse.ArgumentParser) -> None:
 def bench_chat(args: argparse.Namespace) -> int:
     import dataclasses
 
-    from gptlab.bench.chat import ChatBenchSettings, make_conversations, run_chat_bench
+    from gptlab.bench.chat import ChatBenchSettings, run_chat_bench  # too few words: refused before any training
 
     at_least(args, train=1, held=1, min_len=1, max_len=args.min_len, n_layer=1, n_head=1, n_embd=1, batch_size=1,
              base_steps=1, steps=1)
@@ -171,7 +171,6 @@ def bench_chat(args: argparse.Namespace) -> int:
         raise GptlabError(f"--lr must be > 0, not {args.lr}")
     settings = ChatBenchSettings(**{f.name: getattr(args, f.name) for f in dataclasses.fields(ChatBenchSettings)
                                     if hasattr(args, f.name)})
-    make_conversations(dataclasses.replace(settings, train=0))  # too few words: refused before any training
     run_chat_bench(settings, folder=Path(args.keep) if args.keep else None)
     return 0
 
