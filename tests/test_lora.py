@@ -21,6 +21,7 @@ from gptlab.errors import GptlabError
 from gptlab.hf.hf import load_hf_model
 from gptlab.inference import load_for_inference
 from gptlab.optim import make_optimizer
+from gptlab.runtime import bf16_supported
 
 TINY = dict(vocab_size=50257, n_embd=32, n_head=2, n_layer=2, n_positions=64)
 LORA = ["--block-size", "32", "--batch-size", "4", "--grad-accum", "1", "--lr", "1e-2", "--min-lr", "1e-2",
@@ -180,6 +181,34 @@ def test_a_resumed_lora_run_ends_exactly_where_one_straight_run_does(at, capsys)
     assert all(lora.is_adapter(k) for k in a)  # the base is not copied into the run's checkpoints
     optimizer = load_file(at / "runs/halves/checkpoints/step-00000008/optimizer.safetensors")
     assert sum(t.numel() for t in optimizer.values() if t.dim() > 0) == 2 * 4096  # AdamW's two moments, adapters
+
+
+@pytest.mark.device_path("bf16 native")
+@pytest.mark.skipif(not bf16_supported(torch.device("cpu")), reason="this CPU has no native bf16: training refuses bf16")
+def test_a_bf16_lora_run_stores_its_frozen_matrices_in_bf16_and_trains_the_same_bits(at, capsys, monkeypatch):
+    """The same adapters, bit for bit, with the base's block matrices stored in bf16 (as the run does) and with them
+    kept in fp32 (the storage switched off): autocast rounds them to bf16 before every product either way. With
+    --loss-chunk on top, the adapters land within bf16's noise of the plain run's; a logger's sample at the end is
+    drawn in the run's precision (in fp32 the bf16 matrices would be refused)."""
+    from gptlab import model as model_module
+    from gptlab.training import train as training
+
+    real, stored = lora.store_frozen_matrices, []
+    monkeypatch.setattr(training.lora, "store_frozen_matrices", lambda model, dtype: stored.append(
+        sorted(n for n, p in model.named_parameters() if p.dim() == 2 and not p.requires_grad)) or real(model, dtype))
+    bf16 = [*LORA, "--init-from", "runs/base", "--data", "data", "--max-steps", "4", "--precision", "bf16"]
+    run_ok(capsys, "train", "--run", "runs/bf16", *bf16)
+    chunked, real_loss = [], model_module.chunked_loss
+    monkeypatch.setattr(model_module, "chunked_loss", lambda *a: chunked.append(a[-1]) or real_loss(*a))
+    run_ok(capsys, "train", "--run", "runs/bf16-chunked", "--loss-chunk", "24", "--log", "tensorboard", *bf16)
+    assert chunked == [24] * 4  # one micro-batch per step
+    assert len(stored) == 2 and len(stored[0]) == 2 * 4 + 2  # every block's 4 matrices, and wte and wpe
+    monkeypatch.setattr(training.lora, "store_frozen_matrices", lambda model, dtype: 0)
+    run_ok(capsys, "train", "--run", "runs/bf16-fp32-base", *bf16)
+    a, b, c = (load_file(at / f"runs/{name}/checkpoints/step-00000004/model.safetensors")
+               for name in ("bf16", "bf16-fp32-base", "bf16-chunked"))
+    assert a.keys() == b.keys() == c.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert all((c[k] - a[k]).abs().max() <= 0.02 * a[k].abs().max() for k in a)
 
 
 def test_info_and_runs_show_the_base_and_the_adapters(at, capsys):
@@ -399,6 +428,7 @@ def test_a_peft_adapter_of_another_type_or_with_dropout_imports_as_it_says(at, c
 def test_bench_train_sets_lora_beside_full_fine_tuning_with_memory_split(char_data, monkeypatch, capsys):
     """The tiny bench: full fine-tuning, LoRA and LoRA with activation checkpointing, each one's memory measured in a
     fresh process; the split's weights and trained bytes worked out here (no timing is asserted)."""
+    from gptlab import model as model_module
     from gptlab.bench import peak
     from gptlab.bench.train import lora_variants, run_train_bench
     from gptlab.config import ModelConfig
@@ -407,13 +437,18 @@ def test_bench_train_sets_lora_beside_full_fine_tuning_with_memory_split(char_da
     monkeypatch.setattr(peak, "measure_peak", lambda device, quick: Peak(1e10, "test", bf16=2e10))
     model = ModelConfig(block_size=32, n_layer=3, n_head=2, n_embd=48, dropout=0.1, vocab_size=0)
     variants = lora_variants(torch.device("cpu"), 4)
-    rows = run_train_bench(char_data, model, TrainConfig(batch_size=4, lr=3e-3, warmup_steps=1, device="cpu"),
-                           steps=1, warmup=0, variants=variants, memory=True)
+    chunks, real = [], model_module.chunked_loss
+    monkeypatch.setattr(model_module, "chunked_loss", lambda *a: chunks.append(a[-1]) or real(*a))
+    rows = run_train_bench(char_data, model, TrainConfig(batch_size=4, lr=3e-3, warmup_steps=1, device="cpu",
+                                                         loss_chunk=40), steps=1, warmup=0, variants=variants,
+                           memory=True)
+    assert chunks == [40] * 3  # each variant's step here (the memory is measured in processes of its own)
     lines = capsys.readouterr().out.strip().splitlines()
     V = len(set(CORPUS))
     params = V * 48 + 32 * 48 + 3 * (12 * 48 * 48 + 13 * 48) + 2 * 48  # tied head; biases, LayerNorms
     adapters = 3 * 4 * (48 + 3 * 48)  # rank 4 on c_attn (48 -> 144) in 3 blocks
-    assert [r["weights_bytes"] for r in rows] == [params * 4, (params + adapters) * 4, (params + adapters) * 4]
+    halved = 3 * 12 * 48 * 48 * 2 if variants[1].precision == "bf16" else 0  # LoRA's frozen matrices in bf16
+    assert [r["weights_bytes"] for r in rows] == [params * 4, *[(params + adapters) * 4 - halved] * 2]
     assert [r["trained_bytes"] for r in rows] == [params * 12, adapters * 12, adapters * 12]
     assert 0 < rows[2]["saved_bytes"] < rows[1]["saved_bytes"] / 2  # the checkpointed blocks keep their inputs only
     assert rows[0]["step_bytes"] >= params * 4  # a step of full fine-tuning makes every weight's gradient
@@ -430,10 +465,14 @@ def test_bench_train_lora_rank_runs_the_three_variants_with_memory(monkeypatch, 
 
     seen = {}
     monkeypatch.chdir(tmp_path)  # the bench prepares the bundled corpus here
-    monkeypatch.setattr(gptlab.bench.train, "run_train_bench", lambda data, model, cfg, **kw: seen.update(kw))
+    monkeypatch.setattr(gptlab.bench.train, "run_train_bench", lambda data, model, cfg, **kw: seen.update(kw, cfg=cfg))
     assert main_ok("bench", "train", "--lora-rank", "6", "--device", "cpu")
     assert [(v.lora_rank, v.checkpointing) for v in seen["variants"]] == [(0, False), (6, False), (6, True)]
-    assert seen["memory"] is True
+    assert seen["memory"] is True and seen["cfg"].loss_chunk == 0
+    assert main_ok("bench", "train", "--lora-rank", "6", "--device", "cpu", "--loss-chunk", "128")
+    assert seen["cfg"].loss_chunk == 128  # every variant's, the reference's too
+    assert main_ok("bench", "train", "--loss-chunk", "-2") is False
+    assert "loss_chunk must be >= 0" in capsys.readouterr().err
     for bad in (["--lora-rank", "0"], ["--lora-rank", "4", "--activation-checkpointing"]):
         assert main_ok("bench", "train", *bad) is False
         assert "is its own comparison" in capsys.readouterr().err

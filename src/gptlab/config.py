@@ -101,6 +101,9 @@ class TrainConfig:
     fsdp: bool = setting(False, "with several processes: shard weights, gradients and AdamW state (FSDP2)")
     activation_checkpointing: bool = setting(False, "keep only each block's input in the forward pass and "
                                                     "recompute the block in backward: less memory, more time")
+    loss_chunk: int = setting(0, "compute the training loss over chunks of this many positions, each chunk's logits "
+                                 "recomputed in backward instead of kept: less memory with a large vocabulary "
+                                 "(e.g. 256 for GPT-2's; 0: every position's logits at once)")
     keep_last: int = setting(2, "valid step checkpoints to keep (at least 2)")
     spike_factor: float = setting(0.0, "stop when the loss stays above this multiple of its recent mean (0: off)")
     spike_patience: int = setting(3, "steps the loss must stay that high before the run stops")
@@ -132,6 +135,7 @@ class TrainConfig:
         _check(self.lr_decay_steps >= 0, f"lr_decay_steps must be >= 0, not {self.lr_decay_steps}")
         _check(self.weight_decay >= 0, f"weight_decay must be >= 0, not {self.weight_decay}")
         _check(0 <= self.beta1 < 1 and 0 <= self.beta2 < 1, "beta1 and beta2 must be in [0, 1)")
+        _check(self.loss_chunk >= 0, f"loss_chunk must be >= 0 (0: the whole loss at once), not {self.loss_chunk}")
         _check(self.grad_clip >= 0, f"grad_clip must be >= 0 (0 turns clipping off), not {self.grad_clip}")
         _check(self.keep_last >= 2, f"keep_last must be at least 2, not {self.keep_last}")
         _check(self.spike_factor == 0 or self.spike_factor > 1,
@@ -179,7 +183,7 @@ def _check_reference(cfg: TrainConfig) -> None:
     """The settings the reference engine does not implement, each refused in one line that says so."""
     unsupported = {"optimizer muon": cfg.optimizer == "muon", f"precision {cfg.precision}": cfg.precision == "bf16",
                    "compile": cfg.compile, "fsdp": cfg.fsdp, f"device {cfg.device}": cfg.device in ("cuda", "mps"),
-                   "activation checkpointing": cfg.activation_checkpointing}
+                   "activation checkpointing": cfg.activation_checkpointing, "loss_chunk": cfg.loss_chunk > 0}
     for name, given in unsupported.items():
         _check(not given, f"the reference engine does not implement {name} (it trains with AdamW in fp32 on the "
                           "CPU, one process); drop that setting or use --engine torch")

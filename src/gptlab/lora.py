@@ -132,6 +132,12 @@ class TrainableTokensHead(nn.Linear):
         logits[..., tokens.token_ids] = F.linear(x, tokens.token_values).to(logits.dtype)
         return logits
 
+    def tied_weight(self) -> torch.Tensor:
+        """The whole (V, C) weight this head multiplies by: the base's rows, the added tokens' trained ones in their
+        place (for a loss computed in chunks; gradients reach token_values)."""
+        tokens = self.embedding[0]
+        return self.weight.index_copy(0, tokens.token_ids, tokens.token_values.to(self.weight.dtype))
+
 
 def train_tokens(model: nn.Module, ids: list[int]) -> None:
     """Give the tokens `ids` trainable rows of their own in `model`'s embedding and tied LM head (in place)."""
@@ -189,6 +195,21 @@ def apply_lora(model: nn.Module, lora: LoraSettings, tokens: list[int] | None = 
     return sorted(layers)
 
 
+def store_frozen_matrices(model: nn.Module, dtype: torch.dtype) -> int:
+    """Store the frozen matrices of a LoRA model's blocks in `dtype` (in place), for training under autocast to that
+    dtype, which rounds them so before every product anyway: the same results from half the bytes, and no rounded
+    copy kept for backward. Embeddings (the tied head), LayerNorms and biases stay as they are, so the residual
+    stream keeps its precision. Returns the bytes saved (negative when `dtype` is wider: fp32 restores them
+    exactly)."""
+    saved = 0
+    for name, module in list(model.named_modules()):
+        weight = getattr(module, "weight", None)
+        if name.startswith("transformer.h.") and isinstance(module, nn.Linear) and not weight.requires_grad:
+            module.weight = nn.Parameter(weight.detach().to(dtype), requires_grad=False)
+            saved += weight.nbytes - module.weight.nbytes
+    return saved
+
+
 def merge_lora(model: nn.Module) -> nn.Module:
     """Replace each adapted layer of `model` (in place) by a plain Linear with its update merged into the weight,
     so that inference runs the model's own paths (fused, int8) unchanged; returns the model."""
@@ -232,12 +253,14 @@ def tensors_sha256(tensors: dict[str, torch.Tensor]) -> str:
     return sha.hexdigest()
 
 
-def adapt(model: nn.Module, cfg: Any, init: dict[str, torch.Tensor] | None, saved: dict[str, Any] | None,
-          saved_base: dict[str, str] | None, tokenizer: Any = None) -> dict[str, str] | None:
+def adapt(model: nn.Module, cfg: Any, init: dict[str, torch.Tensor] | None, resumed: tuple[Any, Any] | None,
+          tokenizer: Any = None, precision: str = "fp32") -> dict[str, str] | None:
     """Training's start: with cfg.lora_rank (a TrainConfig), put fresh adapters on `model` (built from `init`, its
-    base), with trainable rows for the tokens the data's `tokenizer` adds to the base's (added_tokens), and return
-    the base's reference for the run's checkpoints ({"run", "sha256"}); a resume (`saved`: the checkpoint's
-    training settings, `saved_base` its base) must find the same adapters on the same base."""
+    base), with trainable rows for the tokens the data's `tokenizer` adds to the base's (added_tokens), the frozen
+    matrices in bf16 when training in `precision` bf16 (store_frozen_matrices), and return the base's reference
+    for the run's checkpoints ({"run", "sha256"}); a resume (`resumed`: the checkpoint's training settings and its
+    base) must find the same adapters on the same base."""
+    saved, saved_base = resumed or (None, None)
     adapters, before = settings(cfg), settings(saved) if saved else None
     if adapters != before and saved is not None:
         raise GptlabError(f"this run's LoRA adapters are {before or 'none'}; a resume keeps them (drop the --lora-* "
@@ -251,4 +274,6 @@ def adapt(model: nn.Module, cfg: Any, init: dict[str, torch.Tensor] | None, save
         raise GptlabError(f"the base of this LoRA run, {cfg.init_from}, is not the one its adapters were trained on "
                           f"({(saved_base or {}).get('run')}: moved, or its weights changed); restore it or fine-tune "
                           "again into a new --run")
+    if precision == "bf16":
+        store_frozen_matrices(model, torch.bfloat16)  # autocast rounds them to bf16 for every product anyway
     return base

@@ -224,6 +224,51 @@ def _loss(logits: torch.Tensor, targets: torch.Tensor | None) -> torch.Tensor | 
     return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1)
 
 
+class _ChunkedLoss(torch.autograd.Function):
+    """The mean cross-entropy of logits = x @ weight^T against targets (-1 ignored) over chunks of `chunk` rows:
+    backward recomputes each chunk's logits instead of keeping all (N, V) of them. Products run in `dtype`, the
+    softmax in `exact` (at least fp32), every cast explicit as the plain path's autocast makes them."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk: int, dtype: torch.dtype,
+                exact: torch.dtype) -> torch.Tensor:
+        ctx.save_for_backward(x, weight, targets)
+        ctx.chunk, ctx.dtype, ctx.exact = chunk, dtype, exact
+        w, total = weight.to(dtype), x.new_zeros((), dtype=exact)
+        for s in range(0, x.size(0), chunk):
+            logits, t = (x[s:s + chunk].to(dtype) @ w.t()).to(exact), targets[s:s + chunk]
+            picked = logits.gather(1, t.clamp(min=0).unsqueeze(1)).squeeze(1)
+            total += ((torch.logsumexp(logits, dim=1) - picked) * (t != -1)).sum()
+        return total / (targets != -1).sum()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        (x, weight, targets), chunk, dtype = ctx.saved_tensors, ctx.chunk, ctx.dtype
+        need_x, need_w = ctx.needs_input_grad[:2]
+        w, scale = weight.to(dtype), grad / (targets != -1).sum()
+        grad_x = torch.empty_like(x) if need_x else None
+        grad_w = torch.zeros(weight.shape, dtype=ctx.exact, device=weight.device) if need_w else None
+        for s in range(0, x.size(0), chunk):
+            xs, t = x[s:s + chunk].to(dtype), targets[s:s + chunk]
+            d = torch.softmax((xs @ w.t()).to(ctx.exact), dim=1)  # d loss / d logits = softmax - one-hot
+            d.scatter_add_(1, t.clamp(min=0).unsqueeze(1), d.new_full((t.size(0), 1), -1.0))
+            d = (d * ((t != -1).unsqueeze(1) * scale)).to(dtype)
+            if need_x:
+                grad_x[s:s + chunk] = d @ w
+            if need_w:
+                grad_w += (d.t() @ xs).to(grad_w.dtype)
+        return grad_x, None if grad_w is None else grad_w.to(weight.dtype), None, None, None, None
+
+
+def chunked_loss(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk: int) -> torch.Tensor:
+    """_loss(x @ weight^T, targets) without the (N, V) logits: x (B, T, C), weight (V, C), targets (B, T)."""
+    device = x.device.type
+    autocast = torch.is_autocast_enabled(device) and x.dtype == torch.float32  # as autocast leaves fp64 alone
+    dtype = torch.get_autocast_dtype(device) if autocast else x.dtype
+    exact = torch.float64 if dtype == torch.float64 else torch.float32
+    return _ChunkedLoss.apply(x.reshape(-1, x.size(-1)), weight, targets.reshape(-1), chunk, dtype, exact)
+
+
 class GPT(nn.Module):
     """GPT-2: token + position embeddings, n_layer blocks, final LayerNorm, LM head tied to the token embedding."""
 
@@ -243,6 +288,9 @@ class GPT(nn.Module):
         # activation checkpointing, set by training: keep only each block's input in a training forward and
         # recompute the block in backward (the random state is restored first, so dropout draws the same masks)
         self.checkpoint_blocks = False
+        # the training loss over chunks of this many positions, never all the logits at once (0: at once), set by
+        # training: a training forward with targets then returns no logits
+        self.loss_chunk = 0
         self.apply(self._init_weights)
         for name, p in self.named_parameters():
             if name.endswith("c_proj.weight"):  # residual projections: keep the residual stream's variance flat
@@ -256,10 +304,11 @@ class GPT(nn.Module):
             nn.init.zeros_(module.bias)
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, kv_cache: KVCache | None = None,
-                last_only: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+                last_only: bool = False) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """idx (B, T) token ids -> logits (B, T, V) (or (B, 1, V) with last_only) and the mean cross-entropy
-        against targets (B, T) when given (-1 targets are ignored). With a cache, idx continues each row at
-        kv_cache.pos, and pos advances by T."""
+        against targets (B, T) when given (-1 targets are ignored); with loss_chunk set, a forward that records
+        gradients returns the loss alone (logits None). With a cache, idx continues each row at kv_cache.pos, and
+        pos advances by T."""
         B, T = idx.shape
         if kv_cache is None:
             assert T <= self.config.block_size, f"sequence of {T} tokens > block_size {self.config.block_size}"
@@ -280,6 +329,9 @@ class GPT(nn.Module):
             kv_cache.pos += T
         if last_only:
             x = x[:, -1:]
+        if self.loss_chunk and targets is not None and torch.is_grad_enabled() and not last_only:
+            weight = self.lm_head.tied_weight() if hasattr(self.lm_head, "tied_weight") else self.lm_head.weight
+            return None, chunked_loss(x, weight, targets, self.loss_chunk)  # (a LoRA head has rows of its own)
         logits = self.lm_head(x)  # (B, T, V)
         return logits, _loss(logits, targets)
 

@@ -132,7 +132,9 @@ def build_contender(variant: Variant, model_cfg: ModelConfig, cfg: TrainConfig, 
     eager = build_model(model_cfg).to(device)
     if variant.lora_rank:
         lora.apply_lora(eager, lora.LoraSettings(variant.lora_rank, 8.0, 0.0, ("c_attn",)))
-    eager.checkpoint_blocks = variant.checkpointing
+        if variant.precision == "bf16":  # as training stores a LoRA run's frozen base
+            lora.store_frozen_matrices(eager, torch.bfloat16)
+    eager.checkpoint_blocks, eager.loss_chunk = variant.checkpointing, cfg.loss_chunk
     ctx = StepContext(dataset, cfg, model_cfg.block_size, device, variant.precision)
     contender = Contender(variant, ctx, eager, make_optimizer(eager, cfg), eager, _rng_state(device))
     if variant.compile:
@@ -185,7 +187,7 @@ def run_train_bench(data_dir: str | Path, model_cfg: ModelConfig, cfg: TrainConf
     load = watch.stop()
     configure_matmul(device, "fp32")
     reference = StepContext(dataset, cfg, model_cfg.block_size, device, "fp32")
-    rows = [_row(c, estimate_loss(c.eager, reference)["val"], peak, cfg.batch_size * model_cfg.block_size)
+    rows = [_row(c, estimate_loss(_in_fp32(c.eager), reference)["val"], peak, cfg.batch_size * model_cfg.block_size)
             for c in contenders]
     _print_train_table(rows, peak, model_cfg, cfg, total, contenders[0].eager, load, headline=not memory)
     for row, measured in zip(rows, memories):
@@ -193,6 +195,12 @@ def run_train_bench(data_dir: str | Path, model_cfg: ModelConfig, cfg: TrainConf
     if memory:
         _print_memory_table(rows, device)
     return rows
+
+
+def _in_fp32(model: torch.nn.Module) -> torch.nn.Module:
+    """The model with a LoRA variant's bf16 frozen matrices back in fp32 (exactly), for the fp32 evaluation."""
+    lora.store_frozen_matrices(model, torch.float32)
+    return model
 
 
 def _trace(model: torch.nn.Module, dataset: Any, seed: int, step: int, block_size: int, device: torch.device) -> None:

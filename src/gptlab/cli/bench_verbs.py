@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from pathlib import Path
 
 from gptlab.bench.presets import SHAPED_PRESETS, train_bench_settings
@@ -46,6 +47,8 @@ def add_bench_train(p: argparse.ArgumentParser) -> None:
                    "rank R on c_attn, without and with activation checkpointing: step time and peak memory split "
                    "into weights, gradients + AdamW state and activations, each in a fresh process (try --preset "
                    "finetune --batch-size 4 --lora-rank 8)")
+    p.add_argument("--loss-chunk", type=int, default=0, metavar="N", help="every variant computes its loss over "
+                   "chunks of N positions, as `train --loss-chunk N` does (default 0: all the logits at once)")
 
 
 @BENCHES("train", "train one model side by side: fp32 eager (the reference), bf16, bf16 + compile (+ flash attention "
@@ -58,6 +61,7 @@ def bench_train(args: argparse.Namespace) -> int:
     if args.traced and args.activation_checkpointing:
         raise GptlabError("--traced and --activation-checkpointing are two different comparisons; choose one")
     data, model_cfg, train_cfg = _bench_train_settings(args)
+    train_cfg = dataclasses.replace(train_cfg, loss_chunk=args.loss_chunk)  # a negative one: refused there
     device = resolve_device(args.device)
     variants = train_variants(device, traced=True) if args.traced else None
     if args.activation_checkpointing:
@@ -161,7 +165,6 @@ def add_bench_chat(p: argparse.ArgumentParser) -> None:
          "generated conversations with the loss mask and without it: exact-match accuracy on held-out questions, "
          "beside the base before fine-tuning", add_bench_chat)
 def bench_chat(args: argparse.Namespace) -> int:
-    import dataclasses
 
     from gptlab.bench.chat import ChatBenchSettings, run_chat_bench  # too few words: refused before any training
 

@@ -89,10 +89,14 @@ def check_engine(cfg: TrainConfig, model_cfg: ModelConfig, world_size: int) -> N
 
 
 def check_checkpointing(cfg: TrainConfig, model_cfg: ModelConfig) -> None:
-    """Activation checkpointing recomputes transformer blocks: refuse it for a model without them."""
+    """Activation checkpointing recomputes transformer blocks, a chunked loss the LM head's product: refuse them
+    for a model without those."""
     if cfg.activation_checkpointing and model_cfg.arch != "gpt":
         raise GptlabError(f"activation checkpointing recomputes transformer blocks, and arch {model_cfg.arch} has "
                           "none; drop --activation-checkpointing")
+    if cfg.loss_chunk and model_cfg.arch != "gpt":
+        raise GptlabError(f"--loss-chunk recomputes the LM head's logits, and arch {model_cfg.arch} reads its "
+                          "logits from a table; drop --loss-chunk")
 
 
 def check_resume(run: Path, dataset: Dataset, model_cfg: ModelConfig,

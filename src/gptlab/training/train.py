@@ -27,7 +27,8 @@ from gptlab.errors import GptlabError
 from gptlab.optim import lr_at, make_optimizer
 from gptlab.peak import Speed, cached_speed
 from gptlab.plots import plot_loss, read_metrics
-from gptlab.runtime import compile_model, configure_matmul, resolve_precision, reuse_freed_memory, set_threads
+from gptlab.runtime import (autocast, compile_model, configure_matmul, resolve_precision, reuse_freed_memory,
+                             set_threads)
 from gptlab.training.faults import GracefulStop, Interrupted, LossSpike, NonFiniteLoss, SpikeGuard, is_out_of_memory
 from gptlab.training.loggers import Loggers, check_loggers, open_loggers, sample_ids
 from gptlab.reference.train import naive_model, naive_optimizer
@@ -134,8 +135,8 @@ def _train_locked(dataset: Dataset, run: Path, model_cfg: ModelConfig, cfg: Trai
     parallel.check_same_start(resume, ckpt.step if ckpt else None)
     torch.manual_seed(cfg.seed)
     model = parallel.build(model_cfg, cfg.fsdp, init, cfg.init_from)  # with FSDP: only this process's slices
-    base = lora.adapt(model, cfg, init, *((state.train, state.base) if state else (None, None)), dataset.tokenizer)
-    model.checkpoint_blocks = cfg.activation_checkpointing  # kept under DDP, FSDP and compile, which wrap it
+    base = lora.adapt(model, cfg, init, state and (state.train, state.base), dataset.tokenizer, precision)
+    model.checkpoint_blocks, model.loss_chunk = cfg.activation_checkpointing, cfg.loss_chunk  # kept when wrapped
     speed = cached_speed(device, precision, cfg.batch_size * model_cfg.block_size * cfg.grad_accum,
                          model.flops_per_token(), parallel.world_size)
     if cfg.engine == "reference":
@@ -324,7 +325,8 @@ class Trainer:
         """A short sample for the loggers' end (None with several processes: each would have to take part)."""
         if self.parallel.active:
             return None
-        ids = sample_ids(self.eager, int(self.ctx.dataset.val[0]), self.model_cfg.block_size, self.ctx.device)
+        with autocast(self.ctx.device, self.ctx.precision):  # the run's precision (LoRA's base may be in bf16)
+            ids = sample_ids(self.eager, int(self.ctx.dataset.val[0]), self.model_cfg.block_size, self.ctx.device)
         return self.ctx.dataset.tokenizer.decode(ids)
 
     def log(self, loss: torch.Tensor, norm: torch.Tensor, bar: Any) -> None:

@@ -1,0 +1,79 @@
+"""Planted bugs of fine-tuning's memory (issue 26): the training loss over chunks of positions (--loss-chunk) and a
+LoRA run's frozen matrices stored in bf16."""
+
+from planted import Planted
+
+MODEL = "src/gptlab/model.py"
+LORA = "src/gptlab/lora.py"
+C = "tests/test_chunked_loss.py"
+BF16_RUN = "tests/test_lora.py::test_a_bf16_lora_run_stores_its_frozen_matrices_in_bf16_and_trains_the_same_bits"
+BENCH = "tests/test_lora.py::test_bench_train_sets_lora_beside_full_fine_tuning_with_memory_split"
+BENCH_CLI = "tests/test_lora.py::test_bench_train_lora_rank_runs_the_three_variants_with_memory"
+
+
+def model(name: str, old: str, new: str) -> Planted:
+    return Planted(f"finetune: chunked loss, {name}", MODEL, [(old, new)], C)
+
+
+PLANTED = [
+    model("ignored targets counted", "total += ((torch.logsumexp(logits, dim=1) - picked) * (t != -1)).sum()",
+          "total += (torch.logsumexp(logits, dim=1) - picked).sum()"),
+    model("the mean over every position, ignored ones too", "return total / (targets != -1).sum()",
+          "return total / targets.numel()"),
+    model("the target's logit given half its gradient", "d.new_full((t.size(0), 1), -1.0)",
+          "d.new_full((t.size(0), 1), -0.5)"),
+    model("the head's gradient from the last chunk only", "grad_w += (d.t() @ xs).to(grad_w.dtype)",
+          "grad_w = (d.t() @ xs).to(grad_w.dtype)"),
+    model("evaluation gets no logits",
+          "if self.loss_chunk and targets is not None and torch.is_grad_enabled() and not last_only:",
+          "if self.loss_chunk and targets is not None and not last_only:"),
+    model("products in fp32 under bf16 autocast", "dtype = torch.get_autocast_dtype(device) if autocast else x.dtype",
+          "dtype = x.dtype"),
+    model("an fp64 model's loss in fp32", "exact = torch.float64 if dtype == torch.float64 else torch.float32",
+          "exact = torch.float32"),
+    model("an fp64 model rounded by autocast",
+          "autocast = torch.is_autocast_enabled(device) and x.dtype == torch.float32",
+          "autocast = torch.is_autocast_enabled(device)"),
+    model("no gradient for the tied head", "need_x, need_w = ctx.needs_input_grad[:2]",
+          "need_x, need_w = ctx.needs_input_grad[0], False"),
+    model("ignored positions given gradients", "d = (d * ((t != -1).unsqueeze(1) * scale)).to(dtype)",
+          "d = (d * scale).to(dtype)"),
+    model("the incoming gradient ignored (a step of several micro-batches)",
+          "w, scale = weight.to(dtype), grad / (targets != -1).sum()",
+          "w, scale = weight.to(dtype), 1 / (targets != -1).sum()"),
+    model("the softmax in bf16", "d = torch.softmax((xs @ w.t()).to(ctx.exact), dim=1)",
+          "d = torch.softmax((xs @ w.t()), dim=1)"),
+    Planted("finetune: chunked loss, the LoRA head's own rows left out", LORA,
+            [("return self.weight.index_copy(0, tokens.token_ids, tokens.token_values.to(self.weight.dtype))",
+              "return self.weight")], C),
+    Planted("finetune: bf16 base, the adapters stored in bf16 too", LORA,
+            [("isinstance(module, nn.Linear) and not weight.requires_grad:", "isinstance(module, nn.Linear):")], C),
+    Planted("finetune: bf16 base, the tied head and embedding stored in bf16", LORA,
+            [('if name.startswith("transformer.h.") and isinstance(module, nn.Linear)',
+              "if isinstance(module, nn.Linear)")], C),
+    Planted("finetune: bf16 base, the bytes saved miscounted", LORA,
+            [("saved += weight.nbytes - module.weight.nbytes", "saved += weight.nbytes")], C),
+    Planted("finetune: bf16 base, stored for an fp32 run", LORA, [('    if precision == "bf16":\n        store_frozen',
+                                                         '    if precision != "bf16":\n        store_frozen')],
+            [BF16_RUN, "tests/test_lora.py::test_a_resumed_lora_run_ends_exactly_where_one_straight_run_does"]),
+    Planted("finetune: --loss-chunk not passed to the model", "src/gptlab/training/train.py",
+            [("model.checkpoint_blocks, model.loss_chunk = cfg.activation_checkpointing, cfg.loss_chunk",
+              "model.checkpoint_blocks = cfg.activation_checkpointing")], C),
+    Planted("finetune: a logger's sample drawn in fp32 from a bf16 base", "src/gptlab/training/train.py",
+            [("with autocast(self.ctx.device, self.ctx.precision):", 'with autocast(self.ctx.device, "fp32"):')],
+            BF16_RUN),
+    Planted("finetune: bench train, --loss-chunk not passed to the variants", "src/gptlab/bench/train.py",
+            [("eager.checkpoint_blocks, eager.loss_chunk = variant.checkpointing, cfg.loss_chunk",
+              "eager.checkpoint_blocks = variant.checkpointing")], BENCH),
+    Planted("finetune: bench train, LoRA's base kept in fp32", "src/gptlab/bench/train.py",
+            [('if variant.precision == "bf16":  # as training', 'if variant.precision == "fp32":  # as training')],
+            BENCH),
+    Planted("finetune: bench train, --loss-chunk dropped by the command line", "src/gptlab/cli/bench_verbs.py",
+            [("loss_chunk=args.loss_chunk)", "loss_chunk=0)")], BENCH_CLI),
+    Planted("finetune: --loss-chunk accepted for a bigram", "src/gptlab/training/preflight.py",
+            [('if cfg.loss_chunk and model_cfg.arch != "gpt":', "if False:")], C),
+    Planted("finetune: a negative --loss-chunk accepted", "src/gptlab/config.py",
+            [("_check(self.loss_chunk >= 0,", "_check(self.loss_chunk >= -5,")], C),
+    Planted("finetune: --loss-chunk accepted by the reference engine", "src/gptlab/config.py",
+            [('"loss_chunk": cfg.loss_chunk > 0}', '"loss_chunk": False}')], C),
+]
