@@ -197,7 +197,10 @@ def test_a_bf16_lora_run_stores_its_frozen_matrices_in_bf16_and_trains_the_same_
     monkeypatch.setattr(training.lora, "store_frozen_matrices", lambda model, dtype: stored.append(
         sorted(n for n, p in model.named_parameters() if p.dim() == 2 and not p.requires_grad)) or real(model, dtype))
     bf16 = [*LORA, "--init-from", "runs/base", "--data", "data", "--max-steps", "4", "--precision", "bf16"]
+    checked, check_memory = [], training.check_memory
+    monkeypatch.setattr(training, "check_memory", lambda *a: checked.append(a[4:]) or check_memory(*a))
     run_ok(capsys, "train", "--run", "runs/bf16", *bf16)
+    assert checked == [("bf16",)]  # the memory check counts the frozen matrices at bf16's 2 bytes
     chunked, real_loss = [], model_module.chunked_loss
     monkeypatch.setattr(model_module, "chunked_loss", lambda *a: chunked.append(a[-1]) or real_loss(*a))
     run_ok(capsys, "train", "--run", "runs/bf16-chunked", "--loss-chunk", "24", "--log", "tensorboard", *bf16)
@@ -252,6 +255,15 @@ def test_the_memory_check_counts_the_frozen_base_at_its_own_bytes(monkeypatch):
     monkeypatch.setattr("os.sysconf", lambda name: {"SC_PAGE_SIZE": 1, "SC_PHYS_PAGES": total - 1}[name])
     with pytest.raises(GptlabError, match="this model has"):
         check_memory(model_cfg, lora_cfg, torch.device("cpu"), 1)
+    bf16 = total - 2 * (12 * 768 * 768) * 2  # a bf16 run: the blocks' frozen matrices at 2 bytes (c_attn's 3C^2,
+    # attention's c_proj C^2, c_fc's 4C^2 and the MLP's c_proj 4C^2 per block), embeddings and vectors at 4
+    monkeypatch.setattr("os.sysconf", lambda name: {"SC_PAGE_SIZE": 1, "SC_PHYS_PAGES": bf16}[name])
+    check_memory(model_cfg, lora_cfg, torch.device("cpu"), 1, "bf16")
+    with pytest.raises(GptlabError, match="this model has"):
+        check_memory(model_cfg, lora_cfg, torch.device("cpu"), 1, "fp32")
+    monkeypatch.setattr("os.sysconf", lambda name: {"SC_PAGE_SIZE": 1, "SC_PHYS_PAGES": bf16 - 1}[name])
+    with pytest.raises(GptlabError, match="this model has"):
+        check_memory(model_cfg, lora_cfg, torch.device("cpu"), 1, "bf16")
 
 
 # ---- bad input ---------------------------------------------------------------------------------------------------

@@ -271,6 +271,9 @@ def test_a_micro_batch_whose_logits_exceed_memory_is_refused(monkeypatch):
         check_memory(model_cfg, TrainConfig(batch_size=16), torch.device("cpu"), 2)
     fake_memory(monkeypatch, 2**29)  # 6 rows over 4 processes: 1 row each, 1 x 1024 x 65536 x 8 = 2**29 bytes
     check_memory(model_cfg, TrainConfig(batch_size=6), torch.device("cpu"), 4)
+    with pytest.raises(GptlabError, match=r"2 GiB for its logits alone.*, or --loss-chunk"):
+        check_memory(model_cfg, TrainConfig(batch_size=16, loss_chunk=4096), torch.device("cpu"), 4)
+    check_memory(model_cfg, TrainConfig(batch_size=16, loss_chunk=1024), torch.device("cpu"), 4)  # one chunk's
 
 
 def test_a_new_run_never_starts_over_data_another_programs_model_or_step_checkpoints(trained, char_data, tmp_path):

@@ -35,10 +35,12 @@ def check_data(dataset: Dataset, model_cfg: ModelConfig) -> None:
                           f"{dataset.tokenizer.vocab_size}; drop the --vocab-size override")
 
 
-def check_memory(model_cfg: ModelConfig, cfg: TrainConfig, device: torch.device, processes: int) -> None:
+def check_memory(model_cfg: ModelConfig, cfg: TrainConfig, device: torch.device, processes: int,
+                 precision: str = "fp32") -> None:
     """Refuse, before allocating anything, what cannot fit the device's memory by a lower bound alone: the
-    weights, gradients and AdamW moments (16 bytes a trained parameter, 4 a frozen one), or one micro-batch's
-    logits and their gradient (8 bytes per position and vocabulary entry)."""
+    weights, gradients and AdamW moments (16 bytes a trained parameter, 4 a frozen one, 2 a frozen block matrix in
+    a bf16 run), or one micro-batch's logits and their gradient (8 bytes per position and vocabulary entry; with
+    --loss-chunk, one chunk's)."""
     if device.type == "cuda":
         total = torch.cuda.get_device_properties(device).total_memory
     elif device.type == "cpu" and hasattr(os, "sysconf") and "SC_PHYS_PAGES" in os.sysconf_names:
@@ -48,7 +50,8 @@ def check_memory(model_cfg: ModelConfig, cfg: TrainConfig, device: torch.device,
     adapters = lora.settings(cfg)  # LoRA: the base frozen (its weights alone), the adapters trained
     params, added = lora.count_parameters(model_cfg, adapters)
     trained, frozen = (added, params) if adapters else (params, 0)
-    need = frozen * 4 + trained * 16  # a trained weight: 4 bytes, its gradient 4 and its AdamW moments 8
+    halved = 12 * model_cfg.n_layer * model_cfg.n_embd ** 2 if adapters and precision == "bf16" else 0
+    need = frozen * 4 - halved * 2 + trained * 16  # a trained weight: 4 bytes, its gradient 4, AdamW's moments 8
     gib = f"the {total / 2**30:,.0f} GiB of this {device.type}"
     if need > total:
         raise GptlabError(f"this model has {params:,} parameters: training it needs about {need / 2**30:,.0f} "
@@ -56,11 +59,12 @@ def check_memory(model_cfg: ModelConfig, cfg: TrainConfig, device: torch.device,
                           "--n-embd or --n-layer" + (", or train LoRA adapters (--lora-rank 8)"
                                                      if cfg.init_from and not adapters else ""))
     rows = max(1, cfg.batch_size // processes)
-    logits = rows * model_cfg.block_size * model_cfg.vocab_size * 8
+    positions = rows * model_cfg.block_size
+    logits = min(positions, cfg.loss_chunk or positions) * model_cfg.vocab_size * 8
     if logits > total:
         raise GptlabError(f"a micro-batch of {rows:,} x {model_cfg.block_size} positions needs "
                           f"{logits / 2**30:,.0f} GiB for its logits alone, more than {gib}; use a smaller "
-                          "--batch-size with a larger --grad-accum (the same tokens per step)")
+                          "--batch-size with a larger --grad-accum (the same tokens per step), or --loss-chunk")
 
 
 def check_new_run(run: Path) -> None:

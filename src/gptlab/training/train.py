@@ -107,7 +107,7 @@ def train(data_dir: str | Path, run_dir: str | Path, model_cfg: ModelConfig, cfg
         raise GptlabError(f"init_from {cfg.init_from!r} needs its weights: start the run with gptlab.runs.start")
     if not resume:  # a resume checks first that the data is the run's (check_resume): what is wrong when it is not
         check_data(dataset, model_cfg)
-    check_memory(model_cfg, cfg, device, parallel.world_size)
+    check_memory(model_cfg, cfg, device, parallel.world_size, precision)
     run = Path(run_dir)
     check_loggers(cfg.log, run)
     own_lock = parallel.is_main and os.environ.get(LOCKED_RUN_ENV) != str(run.resolve())
