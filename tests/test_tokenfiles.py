@@ -217,6 +217,23 @@ def test_a_resume_takes_up_the_open_shard_even_once_it_completed_after_the_check
                                                                                 ids[10:20].tolist(), ids[20:].tolist()]
 
 
+@pytest.mark.parametrize("first", [0, 10])
+def test_a_checkpoint_with_no_shard_open_resumes_into_the_same_shards(tmp_path, first):
+    """A checkpoint taken before a split's first id (0) or right as a shard completed (10): nothing is open, and
+    the resumed writer starts the next shard from its first id."""
+    ids = np.random.default_rng(3).integers(0, 300, 23)
+    writer = ShardWriter(tmp_path, "train", 300, 10)
+    writer.write(ids[:first])
+    writer.sync()
+    saved = json.loads(json.dumps(writer.state()))
+    writer.abandon()
+    again = ShardWriter(tmp_path, "train", 300, 10, saved["closed"], saved["open_tokens"])
+    again.write(ids[first:])
+    assert [e["tokens"] for e in again.finish()] == [10, 10, 3]
+    assert [ids_on_disk(tmp_path / f"train-0000{i}.bin") for i in range(3)] == [ids[:10].tolist(),
+                                                                                ids[10:20].tolist(), ids[20:].tolist()]
+
+
 def test_a_resume_prefers_the_open_part_to_a_stale_complete_shard_of_its_name(tmp_path):
     part = TokenWriter(tmp_path / "train-00000.bin.part", 300)
     part.write([1, 2, 3, 4])
