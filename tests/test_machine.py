@@ -1,6 +1,7 @@
 """What the machine offers, read in one place: the CPU's model and features from /proc/cpuinfo (a file written here
 by hand), and the cache folder from the environment."""
 
+import os
 import shutil
 from pathlib import Path
 
@@ -79,3 +80,17 @@ def test_without_a_compiler_building_the_kernel_says_which_compiler_is_missing(m
     with pytest.raises(native.KernelBuildError, match=r"^no clang\+\+ on PATH$"):
         native.build_library(native.SOURCE, tmp_path / "kernels", "plain")
     assert not (tmp_path / "kernels").exists()
+
+
+def test_usable_cores_are_the_affinity_s_where_the_os_has_one_else_every_core(monkeypatch):
+    from gptlab.machine import usable_cores
+
+    if hasattr(os, "sched_getaffinity"):
+        assert usable_cores() == len(os.sched_getaffinity(0))
+        monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0})  # one core allowed of several
+        assert usable_cores() == 1
+        monkeypatch.delattr(os, "sched_getaffinity")
+    monkeypatch.setattr(os, "cpu_count", lambda: 7)  # macOS, Windows: no affinity call
+    assert usable_cores() == 7
+    monkeypatch.setattr(os, "cpu_count", lambda: None)  # the count unknown
+    assert usable_cores() == 1
