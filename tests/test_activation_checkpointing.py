@@ -1,7 +1,7 @@
 """Activation checkpointing (--activation-checkpointing): each block recomputed in backward gives the plain path's
 gradients bit for bit in fp32 with dropout on (the recomputation redraws the same masks) and under bf16 autocast
 (held to 1e-6); only a training forward with gradients and no cache recomputes; it composes with compile, DDP and
-FSDP; a CLI run with it resumes exactly, with it switched either way; bigram and the reference engine refuse it;
+FSDP, and so does --loss-chunk beside it (the plain run's numbers to fp32's rounding); a CLI run with it resumes exactly, with it switched either way; bigram and the reference engine refuse it;
 `bench train --activation-checkpointing` measures it."""
 
 import json
@@ -149,12 +149,13 @@ def test_compiled_training_with_checkpointing_matches_eager_without(tmp_path, ch
     settings = dict(batch_size=4, max_steps=2, lr=3e-3, warmup_steps=1, eval_interval=2, eval_batches=2,
                     log_interval=1, precision="fp32", device="cpu")
     compiling, compile_model = [], training.compile_model
-    monkeypatch.setattr(training, "compile_model", lambda model, warm_up: compiling.append(model.checkpoint_blocks)
-                        or compile_model(model, warm_up))
+    monkeypatch.setattr(training, "compile_model", lambda model, warm_up: compiling.append(
+        (model.checkpoint_blocks, model.loss_chunk)) or compile_model(model, warm_up))
     compiled = train(char_data, tmp_path / "compiled", tiny_config(**shape),
-                     TrainConfig(**settings, compile=True, activation_checkpointing=True), quiet=True)
+                     TrainConfig(**settings, compile=True, activation_checkpointing=True, loss_chunk=7), quiet=True)
     assert "torch.compile is unavailable" not in caplog.text, caplog.text
-    assert compiling == [True]  # the model compiled recomputes its blocks (no spy here: dynamo would stop at it)
+    assert compiling == [(True, 7)]  # the model compiled recomputes its blocks and its loss in chunks (no spy here:
+    # dynamo would stop at it)
     eager = train(char_data, tmp_path / "eager", tiny_config(**shape), TrainConfig(**settings), quiet=True)
     losses = [[r["loss"] for r in result.history if r["kind"] == "train"] for result in (compiled, eager)]
     assert losses[0] == pytest.approx(losses[1], rel=1e-5)
@@ -176,14 +177,14 @@ data, root = sys.argv[1:3]
 shape = dict(n_layer=2, n_head=2, n_embd=32, block_size=16, dropout=0.1)
 for mode in ("ddp", "fsdp"):
     out = {}
-    for on in (False, True):
+    for name, on, chunk in (("False", False, 0), ("True", True, 0), ("chunked", True, 5)):
         calls[0] = 0
         settings = TrainConfig(batch_size=4, grad_accum=2, max_steps=2, lr=3e-3, warmup_steps=1, eval_interval=2,
                                eval_batches=1, log_interval=1, precision="fp32", device="cpu", fsdp=mode == "fsdp",
-                               activation_checkpointing=on)
-        result = train(data, f"{root}/{mode}-{on}", ModelConfig(**shape), settings, quiet=True)
+                               activation_checkpointing=on, loss_chunk=chunk)
+        result = train(data, f"{root}/{mode}-{name}", ModelConfig(**shape), settings, quiet=True)
         rows = [(r["step"], r["loss"], r["grad_norm"]) for r in result.history if r["kind"] == "train"]
-        out[str(on)] = {"rows": rows, "val": result.val_loss, "calls": calls[0]}
+        out[name] = {"rows": rows, "val": result.val_loss, "calls": calls[0]}
     json.dump(out, open(f"{root}/{mode}-rank{result.rank}.json", "w"))
 """
 
@@ -213,6 +214,10 @@ def test_two_processes_train_the_same_numbers_with_and_without_it(mode, parallel
         out = json.loads((parallel_runs / f"{mode}-rank{rank}.json").read_text())
         assert out["True"]["rows"] == out["False"]["rows"] and out["True"]["val"] == out["False"]["val"]
         assert out["False"]["calls"] == 0 and out["True"]["calls"] >= 2 * 2 * 2  # blocks x micro-steps x steps
+        chunked, plain = out["chunked"], out["False"]  # --loss-chunk too: the same numbers to fp32's rounding
+        assert [r[0] for r in chunked["rows"]] == [r[0] for r in plain["rows"]]
+        assert [r[1:] for r in chunked["rows"]] == [pytest.approx(r[1:], rel=1e-5) for r in plain["rows"]]
+        assert chunked["val"] == pytest.approx(plain["val"], rel=1e-5)
     a, b = (ck.read_tensors(ck.find_checkpoint(parallel_runs / f"{mode}-{on}", "step").path, "model")
             for on in (True, False))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in b)
