@@ -108,7 +108,7 @@ MODULES = {
     "reference": _m("reference/model reference/optim reference/native reference/train reference/check compiled",
                     "test_reference test_reference_cli test_reference_mutants test_compiled"),
     # issue 26: LoRA adapters and PEFT's format
-    "lora": _m("lora hf/peft", "test_lora test_lora_chat "
+    "lora": _m("lora hf/peft", "test_lora test_lora_chat test_chunked_loss "
                "test_distributed::test_lora_adapters_train_in_two_processes_like_in_one"),
     "loggers": _m("training/loggers", "test_loggers"),
     # issue 27: conversations, the chat template, rows and lessons of conversations, the markers' rows under LoRA
