@@ -430,8 +430,8 @@ def test_load_run_takes_the_best_checkpoint_by_default_and_the_newest_step_one_w
 
 
 def write_as_before(checkpoint, state):
-    """`state` as state.json in `checkpoint`, the manifest's entry for it made again with hashlib."""
-    (checkpoint / "state.json").write_text(json.dumps(state, indent=2))
+    """`state` as state.json in `checkpoint` (a str as it is), the manifest's entry for it made again with hashlib."""
+    (checkpoint / "state.json").write_text(state if isinstance(state, str) else json.dumps(state, indent=2))
     manifest = json.loads((checkpoint / "manifest.json").read_text())
     blob = (checkpoint / "state.json").read_bytes()
     manifest["files"]["state.json"] = {"bytes": len(blob), "sha256": hashlib.sha256(blob).hexdigest()}
@@ -464,6 +464,18 @@ def test_a_state_json_without_a_step_or_model_is_one_line(trained, tmp_path):
     write_as_before(run / "checkpoints" / "step-00000006", {"step": 6, "model": 5})
     with pytest.raises(GptlabError, match=r"state\.json holds no checkpoint state \(a step and the model's "
                                           r"settings\); the checkpoint is damaged$"):
+        ck.read_state(ck.find_checkpoint(run))
+
+
+@pytest.mark.parametrize("text, words", [
+    ('{"step": true, "model": {}}', "holds no checkpoint state"),  # JSON's true is no step number
+    ('{"step": 6, "model": {}', "is not valid JSON; the checkpoint is damaged"),
+    ("", "is not valid JSON; the checkpoint is damaged"),
+])
+def test_a_state_json_with_a_true_step_or_not_json_is_one_line_naming_it(trained, tmp_path, text, words):
+    run = shutil.copytree(trained, tmp_path / "bad")
+    write_as_before(run / "checkpoints" / "step-00000006", text)
+    with pytest.raises(GptlabError, match=f"^{run / 'checkpoints' / 'step-00000006' / 'state.json'} {words}"):
         ck.read_state(ck.find_checkpoint(run))
 
 

@@ -480,6 +480,12 @@ def test_the_lock_names_its_holder_while_held_and_is_emptied_after(tmp_path, mon
     assert mode == 0o644 and (run / rundir.LOCK).read_bytes() == b""  # as it was: a refusal leaves no trace
 
 
+def test_a_run_folder_that_cannot_be_made_is_one_line_naming_it(tmp_path):
+    (tmp_path / "file").write_text("not a folder")
+    with pytest.raises(GptlabError, match=f"^cannot create run folder {tmp_path / 'file' / 'r'}: Not a directory$"):
+        rundir.RunLock(tmp_path / "file" / "r").__enter__()
+
+
 def test_a_second_writer_learns_who_holds_the_lock_whatever_the_lock_file_says(tmp_path, monkeypatch):
     import fcntl
 
