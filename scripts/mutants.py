@@ -94,7 +94,8 @@ MODULES = {
     # mutmut's first traced run of the list took more than 90 minutes on a busy 2-CPU machine
     "rundir": _m("rundir", "test_nothing_lost test_runs test_runs_start test_checkpoint "
                  "test_data::test_what_a_folder_holds_decides_what_may_be_written_over_it"),
-    "checkpoint": _m("checkpoint", "test_checkpoint test_nothing_lost test_faults test_train test_runtime test_lora"),
+    "checkpoint": _m("checkpoint", "test_checkpoint test_nothing_lost test_faults test_train test_runtime test_lora "
+                     "test_lora_chat"),
     "preflight": _m("training/preflight", "test_nothing_lost test_train test_shards "
                     "test_conversations::test_fine_tuning_grows_the_vocabulary_by_the_markers_at_the_mean_row"),
     "evaluate": _m("evaluate", "test_evaluate test_hf"),
