@@ -10,6 +10,7 @@ import json
 import pytest
 import torch
 
+from helpers import perturbed
 from gptlab import lora
 from gptlab import model as model_module
 from gptlab.bench.memory import saved_bytes
@@ -24,11 +25,7 @@ SHAPE = dict(vocab_size=V, block_size=16, n_layer=2, n_head=3, n_embd=36, dropou
 def moved_model(**overrides) -> GPT:
     """A GPT with every parameter away from its initial value (LayerNorm gains 1 and biases 0 hide bugs)."""
     torch.manual_seed(0)
-    model = GPT(ModelConfig(**{**SHAPE, **overrides}))
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(0.1 * torch.randn_like(p))
-    return model
+    return perturbed(GPT(ModelConfig(**{**SHAPE, **overrides})))
 
 
 def batch(rows: int = 3, T: int = 13) -> tuple[torch.Tensor, torch.Tensor]:
