@@ -171,6 +171,28 @@ def test_builds_are_named_by_their_target_and_share_a_folder(tmp_path, monkeypat
                                       "which this CPU lacks: pick one of x86-64-v3, plain")
 
 
+def test_a_stale_file_another_build_deletes_first_is_no_error(tmp_path, monkeypatch):
+    """Two processes building the same kernel folder each prune the stale files they list: the one whose listing
+    is older finds a file already gone, and must build and load all the same."""
+    O0 = ("-O0", *native.FLAGS[1:])
+    plain = native.BUILDS["plain"]
+    key = native._flags_key(native._compiler(), (*O0, *plain.target))
+    stale = tmp_path / f"decode-plain-{key}-{'0' * 12}.so"
+    stale.write_bytes(b"an earlier source's library")
+    listing, pruned = Path.glob, []
+
+    def listed_then_deleted(self, pattern):
+        found = list(listing(self, pattern))
+        if pattern == "decode-*.so":  # the pruning's listing: the other process prunes the file right after it
+            pruned.extend(found)
+            stale.unlink(missing_ok=True)
+        return iter(found)
+
+    monkeypatch.setattr(Path, "glob", listed_then_deleted)
+    lib = native.build_library(native.SOURCE, tmp_path, "plain", O0)
+    assert native.describe(lib) == "plain (generic, 8 lanes)" and not stale.exists() and stale in pruned
+
+
 def test_describe_names_the_build_its_vectors_and_its_products_in_one_line():
     """An ARM dot-product build as its library reports itself (this machine may not load one): the line `bench` and
     `sample --verbose` print. A library that does not say which build it is shows "?"."""
