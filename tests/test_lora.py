@@ -2,6 +2,7 @@
 both ways through PEFT's files), merged equal to unmerged, only adapters trained, exact resume, the base named by
 path and sha256, and one clear line for each bad input. The models are tiny random GPT-2s built here."""
 
+import hashlib
 import json
 import shutil
 
@@ -237,6 +238,24 @@ def test_a_base_that_moved_or_changed_is_refused_in_one_line(at, capsys, tmp_pat
     assert "has changed since the adapters were trained on it" in line
     line = run_bad(capsys, "train", "--run", "runs/on2", "--resume", "--max-steps", "6", "--quiet")
     assert "is not the one its adapters were trained on" in line
+
+
+@pytest.mark.parametrize("kept", ["run", "sha256"])
+def test_a_checkpoint_that_names_half_of_its_base_is_refused_as_damaged(at, capsys, kept):
+    """A LoRA checkpoint's state.json whose base lacks its folder or its weights' sha256 cannot be checked against
+    its base: refused in one line that says so, not a KeyError (or adapters on unchecked weights)."""
+    damaged = at / f"runs/half-{kept}"
+    shutil.copytree(at / "runs/lo", damaged)
+    for state in damaged.glob("checkpoints/*/state.json"):  # rewritten with its manifest: only the base is wrong
+        data = json.loads(state.read_text())
+        data["base"] = {kept: data["base"][kept]}
+        state.write_text(json.dumps(data))
+        manifest = json.loads((state.parent / "manifest.json").read_text())
+        manifest["files"]["state.json"] = {"bytes": state.stat().st_size,
+                                           "sha256": hashlib.sha256(state.read_bytes()).hexdigest()}
+        (state.parent / "manifest.json").write_text(json.dumps(manifest))
+    line = run_bad(capsys, "sample", "--run", str(damaged), "--max-new-tokens", "2")
+    assert f"{damaged} holds LoRA adapters but does not name its base run; the checkpoint is damaged" in line
 
 
 def test_the_memory_check_counts_the_frozen_base_at_its_own_bytes(monkeypatch):
