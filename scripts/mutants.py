@@ -73,7 +73,7 @@ MODULES = {
     "textstream": _m("textstream", "test_textstream test_engine"),
     "engine": _m("engine", "test_engine test_running_batch test_sampling test_textstream test_fused test_serve_batching test_int8"),
     "serve.api": _m("serve/api", "test_serve test_serve_api test_serve_batching test_serve_chat"),
-    "serve.app": _m("serve/app", "test_serve test_serve_api test_serve_batching test_serve_chat"),
+    "serve.app": _m("serve/app", "test_serve test_serve_api test_serve_batching test_serve_chat test_serve_harness"),
     "serve.scheduler": _m("serve/scheduler", "test_serve test_serve_scheduler test_serve_batching test_serve_chat"),
     "corpus": _m("data/corpus", "test_corpus test_readers test_data"),
     "readers": _m("data/readers", "test_readers test_corpus test_data"),
