@@ -511,6 +511,25 @@ def test_a_streamed_echo_with_logprobs_sends_each_prompt_with_its_logprobs_to_ea
                                                                                    (0, "b", "length")]
 
 
+def test_an_echo_with_logprobs_in_one_response_gives_each_prompt_s_logprobs_to_each_of_its_choices():
+    """The same events as above, not streamed: each of a prompt's n choices starts with that prompt's text and
+    its logprobs entries (the scheduler scores the second prompt first), then its own tokens' entries."""
+    first = {"tokens": ["O", "ù"], "token_logprobs": [None, -1.5], "top_logprobs": [None, {"ù": -1.5}],
+             "text_offset": [0, 1]}
+    second = {"tokens": ["z"], "token_logprobs": [None], "top_logprobs": [None], "text_offset": [0]}
+    events = [("prompt", 1, second), ("prompt", 0, first), ("token", 3, "a", 1, info("a", -0.5), "length"),
+              ("token", 0, "b", 2, info("b", -2.0), "length"), ("done", USAGE)]
+    body = json.loads(collected({"prompt": ["Où", "z"], "echo": True, "logprobs": 1, "n": 2}, events,
+                                prompt_ids=((1, 2), (3,))).body)
+    def entries(start, token, logprob, offset):
+        return {key: start[key] + [value] for key, value in (("tokens", token), ("token_logprobs", logprob), (
+            "top_logprobs", {token: logprob, "x": -9.0}), ("text_offset", offset))}
+    assert [(c["index"], c["text"], c["logprobs"]) for c in body["choices"]] == [
+        (0, "Oùb", entries(first, "b", -2.0, 2)), (1, "Où", first), (2, "z", second),
+        (3, "za", entries(second, "a", -0.5, 1))]
+    assert body["usage"] == USAGE
+
+
 def test_an_engine_error_ends_a_stream_in_openais_shape_then_done():
     parts, freed = streamed({"prompt": "xy", "stream": True}, [("token", 0, "a", 1, None, None),
                                                                ("error", "the server is shutting down")])
