@@ -503,6 +503,9 @@ def test_a_streamed_echo_with_logprobs_sends_each_prompt_with_its_logprobs_to_ea
     parts, freed = streamed({"prompt": ["Où", "z"], "echo": True, "stream": True, "logprobs": 1, "n": 2}, events,
                             prompt_ids=((1, 2), (3,)))
     assert freed and parts[-1] == "data: [DONE]\n\n"
+    chunks = chunks_of(parts)  # the prompts' chunks too carry the completion's one id and the model's name
+    assert len({c["id"] for c in chunks}) == 1 and re.fullmatch("cmpl-[0-9a-f]{24}", chunks[0]["id"])
+    assert {(c["object"], c["model"]) for c in chunks} == {("text_completion", "run")}
     assert [[(c["index"], c["text"], c["logprobs"], c["finish_reason"]) for c in chunk["choices"]]
             for chunk in chunks_of(parts)][:4] == [[(2, "z", second, None)], [(3, "z", second, None)],
                                                    [(0, "Où", first, None)], [(1, "Où", first, None)]]
