@@ -339,6 +339,16 @@ def test_the_playground_names_the_model_as_a_json_string_that_cannot_end_its_scr
     assert '"tiny<\\/script>\\"\\u00e9"' in page and "__MODEL__" not in page and page.count("</script>") == 1
 
 
+def test_a_stream_tells_caches_and_proxies_not_to_hold_its_events(http):
+    """Server-sent events pass a reverse proxy (nginx buffers responses unless told `X-Accel-Buffering: no`) and
+    caches token by token."""
+    with http.stream("POST", "/v1/completions", json={"prompt": "ab", "max_tokens": 2, "stream": True}) as response:
+        body = "".join(response.iter_text())
+    assert response.headers["content-type"].startswith("text/event-stream")
+    assert (response.headers["cache-control"], response.headers["x-accel-buffering"]) == ("no-cache", "no")
+    assert body.endswith("data: [DONE]\n\n")
+
+
 def test_inspect_shows_the_last_200_characters_and_the_context_they_end_with(http):
     text = "abcdefghij" * 24 + "jihgfedcba"  # 250 characters, 250 tokens: more than the context (16)
     for _ in range(2):
