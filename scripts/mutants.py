@@ -384,11 +384,15 @@ def load_equivalents(path: Path) -> dict[str, dict]:
     if not path.exists():
         return {}
     entries = tomllib.loads(path.read_text(encoding="utf-8")).get("equivalent", [])
+    listed: dict[str, dict] = {}
     for entry in entries:
         missing = {"mutant", "line", "reason"} - set(entry)
         if missing:
             raise SystemExit(f"mutants: {path}: an entry lacks {', '.join(sorted(missing))}: {entry}")
-    return {entry["mutant"]: entry for entry in entries}
+        if entry["mutant"] in listed:  # the later one would silently replace the earlier: keep one, edit it
+            raise SystemExit(f"mutants: {path}: {entry['mutant']} is listed twice; keep one entry")
+        listed[entry["mutant"]] = entry
+    return listed
 
 
 def tally(folder: Path, module: Module, equivalents: dict[str, dict]) -> tuple[dict[str, int], list[str]]:

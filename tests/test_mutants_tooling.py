@@ -97,6 +97,14 @@ def test_the_equivalents_list_parses_and_each_entry_has_a_reason():
     assert all(entry["reason"].strip() for entry in listed.values())
 
 
+def test_a_mutant_listed_twice_is_refused_naming_it(tmp_path):
+    entry = '[[equivalent]]\nmutant = "gptlab.x.x_f__mutmut_{}"\nline = "x = 1"\nreason = "{}"\n\n'
+    path = tmp_path / "equivalents.toml"
+    path.write_text(entry.format(1, "first") + entry.format(2, "other") + entry.format(1, "second"))
+    with pytest.raises(SystemExit, match=r"gptlab\.x\.x_f__mutmut_1 is listed twice"):
+        mutants.load_equivalents(path)
+
+
 def test_a_sample_runs_n_mutants_drawn_by_seed_and_leaves_the_rest_out_of_the_score(tmp_path):
     module = mutants.Module(("src/gptlab/x.py",), ())
     meta = tmp_path / "mutants" / "src" / "gptlab" / "x.py.meta"
