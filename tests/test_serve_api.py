@@ -517,9 +517,9 @@ def test_a_streamed_echo_with_logprobs_sends_each_prompt_with_its_logprobs_to_ea
     assert len({c["id"] for c in chunks}) == 1 and re.fullmatch("cmpl-[0-9a-f]{24}", chunks[0]["id"])
     assert {(c["object"], c["model"]) for c in chunks} == {("text_completion", "run")}
     assert [[(c["index"], c["text"], c["logprobs"], c["finish_reason"]) for c in chunk["choices"]]
-            for chunk in chunks_of(parts)][:4] == [[(2, "z", second, None)], [(3, "z", second, None)],
-                                                   [(0, "Où", first, None)], [(1, "Où", first, None)]]
-    token_chunks = [chunk["choices"][0] for chunk in chunks_of(parts)[4:6]]
+            for chunk in chunks][:4] == [[(2, "z", second, None)], [(3, "z", second, None)],
+                                         [(0, "Où", first, None)], [(1, "Où", first, None)]]
+    token_chunks = [chunk["choices"][0] for chunk in chunks[4:6]]
     assert [(c["index"], c["text"], c["finish_reason"]) for c in token_chunks] == [(3, "a", "length"),
                                                                                    (0, "b", "length")]
 
