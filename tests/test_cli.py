@@ -3,8 +3,11 @@
 import json
 import math
 import os
+import signal
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -14,7 +17,6 @@ import gptlab.plots
 from gptlab.cli import main
 from gptlab.data.prepare import prepare
 from gptlab.runtime import bf16_supported
-from gptlab.tokenizer import EOT
 
 
 @pytest.fixture
@@ -38,7 +40,7 @@ def test_prepare_train_sample_eval_end_to_end(workdir, capsys, corpus_file):
     assert "bits/char" in table and "(val)" in table
     assert "corpus.txt" in run_ok(capsys, "eval", "--run", "runs/tiny", str(corpus_file))
     out = run_ok(capsys, "train", "--data", "data", "--run", "runs/tiny", "--max-steps", "15", "--resume", *TINY)
-    assert "15 steps" in out
+    assert "5 steps (10 to 15)" in out  # this session's steps, with this session's seconds
 
 
 def test_default_run_dir_never_overwrites_an_earlier_run(workdir, capsys, corpus_file):
@@ -96,6 +98,87 @@ def test_python_m_gptlab_exits_2_with_one_line_and_no_traceback(tmp_path):
                           capture_output=True, text=True, env=env)
     assert proc.returncode == 2
     assert proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr
+
+
+
+# ---- starting up: no torch for help and argument errors, and Ctrl-C at any moment is one line ------------------
+
+NO_TORCH = """import sys
+from gptlab.cli import main
+for argv in {argvs!r}:
+    try:
+        code = main(argv)
+    except SystemExit as exc:  # --help, --version
+        code = exc.code
+    assert code in (0, 2), (argv, code)
+    assert "torch" not in sys.modules, f"gptlab {{' '.join(argv)}} imported torch"
+print("no torch")
+"""
+# serve's and bench chat's flags take their defaults from the modules that run them, which import torch
+HELPED = ["prepare", "train", "sample", "eval", "runs", "compare", "info", "chat", "import", "export", "inspect",
+          "inspect lens", "inspect model", "reference", "reference check", "bench", "bench train", "bench peak"]
+
+
+def test_help_and_argument_errors_never_import_torch():
+    """`gptlab --help`, each verb's --help and a refused argument are answered without importing torch (seconds
+    of imports before the first line)."""
+    argvs = [["--help"], ["--version"], [], ["nonsense"], ["train", "--bogus"], ["train", "--n-layer"],
+             ["sample", "--temperature", "x", "--max-new-tokens"], ["bench", "train", "--steps"],
+             *[[*verb.split(), "--help"] for verb in HELPED]]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    done = subprocess.run([sys.executable, "-c", NO_TORCH.format(argvs=argvs)], capture_output=True, text=True,
+                          env=env, timeout=120)
+    assert done.returncode == 0 and done.stdout.endswith("no torch\n"), done.stderr[-2000:]
+
+
+INTERRUPTED = """import os, signal, sys
+class Interrupt:  # SIGINT to this process as the module named first is imported
+    def find_spec(self, name, path=None, target=None):
+        if name == sys.argv[1]:
+            os.kill(os.getpid(), signal.SIGINT)
+sys.meta_path.insert(0, Interrupt())
+from gptlab.cli import main
+sys.exit(main(sys.argv[2:]))
+"""
+
+
+def in_a_shell(inherited):
+    """preexec_fn: SIGINT's default (a command in the foreground), or SIGINT ignored, as `bash -c 'cmd &'` and every
+    shell without job control start a background job."""
+    return lambda: signal.signal(signal.SIGINT, inherited)
+
+
+@pytest.mark.parametrize("inherited", [signal.SIG_DFL, signal.SIG_IGN], ids=["foreground", "background job"])
+@pytest.mark.parametrize("module", ["gptlab.cli.verbs", "torch", "gptlab.training.train"])
+def test_ctrl_c_while_a_command_starts_is_one_line(char_data, tmp_path, inherited, module):
+    """Ctrl-C as `gptlab train` builds its parser, imports torch, or imports the loop: `gptlab: interrupted`
+    and exit 130, never a traceback, and never ignored (the run is not started)."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    argv = ["train", "--data", str(char_data), "--run", str(tmp_path / "run"), "--max-steps", "5", *TINY]
+    done = subprocess.run([sys.executable, "-c", INTERRUPTED, module, *argv], capture_output=True, text=True, env=env,
+                          timeout=300, preexec_fn=in_a_shell(inherited))
+    assert (done.returncode, done.stderr) == (130, "gptlab: interrupted\n")
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="needs /proc to see torch being loaded")
+@pytest.mark.parametrize("inherited", [signal.SIG_DFL, signal.SIG_IGN], ids=["foreground", "background job"])
+def test_ctrl_c_to_a_real_gptlab_train_as_it_loads_torch_is_one_line(char_data, tmp_path, inherited):
+    """SIGINT from outside, as a terminal's Ctrl-C comes, once torch's libraries are being loaded."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    argv = ["train", "--data", str(char_data), "--run", str(tmp_path / "run"), "--max-steps", "5", *TINY]
+    proc = subprocess.Popen([sys.executable, "-m", "gptlab", *argv], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            text=True, env=env, preexec_fn=in_a_shell(inherited))
+    try:
+        deadline = time.time() + 120
+        while "libtorch" not in Path(f"/proc/{proc.pid}/maps").read_text():
+            assert time.time() < deadline and proc.poll() is None
+            time.sleep(0.005)
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert (proc.returncode, err) == (130, "gptlab: interrupted\n")
 
 
 # ---- sample on the engine (issue 4) ----------------------------------------------------------------------------
@@ -206,9 +289,9 @@ def test_compare_puts_runs_with_different_tokenizers_on_bits_per_byte(tmp_path, 
     runs = {kind: evaluated_run(tmp_path, f"run-{kind}", tmp_path / kind, losses[kind]) for kind in losses}
     out = run_ok(capsys, "compare", str(runs["char"]), str(runs["bpe"]), "--out", str(tmp_path / "c.png"))
     assert "bits per byte" in out and drawn["unit"] == "bits / byte"
-    for kind, eot in (("char", ""), ("bpe", EOT)):  # the validation split: the text's tail (BPE: + end of text)
+    for kind in ("char", "bpe"):  # the validation split: the text's tail (BPE's end of text: a token, no bytes)
         meta = json.loads((tmp_path / kind / "meta.json").read_text())
-        val_bytes = len((text[-meta["val_chars"]:] + eot).encode())
+        val_bytes = len(text[-meta["val_chars"]:].encode())
         expected = [loss * meta["val_tokens"] / val_bytes / math.log(2) for _, loss in losses[kind]]
         assert drawn["curves"][str(runs[kind])] == ([5, 10], pytest.approx(expected, rel=1e-9), [0.5, 1.0])
     twin = evaluated_run(tmp_path, "run-char-2", tmp_path / "char", [(5, 1.5)])
@@ -341,6 +424,20 @@ def test_eval_of_a_non_ascii_file_prints_its_scores_per_token_character_and_byte
     assert bits_token == pytest.approx(nats / 39 / math.log(2), abs=1e-4)
     assert bits_char == pytest.approx(nats / math.log(2) / 40, abs=1e-4)
     assert bits_byte == pytest.approx(nats / math.log(2) / len(scored.encode()), abs=1e-4) and bits_byte < bits_char
+
+
+def test_eval_shows_a_long_path_whole_in_its_column(prepared, capsys):
+    """A path longer than the column's usual width is shown whole (not cut from the left, mid-word), and the
+    figures stay under their headings."""
+    folder = prepared / "a-rather-long-folder-name" / "another-long-folder-name"
+    folder.mkdir(parents=True)
+    path = str(folder / "the-text-to-score.txt")
+    Path(path).write_text("All: speak, speak. First Citizen: you are all resolved.\n" * 3, encoding="utf-8")
+    header, row, *_ = run_ok(capsys, "eval", "--run", "runs/r", path, "--precision", "fp32").splitlines()
+    assert row.split()[0] == path and len(path) > 60
+    tokens = row.split()[1]
+    assert header.index("tokens") + len("tokens") == row.index(f" {tokens} ") + 1 + len(tokens)
+    assert header.rstrip().endswith("precision") and len(header) == len(row)
 
 
 def test_prepare_flags_keep_their_spellings_and_defaults_and_a_switch_takes_no_value():

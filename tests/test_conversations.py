@@ -333,6 +333,32 @@ def test_a_step_s_loss_is_the_mean_over_its_lessons_across_micro_batches(chat_da
         torch.testing.assert_close(p.detach(), want[name], rtol=1e-5, atol=1e-6, msg=name)
 
 
+def test_an_evaluation_of_few_conversations_scores_each_one_s_lessons_once(chat_data):
+    """The val split's 4 conversations take 4 rows, fewer than eval_batches x batch_size: one pass, a row from each
+    conversation's start with its own lessons alone, the loss their mean per lesson."""
+    from gptlab.training.step import estimate_loss
+
+    model = trained_model(chat_data.tokenizer.vocab_size)
+    seen = []
+    ctx = StepContext(chat_data, TrainConfig(batch_size=3, eval_batches=20), 24, torch.device("cpu"), "fp32")
+    original = ctx.loss
+
+    def loss(m, x, y):
+        seen.append(y)
+        return original(m, x, y)
+    object.__setattr__(ctx, "loss", loss)
+    val = estimate_loss(model, ctx)["val"]
+    tokens, (mask, starts) = np.asarray(chat_data.val).astype(np.int64), chat_data.chat["val"]
+    pieces = list(zip(starts[:-1].tolist(), starts[1:].tolist()))
+    lessons = [np.where(mask[a + 1:b] == 1, tokens[a + 1:b], -1) for a, b in pieces]  # each piece's own targets
+    targets = torch.cat([y.flatten() for y in seen[-2:]])  # after train's 36 in 12 batches: 4 rows in 2 of 3
+    assert len(pieces) == 4 and len(seen) == 12 + 2
+    assert sorted(targets[targets != -1].tolist()) == sorted(t for row in lessons for t in row.tolist() if t != -1)
+    nats = [F.cross_entropy(model(torch.from_numpy(tokens[a:b - 1][None]))[0][0], torch.from_numpy(row),
+                            ignore_index=-1, reduction="sum") for (a, b), row in zip(pieces, lessons)]
+    assert val == pytest.approx(sum(nats).item() / sum(int((row != -1).sum()) for row in lessons), rel=1e-5)
+
+
 # ---- fine-tuning a run on conversations --------------------------------------------------------------------------
 
 def test_fine_tuning_grows_the_vocabulary_by_the_markers_at_the_mean_row(tmp_path, capsys):
@@ -386,6 +412,15 @@ def test_validation_conversations_can_be_named_by_file_and_one_alone_is_not_enou
     assert "holds 0 conversation(s); give at least 1" in err and not (tmp_path / "e").exists()
 
 
+def test_conversations_starting_with_a_utf8_byte_order_mark_read_as_without_it(tmp_path):
+    write_jsonl(tmp_path / "plain.jsonl", CONVERSATIONS)
+    (tmp_path / "bom.jsonl").write_bytes(b"\xef\xbb\xbf" + (tmp_path / "plain.jsonl").read_bytes())
+    cfg = PrepareConfig(chat=True, tokenizer="gpt2")
+    built = {name: prepare([str(tmp_path / f"{name}.jsonl")], tmp_path / name, cfg, quiet=True)
+             for name in ("plain", "bom")}
+    assert built["bom"]["fingerprint"] == built["plain"]["fingerprint"]  # the same conversations, the same ids
+
+
 def test_an_assistant_turn_of_exactly_the_context_is_taken(tmp_path):
     write_jsonl(tmp_path / "c.jsonl", [[{"role": "assistant", "content": "y" * 14}]] * 2)  # 1 + 14 + 1 ids
     prepare([str(tmp_path / "c.jsonl")], tmp_path / "d", PrepareConfig(chat=True, context=16), quiet=True)
@@ -436,3 +471,157 @@ def test_markers_in_text_are_special_tokens_only_when_allowed_and_bad_bytes_deco
                                                                    tok.end_id]
     bad = [i for i in range(256) if tok.decode_bytes([i]) == b"\xff"]
     assert tok.decode(bad + [tok.end_id]) == "\ufffd<|end|>"
+
+
+# ---- issue 42, behaviour 6: another --chat-loss into the same folder, consecutive assistant turns, the context's
+# edges, damaged conversation files ---------------------------------------------------------------------------------
+
+def chat_pieces(messages, context, chars="sabcd"):
+    """conversations.pieces of `messages` over CharTokenizer(chars) with the markers, as (ids, mask) lists."""
+    from gptlab.data.conversations import Conversation, pieces
+
+    return [(ids, [int(t) for t in trained]) for ids, trained in
+            pieces(Conversation("c.jsonl:1", messages), ChatTokenizer(CharTokenizer(chars)), context)]
+
+
+def saved_pieces(folder):
+    """Every piece of both splits of a prepared folder, as (ids, mask) lists, sorted."""
+    ds = load_dataset(folder)
+    out = []
+    for split in ("train", "val"):
+        tokens, (mask, starts) = np.asarray(ds.split(split)), ds.chat[split]
+        out += [(tokens[a:b].tolist(), mask[a:b].tolist()) for a, b in zip(starts[:-1], starts[1:])]
+    return sorted(out)
+
+
+def test_another_chat_loss_into_the_same_folder_is_refused_and_with_overwrite_rewrites_the_mask(tmp_path, capsys):
+    write_jsonl(tmp_path / "c.jsonl", CONVERSATIONS * 2)
+    argv = ["prepare", "--chat", str(tmp_path / "c.jsonl"), "--out", str(tmp_path / "d")]
+    by_role = sorted(by_hand(every_text(CONVERSATIONS), m) for m in CONVERSATIONS * 2)  # the assistant's tokens
+    every = sorted((ids, [1] * len(ids)) for ids, _ in by_role)
+    run_ok(capsys, *argv, "--chat-loss", "assistant")
+    assert saved_pieces(tmp_path / "d") == by_role
+    before = tree(tmp_path / "d")
+    err = run_bad(capsys, *argv, "--chat-loss", "all")  # not the old mask kept silently: refused, nothing changed
+    assert f"{tmp_path / 'd'} holds data prepared from other inputs or settings" in err and "--overwrite" in err
+    assert tree(tmp_path / "d") == before
+    run_ok(capsys, *argv, "--chat-loss", "all", "--overwrite")
+    assert saved_pieces(tmp_path / "d") == every and load_dataset(tmp_path / "d").meta["chat"]["loss"] == "all"
+    after = tree(tmp_path / "d")
+    run_ok(capsys, *argv, "--chat-loss", "all")  # the same settings again: the folder as it is
+    assert tree(tmp_path / "d") == after
+    run_ok(capsys, *argv, "--chat-loss", "assistant", "--overwrite")
+    assert saved_pieces(tmp_path / "d") == by_role
+
+
+def test_consecutive_assistant_messages_stay_with_their_user_turn_when_a_conversation_is_split():
+    u1, a1, u2, a2, a3, a4 = ({"role": r, "content": c} for r, c in (
+        ("user", "ab"), ("assistant", "ba"), ("user", "c"), ("assistant", "cc"), ("assistant", "a"),
+        ("assistant", "b")))
+    messages = [u1, a1, u2, a2, a3, a4]
+    # by hand: a message is its marker, its characters and the end marker: 4 + 4 + 3 + 4 + 3 + 3 = 21 ids; the
+    # exchanges are [u1 a1] (8) and [u2 a2 a3 a4] (13): the three answers in a row go together, never a piece that
+    # starts with an assistant message with no user turn before it
+    chars = "sabcd"
+    assert chat_pieces(messages, 21) == chat_pieces(messages, 22) == [by_hand(chars, messages)]
+    for context in (20, 13):
+        assert chat_pieces(messages, context) == [by_hand(chars, [u1, a1]), by_hand(chars, [u2, a2, a3, a4])]
+    with pytest.raises(GptlabError, match=r"^c.jsonl:1: the exchange from message 3 to 6 is longer than the "
+                                          r"context \(12\); raise --context or shorten it$"):
+        chat_pieces(messages, 12)
+
+
+# by hand: system "s" 3 ids; exchanges [u1 "ab" 4, a1 "b" 3, a2 "ba" 4] 11, [u2 "c" 3, a3 "cc" 4] 7, [u3 "a" 3,
+# a4 "b" 3] 6: 27 ids in all. Each piece is the system message and the whole exchanges that fit after it.
+S, U1, A1, A2, U2, A3, U3, A4 = ({"role": r, "content": c} for r, c in (
+    ("system", "s"), ("user", "ab"), ("assistant", "b"), ("assistant", "ba"), ("user", "c"), ("assistant", "cc"),
+    ("user", "a"), ("assistant", "b")))
+EDGES = [(28, [[S, U1, A1, A2, U2, A3, U3, A4]]),  # one past the conversation's 27
+         (27, [[S, U1, A1, A2, U2, A3, U3, A4]]),  # at it: one piece
+         (26, [[S, U1, A1, A2, U2, A3], [S, U3, A4]]),  # one below: split; the first piece 21
+         (21, [[S, U1, A1, A2, U2, A3], [S, U3, A4]]),  # the first piece at the context
+         (20, [[S, U1, A1, A2], [S, U2, A3, U3, A4]]),  # one below it: the second piece 16
+         (16, [[S, U1, A1, A2], [S, U2, A3, U3, A4]]),  # the second piece at the context
+         (15, [[S, U1, A1, A2], [S, U2, A3], [S, U3, A4]]),  # one below it
+         (14, [[S, U1, A1, A2], [S, U2, A3], [S, U3, A4]])]  # the longest exchange with the system message: 14
+
+
+@pytest.mark.parametrize("context, expected", EDGES, ids=[str(c) for c, _ in EDGES])
+def test_a_conversation_just_below_at_and_past_the_context_is_split_at_whole_exchanges(context, expected):
+    messages = [S, U1, A1, A2, U2, A3, U3, A4]
+    assert chat_pieces(messages, context) == [by_hand("sabcd", piece) for piece in expected]
+
+
+def test_an_exchange_or_an_assistant_turn_one_past_the_context_is_refused_naming_it():
+    with pytest.raises(GptlabError, match=r"^c.jsonl:1: the exchange from message 2 to 4 with the system messages is "
+                                          r"longer than the context \(13\)"):
+        chat_pieces([S, U1, A1, A2, U2, A3, U3, A4], 13)
+    answer = {"role": "assistant", "content": "abcd"}  # 6 ids
+    assert chat_pieces([answer], 6) == [by_hand("sabcd", [answer])]
+    with pytest.raises(GptlabError, match=r"^c.jsonl:1: message 2, an assistant turn of 6 tokens, is longer than "
+                                          r"the context \(5\)"):
+        chat_pieces([U2, answer], 5)
+
+
+def test_a_conversation_of_context_plus_one_tokens_is_saved_split_and_one_of_the_context_whole(tmp_path):
+    write_jsonl(tmp_path / "c.jsonl", [[S, U1, A1, A2, U2, A3, U3, A4], [U3, A4]])
+    for context, expected in ((27, [[S, U1, A1, A2, U2, A3, U3, A4]]), (26, [[S, U1, A1, A2, U2, A3], [S, U3, A4]])):
+        cfg = PrepareConfig(chat=True, context=context, val_fraction=0.5, tokenizer="char")
+        prepare([str(tmp_path / "c.jsonl")], tmp_path / str(context), cfg, quiet=True)
+        chars = every_text([[S, U1, A1, A2, U2, A3, U3, A4]])
+        assert saved_pieces(tmp_path / str(context)) == sorted([by_hand(chars, p) for p in expected] +
+                                                               [by_hand(chars, [U3, A4])])
+
+
+def test_consecutive_assistant_messages_are_dropped_together_to_fit_the_context():
+    tok = ChatTokenizer(CharTokenizer("abcdefgh"))
+    system, user, first, second, last = ({"role": r, "content": c} for r, c in (
+        ("system", "ab"), ("user", "abc"), ("assistant", "a"), ("assistant", "bc"), ("user", "d")))
+    # by hand: 4 + 5 + 3 + 4 + 3 ids and the prompt's 1: 20; one fewer drops the user turn and both answers
+    assert fit_context([system, user, first, second, last], tok, 20) == ([system, user, first, second, last], 0)
+    assert fit_context([system, user, first, second, last], tok, 19) == ([system, last], 3)
+    # answers with no question before them: 4 + 3 + 4 + 3 + 1 = 15
+    assert fit_context([system, first, second, last], tok, 15) == ([system, first, second, last], 0)
+    assert fit_context([system, first, second, last], tok, 14) == ([system, last], 2)
+
+
+DAMAGED = {"an empty piece": lambda s: np.insert(s, 2, s[2]), "an empty first piece": lambda s: np.insert(s, 0, 0),
+           "an empty last piece": lambda s: np.append(s, s[-1]), "pieces out of order": lambda s: s[[0, 2, 1, 3, 4, 5]],
+           "out of order, unsigned": lambda s: s[[0, 2, 1, 3, 4, 5]].astype(np.uint64),
+           "not from 0": lambda s: np.r_[1, s[1:]], "from below 0": lambda s: np.r_[-1, s[1:]],
+           "short of the length": lambda s: np.r_[s[:-1], s[-1] - 1],
+           "past the length": lambda s: np.r_[s[:-1], s[-1] + 1],
+           "no piece": lambda s: s[:1], "nothing": lambda s: s[:0], "not integers": lambda s: s.astype(np.float64),
+           "two rows": lambda s: np.stack([s, s]), "one number": lambda s: np.asarray(s[-1])}
+
+
+@pytest.mark.parametrize("damage", DAMAGED)
+def test_a_saved_split_with_an_empty_piece_or_starts_off_its_ends_is_refused_in_one_line(tmp_path, damage):
+    write_jsonl(tmp_path / "c.jsonl", CONVERSATIONS * 2)
+    prepare([str(tmp_path / "c.jsonl")], tmp_path / "d", PrepareConfig(chat=True), quiet=True)
+    starts = np.load(tmp_path / "d" / "train.starts.npy")
+    assert len(starts) == 6 and np.all(np.diff(starts) > 1)  # five pieces of several ids: every damage applies
+    np.save(tmp_path / "d" / "train.starts.npy", DAMAGED[damage](starts))
+    with pytest.raises(GptlabError) as info:
+        load_dataset(tmp_path / "d")
+    assert str(info.value) == f"the train conversation files in {tmp_path / 'd'} do not match its token files; run " \
+                              "`gptlab prepare --chat` again"
+
+
+def test_a_saved_mask_of_two_columns_is_refused_in_one_line(tmp_path):
+    write_jsonl(tmp_path / "c.jsonl", CONVERSATIONS * 2)
+    prepare([str(tmp_path / "c.jsonl")], tmp_path / "d", PrepareConfig(chat=True), quiet=True)
+    mask = np.load(tmp_path / "d" / "train.mask.npy")
+    np.save(tmp_path / "d" / "train.mask.npy", np.stack([mask, mask], axis=1))  # as many rows as tokens
+    with pytest.raises(GptlabError, match=r"^the train conversation files in .* do not match its token files"):
+        load_dataset(tmp_path / "d")
+
+
+def test_a_damaged_split_is_refused_by_the_command_in_one_line_naming_its_split(tmp_path, capsys):
+    write_jsonl(tmp_path / "c.jsonl", CONVERSATIONS * 2)
+    prepare([str(tmp_path / "c.jsonl")], tmp_path / "d", PrepareConfig(chat=True), quiet=True)
+    starts = np.load(tmp_path / "d" / "val.starts.npy")
+    np.save(tmp_path / "d" / "val.starts.npy", np.insert(starts, 1, 0))  # an empty first piece
+    err = run_bad(capsys, "train", "--data", str(tmp_path / "d"), "--run", str(tmp_path / "run"), "--max-steps", "1")
+    assert "the val conversation files in" in err and "do not match its token files" in err
+    assert not (tmp_path / "run").exists()

@@ -65,6 +65,12 @@ def held_out(ds, texts: list[str]) -> tuple[list[int], list[int]]:
     return sides[0], sides[1]
 
 
+def fraction_gap(val: list[int], fraction: float) -> int:
+    """How far the documents `val` of TEXTS fall short of `fraction` of all their characters (int(): as prepare
+    aims)."""
+    return int(sum(map(len, TEXTS)) * fraction) - sum(len(TEXTS[i]) for i in val)
+
+
 def test_fineweb_shaped_shards_give_the_ids_of_direct_tokenization(tmp_path, monkeypatch):
     monkeypatch.setattr(readers, "PARQUET_BATCH_ROWS", 5)  # several record batches per file
     records = fineweb_records()
@@ -81,7 +87,8 @@ def test_fineweb_shaped_shards_give_the_ids_of_direct_tokenization(tmp_path, mon
                    row_group_size=4)
     meta = prepare([str(shards)], tmp_path / "data", "gpt2", quiet=True)
     train, val = held_out(load_dataset(tmp_path / "data"), TEXTS)
-    assert sorted(train + val) == list(range(len(TEXTS))) and len(val) == int(len(TEXTS) * 0.1)
+    assert sorted(train + val) == list(range(len(TEXTS))) and val
+    assert 0 <= fraction_gap(val, 0.1) < min(len(TEXTS[i]) for i in train)  # each one left out would not fit
     assert meta["documents"] == len(TEXTS) and [s["documents"] for s in meta["sources"]] == [10, 10, 5, 5, 12]
     assert (meta["split"], meta["val_documents"]) == ("documents", len(val))
     assert meta["val_chars"] == sum(len(TEXTS[i]) for i in val)
@@ -94,7 +101,9 @@ def test_validation_holds_out_whole_documents_chosen_by_the_seed(tmp_path):
         prepare([str(path)], tmp_path / name, "bpe", vocab_size=300, val_fraction=fraction, seed=seed, quiet=True)
         chosen[name] = held_out(load_dataset(tmp_path / name), TEXTS)[1]
     assert chosen["a"] == chosen["b"] and chosen["a"] != chosen["c"]
-    assert len(chosen["a"]) == int(len(TEXTS) * 0.2) and len(chosen["d"]) == len(TEXTS) // 2
+    for name, fraction in (("a", 0.2), ("c", 0.2), ("d", 0.5)):  # a fraction of the characters, within a document
+        left = [i for i in range(len(TEXTS)) if i not in chosen[name]]
+        assert 0 <= fraction_gap(chosen[name], fraction) < min(len(TEXTS[i]) for i in left), name
     few = write_jsonl(tmp_path / "few.jsonl", fineweb_records()[:5])  # fewer than 1 / val_fraction documents
     meta = prepare([str(few)], tmp_path / "few", "char", quiet=True)
     assert meta["split"] == "characters" and meta["train_chars"] == int(sum(map(len, TEXTS[:5])) * 0.9)
@@ -223,7 +232,7 @@ def test_char_vocabulary_comes_from_readable_files_only(tmp_path):
     folder = make_messy_folder(tmp_path / "messy")
     prepare([str(folder)], tmp_path / "out", quiet=True)
     ds = load_dataset(tmp_path / "out")
-    text = TEXTS[0] + TEXTS[1] + "print('hello')\n"  # a.txt, sub/b.md, sub/c.py: non-ASCII, and nothing else
+    text = TEXTS[0] + "\n" + TEXTS[1] + "\n" + "print('hello')\n"  # a.txt, sub/b.md, sub/c.py, a newline between
     assert ds.tokenizer.to_dict() == {"type": "char", "chars": sorted(set(text))}
     assert np.concatenate([ds.train, ds.val]).tolist() == [sorted(set(text)).index(c) for c in text]
 
@@ -526,6 +535,58 @@ def test_a_worker_encodes_what_arrives_in_order_sends_a_units_error_back_and_sto
     assert (third[0].tolist(), third[1].tolist()) == ([], tok.encode("cd") + [tok.eot_id])
     assert not from_worker.poll(0.5)  # nothing after None was encoded
     to_worker.close()
+
+
+def test_a_worker_whose_unit_is_cut_halfway_by_ctrl_c_ends_quietly(monkeypatch):
+    """Ctrl-C can stop the caller halfway through sending a unit (bigger than the pipe's buffer, it goes in pieces):
+    the worker's reader then meets the end of the pipe inside a message (OSError, not EOFError). The worker ends as
+    at the end of its units, without a traceback from its reader thread (the caller ends it anyway)."""
+    monkeypatch.setattr(signal, "signal", lambda *args: None)  # it ignores Ctrl-C in its own process, not in pytest's
+    failures = []
+    monkeypatch.setattr(threading, "excepthook", failures.append)
+    inbox, to_worker = multiprocessing.Pipe(duplex=False)
+    from_worker, outbox = multiprocessing.Pipe(duplex=False)
+    to_worker.send([(0, "ab", False)])
+    os.write(to_worker.fileno(), (1000).to_bytes(4, "big") + b"x" * 10)  # a 1000-byte unit cut after 10 bytes
+    to_worker.close()
+    worker = threading.Thread(target=encoder._work, args=(GPT2Tokenizer().to_dict(), False, inbox, outbox),
+                              daemon=True)
+    worker.start()
+    worker.join(30)
+    assert not worker.is_alive(), "the worker waits for ever for a unit that never comes"
+    assert not failures, [f.exc_value for f in failures]
+    assert from_worker.recv()[0].tolist() == GPT2Tokenizer().encode("ab") and not from_worker.poll(0.1)
+
+
+def test_a_ctrl_c_while_a_worker_starts_comes_once_the_start_is_done():
+    """A start cut halfway leaves a child that prints the traceback of its half-read start: Ctrl-C is held off
+    until the start is done, then raised, neither lost nor doubled; the child starts with SIGINT blocked."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)  # as gptlab's main has it, whatever pytest's
+    reached = []
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            with encoder._sigint_held():
+                signal.raise_signal(signal.SIGINT)  # Ctrl-C, halfway through a start
+                reached.append(signal.SIGINT in signal.pthread_sigmask(signal.SIG_BLOCK, []))
+        assert reached == [True] and signal.getsignal(signal.SIGINT) is signal.default_int_handler
+        assert signal.SIGINT not in signal.pthread_sigmask(signal.SIG_BLOCK, [])
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def test_a_worker_that_cannot_be_started_is_said_so_not_taken_for_a_full_disk(tmp_path, monkeypatch):
+    """A worker process that fails to start (no process left, or it died before reading its start: Broken pipe) is
+    named as such, in one line, not reported as token files that cannot be written."""
+    from multiprocessing.context import SpawnProcess
+
+    def start(self):
+        raise BrokenPipeError(32, "Broken pipe")
+    monkeypatch.setattr(SpawnProcess, "start", start)
+    (tmp_path / "t.txt").write_text("abc " * 3000, encoding="utf-8")
+    monkeypatch.setattr(encoder, "UNIT_CHARS", 2000)
+    with pytest.raises(GptlabError, match=r"^cannot start a worker process to encode the text \(Broken pipe\); run the "
+                                          r"same command again, with --workers 1 if it happens again$"):
+        prepare([str(tmp_path / "t.txt")], tmp_path / "out", "char", quiet=True, workers=2)
 
 
 def test_a_worker_that_exits_with_a_unit_pending_is_named_with_its_exit_code():

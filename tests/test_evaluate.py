@@ -98,7 +98,7 @@ def test_bits_per_byte_count_utf8_bytes_and_bits_per_char_characters(tmp_path):
 def test_a_score_as_json_holds_its_counts_and_every_measure():
     # 10 tokens costing ln 2 nats each over 20 characters in 40 bytes: 1 bit per token, 1/2 per char, 1/4 per byte
     assert Score("t.txt", 10, 20, 40, 10 * math.log(2)).as_dict() == pytest.approx(
-        {"text": "t.txt", "tokens": 10, "chars": 20, "bytes": 40, "loss": math.log(2), "perplexity": 2.0,
+        {"text": "t.txt", "tokens": 10, "chars": 20, "bytes": 40, "special_tokens": 0, "loss": math.log(2), "perplexity": 2.0,
          "bits_per_token": 1.0, "bits_per_char": 0.5, "bits_per_byte": 0.25})
 
 
@@ -147,7 +147,7 @@ def test_by_default_sixteen_windows_share_a_forward_pass(tmp_path):
     model = moved_model(4)
     ids = TOKENIZER.encode(TEXT)
     with forward_record(model) as direct:
-        score(model, "text", ids, len(TEXT), len(TEXT.encode()))
+        score(model, "text", ids, TOKENIZER)
     with forward_record(model) as files:
         score_files(model, TOKENIZER, [str(text_file(tmp_path, TEXT))])
     data_dir = prepared(tmp_path)

@@ -202,9 +202,9 @@ def test_a_failed_export_changes_nothing_on_disk(tmp_path, gpt2_vocab_folder, ca
             m.setattr(gptlab.hf.hf, "write_tokenizer_files", lambda out, *_: ((out / "vocab.json").write_text("{}"),
                                                                           no_space()))
         for out in ("old", "new/deeper/hf"):
-            assert "No space left on device" in run_bad(capsys, "export", "run", "--out", out)
+            assert "No space left on device" in run_bad(capsys, "export", "run", "--out", out, "--overwrite")
             assert tree(tmp_path) == before, out
-    run_ok(capsys, "export", "run", "--out", "old")  # into a folder that has files: ours replace theirs
+    run_ok(capsys, "export", "run", "--out", "old", "--overwrite")  # a folder with files: ours replace theirs
     assert load_hf(tmp_path / "old").config.n_embd == 32 and (tmp_path / "old" / "notes.txt").read_text() == "mine"
     run_ok(capsys, "export", "run", "--out", "new/deeper/hf")
     assert load_hf(tmp_path / "new" / "deeper" / "hf").config.n_head == 2

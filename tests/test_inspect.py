@@ -13,7 +13,7 @@ import torch
 from PIL import Image
 from transformers import GPT2LMHeadModel
 
-from helpers import CORPUS, HF_SHAPES, HF_VOCAB, TINY, hf_folder, run_bad, run_ok, trained_like
+from helpers import CORPUS, HF_SHAPES, HF_VOCAB, TINY, chat_run, hf_folder, run_bad, run_ok, trained_like
 from gptlab.checkpoint import load_run
 from gptlab.cli import main
 from gptlab.config import PRESETS, ModelConfig, SampleConfig
@@ -342,6 +342,21 @@ def test_inspect_refusals_write_nothing(char_run, capsys, monkeypatch):
     monkeypatch.setattr(page, "MAX_NUMBERS", 10)
     assert "too many for one page" in run_bad(capsys, "inspect", "attention", *run, "--prompt", "the", "--html")
     assert sorted(p.name for p in char_run.iterdir()) == before
+
+
+def test_inspect_reads_chat_markers_in_a_prompt_only_with_allow_special(tmp_path, capsys):
+    """A chat run's prompt written as its template renders it: refused as `sample` refuses it, read with
+    --allow-special as `sample --allow-special` reads it (each marker one special token)."""
+    run = chat_run(tmp_path)
+    prompt = "<|user|>hi<|end|><|assistant|>"
+    for what in ("attention", "lens"):
+        assert "chat marker <|user|>" in run_bad(capsys, "inspect", what, "--run", str(run), "--prompt", prompt)
+    ids = load_run(run).tokenizer.encode(prompt, allow_special=True)
+    assert len(ids) == 5
+    lines = run_ok(capsys, "inspect", "lens", "--run", str(run), "--prompt", prompt, "--allow-special").splitlines()
+    assert len(lines) == 2 + len(ids) + 1 and lines[2].split()[1] == "<|user|>"
+    out = run_ok(capsys, "inspect", "attention", "--run", str(run), "--prompt", prompt, "--allow-special")
+    looked_at(out.strip())
 
 
 def test_the_apple_experiment(char_run, capsys):

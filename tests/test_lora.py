@@ -419,7 +419,7 @@ def test_the_peft_config_names_the_base_and_loads_without_peft_s_complaints(at, 
     run_ok(capsys, "export", "runs/base", "--out", "base-hf5")
     run_ok(capsys, "export", "runs/lo", "--format", "peft", "--out", "lo-peft5")
     config = json.loads((at / "lo-peft5/adapter_config.json").read_text())
-    assert config["base_model_name_or_path"] == str(at / "runs/base")
+    assert config["base_model_name_or_path"] == "tiny-hf"  # the folder runs/base was imported from: no local path
     recwarn.clear()
     peft_model(at / "base-hf5", at / "lo-peft5")
     assert not [w for w in recwarn if "fan_in_fan_out" in str(w.message)]  # PEFT fixes a wrong flag, with a warning
@@ -523,3 +523,43 @@ def test_the_bench_makes_adamw_state_for_the_adapters_only_and_no_gradient_for_t
     assert all(p.grad is None for p in model.parameters())
     assert {id(p) for p in optimizer.state} == {id(p) for n, p in model.named_parameters() if lora.is_adapter(n)}
     assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())  # at lr 0 nothing moves
+
+
+def test_an_imported_adapter_is_described_as_an_import_on_its_bases_preset(tmp_path, char_data, monkeypatch, capsys):
+    import re
+
+    from helpers import TINY
+
+    monkeypatch.chdir(tmp_path)
+    run_ok(capsys, "train", "--data", "data", "--run", "runs/base", "--max-steps", "2", *TINY)
+    run_ok(capsys, "train", "--init-from", "runs/base", "--data", "data", "--run", "runs/lo", "--lora-rank", "2",
+           "--max-steps", "2", "--batch-size", "4", "--eval-interval", "2", "--eval-batches", "1", "--precision",
+           "fp32", "--quiet")
+    run_ok(capsys, "export", "runs/lo", "--format", "peft", "--out", "lo-peft")
+    out = run_ok(capsys, "import", "peft", "lo-peft", "--base", "runs/base", "--run", "runs/back")
+    count = int(re.search(r"([\d,]+) adapter parameters", out).group(1).replace(",", ""))
+    info = run_ok(capsys, "info", "runs/back")
+    assert info.splitlines()[0] == (f"run runs/back: imported from {tmp_path / 'lo-peft'} (no training steps), "
+                                    "preset char-quick+lora")
+    assert "data:" not in info and "step 0" not in info and f"({count:,} parameters)" in info
+    assert "char-quick+lora" in run_ok(capsys, "runs", "runs").splitlines()[-1]
+
+
+def test_a_peft_export_names_its_base_by_hugging_face_name_or_not_at_all(at, tmp_path, char_data, monkeypatch,
+                                                                          capsys):
+    from gptlab.hf.peft import hub_name
+    from helpers import TINY as TINY_FLAGS
+
+    run_ok(capsys, "export", "runs/lo", "--format", "peft", "--out", "lo-peft-name")
+    config = json.loads((at / "lo-peft-name/adapter_config.json").read_text())
+    assert config["base_model_name_or_path"] == "tiny-hf" and str(at) not in json.dumps(config)
+    assert hub_name("/home/me/.cache/huggingface/hub/models--openai-community--gpt2/snapshots/607a30d7") == \
+        "openai-community/gpt2"
+    monkeypatch.chdir(tmp_path)  # a base trained here, imported from nowhere: no name to give
+    run_ok(capsys, "train", "--data", "data", "--run", "runs/base", "--max-steps", "2", *TINY_FLAGS)
+    run_ok(capsys, "train", "--init-from", "runs/base", "--data", "data", "--run", "runs/lo", "--lora-rank", "2",
+           "--max-steps", "2", "--batch-size", "4", "--eval-interval", "2", "--eval-batches", "1", "--precision",
+           "fp32", "--quiet")
+    run_ok(capsys, "export", "runs/lo", "--format", "peft", "--out", "lo-peft")
+    text = (tmp_path / "lo-peft/adapter_config.json").read_text()
+    assert json.loads(text)["base_model_name_or_path"] is None and str(tmp_path) not in text

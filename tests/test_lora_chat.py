@@ -150,3 +150,15 @@ def test_a_peft_export_takes_the_best_checkpoint_not_the_latest(tuned, capsys, t
     exported = load_file(tmp_path / "peft" / "adapter_model.safetensors")
     torch.testing.assert_close(exported[PREFIX + PEFT_TOKENS], read_tensors(best.path, "model")[
         "transformer.wte.token_values"], rtol=0, atol=0)
+
+
+def test_an_adapter_s_parameters_count_the_markers_rows_alike_in_import_and_info(tuned, capsys):
+    import re
+
+    run_ok(capsys, "export", str(tuned / "runs" / "chat"), "--format", "peft", "--out", str(tuned / "peft-count"))
+    out = run_ok(capsys, "import", "peft", str(tuned / "peft-count"), "--base", str(tuned / "runs" / "base"), "--run",
+                 str(tuned / "runs" / "counted"))
+    adapters, rows = 2 * 4 * (32 + 96), 4 * 32  # rank 4 on c_attn (32 -> 96) in 2 blocks; 4 markers, 32 wide
+    assert int(re.search(r"([\d,]+) adapter parameters", out).group(1).replace(",", "")) == adapters + rows
+    for run in ("chat", "counted"):
+        assert f"({adapters + rows:,} parameters)" in run_ok(capsys, "info", str(tuned / "runs" / run)), run

@@ -6,6 +6,7 @@ import hashlib
 import io
 import json
 import re
+from array import array
 from pathlib import Path
 
 import numpy as np
@@ -185,6 +186,7 @@ def test_a_scan_counts_each_source_and_skips_what_it_cannot_read(tmp_path, monke
     kept = [data for name, data in zip(sorted(path), read) if name != "b.bin"]
     assert [(d["bytes"], d["sha256"]) for d in scan.described] == [(len(b), hashlib.sha256(b).hexdigest()) for b in kept]
     assert scan.total == 12 + 30 + 1 + 9 and scan.chars == set("héllowörld ☕" + "línea\n" + "x" + "parquet")
+    assert list(scan.lengths) == [5, 7, 30, 1, 2, 7]  # each document's characters, in reading order
     assert sum(progress) == sum(map(len, read)) and scan.val_from is None
     assert scan.skipped == [{"path": path["b.bin"], "reason": f"{path['b.bin']} looks like a binary file (a NUL byte "
                                                               "near offset 0); give a text file"}]
@@ -235,17 +237,21 @@ def test_json_lines_without_one_good_record_are_unreadable_with_a_hint_from_the_
 def test_a_joined_scan_is_the_corpus_then_the_validation_corpus():
     a, b, c = (in_memory(t.encode(), f"{t}.txt") for t in "abc")
     corpus_scan = Scan([a], 10, [{"documents": 2}], {"x", "y"}, [{"path": "s1", "reason": "r1"}], None,
-                       [{"path": "p1", "line": 1, "reason": "q1"}])
+                       [{"path": "p1", "line": 1, "reason": "q1"}], array("q", [4, 6]))
     val_scan = Scan([b, c], 5, [{"documents": 1}, {"documents": 3}], {"y", "z"}, [{"path": "s2", "reason": "r2"}],
-                    None, [{"path": "p2", "line": 7, "reason": "q2"}])
+                    None, [{"path": "p2", "line": 7, "reason": "q2"}], array("q", [2, 1, 1, 1]))
     assert corpus_scan.joined(val_scan) == Scan(
         [a, b, c], 15, [{"documents": 2}, {"documents": 1}, {"documents": 3}], {"x", "y", "z"},
         [{"path": "s1", "reason": "r1"}, {"path": "s2", "reason": "r2"}], 1,
-        [{"path": "p1", "line": 1, "reason": "q1"}, {"path": "p2", "line": 7, "reason": "q2"}])
+        [{"path": "p1", "line": 1, "reason": "q1"}, {"path": "p2", "line": 7, "reason": "q2"}],
+        array("q", [4, 6, 2, 1, 1, 1]))
+    assert corpus_scan.lengths == array("q", [4, 6]) and corpus_scan.documents == 2  # left as they were
 
 
-def counted(*documents_per_source: int, val_from: int | None = None) -> Scan:
-    return Scan([], 0, [{"documents": n} for n in documents_per_source], set(), [], val_from)
+def counted(*documents_per_source: int, val_from: int | None = None, lengths: list[int] | None = None) -> Scan:
+    lengths = [1] * sum(documents_per_source) if lengths is None else lengths
+    return Scan([], sum(lengths), [{"documents": n} for n in documents_per_source], set(), [], val_from,
+                lengths=array("q", lengths))
 
 
 def test_the_validation_corpus_is_every_document_from_its_first_source_on():
@@ -254,10 +260,36 @@ def test_the_validation_corpus_is_every_document_from_its_first_source_on():
         assert mask.dtype == np.bool_ and mask.tolist() == [bool(h) for h in held]
 
 
-def test_int_of_n_times_the_fraction_documents_are_held_out_else_none():
+def test_documents_alike_in_size_are_held_out_by_count_else_none():
     for counts, fraction, k in (((4, 6), 0.1, 1), ((40,), 0.5, 20), ((1, 12, 29), 0.2, 8)):
         mask = val_documents(counted(*counts), fraction, 3)
         assert mask.dtype == np.bool_ and mask.shape == (sum(counts),) and mask.sum() == k
-    assert val_documents(counted(4, 5), 0.1, 0) is None  # 9 documents: int(0.9) is none, split by characters
+    assert val_documents(counted(4, 5), 0.1, 0) is None  # 9 documents: none fits in 0.9 of one, split by characters
     again, other = (val_documents(counted(40), 0.5, seed).tolist() for seed in (3, 4))
     assert again == val_documents(counted(40), 0.5, 3).tolist() != other  # chosen by the seed alone
+
+
+def test_documents_of_any_sizes_are_held_out_until_they_hold_the_fraction_of_the_characters():
+    """Documents in an order drawn by the seed, each taken while it fits in what is left of val_fraction of the
+    characters (round(25,800 x 0.1) = 2,580): the short ones fill the gap the long ones leave, to within one."""
+    lengths = [10] * 180 + [1000] * 24
+    chosen = []
+    for seed in range(8):
+        mask = val_documents(counted(150, 54, lengths=lengths), 0.1, seed)
+        assert mask.dtype == np.bool_ and 2580 - 10 < np.asarray(lengths)[mask].sum() <= 2580
+        chosen.append(mask.tolist())
+    assert len({tuple(m) for m in chosen}) == 8 and val_documents(counted(204, lengths=lengths), 0.1, 5).tolist() == \
+        chosen[5]  # each seed its own choice, and the same again
+
+
+@pytest.mark.parametrize("lengths, fraction", [
+    ([10] * 9, 0.1),  # none fits in 9 characters
+    ([1, 100, 100], 0.1),  # only 1 of the 20 fits: far below the fraction
+    ([30, 30, 30, 30], 0.25),  # one whole document is exactly a quarter: taken, for contrast
+])
+def test_documents_that_cannot_come_near_the_fraction_split_by_characters(lengths, fraction):
+    mask = val_documents(counted(len(lengths), lengths=lengths), fraction, 0)
+    if lengths[0] == 30:
+        assert mask.sum() == 1
+    else:
+        assert mask is None

@@ -144,3 +144,16 @@ def test_reference_check_refuses_a_bigram(data, tmp_path, capsys):
            "2", "--quiet", "--precision", "fp32", "--eval-interval", "2", "--eval-batches", "1")
     assert "implements the GPT alone" in run_bad(capsys, "reference", "check", "--run", str(tmp_path / "b"))
     assert "not the bigram" in run_bad(capsys, "sample", "--run", str(tmp_path / "b"), "--engine", "reference")
+
+
+def test_reference_check_of_a_lora_run_checks_its_merged_model(reference_run, data, tmp_path, capsys):
+    run_ok(capsys, "train", "--init-from", str(reference_run), "--data", str(data), "--run", str(tmp_path / "lo"),
+           "--lora-rank", "2", "--max-steps", "2", "--batch-size", "2", "--eval-interval", "2", "--eval-batches",
+           "1", "--precision", "fp32", "--lr", "1e-2", "--quiet")
+    out = run_ok(capsys, "reference", "check", "--run", str(tmp_path / "lo"), "--precision", "fp64")
+    assert "the LoRA adapters merged into the base" in out.splitlines()[0]
+    rows = {line.split()[-3] if line.startswith("grad ") else line.split()[0]: line.split()[-2:]
+            for line in out.splitlines()[2:-1]}
+    model = load_run(tmp_path / "lo").model  # merged: every weight a plain one, every gradient compared
+    assert set(rows) == {"logits", "loss"} | {name for name, _ in model.named_parameters()}
+    assert all(float(rel) <= 1e-10 for _, rel in rows.values())

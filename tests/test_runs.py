@@ -232,8 +232,8 @@ def test_info_lists_every_checkpoint_with_its_validity_and_loss(tmp_path, char_d
     info = run_info(run)
     bad = info["checkpoints"][2]["valid"]
     assert "checksum" in bad or "damaged" in bad, bad
-    assert info == {"run": asdict(list_runs(run)[0]), "data": str(char_data.resolve()), "model": config["model"],
-                    "train": config["train"], "resumes": [], "lora": None, "checkpoints": [
+    assert info == {"run": asdict(list_runs(run)[0]), "data": str(char_data.resolve()), "imported_from": None,
+                    "model": config["model"], "train": config["train"], "resumes": [], "lora": None, "checkpoints": [
                         {"name": f"step-{s:08d}", "step": s, "valid": "valid", "val_loss": json.loads(
                             (run / rundir.CKPTS / f"step-{s:08d}" / "state.json").read_text())["val_loss"]}
                         for s in (10, 5)] + [{"name": f"best-{s:08d}", "step": s, "valid": bad, "val_loss": None}
@@ -241,7 +241,7 @@ def test_info_lists_every_checkpoint_with_its_validity_and_loss(tmp_path, char_d
     assert main(["train", "--run", str(run), "--resume", "--max-steps", "12"]) == 0
     assert [r["step"] for r in run_info(run)["resumes"]] == [10]
     edit_config(run, imported_from="/models/gpt2", data=None)
-    assert run_info(run)["data"] == "/models/gpt2"
+    assert (run_info(run)["data"], run_info(run)["imported_from"]) == (None, "/models/gpt2")
 
 
 def test_without_data_the_bundled_corpus_is_prepared_once_for_the_presets_tokenizer(tmp_path, char_data, monkeypatch,
@@ -258,3 +258,23 @@ def test_without_data_the_bundled_corpus_is_prepared_once_for_the_presets_tokeni
     assert again.preset == "char-small" and again.data == char_data.resolve()
     edit_config(Path("mine"), preset="char-quick")
     assert resolve(preset="char-small", run="mine", resume="auto").preset == "char-quick"  # the run's own
+
+
+def test_compare_leaves_out_a_run_whose_every_checkpoint_is_damaged_with_a_note(tmp_path, char_data, capsys,
+                                                                                caplog):
+    good, bad = tmp_path / "good", tmp_path / "bad"
+    assert main(["train", "--data", str(char_data), "--run", str(good), "--max-steps", "5", *TINY]) == 0
+    shutil.copytree(good, bad)
+    damage_every(bad, "step")
+    damage_every(bad, "best")
+    (bad / rundir.METRICS).write_text("{cut short\n")
+    capsys.readouterr()
+    assert main(["compare", str(good), str(bad), "--out", str(tmp_path / "c.png")]) == 0
+    rows = capsys.readouterr().out.splitlines()[:-1]
+    assert len(rows) == 1 and rows[0].startswith(str(good)) and "step        5" in rows[0]  # bad: not at step 0
+    assert f"left {bad} out: it has no usable checkpoint (every one is damaged); `gptlab info {bad}` says what is " \
+           "wrong" in caplog.messages
+    assert main(["compare", str(bad), "--out", str(tmp_path / "d.png")]) == 2
+    assert capsys.readouterr().err.strip().endswith(f"gptlab: error: {bad} has no usable checkpoint (every one is "
+                                                    "damaged): nothing to compare")
+    assert not (tmp_path / "d.png").exists()

@@ -159,3 +159,44 @@ def test_compare_refuses_runs_never_evaluated_data_gone_and_an_unwritable_pictur
     (b / rundir.CONFIG).write_text(json.dumps(config))
     with pytest.raises(GptlabError, match=re.escape(f"cannot read for {b}: it records no data folder")):
         compare([a, b], tmp_path / "mixed.png")
+
+
+def test_init_from_on_data_of_another_tokenizer_says_so_whichever_vocabulary_is_larger(tmp_path, char_data,
+                                                                                        monkeypatch, capsys):
+    from helpers import run_bad, tree
+
+    monkeypatch.chdir(tmp_path)
+    assert main(["train", "--data", "data", "--run", "runs/base", "--max-steps", "2", *TINY]) == 0
+    wide = "".join(chr(c) for c in range(0x100, 0x180))  # 128 characters: a larger vocabulary than the base's
+    for name, text in (("wide", wide * 40 + "\n"), ("narrow", "abc de\n" * 200)):
+        Path(f"{name}.txt").write_text(text, encoding="utf-8")
+        assert main(["prepare", f"{name}.txt", "--out", f"data-{name}", "--quiet"]) == 0
+    before = tree(tmp_path)
+    for name in ("wide", "narrow"):
+        line = run_bad(capsys, "train", "--init-from", "runs/base", "--data", f"data-{name}", "--run", "runs/ft",
+                       "--max-steps", "2")
+        assert line.startswith(f"gptlab: error: data-{name} was tokenized with another tokenizer than runs/base (a "
+                               f"char tokenizer of {len(set(Path(f'{name}.txt').read_text()))} ids, not its char "
+                               "tokenizer of "), line
+        assert line.endswith("); prepare it with --tokenizer-from runs/base"), line
+    assert tree(tmp_path) == before
+
+
+def test_data_prepared_again_after_a_run_trained_on_it_is_named_so_by_resume_and_eval(tmp_path, monkeypatch,
+                                                                                       capsys):
+    from helpers import CORPUS, run_bad, tree
+
+    monkeypatch.chdir(tmp_path)
+    Path("corpus.txt").write_text(CORPUS, encoding="utf-8")
+    assert main(["prepare", "corpus.txt", "--out", "data/dd", "--quiet"]) == 0
+    assert main(["train", "--data", "data/dd", "--run", "runs/dd", "--max-steps", "2", *TINY]) == 0
+    expected = "gptlab: error: data/dd was prepared again after runs/dd trained on it"
+    for text in (CORPUS[::-1], "other words entirely, 0123456789\n" * 100):  # the same tokenizer, then another
+        Path("corpus.txt").write_text(text, encoding="utf-8")
+        assert main(["prepare", "corpus.txt", "--out", "data/dd", "--overwrite", "--quiet"]) == 0
+        before = tree(tmp_path)
+        for argv in (["train", "--run", "runs/dd", "--resume", "--max-steps", "4"],
+                     ["train", "--run", "runs/dd", "--resume", "--data", "data/dd", "--max-steps", "4"],
+                     ["eval", "--run", "runs/dd"]):
+            assert run_bad(capsys, *argv).startswith(expected), argv
+        assert tree(tmp_path) == before

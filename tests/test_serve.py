@@ -8,6 +8,7 @@ exits 0. References come from outside the server: `gptlab sample`, the plain for
 import contextlib
 import io
 import json
+import re
 import shutil
 import signal
 import socket
@@ -236,6 +237,7 @@ def error_of(response, status):
     assert response.status_code == status, response.text
     body = response.json()
     assert set(body["error"]) == {"message", "type", "param", "code"} and body["error"]["message"]
+    assert not re.search(r"\b([a-z]+)\W+\1\b", body["error"]["message"])  # no word said twice in a row
     return body["error"]
 
 
@@ -373,6 +375,8 @@ def test_curl_streams_as_the_readme_shows(server):
     readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
     command = readme[readme.index("curl -N"):].split("\n```")[0].replace("localhost:8000", server.url[7:])
     command = command.replace("ROMEO:", "All:")  # the tiny corpus here has no M
+    assert '"model": "char-quick"' in command  # the name `gptlab serve --run runs/char-quick` serves; here, "run"
+    command = command.replace('"model": "char-quick"', '"model": "run"')
     out = subprocess.run(["bash", "-c", command.replace("\\\n", " ")], capture_output=True, text=True,
                          timeout=60, check=True).stdout
     events = [line[6:] for line in out.splitlines() if line.startswith("data: ")]
@@ -443,6 +447,17 @@ def test_sigterm_cancels_what_the_grace_period_cannot_finish_and_exits_0(run_dir
     finally:
         proc.kill() if proc.poll() is None else None
         proc.stderr.close()
+
+
+def test_accept_any_model_reaches_the_server_and_the_name_served_is_printed(run_dir, monkeypatch, capsys):
+    import gptlab.serve
+
+    seen = []
+    monkeypatch.setattr(gptlab.serve, "serve_run", lambda served, sock, limits, key: seen.append((served, limits)))
+    for flags in ([], ["--accept-any-model"]):
+        assert main(["serve", "--run", str(run_dir), "--port", "0", "--precision", "fp32", *flags]) == 0
+    assert [(served.name, limits.accept_any_model) for served, limits in seen] == [("run", False), ("run", True)]
+    assert 'as the model "run"' in capsys.readouterr().err
 
 
 def test_a_port_in_use_is_one_line(run_dir):

@@ -214,11 +214,10 @@ def test_stop_is_1_to_4_non_empty_strings():
 
 
 @pytest.mark.parametrize("body, param", [({}, "prompt"), ({"prompt": None, "model": "m"}, "prompt"),
-                                         ({"prompt": "a", "model": 3}, "model"),
                                          ({"prompt": "a", "best_of": 2}, "best_of"),
                                          ({"prompt": "a", "suffix": "x"}, "suffix"),
                                          ({"prompt": "a", "logit_bias": {"1": 5}}, "logit_bias")])
-def test_a_missing_prompt_a_bad_model_or_an_unsupported_field_is_named(body, param):
+def test_a_missing_prompt_or_an_unsupported_field_is_named(body, param):  # (the model: check_model, below)
     assert refused(body).param == param
 
 
@@ -364,11 +363,98 @@ def test_inspect_shows_the_last_200_characters_and_the_context_they_end_with(htt
 
 
 def test_a_completion_is_openais_and_the_plain_greedy_text(openai_client, tiny):
-    got = openai_client.completions.create(model="any", prompt=["abc", "é a"], max_tokens=3, temperature=0)
+    got = openai_client.completions.create(model=NAME, prompt=["abc", "é a"], max_tokens=3, temperature=0)
     assert re.fullmatch("cmpl-[0-9a-f]{24}", got.id) and got.model == NAME and got.object == "text_completion"
     assert [c.text for c in got.choices] == [greedy(*reversed(tiny), p, 3) for p in ("abc", "é a")]
     assert [c.logprobs for c in got.choices] == [None, None]  # none asked for: none given
     assert [c.finish_reason for c in got.choices] == ["length", "length"]
+
+
+# --- the model's name, and every refusal in OpenAI's shape ------------------------------------------------------
+
+GPT4 = {"error": {"message": "The model `gpt-4` does not exist or you do not have access to it.",
+                  "type": "invalid_request_error", "param": "model", "code": "model_not_found"}}  # OpenAI's words
+
+
+def test_the_name_v1_models_lists_is_served_and_any_other_is_404_model_not_found(openai_client, http):
+    openai = pytest.importorskip("openai")
+    [listed] = openai_client.models.list().data
+    assert openai_client.completions.create(model=listed.id, prompt="abc", max_tokens=1).model == listed.id == NAME
+    for call in (lambda: openai_client.completions.create(model="gpt-4", prompt="abc", max_tokens=1),
+                 lambda: openai_client.chat.completions.create(model="gpt-4", messages=[{"role": "user",
+                                                                                          "content": "a"}])):
+        with pytest.raises(openai.NotFoundError) as caught:  # (the chat route: before this run's lack of a template)
+            call()
+        assert caught.value.status_code == 404 and caught.value.response.json() == GPT4
+    for near in (NAME.upper(), NAME + " ", ""):  # names are compared exactly
+        assert http.post("/v1/completions", json={"model": near, "prompt": "abc"}).status_code == 404
+    for model in ({}, {"model": None}):  # no name: the one model served (curl, lm-eval's default payload)
+        answer = http.post("/v1/completions", json={"prompt": "abc", "max_tokens": 1, **model})
+        assert answer.status_code == 200 and answer.json()["model"] == NAME
+    wrong = http.post("/v1/completions", json={"prompt": "abc", "model": 3})
+    assert wrong.status_code == 400 and wrong.json()["error"]["param"] == "model"
+
+
+def test_accept_any_model_answers_every_name_as_the_served_model(tiny):
+    openai = pytest.importorskip("openai")
+    tokenizer, model = tiny
+    served = Served("run", prepare_for_inference(copy.deepcopy(model), "fp32"), tokenizer, 0, lambda: model)
+    with TestClient(make_app(served, Limits(accept_any_model=True))) as http:
+        client = openai.OpenAI(base_url="http://testserver/v1", api_key="unused", http_client=http, max_retries=0)
+        for name in ("gpt-4", "run", "text-davinci-003"):
+            got = client.completions.create(model=name, prompt="abc", max_tokens=2, temperature=0)
+            assert got.model == "run" and len(got.choices[0].text) == 2  # what answered, as OpenAI names its snapshot
+        wrong = http.post("/v1/completions", json={"prompt": "abc", "model": ["gpt-4"]})
+        assert wrong.status_code == 400 and wrong.json()["error"]["message"] == 'model must be a string, not ["gpt-4"]'
+    assert Limits().accept_any_model is False
+
+
+@pytest.mark.parametrize("method, route, status, message", [
+    ("GET", "/v1/nope", 404, "Invalid URL (GET /v1/nope): this server has no such route"),
+    ("POST", "/v1/completion", 404, "Invalid URL (POST /v1/completion): this server has no such route"),
+    ("GET", "/docs", 404, "Invalid URL (GET /docs): this server has no such route"),
+    ("GET", "/v1/completions", 405, "GET is not allowed on /v1/completions; use POST"),
+    ("DELETE", "/v1/models", 405, "DELETE is not allowed on /v1/models; use GET")])
+def test_no_such_route_or_method_is_refused_in_openais_shape(http, method, route, status, message):
+    response = http.request(method, route)
+    assert response.status_code == status and response.json() == {"error": {
+        "message": message, "type": "invalid_request_error", "param": None, "code": None}}
+    if status == 405:
+        assert response.headers["allow"] == message.rsplit(" ", 1)[1]
+
+
+class Broken(CharTokenizer):
+    def encode(self, text, allow_special=False):
+        raise RuntimeError("a bug")
+
+
+def test_a_bug_is_a_500_in_openais_shape(tiny):
+    _, model = tiny
+    served = Served("run", model, Broken("abc"), 0, lambda: model)
+    client = TestClient(make_app(served, Limits()), raise_server_exceptions=False)  # as uvicorn answers: a response
+    response = client.post("/tokenize", json={"prompt": "ab"})
+    assert response.status_code == 500 and response.json() == {"error": {
+        "message": "the server failed on this request (RuntimeError); its log has the traceback",
+        "type": "server_error", "param": None, "code": None}}
+
+
+@pytest.mark.parametrize("field, value, shown", [
+    ("temperature", True, "a number in [0.0, 2.0], not true"), ("n", False, "an integer in [1, 8], not false"),
+    ("echo", "yes", 'true or false, not "yes"'), ("stream", None, None),
+    ("top_p", "é", 'a number in [1e-09, 1.0], not "é"'),
+    ("max_tokens", [1, None], "an integer in [0, 512], not [1, null]"),
+    ("seed", {"a": False}, f'an integer in [0, {SEED_LIMIT - 1}], not {{"a": false}}'),
+    ("logprobs", 0.5, "an integer in [0, 5], not 0.5")])
+def test_a_refused_value_is_spelled_in_json(field, value, shown):
+    if shown is None:  # null: the default
+        assert parse_completion({"prompt": "hi", field: value}, Limits()).stream is False
+        return
+    assert refused({"prompt": "hi", field: value}, Limits()).message == f"{field} must be {shown}"
+
+
+def test_a_long_refused_value_is_cut_short():
+    message = refused({"prompt": "hi", "temperature": "x" * 10_000}).message
+    assert message == 'temperature must be a number in [0.0, 2.0], not "' + "x" * 38 + "…"
 
 
 # --- the JSON and SSE writers, driven by events queued by hand (the scheduler's format: scheduler.Job) ---------

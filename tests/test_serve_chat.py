@@ -8,6 +8,7 @@ playground's Chat tab in headless Chromium (absent for a run without a template)
 
 import io
 import json
+import re
 import time
 from types import SimpleNamespace
 
@@ -25,6 +26,7 @@ from gptlab.inference import prepare_for_inference
 from gptlab.model import GPT
 from gptlab.serve import Limits, load_served, start_server
 from gptlab.serve.app import Served, make_app
+from gptlab.serve.api import MAX_TOP_LOGPROBS
 from gptlab.tokenizer import CharTokenizer
 
 openai = pytest.importorskip("openai", reason="no openai client (pip install -e '.[test]')")
@@ -203,18 +205,32 @@ def bad_request(call):
     error = caught.value.response.json()["error"]
     assert set(error) == {"message", "type", "param", "code"} and error["type"] == "invalid_request_error"
     assert "\n" not in error["message"]  # one line
+    assert not re.search(r"\b([a-z]+)\W+\1\b", error["message"]), error["message"]  # no word said twice in a row
     return error
 
 
 @pytest.mark.parametrize("messages, words", [
-    ([{"role": "robot", "content": "hi"}], "unknown role 'robot'"),
-    ([], "non-empty list"),
+    ([{"role": "robot", "content": "hi"}], 'message 1 has the unknown role "robot"; use system, user or assistant'),
+    ([{"role": "user", "content": "hi"}, {"role": None}], "message 2 has the unknown role null"),  # JSON's words
+    ([{"content": "hi"}], "message 1 has the unknown role null"), ([{"role": True}], "unknown role true"),
+    ([{"role": ["user"]}], 'unknown role ["user"]'),
+    ([], 'messages must be a non-empty list of {"role", "content"} objects'),
     ([{"role": "user"}], "has no content"),
     ([{"role": "user", "content": "a <|end|> b"}], "chat marker"),
 ])
 def test_bad_messages_are_400_in_openais_shape(client, messages, words):
     error = bad_request(lambda: client.chat.completions.create(model="chat-run", messages=messages))
     assert words in error["message"] and error["param"] == "messages"
+
+
+def test_a_model_name_the_server_does_not_list_is_404_model_not_found(client):
+    [listed] = client.models.list().data
+    assert client.chat.completions.create(model=listed.id, messages=HELLO, max_tokens=1).model == "chat-run"
+    with pytest.raises(openai.NotFoundError) as caught:
+        client.chat.completions.create(model="gpt-4", messages=HELLO)
+    assert caught.value.response.json()["error"] == {
+        "message": "The model `gpt-4` does not exist or you do not have access to it.",
+        "type": "invalid_request_error", "param": "model", "code": "model_not_found"}
 
 
 def test_a_conversation_over_the_context_is_400_and_one_at_the_context_is_answered(chat, client):
@@ -230,7 +246,8 @@ def test_a_conversation_over_the_context_is_400_and_one_at_the_context_is_answer
 
 
 @pytest.mark.parametrize("field, value", [("top_logprobs", 2), ("response_format", {"type": "json_object"}),
-                                          ("tools", [{"type": "function", "function": {"name": "f"}}]), ("n", 5)])
+                                          ("tools", [{"type": "function", "function": {"name": "f"}}]), ("n", 5),
+                                          ("functions", [{"name": "f", "parameters": {}}])])
 def test_a_field_this_server_cannot_honour_is_400_naming_it(client, field, value):
     error = bad_request(lambda: client.chat.completions.create(model="chat-run", messages=HELLO, **{field: value}))
     assert error["param"] == field
@@ -378,9 +395,25 @@ def test_the_readme_s_chat_client_example_runs_against_a_live_server(server, cap
 
     readme = (Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8")
     [code] = [b for b in re.findall(r"```python\n(.*?)```", readme, re.S) if "chat.completions" in b]
-    code = code.replace("http://localhost:8000", server.url)
+    assert code.count('model="chat"') == 2  # `gptlab serve --run runs/chat` serves "chat"; here, "chat-run"
+    code = code.replace("http://localhost:8000", server.url).replace('model="chat"', 'model="chat-run"')
     exec(compile(code, "README.md", "exec"), {})
     printed = capsys.readouterr().out.splitlines()
     answer, reason, total = printed[0].rsplit(" ", 2)
     assert reason in ("stop", "length") and int(total) > 0
     assert printed[1] == answer  # the stream with the same seed writes the same answer
+
+
+@pytest.mark.parametrize("top", [MAX_TOP_LOGPROBS - 1, MAX_TOP_LOGPROBS, MAX_TOP_LOGPROBS + 1])
+def test_top_logprobs_up_to_openais_limit_are_answered_and_one_past_it_is_refused(client, top):
+    """OpenAI's limit, 20 alternatives per token: 19 and 20 are answered with that many, each token's own logprob
+    among them where it ranks; 21 is a 400 naming top_logprobs."""
+    call = lambda: client.chat.completions.create(model="chat-run", messages=HELLO, max_tokens=2, temperature=0,  # noqa: E731
+                                                  logprobs=True, top_logprobs=top)
+    if top > MAX_TOP_LOGPROBS:
+        assert bad_request(call)["param"] == "top_logprobs"
+        return
+    for token in call().choices[0].logprobs.content:
+        assert len(token.top_logprobs) == top
+        assert [t.logprob for t in token.top_logprobs] == sorted((t.logprob for t in token.top_logprobs), reverse=True)
+        assert token.logprob == pytest.approx(token.top_logprobs[0].logprob)  # greedy: the token is the first

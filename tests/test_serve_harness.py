@@ -148,7 +148,7 @@ def test_lm_eval_local_completions_grades_the_server_as_the_harness_model_does(b
     from lm_eval.models.openai_completions import LocalCompletionsAPI
 
     server, plain, tokenizer = bpe
-    remote = LocalCompletionsAPI(base_url=server.url + "/v1/completions", tokenizer_backend="remote",
+    remote = LocalCompletionsAPI(model="m", base_url=server.url + "/v1/completions", tokenizer_backend="remote",
                                  max_length=CONTEXT, num_concurrent=1, max_retries=1, tokenized_requests=True)
     local = GptlabLM(model=plain, tokenizer=tokenizer)
     args = [(item.contexts[0], " " + c) for item in read_task(TASKS / "choices.jsonl")[:5] for c in

@@ -85,7 +85,7 @@ CASES = [
     (["prepare", "{r}/corpus.txt", "--seed", "x", "--out", "{r}/o"], "invalid int value: 'x'"),
     (["prepare", "{r}/corpus.txt", "--workers", "0", "--out", "{r}/o"], "--workers must be at least 1, not 0"),
     # train
-    (["train", "--data", "{r}/nodata", "--run", "{r}/t"], "is not a prepared data folder"),
+    (["train", "--data", "{r}/nodata", "--run", "{r}/t"], "nodata does not exist; give --data a folder made by"),
     (["train", "--data", "{r}/badmeta", "--run", "{r}/t"], "meta.json is damaged"),
     (["train", "--data", "{r}/shortdata", "--run", "{r}/t", *TINY], "fewer than block_size + 1 = 17"),
     (["train", "--data", "{r}/data", "--run", "{r}/t", "--batch-size", "0"], "batch_size must be a positive"),

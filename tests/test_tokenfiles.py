@@ -355,10 +355,10 @@ def checkpoints_of(monkeypatch, stop_at: int | None = None) -> list[int]:
 
 
 def test_without_a_completed_shard_a_checkpoint_falls_every_64_units(tmp_path, corpus, monkeypatch):
-    monkeypatch.setattr(encoder, "UNIT_CHARS", 1)  # a unit per document: 300 of them, and the last end-of-text
-    seen = checkpoints_of(monkeypatch)
+    monkeypatch.setattr(encoder, "UNIT_CHARS", 1)  # a unit per document (300) and per newline between two (299),
+    seen = checkpoints_of(monkeypatch)  # and the last end-of-text: 600
     prepare([str(corpus)], tmp_path / "out", "char", quiet=True, workers=1)
-    assert seen == [64, 128, 192, 256]
+    assert seen == [64, 128, 192, 256, 320, 384, 448, 512, 576]
 
 
 def test_a_stopped_prepare_holds_no_file_of_its_folder_open(tmp_path, corpus, monkeypatch):

@@ -181,6 +181,73 @@ def test_a_step_and_an_evaluation_read_everything_but_the_model_from_one_context
     assert estimate_loss(model, ctx)["train"] < math.log(V) and ctx.parallel.world_size == 1
 
 
+class Recorded(torch.nn.Module):
+    """A model that keeps every (x, y) it is asked to score."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model, self.seen = model, []
+
+    def forward(self, x, y=None):
+        self.seen.append((x.clone(), y.clone()))
+        return self.model(x, y)
+
+
+def test_an_evaluation_stops_at_one_pass_over_a_small_split_and_samples_a_large_one(char_data):
+    """Issue 41: a split of a few hundred tokens was read eval_batches x batch_size windows at a time. Where that is
+    more rows than one pass over it takes, the evaluation scores each target once, in order (rows of up to
+    block_size, the last padded with -1), and its loss is the mean over the split's targets, as `gptlab eval`
+    counts them; a larger split is still sampled, eval_batches batches of it."""
+    from gptlab.evaluate import total_nats
+
+    ds = load_dataset(char_data)
+    model = GPT(tiny_config(vocab_size=ds.tokenizer.vocab_size, block_size=16))
+    ctx = StepContext(ds, quick(eval_batches=200), 16, torch.device("cpu"), "fp32")
+    recorded = Recorded(model)
+    losses = estimate_loss(recorded, ctx)
+    for split, first in (("train", 0), ("val", math.ceil((len(ds.train) - 1) / 16 / 4))):
+        tokens = torch.as_tensor(ds.split(split).astype("int64"))
+        rows = math.ceil((len(tokens) - 1) / 16)  # one pass: far fewer than the 200 x 4 rows asked for
+        seen = recorded.seen[first:first + math.ceil(rows / 4)]
+        assert all(x.shape == y.shape == (4, 16) for x, y in seen)
+        targets = torch.cat([y.flatten() for _, y in seen])
+        assert torch.equal(targets[targets != -1], tokens[1:])  # every target once, in order
+        nats, count = total_nats(model, tokens.numpy(), precision="fp32")
+        assert count == len(tokens) - 1 and losses[split] == pytest.approx(nats / count, rel=1e-5)
+    assert len(recorded.seen) == math.ceil((len(ds.train) - 1) / 16 / 4) + math.ceil((len(ds.val) - 1) / 16 / 4)
+    recorded.seen.clear()
+    estimate_loss(recorded, StepContext(ds, quick(eval_batches=3), 16, torch.device("cpu"), "fp32"))
+    assert len(recorded.seen) == 2 * 3 and all(bool((y != -1).all()) for _, y in recorded.seen)  # sampled
+
+
+class LastOfFour:
+    """The view of the last of four processes (rank 3): the last quarter of each batch's rows, sums left alone."""
+    world_size = 4
+
+    def local_rows(self, *tensors):
+        return tuple(t.chunk(4)[3] for t in tensors)
+
+    def mean(self, value):
+        return value
+
+
+def test_a_process_whose_rows_of_a_pass_are_only_padding_adds_no_loss(char_data):
+    """One pass over val: 44 rows in batches of 8, the last padded by four rows, which are the two the last process
+    gets of it: it scores no target there (its loss would be nan), and its result is the mean over the targets of
+    the rows it did get, the last two of each full batch."""
+    from gptlab.evaluate import total_nats
+
+    ds = load_dataset(char_data)
+    model = GPT(tiny_config(vocab_size=ds.tokenizer.vocab_size, block_size=16))
+    ctx = StepContext(ds, quick(batch_size=8, eval_batches=200), 16, torch.device("cpu"), "fp32",
+                      parallel=LastOfFour())
+    val = torch.as_tensor(ds.val.astype("int64"))
+    assert math.ceil((len(val) - 1) / 16) == 44
+    rows = [val[16 * r:16 * r + 17] for b in range(5) for r in (8 * b + 6, 8 * b + 7)]
+    nats = sum(total_nats(model, r.numpy(), precision="fp32")[0] for r in rows)
+    assert estimate_loss(model, ctx)["val"] == pytest.approx(nats / (16 * len(rows)), rel=1e-5)
+
+
 def test_everything_the_loop_carries_is_declared(tmp_path, char_data, monkeypatch):
     """The loop keeps no state but the Trainer's declared fields: after a run, the trainer holds exactly them."""
     held = {}
@@ -195,3 +262,16 @@ def test_everything_the_loop_carries_is_declared(tmp_path, char_data, monkeypatc
     train(char_data, tmp_path / "run", model_cfg(), quick(max_steps=4, eval_interval=2), quiet=True)
     assert set(held) == {f.name for f in dataclasses.fields(training.Trainer)}
     assert held["clock"].start_step == 0 and held["progress"].step == 4 and len(held["history"]) == 4
+
+
+def test_the_summary_of_a_resumed_run_counts_this_sessions_steps_with_its_seconds(tmp_path, char_data, capsys):
+    from helpers import TINY, run_ok
+
+    run = str(tmp_path / "run")
+    first = run_ok(capsys, "train", "--data", str(char_data), "--run", run, *TINY, "--max-steps", "5")
+    assert f"run {run}: 5 steps in " in first
+    again = run_ok(capsys, "train", "--run", run, "--resume", "--max-steps", "8", "--quiet")
+    assert f"run {run}: 3 steps (5 to 8) in " in again
+    result = train(char_data, run, model_cfg(n_layer=1, n_head=2, n_embd=16), quick(max_steps=10), resume=True,
+                   quiet=True)
+    assert (result.start_step, result.step) == (8, 10)

@@ -24,6 +24,7 @@ class Score:
     chars: int
     bytes: int
     nats: float  # total cross-entropy over all predicted tokens
+    special_tokens: int = 0  # end-of-text and chat markers in the text: tokens, but no characters or bytes of it
 
     @property
     def loss(self) -> float:
@@ -46,9 +47,10 @@ class Score:
         return self.nats / math.log(2) / max(self.bytes, 1)
 
     def as_dict(self) -> dict[str, str | int | float]:
-        """The counts and every measure (`gptlab eval --json`): text, tokens, chars, bytes, loss, perplexity,
-        bits_per_token, bits_per_char, bits_per_byte."""
+        """The counts and every measure (`gptlab eval --json`): text, tokens, chars, bytes, special_tokens, loss,
+        perplexity, bits_per_token, bits_per_char, bits_per_byte."""
         return {"text": self.name, "tokens": self.tokens, "chars": self.chars, "bytes": self.bytes,
+                "special_tokens": self.special_tokens,
                 "loss": self.loss, "perplexity": self.perplexity, "bits_per_token": self.bits_per_token,
                 "bits_per_char": self.bits_per_char, "bits_per_byte": self.bits_per_byte}
 
@@ -81,10 +83,13 @@ def total_nats(model: torch.nn.Module, tokens: np.ndarray | list[int], batch_siz
     return nats, count
 
 
-def score(model: torch.nn.Module, name: str, tokens: np.ndarray | list[int], text_chars: int, text_bytes: int,
+def score(model: torch.nn.Module, name: str, tokens: np.ndarray | list[int], tokenizer: Tokenizer,
           batch_size: int = 16, precision: str = "fp32") -> Score:
+    """The Score of `tokens`: its nats (total_nats) over the characters and UTF-8 bytes of the text they spell,
+    special tokens counted as none (Tokenizer.text_of)."""
     nats, count = total_nats(model, tokens, batch_size, precision)
-    return Score(name, count, text_chars, text_bytes, nats)
+    text, specials = tokenizer.text_of(np.asarray(tokens).tolist())
+    return Score(name, count, len(text), len(text.encode()), nats, specials)
 
 
 def score_files(model: torch.nn.Module, tokenizer: Tokenizer, files: list[str], encoding: str = "utf-8",
@@ -98,7 +103,7 @@ def score_files(model: torch.nn.Module, tokenizer: Tokenizer, files: list[str], 
         tokens = tokenizer.encode(text, allow_special=True)
         if len(tokens) < 2:
             raise GptlabError(f"{name} is too short to score: it needs at least 2 tokens, it has {len(tokens)}")
-        scores.append(score(model, name, tokens, len(text), len(text.encode()), batch_size, precision))
+        scores.append(score(model, name, tokens, tokenizer, batch_size, precision))
     return scores
 
 
@@ -111,5 +116,4 @@ def score_split(model: torch.nn.Module, tokenizer: Tokenizer, data_dir: str | Pa
     if data.tokenizer.to_dict() != tokenizer.to_dict():
         raise GptlabError(f"{data.path} was tokenized with another tokenizer than {source}'s, so its ids mean other "
                           f"things to the model; prepare the text with --tokenizer-from")
-    text = tokenizer.decode(data.val.tolist())
-    return score(model, f"{data.path} (val)", data.val, len(text), len(text.encode()), batch_size, precision)
+    return score(model, f"{data.path} (val)", data.val, tokenizer, batch_size, precision)

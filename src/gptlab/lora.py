@@ -56,6 +56,9 @@ def settings(train: Any) -> LoraSettings | None:
     return LoraSettings(int(get("lora_rank")), float(get("lora_alpha")), float(get("lora_dropout")), targets)
 
 
+TOKEN_IDS = "transformer.wte.token_ids"  # a checkpoint's ids of the tokens whose rows train whole
+
+
 def is_adapter(name: str) -> bool:
     """Whether the tensor called `name` is an adapter's (lora_A or lora_B of an adapted layer, or the rows and ids
     of the tokens a fine-tune added)."""
@@ -231,14 +234,15 @@ def adapter_count(model: nn.Module) -> int:
     return sum(p.numel() for name, p in model.named_parameters() if is_adapter(name))
 
 
-def count_parameters(model_cfg: Any, lora: LoraSettings | None) -> tuple[int, int]:
-    """(the parameters of a model of `model_cfg`, those `lora`'s adapters would add to it), counted on a model built
-    on the meta device (nothing allocated)."""
+def count_parameters(model_cfg: Any, lora: LoraSettings | None, tokens: int = 0) -> tuple[int, int]:
+    """(the parameters of a model of `model_cfg`, those `lora`'s adapters would add to it, with whole rows for
+    `tokens` added tokens, as adapter_count counts them), counted on a model built on the meta device (nothing
+    allocated)."""
     with torch.device("meta"):
         model = build_model(model_cfg)
         params = model.num_params()
         if lora is not None:
-            apply_lora(model, lora)
+            apply_lora(model, lora, list(range(model_cfg.vocab_size - tokens, model_cfg.vocab_size)))
     return params, adapter_count(model)
 
 

@@ -13,6 +13,7 @@ then the overrides.
 from __future__ import annotations
 
 import json
+import logging
 import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -25,7 +26,9 @@ from gptlab.config import (DEFAULT_PRESET, FINETUNE_PRESET, ModelConfig, TrainCo
 from gptlab.configfile import read_config_file
 from gptlab.data.prepare import prepare
 from gptlab.errors import GptlabError
+from gptlab.rundata import check_data_tokenizer, check_data_unchanged
 
+log = logging.getLogger("gptlab")
 RUNS = Path("runs")
 DATA = Path("data")
 
@@ -86,6 +89,7 @@ def resolve(preset: str | None = None, model: dict[str, Any] | None = None, trai
     train_cfg = build(TrainConfig, train_base, train)
     data_dir = data_dir_for(data, extra["preset"], quiet, run_dir if resume else None)
     if init_from and not resume:
+        check_data_tokenizer(data_dir, init_from)  # before a vocabulary grown for another tokenizer is blamed
         train_cfg.init_from = str(Path(init_from).resolve())  # recorded whole: a resume finds it from anywhere
         if model_cfg.vocab_size:  # 0 is "the data's", taken when training starts
             model_cfg.vocab_size = max(model_cfg.vocab_size, _data_vocab(data_dir))  # + the chat markers, if any
@@ -93,12 +97,14 @@ def resolve(preset: str | None = None, model: dict[str, Any] | None = None, trai
 
 
 def _data_vocab(data_dir: Path) -> int:
-    """The size of the prepared data's vocabulary (0 when it is not prepared yet): fine-tuning on conversations
-    grows the source's vocabulary by the chat markers (hf.init_tensors checks that this is all that differs)."""
-    from gptlab.tokenizer import load as load_tokenizer
+    """The size of the prepared conversations' vocabulary (0 for other data, or none prepared yet): fine-tuning on
+    conversations grows the source's vocabulary by the chat markers (hf.init_tensors checks that this is all that
+    differs; any other tokenizer is refused there, not grown for)."""
+    from gptlab.tokenizer import ChatTokenizer, load as load_tokenizer
 
     file = Path(data_dir) / "tokenizer.json"
-    return load_tokenizer(file).vocab_size if file.is_file() else 0
+    tokenizer = load_tokenizer(file) if file.is_file() else None
+    return tokenizer.vocab_size if isinstance(tokenizer, ChatTokenizer) else 0
 
 
 def init_from_model_base(source: str | None, model_base: dict[str, Any]) -> dict[str, Any]:
@@ -115,13 +121,14 @@ def init_from_model_base(source: str | None, model_base: dict[str, Any]) -> dict
 
 def run_data_dir(run: str | Path) -> Path | None:
     """The data folder a run was trained on, from its config.json (None for an imported run); GptlabError when it
-    is no longer there."""
+    is no longer there, or was prepared again since (rundata.check_data_unchanged)."""
     saved = rundir.read_run_config(run).get("data")
     if not saved:
         return None
     if not (Path(saved) / "meta.json").is_file():
         raise GptlabError(f"run {run} was trained on {saved}, which is no longer a prepared data folder; pass --data "
                           "with its new place")
+    check_data_unchanged(run, saved)
     return Path(saved)
 
 
@@ -129,6 +136,8 @@ def data_dir_for(data: str | Path | None, preset: str, quiet: bool = False, run:
     """`data`; else, for a run being resumed (`run`), the data it was trained on; else the bundled corpus
     prepared for the preset's tokenizer (prepared now if it is missing)."""
     if data:
+        if run is not None:
+            check_data_unchanged(run, data)  # the run's own folder, prepared again: not "other data"
         return Path(data)
     if run is not None and (saved := run_data_dir(run)) is not None:
         return saved
@@ -151,12 +160,12 @@ def start(spec: TrainSpec, quiet: bool = False) -> Any:
                           "--init-from RUN")
     # the weights to start from (a LoRA run's base, resumed too), checked against model and data
     if spec.train.init_from and (not spec.resume or spec.train.lora_rank):
+        from gptlab.data.batches import not_prepared
         from gptlab.hf.hf import init_tensors
         from gptlab.tokenizer import load as load_tokenizer
 
         if rundir.folder_kind(spec.data) != "data":
-            raise GptlabError(f"{spec.data} is not a prepared data folder (no meta.json); run `gptlab prepare --out "
-                              f"{spec.data}`")
+            raise not_prepared(Path(spec.data))
         model_cfg = spec.model
         tokenizer = load_tokenizer(Path(spec.data) / "tokenizer.json")  # alone: train() loads the token files
         if model_cfg.vocab_size == 0:
@@ -248,7 +257,8 @@ def summarize(run: str | Path) -> RunSummary:
     else:
         where = "new" if ckpt is None else "finished" if step >= max_steps else "interrupted"
     best = state.best_val_loss if state else None
-    preset = config.get("preset", "?") + ("+lora" if config["train"].get("lora_rank") else "")
+    name = config.get("preset")  # an imported adapter's is its base's, where that has one
+    preset = (f"{name}+lora" if name else "lora") if config["train"].get("lora_rank") else name or "?"
     return RunSummary(Path(run), preset, step, max_steps,
                       best if isinstance(best, float) and best != float("inf") else None,
                       (state.tokens_seen if state else None) or 0, training_seconds(run), where)
@@ -275,9 +285,10 @@ def _summary_or_damaged(run: Path) -> RunSummary:
 
 
 def run_info(run: str | Path) -> dict[str, Any]:
-    """A run's resolved settings and checkpoints, for `gptlab info`: {"run": summary fields, "data", "model",
-    "train", "checkpoints": [{name, step, valid, val_loss}], "resumes", "lora": None or {"adapters": what they are,
-    "parameters": how many, "base": {"run", "sha256"}}}."""
+    """A run's resolved settings and checkpoints, for `gptlab info`: {"run": summary fields, "data" (None for an
+    import), "imported_from" (None for a trained run), "model", "train", "checkpoints": [{name, step, valid,
+    val_loss}], "resumes", "lora": None or {"adapters": what they are, "parameters": how many (the markers' rows
+    too), "base": {"run", "sha256"}}}."""
     config = rundir.read_run_config(run)
     checkpoints = []
     for kind in ("step", "best"):
@@ -285,23 +296,34 @@ def run_info(run: str | Path) -> dict[str, Any]:
             problem = ck.verify_cached(c.path)  # summarize() has just hashed the newest
             val = ck.read_state(c).val_loss if problem is None else None
             checkpoints.append({"name": c.path.name, "step": c.step, "valid": problem or "valid", "val_loss": val})
-    return {"run": asdict(summarize(run)), "data": config.get("data") or config.get("imported_from"),
+    return {"run": asdict(summarize(run)), "data": config.get("data"), "imported_from": config.get("imported_from"),
             "model": config["model"], "train": config["train"], "checkpoints": checkpoints,
-            "resumes": config.get("resumes", []), "lora": _lora_info(config)}
+            "resumes": config.get("resumes", []), "lora": _lora_info(run, config)}
 
 
-def _lora_info(config: dict[str, Any]) -> dict[str, Any] | None:
+def _lora_info(run: str | Path, config: dict[str, Any]) -> dict[str, Any] | None:
     adapters = lora.settings(config["train"])
     if adapters is None:
         return None
-    _, added = lora.count_parameters(from_dict(ModelConfig, config["model"]), adapters)
+    _, added = lora.count_parameters(from_dict(ModelConfig, config["model"]), adapters, _rows_trained(run))
     return {"adapters": str(adapters), "parameters": added, "base": config.get("base") or {}}
+
+
+def _rows_trained(run: str | Path) -> int:
+    """How many tokens' rows (the chat markers) a LoRA run trains whole, by its newest readable checkpoint."""
+    for c in ck.list_checkpoints(Path(run), "step") + ck.list_checkpoints(Path(run), "best"):
+        try:
+            ids = ck.read_tensors(c.path, "model").get(lora.TOKEN_IDS)
+        except (GptlabError, OSError):
+            continue
+        return 0 if ids is None else len(ids)
+    return 0
 
 
 
 def val_bits_per_byte(run: str | Path, curve: tuple[list[int], list[float], list[float]]):
     """`run`'s validation curve with each loss (nats per token) in bits per byte of its validation text, by
-    evaluate.Score's rule, the bytes as `gptlab eval` counts them; GptlabError when the run's data is gone."""
+    evaluate.Score's rule, the bytes as `gptlab eval` counts them (the documents' own: special tokens count none); GptlabError when the run's data is gone."""
     from gptlab.data.batches import load_dataset
     from gptlab.evaluate import Score
 
@@ -314,7 +336,7 @@ def val_bits_per_byte(run: str | Path, curve: tuple[list[int], list[float], list
         data = load_dataset(data_dir)
     except GptlabError as exc:
         raise GptlabError(f"{why}: {exc}") from None
-    tokens, text_bytes = len(data.val), len(data.tokenizer.decode(data.val.tolist()).encode())
+    tokens, text_bytes = len(data.val), len(data.tokenizer.text_of(data.val.tolist())[0].encode())
     steps, losses, seconds = curve
     return steps, [Score(run, tokens, 0, text_bytes, loss * tokens).bits_per_byte for loss in losses], seconds
 
@@ -326,7 +348,7 @@ def compare(runs: list[str | Path], out: str | Path) -> tuple[list[RunSummary], 
     from gptlab import plots
 
     plots.check_picture_path(out)
-    summaries = [summarize(run) for run in runs]
+    summaries = _usable([summarize(run) for run in runs])
     curves = {str(s.path): plots.validation_curve(plots.read_metrics(s.path / rundir.METRICS)) for s in summaries}
     evaluated = [name for name, (steps, _, _) in curves.items() if steps]
     if not evaluated:
@@ -341,3 +363,17 @@ def compare(runs: list[str | Path], out: str | Path) -> tuple[list[RunSummary], 
     except OSError as exc:
         raise GptlabError(f"cannot write {out}: {exc.strerror}") from None
     return summaries, unit
+
+
+def _usable(summaries: list[RunSummary]) -> list[RunSummary]:
+    """The runs compare draws: one with no usable checkpoint is left out with a warning (its summary would show it
+    at step 0); GptlabError when that leaves none."""
+    damaged = [str(s.path) for s in summaries if s.state == "damaged"]
+    usable = [s for s in summaries if s.state != "damaged"]
+    if not usable:
+        raise GptlabError(f"{', '.join(damaged)} {'has' if len(damaged) == 1 else 'have'} no usable checkpoint "
+                          "(every one is damaged): nothing to compare")
+    for run in damaged:
+        log.warning("left %s out: it has no usable checkpoint (every one is damaged); `gptlab info %s` says what is "
+                    "wrong", run, run)
+    return usable

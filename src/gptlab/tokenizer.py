@@ -49,6 +49,14 @@ class Tokenizer:
     def decode(self, ids: Sequence[int]) -> str:
         return self.decode_bytes(ids).decode("utf-8", errors="replace")
 
+    def text_of(self, ids: Sequence[int]) -> tuple[str, int]:
+        """The documents' own text that `ids` spell, and how many special tokens (end-of-text, chat markers) it
+        leaves out: a special token is predicted like any other, but is no character of anybody's text, so bits
+        per character and per byte count it as none (never as the 13 characters of its spelling)."""
+        specials = self.end_ids
+        kept = [i for i in ids if i not in specials] if specials else list(ids)
+        return self.decode(kept), len(ids) - len(kept)
+
     def to_dict(self) -> dict[str, Any]:
         raise NotImplementedError
 

@@ -27,6 +27,28 @@ class Parser(argparse.ArgumentParser):
         return parsed, rest
 
 
+class Verbs(argparse._SubParsersAction):
+    """add_subparsers' action whose commands get their flags when one is used, from the function given to
+    add_parser as `flags`: `gptlab --help` and `gptlab train ...` build no other command's flags (some read their
+    defaults from modules that import torch)."""
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.pending: dict[str, Any] = {}  # name -> the function that adds its flags, until it is used
+
+    def add_parser(self, name: str, flags: Any = None, **kwargs: Any) -> argparse.ArgumentParser:
+        parser = super().add_parser(name, **kwargs)
+        if flags is not None:
+            self.pending[name] = flags
+        return parser
+
+    def __call__(self, parser, namespace, values, option_string=None):  # type: ignore[override]
+        add = self.pending.pop(values[0], None)
+        if add is not None:
+            add(self._name_parser_map[values[0]])
+        super().__call__(parser, namespace, values, option_string)
+
+
 def command(name: str, help: str):
     """Register the verb `name`; its flags are added by the function add_NAME of the module that defines it."""
     def register(fn):
@@ -50,9 +72,10 @@ class Subcommands(dict):
         return register
 
     def add_to(self, parser: argparse.ArgumentParser) -> None:
-        sub = parser.add_subparsers(dest=self.dest, metavar=self.metavar, required=True, parser_class=Parser)
+        sub = parser.add_subparsers(dest=self.dest, metavar=self.metavar, required=True, parser_class=Parser,
+                                    action=Verbs)
         for name, (add, _, help) in self.items():
-            add(sub.add_parser(name, help=help, description=help))
+            sub.add_parser(name, help=help, description=help, flags=add)
 
     def run(self, args: argparse.Namespace) -> int:
         return self[getattr(args, self.dest)][1](args)

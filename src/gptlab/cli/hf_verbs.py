@@ -66,7 +66,7 @@ def cmd_export(args: argparse.Namespace) -> int:
         if args.merge:
             raise GptlabError("--format peft writes the adapters apart from their base; drop --merge, or export "
                               "--format hf --merge for one merged model")
-        names = export_peft(args.run_dir, args.out)
+        names = export_peft(args.run_dir, args.out, overwrite=args.overwrite)
         print(f"exported the LoRA adapters of {args.run_dir} to {args.out}: {', '.join(names)}")
         grow = "; first grow the base to the adapter's tokenizer (it adds the chat markers): model." \
             "resize_token_embeddings(len(AutoTokenizer.from_pretrained(OUT)))" if "tokenizer.json" in names else ""
@@ -75,7 +75,7 @@ def cmd_export(args: argparse.Namespace) -> int:
         return 0
     from gptlab.hf.hf import export_hf
 
-    names = export_hf(args.run_dir, args.out, merge=args.merge)
+    names = export_hf(args.run_dir, args.out, merge=args.merge, overwrite=args.overwrite)
     print(f"exported {args.run_dir} to {args.out}: {', '.join(names)}")
     print(f"load it: transformers.GPT2LMHeadModel.from_pretrained({str(args.out)!r})")
     return 0
@@ -86,4 +86,7 @@ def add_export(p: argparse.ArgumentParser) -> None:
     p.add_argument("--format", choices=("hf", "peft"), default="hf", help="hf: Hugging Face GPT-2 (default); peft: "
                    "a LoRA run's adapters as PEFT writes them")
     p.add_argument("--merge", action="store_true", help="hf of a LoRA run: its adapters merged into the base")
-    p.add_argument("--out", required=True, help="folder to write (created if needed; files in it are replaced)")
+    p.add_argument("--out", required=True, help="folder to write: new, empty, or an earlier export (created if "
+                   "needed; an earlier export's files are replaced)")
+    p.add_argument("--overwrite", action="store_true", help="write into --out although it holds files gptlab did "
+                   "not export there (those of the export's names are replaced, the rest stay)")

@@ -8,6 +8,7 @@ from pathlib import Path
 from gptlab.cli.common import Subcommands, announce, at_least, command, unescape
 from gptlab.config import PRESETS, ModelConfig, SampleConfig, build, get_preset
 from gptlab.errors import GptlabError
+from gptlab.tokenizer import CHAT_TOKENS, EOT
 
 # ---- inspect -----------------------------------------------------------------------------------------------------
 
@@ -25,6 +26,8 @@ def add_inspect_run(p: argparse.ArgumentParser, prompt: bool = True) -> None:
         p.add_argument("--generate", type=int, default=0, metavar="N",
                        help="first continue the prompt by N tokens (greedy, with the KV-cached engine) and look at "
                             "prompt + continuation (default 0)")
+        p.add_argument("--allow-special", action="store_true", help=f"read {EOT} and a chat run's markers "
+                       f"({', '.join(CHAT_TOKENS)}) in the prompt as their special tokens, as `sample` does")
 
 
 def inspect_load(args: argparse.Namespace):
@@ -44,7 +47,7 @@ def inspect_trace(args: argparse.Namespace):
 
     at_least(args, generate=0)
     loaded, out = inspect_load(args)
-    ids = loaded.tokenizer.encode(unescape(args.prompt))
+    ids = loaded.tokenizer.encode(unescape(args.prompt), allow_special=args.allow_special)
     if not args.generate:
         return loaded, out, ids, trace(loaded.model, ids)
     traced = trace_generation(loaded.model, ids, SampleConfig(max_new_tokens=args.generate, temperature=0))

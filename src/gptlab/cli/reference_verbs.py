@@ -23,6 +23,7 @@ def add_check(p: argparse.ArgumentParser) -> None:
 @CHECKS("check", "the naive engine beside the torch model on a batch of the run's data: the largest absolute "
            "and relative difference of the logits, the loss and every parameter's gradient", add_check)
 def check_run(args: argparse.Namespace) -> int:
+    from gptlab import lora
     from gptlab.checkpoint import load_run
     from gptlab.data.batches import batch_generator, get_batch, load_dataset
     from gptlab.model import GPT
@@ -44,7 +45,8 @@ def check_run(args: argparse.Namespace) -> int:
     announce(loaded)
     rows = compare_engines(loaded.model, x, y, args.precision)
     width = max(len(r.tensor) for r in rows)
-    print(f"reference engine vs torch, {args.precision}, batch {args.batch_size} x {x.shape[1]} of {data}'s "
+    merged = ", the LoRA adapters merged into the base" if lora.settings(loaded.state.train) else ""
+    print(f"reference engine vs torch{merged}, {args.precision}, batch {args.batch_size} x {x.shape[1]} of {data}'s "
           f"validation split (relative: max |a - b| / max |b|)")
     print(f"{'tensor':<{width}}  {'max abs':>10}  {'max rel':>10}")
     for r in rows:

@@ -29,7 +29,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from gptlab.serve import Limits, check_bind, listen, load_served, serve_run
     from gptlab.tokenizer import ChatTokenizer
 
-    limits = Limits(**{name: getattr(args, name) for name, _, _ in LIMIT_FLAGS.values()})
+    limits = Limits(**{name: getattr(args, name) for name, _, _ in LIMIT_FLAGS.values()},
+                    accept_any_model=args.accept_any_model)
     check_bind(args.host, args.port, args.api_key)
     set_threads()
     device = resolve_device(args.device)
@@ -42,8 +43,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         port = sock.getsockname()[1]
         shown = "localhost" if args.host in ("127.0.0.1", "::1") else args.host
         chat = " and /v1/chat/completions" if isinstance(served.tokenizer, ChatTokenizer) else ""
-        print(f"gptlab: serving {run} at http://{shown}:{port} (playground at /, API at /v1/completions{chat}); "
-              "Ctrl-C stops", file=sys.stderr)
+        name = f'the model "{served.name}"' + (" (or any name)" if limits.accept_any_model else "")
+        print(f"gptlab: serving {run} as {name} at http://{shown}:{port} (playground at /, API at "
+              f"/v1/completions{chat}); Ctrl-C stops", file=sys.stderr)
         serve_run(served, sock, limits, args.api_key)
     finally:
         sock.close()
@@ -58,6 +60,9 @@ def add_serve(p: argparse.ArgumentParser) -> None:
                    "only; any other needs --api-key)")
     p.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000)")
     p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on the API (needed off loopback)")
+    p.add_argument("--accept-any-model", action="store_true", help="answer a request's \"model\" whatever name it "
+                   "gives, for clients that hard-code one (default: only the run folder's name, as /v1/models lists "
+                   "it, or none; any other is 404 model_not_found)")
     add_device(p)
     p.add_argument("--precision", choices=INFERENCE_PRECISIONS, default="auto",
                    help="inference weights, as in `gptlab sample` (default auto)")

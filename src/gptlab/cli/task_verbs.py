@@ -51,7 +51,8 @@ def eval_harness(args: argparse.Namespace, run: str | Path) -> int:
     model = GptlabLM(run=run, precision=args.precision, device=args.device)
     announce(model)
     results = lm_eval.simple_evaluate(model=model, tasks=names, task_manager=manager, limit=args.limit,
-                                      num_fewshot=args.num_fewshot or None, random_seed=args.seed)
+                                      num_fewshot=args.num_fewshot or None, random_seed=args.seed,
+                                      fewshot_random_seed=args.seed)  # the seed that draws the examples
     print(make_table(results))
     for name, counts in results.get("n-samples", {}).items():
         print(f"gptlab: {name}: {counts['effective']} of {counts['original']} items scored, precision "
@@ -107,7 +108,8 @@ def eval_tasks(args: argparse.Namespace, run: str | Path) -> int:
                   "task": str(path), "sha256": sha, "precision": ready.precision, "num_fewshot": args.num_fewshot,
                   "seed": args.seed, "limit": args.limit}
         if not args.no_save:
-            out = result_path(run, path, sha, ready.checkpoint.step, ready.precision, args.num_fewshot, args.limit)
+            out = result_path(run, path, sha, ready.checkpoint.step, ready.precision, args.num_fewshot, args.limit,
+                              args.seed)
             save_result(out, header, scores)
             saved.append(out)
     if args.json:

@@ -111,7 +111,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     result = start(train_spec(args, RESUME_VALUES[resume]), quiet=args.quiet)
     if result.rank:
         return 0  # rank 0 speaks for all
-    print(f"run {result.run_dir}: {result.step} steps in {result.seconds:.1f} s "
+    span = f" ({result.start_step} to {result.step})" if result.start_step else ""  # resumed: this session's steps
+    print(f"run {result.run_dir}: {result.step - result.start_step} steps{span} in {result.seconds:.1f} s "
           f"({result.tokens_per_second:,.0f} tokens/s over {result.train_seconds:.1f} s of training steps), "
           f"val loss {result.val_loss:.4f} (best {result.best_val_loss:.4f}); loss curve in "
           f"{result.run_dir / 'loss.png'}")
@@ -277,11 +278,15 @@ def cmd_eval(args: argparse.Namespace) -> int:
         print(json.dumps({"run": str(run), "checkpoint": str(ready.checkpoint.path), "precision": precision,
                           "scores": [s.as_dict() for s in scores]}, indent=2))
         return 0
-    print(f"{'text':<40} {'tokens':>10} {'loss':>8} {'ppl':>9} {'bits/tok':>9} {'bits/char':>9} {'bits/byte':>9} "
-          f"{'precision':>9}")
+    width = max([len("text"), *(len(s.name) for s in scores)])  # a path shown whole, never cut
+    print(f"{'text':<{width}} {'tokens':>10} {'loss':>8} {'ppl':>9} {'bits/tok':>9} {'bits/char':>9} "
+          f"{'bits/byte':>9} {'precision':>9}")
     for s in scores:
-        print(f"{s.name[-40:]:<40} {s.tokens:>10,} {s.loss:>8.4f} {s.perplexity:>9.3f} {s.bits_per_token:>9.4f} "
+        print(f"{s.name:<{width}} {s.tokens:>10,} {s.loss:>8.4f} {s.perplexity:>9.3f} {s.bits_per_token:>9.4f} "
               f"{s.bits_per_char:>9.4f} {s.bits_per_byte:>9.4f} {precision:>9}")
+    if any(s.special_tokens for s in scores):
+        print("special tokens (end-of-text, chat markers) count 0 characters and 0 bytes: bits per character and "
+              "per byte are over the documents' own text")
     return 0
 
 
@@ -354,9 +359,13 @@ def cmd_info(args: argparse.Namespace) -> int:
 
     info = run_info(args.run)
     run = info["run"]
-    print(f"run {run['path']}: {run['state']}, step {run['step']:,} of {run['max_steps']:,}, preset {run['preset']}, "
-          f"{run['tokens']:,} tokens in {run['train_seconds']:.1f} s of training")
-    print(f"data: {info['data']}")
+    if run["state"] == "imported":  # no data, no training steps
+        print(f"run {run['path']}: imported from {info['imported_from']} (no training steps), preset {run['preset']}")
+    else:
+        print(f"run {run['path']}: {run['state']}, step {run['step']:,} of {run['max_steps']:,}, preset "
+              f"{run['preset']}, {run['tokens']:,} tokens in {run['train_seconds']:.1f} s of training")
+    if info["data"]:
+        print(f"data: {info['data']}")
     if info["lora"]:
         base = info["lora"]["base"]
         print(f"LoRA adapters: {info['lora']['adapters']} ({info['lora']['parameters']:,} parameters) on base "

@@ -4,13 +4,15 @@ Batches are windows of block_size + 1 tokens cut at random offsets: x is the fir
 one, so each window holds block_size next-token lessons. The offsets are a pure function of (seed, step, micro-step,
 rank), which makes training reproducible and resumable without storing the sampler. Conversations (`prepare --chat`)
 are cut differently: each window starts where a conversation (or a piece of one) starts, and y is -1 (no lesson)
-wherever the target is not the assistant's or belongs to a conversation the window cuts off.
+wherever the target is not the assistant's or belongs to a conversation the window cuts off. An evaluation of a small
+split reads it once instead (pass_batches): each target in one row, in order.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import shlex
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -44,11 +46,28 @@ class Dataset:
         return hashlib.sha256(json.dumps(self.meta, sort_keys=True).encode()).hexdigest()
 
 
+def not_prepared(path: Path) -> GptlabError:
+    """The refusal of `path` as --data when it is not a prepared folder (no meta.json), with the prepare command
+    that makes one from its text (nanoGPT's input.txt where the folder has one) into a folder of its own under
+    data/, never into `path` itself."""
+    if not path.exists():
+        return GptlabError(f"{path} does not exist; give --data a folder made by `gptlab prepare TEXT --out "
+                           "data/NAME`")
+    source = path / "input.txt" if (path / "input.txt").is_file() else path
+    name = (path.stem if path.is_file() else path.resolve().name) or "corpus"
+    out = Path("data") / name
+    if out.resolve() == path.resolve() or out.exists():
+        out = Path("data") / f"{name}-gptlab"
+    return GptlabError(f"{path} is not a prepared data folder (no meta.json); make one from its text with "
+                       f"`gptlab prepare {shlex.quote(str(source))} --out {shlex.quote(str(out))}` and train with "
+                       f"--data {shlex.quote(str(out))}")
+
+
 def load_dataset(data_dir: str | Path) -> Dataset:
     """The prepared data in `data_dir`; raises GptlabError when it is missing or damaged."""
     path = Path(data_dir)
     if not (path / "meta.json").is_file():
-        raise GptlabError(f"{path} is not a prepared data folder (no meta.json); run `gptlab prepare --out {path}`")
+        raise not_prepared(path)
     try:
         meta = json.loads((path / "meta.json").read_text())
     except (json.JSONDecodeError, UnicodeDecodeError):
@@ -90,6 +109,43 @@ def get_chat_batch(tokens: np.ndarray | ShardedTokens, mask: np.ndarray, starts:
     trained = whole & (mask[inside] == 1)
     y = np.where(trained[:, 1:], window[:, 1:], -1)
     return torch.from_numpy(window[:, :-1]), torch.from_numpy(y)
+
+
+def pass_rows(dataset: Dataset, split: str, block_size: int) -> int:
+    """How many rows one pass over the split takes (see pass_batches), told without reading it."""
+    if dataset.chat is not None:
+        return len(dataset.chat[split][1]) - 1
+    return -(-(len(dataset.split(split)) - 1) // block_size)
+
+
+def pass_batches(dataset: Dataset, split: str, batch_size: int,
+                 block_size: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """One pass over the split in batches of `batch_size` rows (x, y), each target in exactly one row: rows of
+    block_size + 1 ids overlapping by one (for conversations: a row from each piece's start, with that piece's
+    targets alone), y -1 past the split's end and in the rows that pad the last batch. The whole split is read: for
+    small splits (an evaluation that would otherwise draw more rows than this)."""
+    if dataset.chat is None:
+        ids = np.asarray(dataset.split(split)).astype(np.int64)
+        at = np.arange(0, len(ids) - 1, block_size)[:, None] + np.arange(block_size + 1)  # (R, T+1) positions
+        window = np.where(at < len(ids), ids[np.minimum(at, len(ids) - 1)], -1)
+        x, y = np.maximum(window[:, :-1], 0), window[:, 1:]
+    else:
+        x, y = _chat_pass(np.asarray(dataset.split(split)), *dataset.chat[split], block_size)
+    pad = -len(x) % batch_size
+    x = np.concatenate([x, np.zeros((pad, block_size), dtype=np.int64)])
+    y = np.concatenate([y, np.full((pad, block_size), -1, dtype=np.int64)])
+    return [(torch.from_numpy(x[i:i + batch_size]), torch.from_numpy(y[i:i + batch_size]))
+            for i in range(0, len(x), batch_size)]
+
+
+def _chat_pass(tokens: np.ndarray, mask: np.ndarray, starts: np.ndarray,
+               block_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """A row from each piece's start (padded past the split's end), trained targets of that piece alone."""
+    at = starts[:-1, None] + np.arange(block_size + 1)  # (R, T+1) positions in the split
+    inside = np.minimum(at, len(tokens) - 1)
+    window = np.where(at < len(tokens), tokens[inside], 0).astype(np.int64)
+    own = (at < starts[1:, None]) & (mask[inside] == 1)
+    return window[:, :-1], np.where(own[:, 1:], window[:, 1:], -1)
 
 
 def batch_generator(seed: int, step: int, micro: int = 0, rank: int = 0) -> torch.Generator:

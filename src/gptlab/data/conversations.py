@@ -41,12 +41,13 @@ class Conversation:
 
 
 def read_conversations(paths: list[str], least: int = 2) -> list[Conversation]:
-    """Every conversation of the JSONL files named (folders: their *.jsonl files, sorted); GptlabError naming the
-    file and line of the first bad one, or when there are fewer than `least`."""
+    """Every conversation of the JSONL files named (folders: their *.jsonl files, sorted; a leading UTF-8
+    byte-order mark dropped); GptlabError naming the file and line of the first bad one, or when there are fewer
+    than `least`."""
     out = []
     for file in _files(paths):
         try:
-            lines = file.read_text(encoding="utf-8").splitlines()
+            lines = file.read_text(encoding="utf-8-sig").splitlines()  # a byte-order mark dropped, as everywhere
         except UnicodeDecodeError:
             raise GptlabError(f"{file} is not UTF-8 text; give conversations as UTF-8 JSONL") from None
         except OSError as exc:
@@ -222,7 +223,7 @@ def write_chat(out: Path, built: Built) -> dict[str, Any]:
 
 def load_chat_split(folder: Path, meta: dict[str, Any], split: str, length: int) -> tuple[np.ndarray, np.ndarray]:
     """A chat split's (mask, starts) as written by `write_chat`; GptlabError when they are missing or do not fit the
-    split's `length` tokens."""
+    split's `length` tokens (a mask of `length` flags; starts: integers rising from 0 to `length`, no piece empty)."""
     files = meta["chat"]["files"][split]
     try:
         mask = np.load(folder / files["mask"]["file"], mmap_mode="r")
@@ -230,8 +231,8 @@ def load_chat_split(folder: Path, meta: dict[str, Any], split: str, length: int)
     except (OSError, ValueError, KeyError, TypeError):
         raise GptlabError(f"the {split} conversation files in {folder} are missing or damaged; run `gptlab prepare "
                           "--chat` again") from None
-    if len(mask) != length or len(starts) < 2 or starts[0] != 0 or starts[-1] != length or \
-            np.any(np.diff(starts) <= 0):
+    if mask.ndim != 1 or starts.ndim != 1 or not np.issubdtype(starts.dtype, np.integer) or len(mask) != length \
+            or len(starts) < 2 or starts[0] != 0 or starts[-1] != length or np.any(starts[1:] <= starts[:-1]):
         raise GptlabError(f"the {split} conversation files in {folder} do not match its token files; run `gptlab "
                           "prepare --chat` again")
     return mask, starts

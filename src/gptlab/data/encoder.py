@@ -5,6 +5,7 @@ two units per worker in flight, so memory stays flat however large the corpus is
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import multiprocessing
 import queue
@@ -12,7 +13,7 @@ import signal
 import threading
 from collections import deque
 from collections.abc import Iterable, Iterator
-from multiprocessing import connection
+from multiprocessing import connection, resource_tracker
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -64,8 +65,8 @@ def _work(tokenizer: dict, allow_special: bool, inbox: Connection, outbox: Conne
         try:
             while True:
                 arrived.put(inbox.recv())
-        except EOFError:
-            arrived.put(None)
+        except (EOFError, OSError):  # the end, or a unit cut halfway (Ctrl-C stopped the parent sending it): the
+            arrived.put(None)  # parent ends this process either way
     threading.Thread(target=read, daemon=True).start()
     while (unit := arrived.get()) is not None:
         try:
@@ -75,6 +76,27 @@ def _work(tokenizer: dict, allow_special: bool, inbox: Connection, outbox: Conne
         outbox.send(result)
 
 
+@contextlib.contextmanager
+def _sigint_held() -> Iterator[None]:
+    """Ctrl-C held off while a worker process starts, so that its start is never cut halfway (the child would print
+    the traceback of a half-read start), and the child starts with SIGINT blocked (it ignores Ctrl-C from its first
+    instruction on, imports included: Ctrl-C is the parent's to handle); a Ctrl-C that came meanwhile is delivered
+    after, to whatever handles SIGINT here."""
+    resource_tracker.ensure_running()  # started now, not inside a start: its own start unblocks SIGINT after it
+    came: list[int] = []
+    held = threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGINT) is not None
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: came.append(signum)) if held else None
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})  # a child inherits its parent thread's mask
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+        if held:
+            signal.signal(signal.SIGINT, previous)  # runs a Ctrl-C still pending first: into `came`
+            if came:
+                signal.raise_signal(signal.SIGINT)
+
+
 class _Worker:
     """One worker process with its two pipes, seen from the parent."""
 
@@ -82,7 +104,12 @@ class _Worker:
         inbox, self.inbox = context.Pipe(duplex=False)
         self.outbox, outbox = context.Pipe(duplex=False)
         self.process = context.Process(target=_work, args=(tokenizer, allow_special, inbox, outbox), daemon=True)
-        self.process.start()
+        try:
+            with _sigint_held():
+                self.process.start()
+        except OSError as exc:  # no process left, or it died before reading its start (Broken pipe)
+            raise GptlabError(f"cannot start a worker process to encode the text ({exc.strerror or exc}); run the "
+                              "same command again, with --workers 1 if it happens again") from None
         inbox.close()  # the child's ends: once the child has them, a send to a dead child fails instead of waiting
         outbox.close()
 
@@ -138,7 +165,8 @@ def encode_units(tok: Tokenizer, stream: Iterable[Unit], workers: int,
         finished = True
     finally:
         for worker in pool:
-            worker.send(None)
+            if finished:  # else a unit may be cut halfway (Ctrl-C): the worker ends at the pipe's end instead
+                worker.send(None)
             worker.inbox.close()
         for worker in pool:
             if not finished:

@@ -25,8 +25,9 @@ from gptlab.config import PrepareConfig, build
 from gptlab.data import conversations
 from gptlab.data.corpus import Source, collect_sources
 from gptlab.data.encoder import Piece, encode_units, units
-from gptlab.data.readers import Scan, documents, scan_sources, val_documents
-from gptlab.data.staging import CHECKPOINT_UNITS, ShardWriter, Staging
+from gptlab.data.readers import (Scan, digest, documents, joiner, kept_as_before, scan_sources, settings_before,
+                                 val_documents)
+from gptlab.data.staging import CHECKPOINT_UNITS, STAGE, ShardWriter, Staging
 from gptlab.data.tokenfiles import SPLITS, VERSION, token_dtype
 from gptlab.errors import GptlabError
 from gptlab.machine import usable_cores
@@ -128,16 +129,17 @@ def prepare(paths: list[str], out_dir: str | Path, settings: PrepareConfig | str
     readers.documents for what is read) into `out_dir`/{train,val}.bin, tokenizer.json and meta.json, as `settings`
     say (a PrepareConfig; or for short the tokenizer's kind, in place or as `tokenizer=`, with `vocab_size` and
     other fields named: see prepare_config): with a new tokenizer of kind `tokenizer` or the one of `tokenizer_from`
-    (a run or data folder). Every document ends with the end-of-text token where the tokenizer has one. The
-    validation split is the documents of `val` when given, else whole documents chosen by `seed` (see
-    readers.val_documents), else (fewer than 1 / val_fraction documents) the last val_fraction of the characters.
+    (a run or data folder). Every document ends with the end-of-text token, or without one a newline goes between
+    documents (readers.joiner). The validation split is the documents of `val` when given, else whole documents
+    holding about val_fraction of the characters (see readers.val_documents), else the last val_fraction of them.
     Files found in folders that cannot be read are skipped and listed in the metadata (refused with `strict`).
     `workers` processes encode (default: the cores available), with the same output as one. Each split is written in
     shards of at most `shard_tokens` ids (see tokenfiles). A folder of prepared data is replaced only by the same
-    data (same inputs and settings) or with `overwrite` (OtherData otherwise). Everything is checked before anything
-    is written; the files are written in a hidden staging folder and moved into place at the end (meta.json last),
-    so a failure or Ctrl-C leaves the prepared folder as it was; the staging folder keeps the last checkpoint, and
-    the same call again resumes from it. Returns the metadata; raises GptlabError on bad input or a full disk."""
+    data (same inputs and settings) or with `overwrite` (OtherData otherwise); one the earlier split rule made of the
+    same is kept as it is (readers.kept_as_before). Everything is checked before anything is written; the files are
+    written in a hidden staging folder and moved into place at the end (meta.json last), so a failure or Ctrl-C
+    leaves the prepared folder as it was; the staging folder keeps the last checkpoint, and the same call again
+    resumes from it. Returns the metadata; raises GptlabError on bad input or a full disk."""
     if isinstance(settings, PrepareConfig):
         if vocab_size is not None or named:
             raise TypeError("give prepare's settings as a PrepareConfig or by name, not both")
@@ -153,10 +155,7 @@ def prepare(paths: list[str], out_dir: str | Path, settings: PrepareConfig | str
 
 def _prepare(paths: list[str], out: Path, cfg: PrepareConfig, quiet: bool, overwrite: bool) -> dict[str, Any]:
     """prepare(), once its settings are one PrepareConfig: check everything, then stage, encode and commit."""
-    kind = folder_kind(out)
-    if kind in ("run", "hf"):
-        raise GptlabError(f"{out} holds a {'gptlab run' if kind == 'run' else 'model (config.json)'}; "
-                          "preparing data there would overwrite its files, so give --out a folder of its own")
+    _check_out(out)
     fixed = tokenizer_of(cfg.tokenizer_from) if cfg.tokenizer_from else None
     if cfg.chat:
         return _prepare_chat(paths, out, cfg, overwrite, fixed)
@@ -172,9 +171,13 @@ def _prepare(paths: list[str], out: Path, cfg: PrepareConfig, quiet: bool, overw
              "skipped_records": len(scan.bad_records), "bad_records": scan.bad_records[:20]}
     settings = {"tokenizer": fixed.to_dict() if fixed else [cfg.tokenizer, cfg.vocab_size], "encoding": cfg.encoding,
                 "text_field": cfg.text_field, "allow_special": cfg.allow_special, "shard_tokens": cfg.shard_tokens,
-                "val_fraction": cfg.val_fraction, "held": None if held is None else hashlib.sha256(held).hexdigest()}
+                "val_fraction": cfg.val_fraction, "held": digest(held),
+                **({"joiner": scan.joiner} if scan.joiner else {})}
     fingerprint = _fingerprint(scan, settings)
-    if not overwrite and folder_kind(out) == "data" and _made_by(out) != fingerprint:
+    before = settings_before(scan, settings, cfg.val_fraction, cfg.seed)  # as gptlab split and joined them earlier
+    if not overwrite and _fingerprint(scan, before) != fingerprint and _made_by(out) == _fingerprint(scan, before):
+        return kept_as_before(out, settings, before, cfg.val_fraction)
+    if not overwrite and is_prepared(out) and _made_by(out) != fingerprint:
         raise OtherData(out)
     with Staging(out, fingerprint) as stage:
         tok: Tokenizer = fixed or stage.tokenizer() or _interruptible(lambda: _new_tokenizer(cfg, scan))
@@ -185,11 +188,42 @@ def _prepare(paths: list[str], out: Path, cfg: PrepareConfig, quiet: bool, overw
                               "permissions (the prepared folder was not changed)") from None
 
 
+def _check_out(out: Path) -> None:
+    """GptlabError unless `out` is new, empty, prepared data (see is_prepared), or holds the staging folder of a
+    prepare stopped in it: prepare never writes over files it did not write, --overwrite or not."""
+    kind = folder_kind(out)
+    if kind in ("run", "hf"):
+        raise GptlabError(f"{out} holds a {'gptlab run' if kind == 'run' else 'model (config.json)'}; "
+                          "preparing data there would overwrite its files, so give --out a folder of its own")
+    if out.exists() and not out.is_dir():
+        raise GptlabError(f"--out {out} is a file; give --out a folder (new or empty) for the prepared data")
+    stopped = (out / STAGE).is_dir() or (out.parent / f".{out.name}.chat-staging").is_dir()
+    if not out.exists() or is_prepared(out) or stopped:
+        return
+    theirs = sorted(p.name for p in out.iterdir())
+    if theirs:
+        shown = ", ".join(theirs[:4]) + (f" and {len(theirs) - 4} more" if len(theirs) > 4 else "")
+        raise GptlabError(f"{out} holds files gptlab did not write ({shown}); prepare writes only into a new or "
+                          "empty folder or over data it prepared, so give --out a folder of its own (e.g. "
+                          f"{out.parent / (out.name + '-gptlab')})")
+
+
+def is_prepared(folder: Path) -> bool:
+    """Whether `folder` holds data `gptlab prepare` wrote: token files, tokenizer.json and a meta.json of ours
+    (another project's meta.json and train.bin are not)."""
+    try:
+        meta = json.loads((folder / "meta.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return folder_kind(folder) == "data" and (folder / "tokenizer.json").is_file() and isinstance(meta, dict) and \
+        {"tokenizer", "vocab_size", "train_tokens", "val_tokens"} <= set(meta)
+
+
 def _prepare_chat(paths: list[str], out: Path, cfg: PrepareConfig, overwrite: bool,
                   fixed: Tokenizer | None) -> dict[str, Any]:
     """prepare() of conversations (see conversations.py): the same folder of the same data is left as it is."""
     built = conversations.build_chat(paths, cfg, fixed)
-    if folder_kind(out) == "data":
+    if is_prepared(out):
         if _made_by(out) == built.meta["fingerprint"]:
             return json.loads((out / "meta.json").read_text(encoding="utf-8"))
         if not overwrite:
@@ -219,7 +253,7 @@ def _encode(scan: Scan, tok: Tokenizer, stage: Staging, cfg: PrepareConfig, held
     workers = usable_cores() if cfg.workers is None else cfg.workers
     val_fraction, shard_tokens = cfg.val_fraction, cfg.shard_tokens
     encode = {"held": held, "encoding": cfg.encoding, "text_field": cfg.text_field, "quiet": quiet,
-              "allow_special": cfg.allow_special, "workers": workers}
+              "allow_special": cfg.allow_special, "workers": workers, "joiner": scan.joiner}
     split_at = int(scan.total * (1 - val_fraction))
     scanned = sum(d["bytes"] for d in scan.described)  # the encoding bar's total: its time left
     writers, written = _encode_split(scan.sources, tok, stage, split_at, shard_tokens, scanned, **encode)
@@ -247,7 +281,10 @@ def _scan_inputs(groups: list[list[str]], cfg: PrepareConfig, pruned: list[str],
             scans.append(scan_sources(sources, cfg.encoding, cfg.text_field, cfg.strict, bar.update, refuse_special,
                                       collect_chars))
         _check_not_empty(scans[-1], sources, what)
-    return scans[0].joined(scans[1]) if len(scans) > 1 else scans[0]
+    scan = scans[0].joined(scans[1]) if len(scans) > 1 else scans[0]
+    scan.joiner = joiner(scan, has_special)
+    scan.chars.update(scan.joiner)  # a char tokenizer must spell the newline between documents
+    return scan
 
 
 def _fingerprint(scan: Scan, settings: dict[str, Any]) -> str:
@@ -276,17 +313,20 @@ def _check_not_empty(scan: Scan, sources: list[Source], what: str) -> None:
 
 
 def _pieces(sources: list[Source], split_at: int, held: np.ndarray | None, encoding: str, text_field: str,
-            bar: Any, chars: list[int]) -> Iterator[Piece]:
+            bar: Any, chars: list[int], joiner: str = "") -> Iterator[Piece]:
     """Every document's text in pieces, each marked with its side: the documents marked in `held` go to val and
     the rest to train, or without it, characters before `split_at` go to train and the rest to val. Every document
-    ends with the end-of-text token (on the side its last character is). Counts the characters of each side."""
-    position, index = 0, 0
+    ends with the end-of-text token (on the side its last character is), and `joiner` follows it on that side when
+    another document comes. Counts the characters of each side: the documents' own, not the joiners'."""
+    position, index, end = 0, 0, None
     for source in sources:
         for doc in documents(source, encoding, text_field, lambda block: bar.update(len(block))):
             pieces = iter(doc)
             first = next(pieces, None)
             if first is None:  # an empty file: no document
                 continue
+            if joiner and end is not None:
+                yield end, joiner, False
             side = None if held is None else int(held[index])
             index += 1
             for chunk in itertools.chain([first], pieces):
@@ -296,12 +336,13 @@ def _pieces(sources: list[Source], split_at: int, held: np.ndarray | None, encod
                         chars[s] += len(piece)
                         yield s, piece, False
                 position += len(chunk)
-            yield int(position > split_at) if side is None else side, "", True
+            end = int(position > split_at) if side is None else side
+            yield end, "", True
 
 
 def _encode_split(sources: list[Source], tok: Tokenizer, stage: Staging, split_at: int, shard_tokens: int,
                   scanned: int, held: np.ndarray | None, encoding: str, text_field: str, quiet: bool,
-                  allow_special: bool, workers: int) -> tuple[list[ShardWriter], dict[str, Any]]:
+                  allow_special: bool, workers: int, joiner: str) -> tuple[list[ShardWriter], dict[str, Any]]:
     """Encode everything into the train and val shards (see `_pieces`) in `workers` processes, from the staging
     folder's checkpoint when it has one: the units before it are read again (to count characters and find the
     place) but not encoded."""
@@ -309,7 +350,7 @@ def _encode_split(sources: list[Source], tok: Tokenizer, stage: Staging, split_a
     chars = [0, 0]
     try:
         with _progress(sources, "encode", quiet, scanned) as bar:
-            stream = units(_pieces(sources, split_at, held, encoding, text_field, bar, chars))
+            stream = units(_pieces(sources, split_at, held, encoding, text_field, bar, chars, joiner))
             for _ in itertools.islice(stream, done):
                 pass
             for ids in encode_units(tok, stream, workers, allow_special):

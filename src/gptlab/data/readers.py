@@ -7,8 +7,11 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
+from array import array
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -18,6 +21,9 @@ from gptlab.errors import GptlabError
 from gptlab.tokenizer import EOT
 
 PARQUET_BATCH_ROWS = 1024
+JOINER = "\n"  # between documents, for a tokenizer without an end-of-text token (see joiner)
+
+log = logging.getLogger(__name__)
 
 
 def documents(source: Source, encoding: str = "utf-8", text_field: str = "text",
@@ -117,27 +123,99 @@ class Scan:
     skipped: list[dict[str, str]]
     val_from: int | None = None
     bad_records: list[dict[str, Any]] = field(default_factory=list)  # {"path", "line", "reason"}, reading order
+    lengths: array = field(default_factory=lambda: array("q"))  # each document's characters, reading order
+    joiner: str = ""  # what goes between two documents (see `joiner`), once the tokenizer is known
+
+    @property
+    def documents(self) -> int:
+        return len(self.lengths)
 
     def joined(self, val: Scan) -> Scan:
         """This scan followed by the scan of the validation corpus."""
         return Scan(self.sources + val.sources, self.total + val.total, self.described + val.described,
                     self.chars | val.chars, self.skipped + val.skipped, len(self.sources),
-                    self.bad_records + val.bad_records)
+                    self.bad_records + val.bad_records, self.lengths + val.lengths)
+
+
+def joiner(scan: Scan, end_of_text: bool) -> str:
+    """What goes between two documents besides the end-of-text token: a newline for a tokenizer without one (the
+    char tokenizer), so that one text does not run into the next; nothing for one document alone."""
+    return "" if end_of_text or scan.documents < 2 else JOINER
 
 
 def val_documents(scan: Scan, val_fraction: float, seed: int) -> np.ndarray | None:
     """Which documents, in reading order, form the validation split: those of the validation corpus when one was
-    named; else int(n * val_fraction) whole documents chosen at random by `seed`; None when that is none at all
-    (a corpus of fewer than 1 / val_fraction documents, one book say), which is then split by characters."""
-    counts = [d["documents"] for d in scan.described]
-    held = np.zeros(sum(counts), dtype=bool)
-    if scan.val_from is not None:
-        held[sum(counts[:scan.val_from]):] = True
+    named; else whole documents in an order drawn by `seed`, each taken while it fits in what is left of
+    int(val_fraction x the characters), so that the split holds about val_fraction of the text however unequal the
+    documents are. None when whole documents cannot come within half of that (one book, a few long texts), and the
+    corpus is then split by characters (the last val_fraction of them)."""
+    held = _validation_corpus(scan)
+    if held is not None:
         return held
+    held = np.zeros(scan.documents, dtype=bool)
+    gap = target = int(scan.total * val_fraction)
+    for i in np.random.default_rng(seed).permutation(len(held)).tolist():
+        if scan.lengths[i] <= gap:
+            held[i] = True
+            gap -= scan.lengths[i]
+            if gap == 0:
+                break
+    return held if 0 < target <= 2 * (target - gap) else None
+
+
+def val_documents_before(scan: Scan, val_fraction: float, seed: int) -> np.ndarray | None:
+    """The rule of gptlab before the split aimed at a fraction of the characters, kept only to recognise the folders
+    it prepared (settings_before): the validation corpus, else int(n * val_fraction) whole documents chosen by
+    `seed` whatever their sizes, else None."""
+    held = _validation_corpus(scan)
+    if held is not None:
+        return held
+    held = np.zeros(scan.documents, dtype=bool)
     k = int(len(held) * val_fraction)
     if k == 0:
         return None
     held[np.random.default_rng(seed).choice(len(held), k, replace=False)] = True
+    return held
+
+
+def digest(held: np.ndarray | None) -> str | None:
+    """What a prepare's fingerprint records of the held-out documents: the sha256 of their mask (None: none)."""
+    return None if held is None else hashlib.sha256(held).hexdigest()
+
+
+def settings_before(scan: Scan, settings: dict[str, Any], val_fraction: float, seed: int) -> dict[str, Any]:
+    """The settings a prepare fingerprints (`settings`: today's) as gptlab made them for `scan` before the split
+    aimed at a fraction of the characters and a char corpus's documents were joined by a newline: the documents
+    held out by count (val_documents_before) and no joiner."""
+    return {**{k: v for k, v in settings.items() if k != "joiner"},
+            "held": digest(val_documents_before(scan, val_fraction, seed))}
+
+
+def kept_as_before(out: Path, settings: dict[str, Any], before: dict[str, Any], val_fraction: float) -> dict[str, Any]:
+    """The metadata of `out`, a folder prepared from the same inputs and settings by the earlier rule (see
+    settings_before), which is kept as it is, so that runs trained on it can go on: a warning says so, what differs
+    and how to prepare it anew."""
+    meta = json.loads((out / "meta.json").read_text(encoding="utf-8"))
+    share = meta["val_chars"] / max(meta["train_chars"] + meta["val_chars"], 1)
+    then, now = [f"held out {share:.1%} of the characters"], []
+    if before["held"] != settings["held"]:
+        then[0] += " (whole documents, by count)"
+        now.append(f"whole documents holding about {val_fraction:g} of the characters")
+    if "joiner" in settings:
+        then.append("joined the documents with nothing")
+        now.append("a newline between documents")
+    log.warning(f"{out} was prepared from these inputs and settings by an earlier gptlab, which {' and '.join(then)}; "
+                "it is kept as it is, so that the runs trained on it can go on; pass --overwrite to prepare it "
+                f"again ({' and '.join(now)})")
+    return meta
+
+
+def _validation_corpus(scan: Scan) -> np.ndarray | None:
+    """Every document from the validation corpus's first source on, when one was named."""
+    if scan.val_from is None:
+        return None
+    held = np.zeros(scan.documents, dtype=bool)
+    held[sum(d["documents"] for d in scan.described[:scan.val_from]):] = True
     return held
 
 
@@ -159,8 +237,8 @@ def scan_sources(sources: list[Source], encoding: str, text_field: str, strict: 
                                        "left out and counted)")
             bad.append({"path": name, "line": line, "reason": reason})
         try:
-            entry, chars = _scan_source(source, encoding, text_field, on_progress, refuse_special, collect_chars,
-                                        on_bad)
+            entry, chars, lengths = _scan_source(source, encoding, text_field, on_progress, refuse_special,
+                                                 collect_chars, on_bad)
             if bad and entry["documents"] == 0:  # not one good record: not JSON lines, or the wrong field
                 hint = "a .jsonl / .json file must hold one JSON object per line" if "is not JSON" in \
                     bad[0]["reason"] else "pass --text-field with the one that holds the text"
@@ -175,13 +253,14 @@ def scan_sources(sources: list[Source], encoding: str, text_field: str, strict: 
         scan.described.append(entry)
         scan.chars |= chars
         scan.total += entry["chars"]
+        scan.lengths += lengths
     return scan
 
 
 def _scan_source(source: Source, encoding: str, text_field: str, on_progress: Callable[[int], Any],
                  refuse_special: bool, collect_chars: bool,
-                 on_bad: Callable[[int, str], None]) -> tuple[dict[str, Any], set[str]]:
-    sha, n_chars, n_docs, chars, n_bytes = hashlib.sha256(), 0, 0, set(), [0]
+                 on_bad: Callable[[int, str], None]) -> tuple[dict[str, Any], set[str], array]:
+    sha, n_chars, chars, n_bytes, lengths = hashlib.sha256(), 0, set(), [0], array("q")
 
     def seen(block: bytes) -> None:
         sha.update(block)
@@ -197,6 +276,7 @@ def _scan_source(source: Source, encoding: str, text_field: str, on_progress: Ca
             n_chars += len(chunk)
             if collect_chars:
                 chars.update(chunk)
-        n_docs += n_chars > start  # an empty file is no document
-    return {"path": source.name, "documents": n_docs, "chars": n_chars, "bytes": n_bytes[0],
-            "sha256": sha.hexdigest()}, chars
+        if n_chars > start:  # an empty file is no document
+            lengths.append(n_chars - start)
+    return {"path": source.name, "documents": len(lengths), "chars": n_chars, "bytes": n_bytes[0],
+            "sha256": sha.hexdigest()}, chars, lengths

@@ -22,6 +22,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
+from gptlab import __version__
 from gptlab import checkpoint as ck
 from gptlab import lora, rundir
 from gptlab.chat import grow_vocab, rows_added
@@ -32,6 +33,7 @@ from gptlab.model import GPT
 from gptlab.tokenizer import Tokenizer
 
 HF_CONFIG = "config.json"
+EXPORT_MARK = "gptlab-export.json"  # in every folder `gptlab export` wrote: what a later export may replace
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")  # in order of preference
 CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
 HF_ACTIVATIONS = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu"}  # HF name -> ours
@@ -243,7 +245,8 @@ def hf_config(model_cfg: ModelConfig, tokenizer: Tokenizer) -> dict[str, Any]:
 @contextlib.contextmanager
 def staged_folder(out: Path):
     """A new hidden folder beside `out` to write into. When the block ends, its files move into `out` (made if
-    missing; files of other names already there stay); when the block raises, it is removed, with the parent
+    missing; files of other names already there stay) with EXPORT_MARK, which lets a later export replace them;
+    when the block raises, it is removed, with the parent
     folders made for it, so a failed write changes nothing on disk."""
     made = [p for p in (out.parent, *out.parent.parents) if not p.exists()][-1:]  # the topmost one made here
     staging = out.parent / f".{out.name}.export-{os.getpid()}"
@@ -257,6 +260,8 @@ def staged_folder(out: Path):
         raise GptlabError(f"cannot create output folder {out}: {exc.strerror}") from None
     try:
         yield staging
+        rundir.write_json(staging / EXPORT_MARK, {"written_by": f"gptlab {__version__}",
+                                                  "files": sorted(os.listdir(staging))})
         if out.is_dir():
             for path in staging.iterdir():
                 os.replace(path, out / path.name)
@@ -269,8 +274,9 @@ def staged_folder(out: Path):
         raise
 
 
-def check_export_folder(out: Path, run_dir: str | Path) -> None:
-    """GptlabError when `out` cannot take an export of `run_dir`: the run itself, a run or data folder, a file."""
+def check_export_folder(out: Path, run_dir: str | Path, overwrite: bool = False) -> None:
+    """GptlabError when `out` cannot take an export of `run_dir`: the run itself, a run or data folder, a file, or
+    (unless `overwrite`) a folder holding files gptlab did not export there (no EXPORT_MARK)."""
     if out.resolve() == Path(run_dir).resolve() or rundir.folder_kind(out) in ("run", "data"):
         kind = "the run itself" if out.resolve() == Path(run_dir).resolve() else \
             {"run": "a gptlab run", "data": "a prepared data folder"}[rundir.folder_kind(out)]
@@ -278,6 +284,11 @@ def check_export_folder(out: Path, run_dir: str | Path) -> None:
                           "tokenizer.json, so give --out a folder of its own")
     if out.exists() and not out.is_dir():
         raise GptlabError(f"{out} exists and is not a folder; give --out a new or existing folder")
+    theirs = [] if overwrite or not out.is_dir() or (out / EXPORT_MARK).is_file() else sorted(os.listdir(out))
+    if theirs:
+        shown = ", ".join(theirs[:4]) + (f" and {len(theirs) - 4} more" if len(theirs) > 4 else "")
+        raise GptlabError(f"{out} holds files gptlab did not write ({shown}); give --out a new or empty folder, or "
+                          "pass --overwrite to write the export's files there (replacing those of the same names)")
 
 
 def write_weights(tensors: dict[str, torch.Tensor], staging: Path, out: Path, name: str) -> None:
@@ -291,12 +302,14 @@ def write_weights(tensors: dict[str, torch.Tensor], staging: Path, out: Path, na
         raise GptlabError(f"cannot write {out / name}: {reason}; check free space") from None
 
 
-def export_hf(run_dir: str | Path, out_dir: str | Path, which: str = "best", merge: bool = False) -> list[str]:
+def export_hf(run_dir: str | Path, out_dir: str | Path, which: str = "best", merge: bool = False,
+              overwrite: bool = False) -> list[str]:
     """Write the run's model (its best checkpoint, else its latest) as a HF GPT-2 folder: config.json,
     model.safetensors and tokenizer files, all or nothing (see staged_folder); a LoRA run's with `merge`, its
-    adapters merged into its base. Returns the names written; raises GptlabError on bad input."""
+    adapters merged into its base; into a new or empty folder, an earlier export, or with `overwrite` any folder.
+    Returns the names written; raises GptlabError on bad input."""
     out = Path(out_dir)
-    check_export_folder(out, run_dir)
+    check_export_folder(out, run_dir, overwrite)
     adapters = lora.settings(rundir.read_run_config(run_dir)["train"])
     if adapters is not None and not merge:
         raise GptlabError(f"{run_dir} holds LoRA adapters ({adapters}): export --merge writes the whole model with "

@@ -25,12 +25,13 @@ from gptlab.errors import GptlabError
 from gptlab.hf.hf import (check_export_folder, check_import_folder, staged_folder, write_imported_run,
                          write_weights)
 from gptlab.hf.hf_tokenizer import write_tokenizer_files
+from gptlab.lora import TOKEN_IDS
 from gptlab.model import build_model
 from gptlab.tokenizer import ChatTokenizer
 
 ADAPTER_CONFIG, ADAPTER_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
 PREFIX = "base_model.model."
-TOKEN_VALUES, TOKEN_IDS = "transformer.wte.token_values", "transformer.wte.token_ids"  # ours; PEFT's name for rows:
+TOKEN_VALUES = "transformer.wte.token_values"  # ours, beside lora.TOKEN_IDS; PEFT's name for the rows:
 PEFT_TOKENS = "transformer.wte.token_adapter.trainable_tokens_delta"  # (despite the name, the rows themselves)
 # PEFT settings gptlab's adapters do not have: an adapter that uses one is refused rather than loaded differently
 _UNSUPPORTED = {"use_dora": False, "use_rslora": False, "modules_to_save": None, "layers_to_transform": None,
@@ -39,7 +40,27 @@ _UNSUPPORTED = {"use_dora": False, "use_rslora": False, "modules_to_save": None,
                "use_qalora": False, "exclude_modules": None}
 
 
-def adapter_config(adapters: lora.LoraSettings, base: str, tokens: list[int] | None = None) -> dict[str, Any]:
+def hub_name(folder: str | Path) -> str:
+    """The Hugging Face name of a model folder: "org/name" for a snapshot in Hugging Face's cache
+    (.../models--org--name/snapshots/HASH), else the folder's own name (what `--local-dir` downloads are named)."""
+    path = Path(folder)
+    cached = [part for part in path.parts if part.startswith("models--")]
+    return cached[-1].removeprefix("models--").replace("--", "/") if cached else path.name
+
+
+def base_name(base_run: str | Path) -> str | None:
+    """adapter_config.json's base_model_name_or_path: the Hugging Face name of the model the base run was imported
+    from; None for a base trained here, which has none (its local path would tell others nothing peft can use)."""
+    try:
+        config = rundir.read_run_config(base_run)
+    except GptlabError:
+        return None
+    source = config.get("imported_from")
+    return hub_name(source) if isinstance(source, str) and lora.settings(config["train"]) is None else None
+
+
+def adapter_config(adapters: lora.LoraSettings, base: str | None,
+                   tokens: list[int] | None = None) -> dict[str, Any]:
     """adapter_config.json for `adapters` (and the rows of added `tokens`) on transformers' GPT-2 (PEFT's
     LoraConfig fields that matter; PEFT fills in the rest with its defaults)."""
     return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base, "r": adapters.rank,
@@ -48,11 +69,12 @@ def adapter_config(adapters: lora.LoraSettings, base: str, tokens: list[int] | N
             "use_rslora": False, "use_dora": False, "modules_to_save": None, "trainable_token_indices": tokens or None}
 
 
-def export_peft(run_dir: str | Path, out_dir: str | Path, which: str = "best") -> list[str]:
-    """Write a LoRA run's adapters (its best checkpoint, else its latest) in PEFT's format, all or nothing;
-    returns the names written. GptlabError when the run has no adapters or --out is taken."""
+def export_peft(run_dir: str | Path, out_dir: str | Path, which: str = "best", overwrite: bool = False) -> list[str]:
+    """Write a LoRA run's adapters (its best checkpoint, else its latest) in PEFT's format, all or nothing, where
+    hf.check_export_folder allows (`overwrite`: over another project's files too); returns the names written.
+    GptlabError when the run has no adapters or --out is taken."""
     out = Path(out_dir)
-    check_export_folder(out, run_dir)
+    check_export_folder(out, run_dir, overwrite)
     adapters = lora.settings(rundir.read_run_config(run_dir)["train"])
     if adapters is None:
         raise GptlabError(f"{run_dir} has no LoRA adapters (it was trained in full); export it with --format hf")
@@ -63,7 +85,7 @@ def export_peft(run_dir: str | Path, out_dir: str | Path, which: str = "best") -
     if TOKEN_VALUES in own:
         own[PEFT_TOKENS] = own.pop(TOKEN_VALUES)
     tensors = {PREFIX + name: t.float().contiguous() for name, t in own.items()}
-    base = (loaded.state.base or {}).get("run", "")
+    base = base_name((loaded.state.base or {}).get("run", ""))
     with staged_folder(out) as staging:
         write_weights(tensors, staging, out, ADAPTER_WEIGHTS)
         rundir.write_json(staging / ADAPTER_CONFIG, adapter_config(adapters, base, tokens))
@@ -147,7 +169,9 @@ def import_peft(folder: str | Path, base_run: str | Path, run_dir: str | Path) -
                         lora_dropout=adapters.dropout, lora_targets=",".join(adapters.targets))
     ref = {"run": train.init_from, "sha256": lora.tensors_sha256(base)}
     state = rundir.TrainingState(to_dict(model.config), train=to_dict(train), imported_from=source, base=ref)
-    write_imported_run(run, model, train, tokenizer, {"imported_from": source, "base": ref}, state)
+    preset = rundir.read_run_config(base_run).get("preset")  # the base's, as a run fine-tuned from it shows its own
+    write_imported_run(run, model, train, tokenizer, {"imported_from": source, "base": ref,
+                                                      **({"preset": preset} if preset else {})}, state)
     return lora.adapter_count(model)
 
 

@@ -31,9 +31,10 @@ def difference(name: str, a: torch.Tensor, b: torch.Tensor) -> Difference:
 
 def compare_engines(model: GPT, x: torch.Tensor, y: torch.Tensor, precision: str = "fp32") -> list[Difference]:
     """The engine and the torch model (a copy of `model` in `precision`, no dropout) on the batch (x, y): the
-    logits, the loss, then every parameter's gradient, in the model's parameter order."""
+    logits, the loss, then every parameter's gradient, in the model's parameter order (frozen ones too: a LoRA
+    run's merged model keeps its base's weights frozen)."""
     dtype = PRECISIONS[precision]
-    torch_model = copy.deepcopy(model).to(dtype).eval()
+    torch_model = copy.deepcopy(model).to(dtype).eval().requires_grad_(True)
     torch_model.zero_grad(set_to_none=True)
     logits, loss, grads = rm.step(torch_model, x, y, grads=True)
     expected_logits, expected_loss = torch_model(x, y)

@@ -17,14 +17,14 @@ from typing import Any
 from gptlab.chat import check_messages
 from gptlab.config import SEED_LIMIT, SampleConfig
 from gptlab.errors import GptlabError
-from gptlab.tokenizer import chat_of
+from gptlab.tokenizer import ROLES, chat_of
 
 
 @dataclass
 class Limits:
     """What one server accepts; each has a `gptlab serve` flag. Defaults: 512 new tokens a request, n <= 8,
     prompts up to the model's context (max_prompt_tokens 0), 1 MiB bodies, 16 rows decoded together, 64 requests
-    waiting for a place, 10 s for in-flight requests to finish on SIGTERM."""
+    waiting for a place, 10 s for in-flight requests to finish on SIGTERM, only the served model's name."""
 
     max_tokens: int = 512
     max_n: int = 8
@@ -33,6 +33,7 @@ class Limits:
     max_batch: int = 16
     queue: int = 64
     grace: float = 10.0
+    accept_any_model: bool = False  # any "model" is answered by the served one (clients that hard-code a name)
 
     def __post_init__(self) -> None:
         for name in ("max_tokens", "max_n", "max_body_bytes", "max_batch", "queue"):
@@ -79,12 +80,32 @@ class CompletionRequest:
 UNSUPPORTED = {"best_of": (None, 1), "suffix": (None, ""), "logit_bias": (None, {})}
 
 
+def _json(value: Any) -> str:
+    """A value of a request as JSON spells it (true, null, "text"), cut to 40 characters: what refusals quote."""
+    text = json.dumps(value, ensure_ascii=False)
+    return text if len(text) <= 40 else text[:39] + "…"
+
+
+def check_model(body: Any, served: str, limits: Limits) -> None:
+    """A request's "model": left out, null or `served` (the name /v1/models lists), any string with
+    limits.accept_any_model; ApiError 400 for one that is not a string, 404 model_not_found (OpenAI's words) for
+    another name."""
+    model = body.get("model") if isinstance(body, dict) else None
+    if model is None:
+        return
+    if not isinstance(model, str):
+        raise ApiError(400, f"model must be a string, not {_json(model)}", "model")
+    if model != served and not limits.accept_any_model:
+        raise ApiError(404, f"The model `{model}` does not exist or you do not have access to it.", "model",
+                       "model_not_found")
+
+
 def _number(body: dict, name: str, default: float, lo: float, hi: float) -> float:
     value = body.get(name, default)
     value = default if value is None else value
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
             or not lo <= value <= hi:
-        raise ApiError(400, f"{name} must be a number in [{lo}, {hi}], not {value!r}", name)
+        raise ApiError(400, f"{name} must be a number in [{lo}, {hi}], not {_json(value)}", name)
     return float(value)
 
 
@@ -93,7 +114,7 @@ def _integer(body: dict, name: str, default: int | None, lo: int, hi: int) -> in
     if value is None:
         return default
     if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
-        raise ApiError(400, f"{name} must be an integer in [{lo}, {hi}], not {value!r}", name)
+        raise ApiError(400, f"{name} must be an integer in [{lo}, {hi}], not {_json(value)}", name)
     return value
 
 
@@ -102,7 +123,7 @@ def _flag(body: dict, name: str) -> bool:
     if value is None:
         return False
     if not isinstance(value, bool):
-        raise ApiError(400, f"{name} must be true or false, not {value!r}", name)
+        raise ApiError(400, f"{name} must be true or false, not {_json(value)}", name)
     return value
 
 
@@ -140,9 +161,6 @@ def parse_completion(body: Any, limits: Limits) -> CompletionRequest:
         raise ApiError(400, "prompt is required: a string or a list of strings", "prompt")
     prompt_ids = _token_prompts(body["prompt"], 64)
     prompts = [] if prompt_ids is not None else _strings(body, "prompt", 64, allow_empty=True)
-    model = body.get("model")
-    if model is not None and not isinstance(model, str):
-        raise ApiError(400, "model must be a string", "model")
     n = _integer(body, "n", 1, 1, limits.max_n)
     count = len(prompt_ids) if prompt_ids is not None else len(prompts)
     if count * n > limits.max_batch:  # it would never fit in the batch: refused, not queued for ever
@@ -252,9 +270,6 @@ def parse_chat(body: Any, limits: Limits) -> CompletionRequest:
     response_format = body.get("response_format")
     if response_format not in (None, {"type": "text"}):
         raise ApiError(400, "response_format: only {\"type\": \"text\"} is supported by this server", "response_format")
-    model = body.get("model")
-    if model is not None and not isinstance(model, str):
-        raise ApiError(400, "model must be a string", "model")
     n = _integer(body, "n", 1, 1, limits.max_n)
     if n > limits.max_batch:  # it would never fit in the batch: refused, not queued for ever
         raise _too_many(1, n, limits.max_batch)
@@ -283,7 +298,7 @@ def encode_chat(request: CompletionRequest, tokenizer, context: int, limits: Lim
     except GptlabError as exc:
         raise ApiError(400, str(exc), code="no_chat_template") from None
     try:
-        ids = chat.render(check_messages(request.messages, "messages"), add_generation_prompt=True)[0]
+        ids = chat.render(_messages(request.messages), add_generation_prompt=True)[0]
     except GptlabError as exc:
         raise ApiError(400, str(exc), "messages") from None
     most = min(context, limits.max_prompt_tokens or context)
@@ -293,6 +308,18 @@ def encode_chat(request: CompletionRequest, tokenizer, context: int, limits: Lim
                        "context_length_exceeded")
     request.ids.append(ids)
     request.prompts.append(chat.decode(ids))
+
+
+def _messages(messages: Any) -> list[dict[str, str]]:
+    """The request's messages as chat.check_messages reads a conversation (GptlabError for bad ones), an unknown
+    role quoted as JSON spells it."""
+    for n, message in enumerate(messages if isinstance(messages, list) else [], 1):
+        if not isinstance(message, dict):
+            break  # check_messages names it
+        if message.get("role") not in ROLES:
+            raise GptlabError(f"the conversation: message {n} has the unknown role {_json(message.get('role'))}; "
+                              "use system, user or assistant")
+    return check_messages(messages, "the conversation")
 
 
 def logprob_content(info: dict | None, token: int, ends: frozenset[int]) -> list[dict]:

@@ -17,10 +17,11 @@ from typing import Any
 import torch
 from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException
 
 from gptlab.errors import GptlabError
-from gptlab.serve.api import (ApiError, CompletionRequest, Limits, chat_response, chat_stream, completion_id,
-                              encode_chat, encode_prompts, envelope, parse_chat, parse_completion, sse)
+from gptlab.serve.api import (ApiError, CompletionRequest, Limits, chat_response, chat_stream, check_model,
+                              completion_id, encode_chat, encode_prompts, envelope, parse_chat, parse_completion, sse)
 from gptlab.serve.scheduler import Job, Scheduler
 from gptlab.tokenizer import CHAT_TEMPLATE, EOT, ChatTokenizer
 
@@ -39,8 +40,8 @@ class Served:
 
 def make_app(served: Served, limits: Limits, api_key: str | None = None) -> FastAPI:
     """The app, with its scheduler started with the app and stopped (within limits.grace) with it: completions,
-    the pages and their refusals in OpenAI's error shape; every route but /health and / asks for `api_key` when
-    one is set."""
+    the pages and every refusal (a route's, no such route 404, a wrong method 405, a bug 500) in OpenAI's error
+    shape; every route but /health and / asks for `api_key` when one is set."""
     scheduler = Scheduler(served.model, served.tokenizer, limits.max_batch, limits.queue)
 
     @contextlib.asynccontextmanager
@@ -57,12 +58,32 @@ def make_app(served: Served, limits: Limits, api_key: str | None = None) -> Fast
         """Every route's refusal, in OpenAI's error shape (completions counts its own in the metrics first)."""
         return JSONResponse(exc.body(), exc.status, headers=exc.headers)
 
+    @app.exception_handler(HTTPException)
+    async def refuse_route(request: Request, exc: HTTPException) -> JSONResponse:
+        return await refuse(request, _route_error(request, exc))
+
+    @app.exception_handler(Exception)
+    async def fail(request: Request, exc: Exception) -> JSONResponse:
+        """A bug: a 500 in OpenAI's shape (the server's log has the traceback: Starlette raises it on)."""
+        return await refuse(request, ApiError(500, f"the server failed on this request ({type(exc).__name__}); "
+                                                   "its log has the traceback", type="server_error"))
+
     check_key = _key_check(api_key)
     _add_completions(app, served, limits, scheduler, check_key)
     _add_chat(app, served, limits, scheduler, check_key)
     _add_pages(app, served, limits, scheduler, check_key)
     _add_tokenizer_routes(app, served, limits, check_key)
     return app
+
+
+def _route_error(request: Request, exc: HTTPException) -> ApiError:
+    """Starlette's router's refusals (the only HTTPExceptions here) as ApiErrors: a method the route does not take
+    (405, with its Allow header), no such route (404, in OpenAI's words)."""
+    method, path = request.method, request.url.path
+    if exc.status_code == 405:
+        allow = (exc.headers or {}).get("Allow", "")
+        return ApiError(405, f"{method} is not allowed on {path}; use {allow}", headers={"Allow": allow})
+    return ApiError(exc.status_code, f"Invalid URL ({method} {path}): this server has no such route")
 
 
 def _key_check(api_key: str | None) -> Callable[[Request], None]:
@@ -84,6 +105,7 @@ def _add_completions(app: FastAPI, served: Served, limits: Limits, scheduler: Sc
     context = served.model.config.block_size
 
     def prepare(body: Any) -> CompletionRequest:
+        check_model(body, served.name, limits)
         req = parse_completion(body, limits)
         encode_prompts(req, served.tokenizer, context, limits)
         return req
@@ -104,6 +126,7 @@ def _add_chat(app: FastAPI, served: Served, limits: Limits, scheduler: Scheduler
     ends = served.tokenizer.end_ids
 
     def prepare(body: Any) -> CompletionRequest:
+        check_model(body, served.name, limits)
         req = parse_chat(body, limits)
         encode_chat(req, served.tokenizer, context, limits)
         return req

@@ -2,8 +2,8 @@
 of which one is right.
 
 - multiple choice: one context, several continuations (HellaSwag's own records: `ctx_a`, `ctx_b`,
-  `activity_label`, `endings`, `label`, with lm-evaluation-harness's HellaSwag preprocessing; or the plain form
-  `{"context", "choices", "label"}`);
+  `activity_label`, `endings`, `label`, with lm-evaluation-harness's HellaSwag preprocessing, and kept as llm.c
+  reads them too, for acc_token_mean; or the plain form `{"context", "choices", "label"}`);
 - schema: several contexts, one continuation (Winograd-style: `{"contexts", "continuation", "label"}`);
 - language modelling: one context, one continuation, right only if greedy decoding reproduces it (LAMBADA-style:
   `{"context", "continuation"}`).
@@ -14,6 +14,7 @@ file is of one kind; a bad record is refused with its file and line.
 
 from __future__ import annotations
 
+import codecs
 import json
 import re
 from dataclasses import dataclass
@@ -33,6 +34,7 @@ class Item:
     continuations: tuple[str, ...]  # several (multiple choice) or one
     label: int  # the right option: a continuation (multiple choice), a context (schema); 0 for language modelling
     line: int  # where the record is in its file
+    llmc: tuple[str, tuple[str, ...]] | None = None  # a HellaSwag record as llm.c reads it: its `ctx`, its endings
 
     @property
     def options(self) -> list[tuple[str, str]]:
@@ -61,16 +63,18 @@ def hellaswag_preprocess(text: str) -> str:
 
 
 def read_task(path: str | Path) -> list[Item]:
-    """Every item of a JSONL task file (blank lines skipped). GptlabError naming the file and line for bytes that are
-    not UTF-8, a line that is not a JSON object, a record of no known form or of another kind than the first, a
-    missing or empty field, or a label out of range; and for a file with no items."""
+    """Every item of a JSONL task file (a leading UTF-8 byte-order mark dropped, blank lines skipped). GptlabError
+    naming the file and line for bytes that are not UTF-8, a line that is not a JSON object, a record of no known
+    form or of another kind than the first, a missing or empty field, or a label out of range; and for a file with
+    no items."""
     path = Path(path)
     try:
-        lines = path.read_bytes().decode("utf-8").splitlines()
+        data = path.read_bytes().removeprefix(codecs.BOM_UTF8)  # the one rule for text (corpus.text_decoder)
+        lines = data.decode("utf-8").splitlines()
     except OSError as exc:
         raise GptlabError(f"cannot read task file {path}: {exc.strerror or exc}") from None
     except UnicodeDecodeError as exc:
-        line = path.read_bytes()[:exc.start].count(b"\n") + 1
+        line = data[:exc.start].count(b"\n") + 1
         raise GptlabError(f"{path}:{line}: not UTF-8 text (byte {exc.object[exc.start]:#04x}); save the file as "
                           "UTF-8") from None
     items: list[Item] = []
@@ -95,10 +99,13 @@ def _item(text: str, line: int, where: str) -> Item:
     if not isinstance(record, dict):
         raise GptlabError(f"{where}: a record must be a JSON object")
     if all(key in record for key in HELLASWAG_FIELDS):
-        ctx = f"{_text(record, 'ctx_a', where)} {_text(record, 'ctx_b', where, empty=True).capitalize()}"
-        context = hellaswag_preprocess(f"{_text(record, 'activity_label', where)}: {ctx}")
-        choices = [hellaswag_preprocess(e) for e in _texts(record, "endings", where)]
-        return _checked(Item(MULTIPLE_CHOICE, (context,), tuple(choices), _label(record, where), line), where)
+        ctx_a, ctx_b = _text(record, "ctx_a", where), _text(record, "ctx_b", where, empty=True)
+        context = hellaswag_preprocess(f"{_text(record, 'activity_label', where)}: {ctx_a} {ctx_b.capitalize()}")
+        endings = _texts(record, "endings", where)
+        # llm.c's context is the record's own `ctx`: HellaSwag's ctx_a, then a space and ctx_b where ctx_b is not empty
+        raw = _text(record, "ctx", where) if "ctx" in record else f"{ctx_a} {ctx_b}" if ctx_b else ctx_a
+        return _checked(Item(MULTIPLE_CHOICE, (context,), tuple(hellaswag_preprocess(e) for e in endings),
+                             _label(record, where), line, (raw, tuple(endings))), where)
     if "choices" in record:
         return _checked(Item(MULTIPLE_CHOICE, (_text(record, "context", where),),
                              tuple(_texts(record, "choices", where)), _label(record, where), line), where)

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from gptlab.config import TrainConfig
-from gptlab.data.batches import Dataset, batch_generator, draw_batch
+from gptlab.data.batches import Dataset, batch_generator, draw_batch, pass_batches, pass_rows
 from gptlab.distributed.distributed import Parallel
 from gptlab.optim import lr_at, step_if_finite
 from gptlab.reference.optim import NaiveAdamW, clip_grad_norm
@@ -49,19 +49,31 @@ class StepContext:
 
 @torch.no_grad()
 def estimate_loss(model: torch.nn.Module, ctx: StepContext) -> dict[str, float]:
-    """Mean loss over cfg.eval_batches fixed batches of each split, in eval mode (no dropout); with several
-    processes, each scores its rows of every batch."""
-    cfg, dataset = ctx.cfg, ctx.dataset
+    """Mean loss of each split in eval mode (no dropout): over cfg.eval_batches fixed batches, or where one pass over
+    the split takes no more rows than those would (a small split), over that one pass, each target once (the
+    split's mean loss per target, as `gptlab eval` counts it). With several processes, each scores its rows of
+    every batch."""
     was_training = model.training
     model.eval()
-    out = {}
-    for split in ("train", "val"):
-        total = torch.zeros((), device=ctx.device)
-        for i in range(cfg.eval_batches):
-            total += ctx.parallel.mean(ctx.loss(model, *ctx.batch(split, batch_generator(cfg.seed, i, -1))))
-        out[split] = total.item() / cfg.eval_batches
+    out = {split: _split_loss(model, ctx, split) for split in ("train", "val")}
     model.train(was_training)
     return out
+
+
+def _split_loss(model: torch.nn.Module, ctx: StepContext, split: str) -> float:
+    cfg, parallel = ctx.cfg, ctx.parallel
+    if pass_rows(ctx.dataset, split, ctx.block_size) > cfg.eval_batches * cfg.batch_size:
+        total = torch.zeros((), device=ctx.device)
+        for i in range(cfg.eval_batches):
+            total += parallel.mean(ctx.loss(model, *ctx.batch(split, batch_generator(cfg.seed, i, -1))))
+        return total.item() / cfg.eval_batches
+    nats = count = torch.zeros((), device=ctx.device)
+    for batch in pass_batches(ctx.dataset, split, cfg.batch_size, ctx.block_size):
+        x, y = (to_device(t, ctx.device) for t in parallel.local_rows(*batch))
+        n = (y != -1).sum()
+        nats = nats + torch.where(n > 0, ctx.loss(model, x, y).float() * n, 0.0)  # rows of padding alone: no loss
+        count = count + n
+    return (parallel.mean(nats) / parallel.mean(count.float())).item()
 
 
 def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, ctx: StepContext,

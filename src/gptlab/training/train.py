@@ -50,6 +50,7 @@ class TrainResult:
     history: list[dict[str, Any]] = field(default_factory=list)
     rank: int = 0
     train_seconds: float = 0.0  # `seconds` less evaluations and checkpoints: what tokens_per_second counts
+    start_step: int = 0  # where this session began (a resume's checkpoint): `seconds` timed the steps from here
 
 
 @dataclass
@@ -268,7 +269,7 @@ class Trainer:
             self.loggers.media(self.run / "loss.png", self.sample, progress.step)
         rate = (progress.step - clock.start_step) * self.tokens_per_step / max(clock.train_seconds, 1e-9)
         return TrainResult(self.run, progress.step, self.val_loss, progress.best_val_loss, seconds, rate,
-                           self.history, self.parallel.rank, clock.train_seconds)
+                           self.history, self.parallel.rank, clock.train_seconds, clock.start_step)
 
     @property
     def tokens_per_step(self) -> int:
