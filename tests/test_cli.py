@@ -115,8 +115,25 @@ for argv in {argvs!r}:
 print("no torch")
 """
 # serve's and bench chat's flags take their defaults from the modules that run them, which import torch
-HELPED = ["prepare", "train", "sample", "eval", "runs", "compare", "info", "chat", "import", "export", "inspect",
-          "inspect lens", "inspect model", "reference", "reference check", "bench", "bench train", "bench peak"]
+def every_verb(parser=None, path=()) -> list[str]:
+    """Every verb and subcommand of `gptlab` ("train", "bench chat", "inspect lens"), from its parser."""
+    import argparse
+
+    from gptlab.cli import make_parser
+
+    parser = parser or make_parser()
+    out = []
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                add = getattr(action, "pending", {}).pop(name, None)
+                if add is not None:
+                    add(sub)
+                out += [" ".join((*path, name)), *every_verb(sub, (*path, name))]
+    return out
+
+
+HELPED = every_verb()
 
 
 def test_help_and_argument_errors_never_import_torch():

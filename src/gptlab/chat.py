@@ -6,12 +6,13 @@ the chat tokenizer's (tokenizer.ChatTokenizer.render)."""
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from gptlab.errors import GptlabError
-import torch
-
 from gptlab.tokenizer import ROLES, ChatTokenizer, Tokenizer
+
+if TYPE_CHECKING:  # torch is imported where a tensor is made: checking messages (the server's --help) needs none
+    import torch
 
 
 def check_messages(messages: Any, where: str = "the conversation", training: bool = False) -> list[dict[str, str]]:
@@ -81,6 +82,8 @@ def grow_vocab(tensors: dict[str, torch.Tensor], keep: int, vocab_size: int) -> 
     """`tensors` with the token embedding (and an untied LM head) grown to `vocab_size` rows, the rows from `keep`
     on (new tokens: the chat markers; or a padded vocabulary's unused rows) set to the mean of the first `keep`:
     a new token starts as the average token, neither near nor far from any. In place, returned."""
+    import torch
+
     for name in ("transformer.wte.weight", "lm_head.weight"):
         if name in tensors:
             old = tensors[name]

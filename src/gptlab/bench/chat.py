@@ -19,12 +19,10 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-
-from gptlab.bench.timing import LoadWatch
-from gptlab.runtime import device_name, set_threads
+if TYPE_CHECKING:  # torch and the clocks are imported by the run: the settings (`bench chat --help`) need neither
+    import torch
 
 SYSTEM = "Reverse the word."
 
@@ -188,6 +186,11 @@ def run_chat_bench(s: ChatBenchSettings | None = None, corpus: list[str] | None 
     """Generate the task, pretrain the base, fine-tune it masked and unmasked, and score all three on the held-out
     questions; print a table whose last line is the masked model's accuracy (unless `quiet`); return the report
     (the held-out conversations and each variant's answers with it). Works in `folder` (default: a temporary one)."""
+    import torch
+
+    from gptlab.bench.timing import LoadWatch
+    from gptlab.runtime import device_name, set_threads
+
     s = s or ChatBenchSettings()
     set_threads()
     watch = LoadWatch()
