@@ -256,19 +256,19 @@ def test_ctrl_c_to_a_prepare_with_two_workers_is_one_line(tmp_path, words_corpus
 
 
 @pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="needs /proc to see the worker processes")
-def test_ctrl_c_to_a_prepare_with_two_workers_after_a_checkpoint_keeps_it_in_one_warning(tmp_path, words_corpus,
-                                                                                         capsys):
-    """Ctrl-C once a checkpoint is on disk: the warning that says what is kept, `gptlab: interrupted`, nothing
-    else; the same command again resumes from the checkpoint to the bytes of an uninterrupted prepare."""
+def test_ctrl_c_to_a_prepare_with_two_workers_after_a_checkpoint_keeps_it_in_one_line(tmp_path, words_corpus,
+                                                                                      capsys):
+    """Ctrl-C once a checkpoint is on disk: one line, `gptlab: interrupted: ` and what is kept, nothing else; the
+    same command again resumes from the checkpoint to the bytes of an uninterrupted prepare."""
     from gptlab.cli import main
     from gptlab.data.staging import STAGE
 
     out = tmp_path / "out"
     argv = [str(words_corpus), "--out", str(out), "--workers", "2", "--shard-tokens", "1000000", "--quiet"]
     code, err = ctrl_c_to_prepare(argv, lambda pid: (out / STAGE / "progress.json").exists())
-    warning, interrupted = err.splitlines()
-    assert code == 130 and interrupted == "gptlab: interrupted", err
-    assert warning.startswith(f"gptlab: warning: prepare stopped: {out / STAGE} keeps "), err
+    (interrupted,) = err.splitlines()
+    assert code == 130 and interrupted.startswith(f"gptlab: interrupted: {out / STAGE} keeps "), err
+    assert interrupted.endswith("; run the same command again to continue from there"), err
     assert json.loads((out / STAGE / "progress.json").read_text())["units_done"] < 8
     assert main(["prepare", *argv[:-1]]) == 0 and "resuming the prepare interrupted" in capsys.readouterr().err
     prepare([str(words_corpus)], tmp_path / "straight", "char", quiet=True, workers=1, shard_tokens=1000000)

@@ -69,8 +69,8 @@ def main(argv: list[str] | None = None) -> int:
         if ignored:
             signal.signal(signal.SIGINT, signal.default_int_handler)
         return _command(argv)
-    except KeyboardInterrupt:
-        print("gptlab: interrupted", file=sys.stderr)
+    except KeyboardInterrupt as exc:  # its message, where one is given, says what was kept (a stopped prepare's)
+        print(f"gptlab: interrupted{f': {exc}' if exc.args else ''}", file=sys.stderr)
         return 130
     finally:
         if ignored:

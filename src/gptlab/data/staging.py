@@ -201,8 +201,12 @@ class Staging:
         progress = None if self.committed else self._read_progress()
         if progress is not None and progress.get("units_done", 0) > 0:
             shards = sum(len(s["closed"]) for s in progress["splits"])
-            log.warning(f"prepare stopped: {self.path} keeps {shards} complete shard{'s' * (shards != 1)} and the "
-                        "checkpoint; run the same command again to continue from there")
+            kept = f"{self.path} keeps {shards} complete shard{'s' * (shards != 1)} and the checkpoint; run the " \
+                "same command again to continue from there"
+            if isinstance(exc, KeyboardInterrupt) and not exc.args:  # said in Ctrl-C's own one line
+                exc.args = (kept,)
+            else:
+                log.warning(f"prepare stopped: {kept}")
             self._unlock()
         else:
             self._abandon()
