@@ -157,6 +157,10 @@ def test_runs_lists_every_run_and_says_which_are_damaged(tmp_path, char_data, ca
     assert rows[str(root / "badjson")[-28:]].endswith("damaged") and rows[str(root / "badckpts")[-28:]].endswith(
         "damaged")
     assert rows[str(root / "badjson")[-28:]].split()[2] == "-"  # no steps to show, not 0/0
+    edit_config(root / "good", imported_from="/models/gpt2", data=None)  # an import has no training steps either
+    assert main(["runs", str(root)]) == 0
+    rows = {line.split()[0]: line for line in capsys.readouterr().out.splitlines()[1:]}
+    assert rows[str(root / "good")[-28:]].endswith("imported") and rows[str(root / "good")[-28:]].split()[2] == "-"
     assert rows["damaged:"] == "damaged: `gptlab info RUN` says what is wrong with it"
 
 

@@ -87,6 +87,7 @@ PLANTED = [
             "tests/test_hf.py::test_export_then_import_is_the_same_run"),
     Planted("cli: runs shows a damaged run's steps as 0/0",
             "src/gptlab/cli/verbs.py",
-            [('steps = "-" if r.state == "damaged" else', 'steps = "-" if r.state == "broken" else')],
+            [('steps = "-" if r.state in ("damaged", "imported") else',
+              'steps = "-" if r.state in ("broken", "imported") else')],
             "tests/test_runs.py::test_runs_lists_every_run_and_says_which_are_damaged"),
 ]

@@ -316,7 +316,7 @@ def cmd_runs(args: argparse.Namespace) -> int:
     print(f"{'run':<28} {'preset':<12} {'steps':>13} {'best val':>9} {'tokens':>13} {'time':>9}  state")
     for r in rows:
         best = f"{r.best_val_loss:.4f}" if r.best_val_loss is not None else "-"
-        steps = "-" if r.state == "damaged" else f"{r.step:,}/{r.max_steps:,}"
+        steps = "-" if r.state in ("damaged", "imported") else f"{r.step:,}/{r.max_steps:,}"  # no steps to show
         print(f"{str(r.path)[-28:]:<28} {r.preset:<12} {steps:>13} {best:>9} "
               f"{r.tokens:>13,} {r.train_seconds:>8.1f}s  {r.state}")
     if not rows:
