@@ -1,12 +1,14 @@
 """train --log: TensorBoard, CSV, Weights & Biases (offline) and MLflow (a local file store), each read back with its
 own library's reader and held to metrics.jsonl, the record; after a resume past rows a crash left, each step once.
-One run with all four loggers (wandb starts slowly) is shared by the module. No connection leaves the machine."""
+One run with all four loggers (wandb starts slowly) is shared by the module. A run that crashes is marked failed,
+one stopped by a signal killed, never finished. No connection leaves the machine."""
 
 import csv
 import io
 import json
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -16,10 +18,12 @@ from collections import defaultdict
 import pytest
 from PIL import Image
 
-from helpers import CORPUS, TINY, run_bad, tree
+from helpers import CORPUS, TINY, inject_nan_at, run_bad, tree
+from gptlab import checkpoint as ck
 from gptlab.cli import main
 from gptlab.config import TrainConfig
 from gptlab.errors import GptlabError
+from gptlab.model import GPT
 from gptlab.training import loggers
 
 # what a row's numbers are called in every logger: KIND/NAME, for these names (the issue's list, and tokens)
@@ -253,3 +257,54 @@ def test_mlflow_gets_its_file_store_allowed_and_telemetry_off_unless_the_user_se
     monkeypatch.setenv("MLFLOW_DISABLE_TELEMETRY", "false")  # the user's own choice is kept
     loggers.Mlflow.load()
     assert os.environ["MLFLOW_ALLOW_FILE_STORE"] == "true" and os.environ["MLFLOW_DISABLE_TELEMETRY"] == "false"
+
+
+# ---- how a run that stops short is marked ---------------------------------------------------------------------
+
+def stop_at(monkeypatch, step: int, how: str) -> None:
+    """Make training stop during the forward pass of `step` (1-based): "nan" a NaN loss (training's guard raises, a
+    crash), "sigint" SIGINT sent to this process (the graceful stop: the step ends, a checkpoint, then the stop),
+    "ctrl-c" a KeyboardInterrupt raised there (Ctrl-C where no graceful stop holds it)."""
+    if how == "nan":
+        inject_nan_at(monkeypatch, step)
+        return
+    forward, calls = GPT.forward, [0]
+
+    def stopping(self, idx, targets=None, **kwargs):
+        if self.training and targets is not None:
+            calls[0] += 1
+            if calls[0] == step and how == "sigint":
+                signal.raise_signal(signal.SIGINT)
+            elif calls[0] == step:
+                raise KeyboardInterrupt
+        return forward(self, idx, targets, **kwargs)
+
+    monkeypatch.setattr(GPT, "forward", stopping)
+
+
+def recorded_end(run) -> tuple[str, int]:
+    """How the run's end was recorded, each read by its own library: the MLflow run's status, and the exit code of
+    the exit record in W&B's offline run file."""
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=(run / "logs" / "mlruns").as_uri())
+    [found] = client.search_runs([e.experiment_id for e in client.search_experiments()])
+    ident = (run / "logs" / "wandb.id").read_text()
+    [folder] = (run / "logs" / "wandb" / "wandb").glob(f"offline-run-*-{ident}")
+    [exit_record] = [r["exit"] for r in wandb_records(folder / f"run-{ident}.wandb") if r["type"] == "exit"]
+    return found.info.status, exit_record["exit_code"]
+
+
+@pytest.mark.parametrize("how, code, status, exit_code", [
+    ("nan", 2, "FAILED", 1),  # a crash: gptlab's one error line, status 2
+    ("sigint", 130, "KILLED", 130),  # stopped by SIGINT: 128 + 2, as the process exits
+    ("ctrl-c", 130, "KILLED", 130),
+])
+def test_a_run_that_crashes_or_is_interrupted_is_marked_failed_or_killed_not_finished(
+        tmp_path, char_data, monkeypatch, capsys, offline, how, code, status, exit_code):
+    run = tmp_path / "run"
+    stop_at(monkeypatch, 3, how)
+    assert main(["train", "--data", str(char_data), "--run", str(run), "--max-steps", "6", *TINY,
+                 "--log", "wandb,mlflow"]) == code
+    assert recorded_end(run) == (status, exit_code)
+    assert (ck.find_checkpoint(run) is not None) == (how == "sigint")  # the graceful stop wrote its step's

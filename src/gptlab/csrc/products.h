@@ -81,8 +81,9 @@ struct QuantizedX {
     const float* scale;  // (R,): sx
 };
 
-// X (R, K) quantized into this thread's `scratch` buffers.
+// X (R, K) quantized into this thread's `scratch` buffers. One constant both quantizes x and scales the sums back.
 static QuantizedX quantize_x(const float* X, int R, int K, int KP) {
+    constexpr float X16 = 32767.0f;  // x's largest magnitude in 16 bits
     uint8_t* xq = scratch<uint8_t, 1>((int64_t)R * 2 * KP);
     float* xs = scratch<float, 2>(R);
     for (int r = 0; r < R; r++) {
@@ -93,8 +94,8 @@ static QuantizedX quantize_x(const float* X, int R, int K, int KP) {
             top = _mm512_max_ps(top, _mm512_abs_ps(_mm512_maskz_loadu_ps(m, x + k)));
         }
         float amax = _mm512_reduce_max_ps(top);
-        xs[r] = amax / 32767.0f;
-        const __m512 inv = _mm512_set1_ps(amax > 0.0f ? 32767.0f / amax : 0.0f);
+        xs[r] = amax / X16;
+        const __m512 inv = _mm512_set1_ps(amax > 0.0f ? X16 / amax : 0.0f);
         const __m512i offset = _mm512_set1_epi32(128);
         uint8_t* hi = xq + (int64_t)r * 2 * KP;
         uint8_t* lo = hi + KP;
@@ -184,15 +185,16 @@ static void gemv_vnni(const int8_t* W, const float* X, const float* s, const int
 // W stays row-major (the FMA product's layout): one row of W is read once for every row of x, in groups of four,
 // while it sits in L1. Each row of x is quantized alone, so a row's logits do not depend on the rows beside it.
 // X (R, K) quantized into this thread's `scratch` buffers: (R, 2, KP) bytes, each row's hi then its lo, and R
-// scales sx.
+// scales sx. One constant both quantizes x and scales the sums back.
 static const int8_t* quantize_x_sdot(const float* X, int R, int K, int KP, float* xs) {
+    constexpr float X15 = 16383.0f;  // x's largest magnitude in 15 bits
     int8_t* xq = scratch<int8_t, 3>((int64_t)R * 2 * KP);
     for (int r = 0; r < R; r++) {
         const float* x = X + (int64_t)r * K;
         float amax = 0.0f;
         for (int k = 0; k < K; k++) amax = fmaxf(amax, fabsf(x[k]));
-        xs[r] = amax / 16383.0f;
-        const float inv = amax > 0.0f ? 16383.0f / amax : 0.0f;
+        xs[r] = amax / X15;
+        const float inv = amax > 0.0f ? X15 / amax : 0.0f;
         int8_t* hi = xq + (int64_t)r * 2 * KP;
         int8_t* lo = hi + KP;
         for (int k = 0; k < KP; k++) {  // |x * inv| <= 16383, rounded to nearest even; the tail past K is 0

@@ -12,6 +12,7 @@ import json
 import netrc
 import os
 import secrets
+import signal
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -21,17 +22,31 @@ import torch
 
 from gptlab import rundir
 from gptlab.errors import GptlabError
+from gptlab.training.faults import Interrupted
 
 LOGS = "logs"  # RUN/logs: every logger's files
 # the numbers of a metrics.jsonl row each logger keeps, named KIND/NAME (train/loss, eval/val_loss)
 LOGGED = ("loss", "grad_norm", "lr", "tokens_per_s", "mfu", "tokens", "train_loss", "val_loss")
 SAMPLE_TOKENS = 64  # the sample logged at the end: this many tokens after the validation split's first
-ENDED = {True: "FINISHED", False: "KILLED"}  # an MLflow run's status when training ends, or stops short
 
 
 def scalars(row: dict[str, Any]) -> dict[str, float]:
     """The row's numbers among LOGGED as {"KIND/NAME": value}."""
     return {f"{row['kind']}/{name}": float(row[name]) for name in LOGGED if name in row}
+
+
+def ending(exc: BaseException | None) -> tuple[str, int]:
+    """How training ended, from the exception that ended it (None: none), as (MLflow's run status, the exit code
+    W&B records): ("FINISHED", 0); stopped by a signal (Interrupted, or Ctrl-C's KeyboardInterrupt) ("KILLED",
+    128 + its number, the status gptlab then exits with); anything else, a crash, ("FAILED", 1). W&B marks a run
+    failed for any exit code but 0."""
+    if exc is None:
+        return "FINISHED", 0
+    if isinstance(exc, Interrupted):
+        return "KILLED", exc.exit_code
+    if isinstance(exc, KeyboardInterrupt):
+        return "KILLED", 128 + signal.SIGINT
+    return "FAILED", 1
 
 
 def flat(config: dict[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -49,7 +64,8 @@ def flat(config: dict[str, Any], prefix: str = "") -> dict[str, Any]:
 
 class Logger:
     """One backend: `start` opens (or, when resume_step > 0, continues) its run, `log` takes each metrics.jsonl row,
-    `media` the loss curve's PNG and a sample, `finish` closes it (ok False: training stopped short)."""
+    `media` the loss curve's PNG and a sample, `finish` closes it (`exc`: the exception that stopped training, None
+    when it ran to its end; see `ending`)."""
 
     name = ""
     modules: tuple[str, ...] = ()  # imported before training starts: a missing one refuses the run
@@ -85,7 +101,7 @@ class Logger:
     def media(self, png: Path | None, sample: str | None, step: int) -> None:
         pass
 
-    def finish(self, ok: bool) -> None:
+    def finish(self, exc: BaseException | None) -> None:
         pass
 
 
@@ -131,7 +147,7 @@ class TensorBoard(Logger):
         if sample is not None:
             self.writer.add_text("sample", "```\n" + sample + "\n```", step)
 
-    def finish(self, ok: bool) -> None:
+    def finish(self, exc: BaseException | None) -> None:
         self.writer.close()
 
 
@@ -165,7 +181,7 @@ class Csv(Logger):
         self.writer.writerow({k: row[k] for k in self.columns if k in row})
         self.file.flush()
 
-    def finish(self, ok: bool) -> None:
+    def finish(self, exc: BaseException | None) -> None:
         self.file.close()
 
 
@@ -214,8 +230,8 @@ class Wandb(Logger):
         if sample is not None:
             self.run.summary["sample"] = sample
 
-    def finish(self, ok: bool) -> None:
-        self.run.finish(exit_code=0 if ok else 1)
+    def finish(self, exc: BaseException | None) -> None:
+        self.run.finish(exit_code=ending(exc)[1])
 
 
 class Mlflow(Logger):
@@ -267,8 +283,8 @@ class Mlflow(Logger):
         if sample is not None:
             self.client.log_text(self.ident, sample, "sample.txt")
 
-    def finish(self, ok: bool) -> None:
-        self.client.set_terminated(self.ident, ENDED[ok])
+    def finish(self, exc: BaseException | None) -> None:
+        self.client.set_terminated(self.ident, ending(exc)[0])
 
 
 BACKENDS: dict[str, type[Logger]] = {b.name: b for b in (TensorBoard, Csv, Wandb, Mlflow)}
@@ -297,7 +313,7 @@ class Loggers:
 
     def __exit__(self, kind: Any, exc: Any, tb: Any) -> None:
         for logger in self.loggers:
-            logger.finish(ok=exc is None)
+            logger.finish(exc)
 
 
 def open_loggers(names: list[str], run: Path, resume_step: int) -> Loggers:
@@ -310,9 +326,9 @@ def open_loggers(names: list[str], run: Path, resume_step: int) -> Loggers:
             logger = BACKENDS[name]()
             logger.start(run, config, resume_step)
             started.loggers.append(logger)
-    except BaseException:
+    except BaseException as exc:
         for logger in started.loggers:
-            logger.finish(ok=False)
+            logger.finish(exc)
         raise
     return started
 
