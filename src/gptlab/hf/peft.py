@@ -20,7 +20,7 @@ from safetensors.torch import load_file
 from gptlab import checkpoint as ck
 from gptlab import lora, rundir
 from gptlab.chat import grow_vocab
-from gptlab.config import TrainConfig, to_dict
+from gptlab.config import LORA_TARGETS, TrainConfig, to_dict
 from gptlab.errors import GptlabError
 from gptlab.hf.hf import (check_export_folder, check_import_folder, staged_folder, write_imported_run,
                          write_weights)
@@ -37,7 +37,19 @@ PEFT_TOKENS = "transformer.wte.token_adapter.trainable_tokens_delta"  # (despite
 _UNSUPPORTED = {"use_dora": False, "use_rslora": False, "modules_to_save": None, "layers_to_transform": None,
                "rank_pattern": {}, "alpha_pattern": {}, "lora_bias": False, "bias": "none",
                "target_parameters": None, "layer_replication": None,
-               "use_qalora": False, "exclude_modules": None}
+               "use_qalora": False, "exclude_modules": None, "megatron_config": None, "loftq_config": {},
+               "alora_invocation_tokens": None, "arrow_config": None, "use_bdlora": None, "velora_config": None,
+               "monteclora_config": None, "kasa_config": None}
+# LoraConfig's other settings: those read below, and those that leave the adapters' model plain LoRA (metadata; PEFT
+# sets fan_in_fan_out itself for GPT-2's Conv1D; layers_pattern is read only with layers_to_transform; an
+# initialisation's settings, its name being checked: _INITS)
+_READ = ("peft_type", "task_type", "r", "lora_alpha", "lora_dropout", "target_modules", "init_lora_weights",
+         "trainable_token_indices")
+_HARMLESS = ("auto_mapping", "peft_version", "base_model_name_or_path", "revision", "inference_mode", "fan_in_fan_out",
+             "layers_pattern", "megatron_core", "eva_config", "corda_config", "lora_ga_config", "qalora_group_size",
+             "runtime_config", "ensure_weight_tying")
+_INITS = (True, False, "gaussian", "eva", "orthogonal")  # PEFT's starts that leave the base as it was and train A, B
+_TASKS = (None, "CAUSAL_LM")  # adapters for GPT-2's language-model head (another task's model has other modules)
 
 
 def hub_name(folder: str | Path) -> str:
@@ -110,8 +122,7 @@ def read_adapter(folder: str | Path) -> tuple[lora.LoraSettings, dict[str, torch
         if config.get(key, plain) not in (plain, None, {}, False):
             raise GptlabError(f"{folder}: the adapter sets {key} = {config[key]!r}, which gptlab's LoRA does not "
                               "implement; only plain LoRA adapters import")
-    targets = config.get("target_modules")
-    targets = [targets] if isinstance(targets, str) else targets
+    targets = _plain_targets(config, folder)
     try:
         train = TrainConfig(init_from="-", lora_rank=int(config["r"]), lora_alpha=float(config["lora_alpha"]),
                             lora_dropout=float(config.get("lora_dropout") or 0.0), lora_targets=",".join(targets))
@@ -132,6 +143,26 @@ def read_adapter(folder: str | Path) -> tuple[lora.LoraSettings, dict[str, torch
     settings = lora.settings(train)
     assert settings is not None
     return settings, named
+
+
+def _plain_targets(config: dict[str, Any], folder: Path) -> list[str]:
+    """adapter_config.json's target_modules, a list of layers gptlab adapts, after its task and start are checked;
+    GptlabError naming the setting for another task, a start that changed the base's weights (PiSSA, OLoRA, CorDA,
+    LoftQ, LoRA-GA) or froze B (MiCA), a regular expression (what PEFT makes of a string) or a layer gptlab does not
+    adapt."""
+    def refuse(key: str, why: str = "") -> GptlabError:
+        return GptlabError(f"{folder}: the adapter sets {key} = {config[key]!r}{why}, which gptlab's LoRA does not "
+                           "implement; only plain LoRA adapters import")
+    if config.get("task_type") not in _TASKS:
+        raise refuse("task_type", " (a model other than GPT-2's language model)")
+    if config.get("init_lora_weights", True) not in _INITS:
+        raise refuse("init_lora_weights")
+    targets = config.get("target_modules")
+    if isinstance(targets, str):
+        raise refuse("target_modules", " (a regular expression over whole module names)")
+    if isinstance(targets, list) and any(t not in LORA_TARGETS for t in targets):
+        raise refuse("target_modules", f" (gptlab adapts {', '.join(LORA_TARGETS)})")
+    return targets
 
 
 def _token_indices(given: Any, folder: Path) -> list[int]:

@@ -124,3 +124,11 @@ def profile(lib: ctypes.CDLL) -> dict[str, float]:
 
 def reset_profile(lib: ctypes.CDLL) -> None:
     lib.gptlab_profile_reset()
+
+
+def tick_clock(lib: ctypes.CDLL, on: bool) -> None:
+    """The tests' clock for `profile`: with `on`, every reading of the engine's clock is one tick (counted as a
+    second) past the last, so each function's total is the number of its calls, exactly, as long as no timed
+    function runs inside another; off, the steady clock again."""
+    lib.gptlab_profile_ticking.argtypes, lib.gptlab_profile_ticking.restype = [ctypes.c_int], None
+    lib.gptlab_profile_ticking(int(on))
