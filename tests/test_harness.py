@@ -222,3 +222,26 @@ def test_the_harness_cache_hook_keeps_each_result_under_its_request(models, tmp_
     for kind, args in kinds.items():
         (result,) = getattr(ours, kind)(instances(kind, [args]))
         assert cache.dbdict[hash_args(kind, args)] == result
+
+
+def test_eval_lm_eval_seed_is_the_harness_few_shot_seed(models, task_folder, tmp_path, monkeypatch):
+    """`--seed` draws the few-shot examples of the harness's tasks too: it reaches simple_evaluate as
+    fewshot_random_seed (the seed of the harness's few-shot sampler), not only as its Python seed."""
+    from gptlab.cli import main
+
+    class Called(Exception):
+        pass
+
+    seen = {}
+
+    def simple_evaluate(**kwargs):
+        seen.update(kwargs)
+        raise Called
+
+    _, _, folder = models
+    assert main(["import", str(folder), "--run", str(tmp_path / "run")]) == 0
+    monkeypatch.setattr(lm_eval, "simple_evaluate", simple_evaluate)
+    with pytest.raises(Called):
+        main(["eval", "--run", str(tmp_path / "run"), "--lm-eval-include", str(task_folder), "--lm-eval-only-include",
+              "--lm-eval", "gptlab_fixture_choices", "--num-fewshot", "2", "--seed", "9"])
+    assert seen["fewshot_random_seed"] == 9 and seen["num_fewshot"] == 2

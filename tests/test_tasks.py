@@ -29,11 +29,12 @@ FIXTURES = {"hellaswag": MULTIPLE_CHOICE, "choices": MULTIPLE_CHOICE, "schema": 
 
 
 def fixture_text() -> str:
-    """Every string of the fixture files (a char vocabulary that covers them, with the few-shot delimiter)."""
+    """Every string of the fixture files (a char vocabulary that covers them, with the few-shot delimiter), HellaSwag
+    records as llm.c reads them too."""
     out = []
     for name in FIXTURES:
         for item in read_task(TASKS / f"{name}.jsonl"):
-            out += [*item.contexts, *item.continuations]
+            out += [*item.contexts, *item.continuations, *([item.llmc[0], *item.llmc[1]] if item.llmc else [])]
     return "\n\n".join(out) + " :."
 
 
@@ -173,7 +174,7 @@ def test_multiple_choice_measures_worked_by_hand():
     item = Item(MULTIPLE_CHOICE, ("ctx",), ("a", "bbbb", "cc"), 0, 1)
     rows = scored((-3.0, 1), (-4.0, 2), (-5.0, 4))
     assert judge(item, rows) == {"line": 1, "label": 0, "loglikelihoods": [-3.0, -4.0, -5.0], "acc": 1.0,
-                                 "acc_norm": 0.0, "acc_token_mean": 0.0}
+                                 "acc_norm": 0.0, "token_means": [-3.0, -2.0, -1.25], "acc_token_mean": 0.0}
     assert judge(Item(MULTIPLE_CHOICE, ("ctx",), ("a", "bbbb", "cc"), 1, 1), rows)["acc_norm"] == 1.0
     assert judge(Item(MULTIPLE_CHOICE, ("ctx",), ("a", "bbbb", "cc"), 2, 1), rows)["acc_token_mean"] == 1.0
     ties = Item(MULTIPLE_CHOICE, ("ctx",), ("xx", "yy"), 1, 1)  # equal everything: the first option wins
@@ -183,7 +184,8 @@ def test_multiple_choice_measures_worked_by_hand():
 def test_schema_and_language_modelling_measures_worked_by_hand():
     schema = Item(SCHEMA, ("first context", "second"), ("goes on",), 1, 3)
     assert judge(schema, scored((-6.0, 3), (-5.0, 2))) == {"line": 3, "label": 1, "loglikelihoods": [-6.0, -5.0],
-                                                           "acc": 1.0, "acc_token_mean": 0.0}  # -2 < -2.5
+                                                           "acc": 1.0, "token_means": [-2.0, -2.5],
+                                                           "acc_token_mean": 0.0}  # -2 > -2.5
     lm = Item(LANGUAGE_MODELLING, ("ctx",), ("word",), 0, 2)
     assert judge(lm, [Scored(-0.5, 1, True, False)])["acc"] == 1.0
     assert judge(lm, [Scored(-0.1, 1, False, False)])["acc"] == 0.0
@@ -256,6 +258,16 @@ def test_bytes_that_are_not_utf8_and_an_empty_file_are_refused(tmp_path):
     (tmp_path / "empty.jsonl").write_text("\n\n")
     with pytest.raises(GptlabError, match="empty.jsonl holds no task records"):
         read_task(tmp_path / "empty.jsonl")
+
+
+def test_a_task_file_starting_with_a_utf8_byte_order_mark_reads_as_without_it(tmp_path):
+    records = b'{"context": "a", "continuation": "b"}\r\n{"context": "c", "continuation": "d"}\r\n'
+    (tmp_path / "plain.jsonl").write_bytes(records)
+    (tmp_path / "bom.jsonl").write_bytes(b"\xef\xbb\xbf" + records)  # as Windows' Notepad saves UTF-8
+    assert read_task(tmp_path / "bom.jsonl") == read_task(tmp_path / "plain.jsonl")
+    (tmp_path / "bad.jsonl").write_bytes(b"\xef\xbb\xbf" + records + b'{"context": "caf\xe9"}\n')
+    with pytest.raises(GptlabError, match=r"bad.jsonl:3: not UTF-8 text \(byte 0xe9\)"):
+        read_task(tmp_path / "bad.jsonl")
 
 
 def test_a_char_model_meeting_unseen_characters_says_which_and_where():
@@ -356,3 +368,105 @@ def test_a_run_is_judged_while_a_training_holds_its_lock(task_run, capsys):
     out = capsys.readouterr().out
     assert "lambada.jsonl" in out and " acc " in out
     assert list((task_run / "evals").glob("lambada-*-limit2.json"))
+
+
+# ---- past the first batch, and the measures' own rules (issue: checks that cross every boundary) ------------------
+
+def test_the_bootstrap_interval_is_the_95_percent_one():
+    """200 values spread evenly over [0, 1]: the bootstrap distribution of their mean is normal to well within the
+    tolerance, so its 2.5th and 97.5th percentiles are the mean -/+ 1.95996 standard errors (the closed form, from
+    the normal quantile); the 5th and 95th (-/+ 1.64485) lie 0.31 standard errors inside, three tolerances away."""
+    from statistics import NormalDist
+
+    values = (np.arange(200) + 0.5) / 200
+    se = values.std() / math.sqrt(len(values))  # the resampled mean's spread: the population sd over sqrt(n)
+    z = NormalDist().inv_cdf(0.975)
+    low, high = bootstrap(values, resamples=20_000)  # Monte Carlo error of a 2.5 % point: about 0.02 se
+    assert abs(low - (0.5 - z * se)) <= 0.1 * se and abs(high - (0.5 + z * se)) <= 0.1 * se, (low, high, se)
+
+
+def test_acc_norm_divides_by_the_options_own_characters_as_the_harness_does(tmp_path):
+    """Options "a" and "bbb" with log-likelihoods -2 and -5: per character of the option itself "bbb" wins (-5/3 >
+    -2/1), but counting the space in front of each (the continuation scored) "a" would (-2/2 > -5/4). The harness's
+    own multiple-choice scoring (process_results of a task written here) on the same numbers agrees with gptlab's."""
+    from lm_eval.tasks import TaskManager
+
+    record = {"context": "Q:", "choices": ["a", "bbb"], "label": 1}
+    (tmp_path / "one.jsonl").write_text(json.dumps(record) + "\n")
+    (tmp_path / "one.yaml").write_text(
+        "task: one_item\ndataset_path: json\ndataset_kwargs:\n  data_files:\n"
+        f"    validation: {tmp_path / 'one.jsonl'}\nvalidation_split: validation\noutput_type: multiple_choice\n"
+        "doc_to_text: '{{context}}'\ndoc_to_choice: choices\ndoc_to_target: '{{label}}'\n"
+        "metric_list:\n  - metric: acc\n  - metric: acc_norm\n")
+    task = TaskManager(include_path=str(tmp_path), include_defaults=False).load(["one_item"])["tasks"]["one_item"]
+    theirs = task.process_results(record, [(-2.0, False), (-5.0, False)])
+    (item,) = read_task(tmp_path / "one.jsonl")
+    ours = judge(item, scored((-2.0, 1), (-5.0, 1)))
+    assert (ours["acc"], ours["acc_norm"]) == (theirs["acc"], theirs["acc_norm"]) == (0.0, 1.0)
+
+
+def test_the_cropped_count_counts_items_not_options_in_every_batch():
+    """With a 48-token char model: an item whose context of 60 loses its start for both options, one whose context
+    of 44 keeps all for " xx" (47 tokens) but not for " yyyyyyyy" (53), and short ones that keep all. Placed at 0,
+    35 and 36 of 40 items (35 and 36 past the first batch of 32): 3 items cropped (5 options)."""
+    tokenizer = CharTokenizer("abcxy ")
+    both, one, short = (Item(MULTIPLE_CHOICE, (c,), conts, 0, 1) for c, conts in [
+        ("a" * 60, ("xx", "yyy")), ("c" * 44, ("xx", "yyyyyyyy")), ("b" * 10, ("x", "y"))])
+    items = [short] * 40
+    items[0], items[35], items[36] = both, both, one
+    result = evaluate_items(moved_model(tokenizer.vocab_size), tokenizer, items)
+    assert result.items == 40 and result.cropped == 3
+
+
+def test_result_files_are_named_by_every_setting_that_changes_the_score(tmp_path):
+    """A k-shot result never replaces the 0-shot one, nor one of another seed or limit: each setting in the name
+    (the seed only where examples are drawn)."""
+    from gptlab.tasks.report import result_path
+
+    def name(shots, limit, seed):
+        return result_path(tmp_path, "tasks/t.jsonl", "ab" * 32, 5, "fp32", shots, limit, seed).name
+
+    settings = [(0, None, 1234), (3, None, 1234), (3, None, 7), (5, None, 7), (3, 40, 7), (0, 40, 1234)]
+    assert len({name(*s) for s in settings}) == len(settings)
+    assert name(0, None, 7) == name(0, None, 1234) == "t-abababab-step5-fp32.json"
+    assert name(3, 40, 7) == "t-abababab-step5-fp32-3shot-seed7-limit40.json"
+
+
+def test_fewshot_examples_are_the_right_answers_of_schema_items_whatever_their_label():
+    """A schema item's worked example is its right context (label 1 or 2, not the first) and the continuation; the
+    examples of an item past the first batch are other items' (drawn by the seeded rule), never its own."""
+    items = [Item(SCHEMA, tuple(f"ctx{i}-{j}" for j in range(3)), (f"goes on {i}.",), i % 3, i + 1) for i in range(40)]
+    assert items[4].worked_example() == "ctx4-1 goes on 4." and items[5].worked_example() == "ctx5-2 goes on 5."
+    for index in (31, 32, 33, 39):
+        drawn = random.Random(1234 * 1_000_003 + index).sample([j for j in range(40) if j != index], 3)
+        assert fewshot_prefix(items, index, 3, 1234) == "".join(items[j].worked_example() + "\n\n" for j in drawn)
+
+
+def test_hellaswag_records_keep_llm_c_context_and_raw_endings(tmp_path):
+    """llm.c reads a HellaSwag record's `ctx` and raw endings; a record without `ctx` gets HellaSwag's own rule for
+    it: ctx_a, then a space and ctx_b where ctx_b is not empty."""
+    base = {"activity_label": "Home", "endings": ["goes [title] on.", "stops."], "label": "1"}
+    records = [{**base, "ctx_a": "A man sits.", "ctx_b": "he", "ctx": "A man sits. he"},
+               {**base, "ctx_a": "A man sits.", "ctx_b": "he"}, {**base, "ctx_a": "[header] How to sit", "ctx_b": ""}]
+    (tmp_path / "h.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    items = read_task(tmp_path / "h.jsonl")
+    assert [item.llmc for item in items] == [("A man sits. he", ("goes [title] on.", "stops."))] * 2 + [
+        ("[header] How to sit", ("goes [title] on.", "stops."))]
+    assert items[0].contexts == ("Home: A man sits. He",) and items[0].continuations == ("goes. on.", "stops.")
+
+
+def test_fewshot_runs_on_every_kind_and_keeps_its_own_file(task_run, capsys):
+    """2-shot on every fixture kind (the schema fixture's labels are 1): each scored and saved beside, not over,
+    the 0-shot results."""
+    flags = ["eval", "--run", str(task_run), "--task", str(TASKS), "--precision", "fp32", "--limit", "6"]
+    assert main(flags) == 0 and main([*flags, "--num-fewshot", "2", "--seed", "3"]) == 0
+    capsys.readouterr()
+    zero = sorted((task_run / "evals").glob("*-fp32-limit6.json"))
+    two = sorted((task_run / "evals").glob("*-fp32-2shot-seed3-limit6.json"))
+    assert [p.name.split("-")[0] for p in zero] == [p.name.split("-")[0] for p in two] == FIXTURES_SORTED
+    assert {json.loads(p.read_text())["num_fewshot"] for p in zero} == {0}
+    assert {json.loads(p.read_text())["num_fewshot"] for p in two} == {2}
+    assert {r["label"] for r in json.loads(two[3].read_text())["per_item"]} == {1}  # schema's right contexts
+
+
+FIXTURES_SORTED = sorted(FIXTURES)

@@ -2,8 +2,10 @@
 with a bootstrap confidence interval.
 
 - multiple choice: `acc` (the option of highest log-likelihood), `acc_norm` as lm-evaluation-harness computes it
-  (log-likelihood divided by the option's length in characters) and `acc_token_mean` as llm.c reports it
-  (divided by its number of tokens);
+  (log-likelihood divided by the option's own length in characters, the delimiter not counted) and
+  `acc_token_mean`, llm.c's measure (the log-likelihood divided by the option's number of tokens). On HellaSwag's
+  records it is llm.c's HellaSwag evaluation item for item: llm.c's own rendering, the record's `ctx` (no activity
+  label, no cleaning) and each raw ending after a space, encoded apart; elsewhere the options as scored for `acc`;
 - schema: `acc` and `acc_token_mean` (the continuation is the same text for every context, so the harness's
   character norm changes nothing);
 - language modelling: `acc` (greedy decoding reproduces every continuation token).
@@ -48,8 +50,9 @@ class TaskScores:
 
 
 def fewshot_prefix(items: Sequence[Item], index: int, k: int, seed: int) -> str:
-    """K worked examples drawn from the other items of the file (never item `index` itself), seeded by `seed` and
-    the item's index so that a subset (--limit) gets the same examples; "" for k = 0."""
+    """K worked examples for item `index` of the whole file: `random.Random(seed * 1_000_003 + index)` samples k
+    of the other items' indices (never `index` itself), each item's worked example followed by the delimiter; so
+    an item gets the same examples whatever --limit and whichever batch it is scored in; "" for k = 0."""
     if k == 0:
         return ""
     if k >= len(items):
@@ -60,16 +63,23 @@ def fewshot_prefix(items: Sequence[Item], index: int, k: int, seed: int) -> str:
 
 
 def item_pairs(tokenizer: Tokenizer, item: Item, prefix: str, where: str) -> list[tuple[list[int], list[int]]]:
-    """Each option's (context ids, continuation ids), the few-shot prefix before its context."""
+    """Each option's (context ids, continuation ids), the few-shot prefix before its context; then, for a HellaSwag
+    record, each ending as llm.c renders it: the ids of its `ctx` (after the prefix), and those of " " + ending."""
     try:
-        return [encode_pair(tokenizer, prefix + context, continuation) for context, continuation in item.options]
+        pairs = [encode_pair(tokenizer, prefix + context, continuation) for context, continuation in item.options]
+        if item.llmc is not None:
+            ctx, endings = item.llmc
+            ctx_ids = tokenizer.encode(prefix + ctx, allow_special=True)
+            pairs += [(ctx_ids, tokenizer.encode(" " + ending, allow_special=True)) for ending in endings]
+        return pairs
     except GptlabError as exc:  # a char vocabulary meeting characters it has never seen: which ones, and where
         raise GptlabError(f"{where}: {exc}") from None
 
 
 def judge(item: Item, scored: list[Scored]) -> dict[str, float | int | bool | list[float]]:
-    """The item's measures from its options' scores (1.0 right, 0.0 wrong), with the log-likelihoods."""
-    lls = np.array([s.loglikelihood for s in scored])
+    """The item's measures from its options' scores (1.0 right, 0.0 wrong; item_pairs' order: a HellaSwag record's
+    llm.c renderings after its options), with the log-likelihoods and the per-token means acc_token_mean compares."""
+    lls = np.array([s.loglikelihood for s in scored[:len(item.options)]])
     out: dict[str, float | int | bool | list[float]] = {"line": item.line, "label": item.label,
                                                         "loglikelihoods": lls.tolist()}
     if item.kind == LANGUAGE_MODELLING:
@@ -79,8 +89,10 @@ def judge(item: Item, scored: list[Scored]) -> dict[str, float | int | bool | li
     if item.kind == MULTIPLE_CHOICE:
         chars = np.array([float(len(t)) for t in item.option_texts])
         out["acc_norm"] = float(int(np.argmax(lls / chars)) == item.label)
-    tokens = np.array([float(s.tokens) for s in scored])
-    out["acc_token_mean"] = float(int(np.argmax(lls / tokens)) == item.label)
+    per_token = scored[len(item.options):] or scored  # llm.c's rendering of a HellaSwag record, or the options
+    means = np.array([s.loglikelihood / s.tokens for s in per_token])
+    out["token_means"] = means.tolist()
+    out["acc_token_mean"] = float(int(np.argmax(means)) == item.label)
     return out
 
 
