@@ -129,3 +129,30 @@ def test_the_headline_divides_ours_by_theirs_and_shares_by_the_floor():
     assert headline(ours + theirs, ["fp32", "int8"], sizes) == (
         "headline: batch-1 decode vs transformers' generate: fp32 3.00x; int8 1.50x the fp32 step at 45% of its floor")
     assert headline(ours, ["fp32"], sizes) == "headline: batch-1 decode at fp32 75% of the bandwidth floor"
+
+
+def test_bench_generates_skip_flags_and_quality_prompts_reach_the_bench(monkeypatch):
+    """`--no-uncached`, `--no-transformers` and `--quality-prompts N` as the bench's arguments (their defaults: True,
+    True, 8); the bench itself (bench_model) leaves those rows out when told."""
+    import gptlab.bench.generate as generate
+    from gptlab.cli import main
+
+    seen = []
+    monkeypatch.setattr(generate, "run_generate", lambda **kw: seen.append(kw) or [])
+    assert main(["bench", "generate", "--no-uncached", "--no-transformers", "--quality", "runs/r",
+                 "--quality-prompts", "3"]) == 0
+    assert main(["bench", "generate"]) == 0
+    assert [(kw["uncached"], kw["with_transformers"], kw["quality_prompts"]) for kw in seen] == [(False, False, 3),
+                                                                                                 (True, True, 8)]
+    results = bench_model(tiny_config(block_size=32), torch.device("cpu"), ["fp32"], [1], prompt_tokens=5,
+                          new_tokens=3, bandwidth_mb=16, uncached=False, with_transformers=False)
+    assert not {r.engine for r in results} & {"gptlab, no cache", "transformers generate"}
+
+
+def test_quality_prompts_sets_how_many_validation_windows_are_compared(tmp_path):
+    from helpers import TINY, tiny_run
+    from gptlab.bench.quality import int8_quality
+
+    run = tiny_run(tmp_path, 2, TINY)
+    lines = int8_quality(str(run), prompts=3, prompt_tokens=4, new_tokens=2)
+    assert any("/3 validation prompts agree" in line for line in lines), lines

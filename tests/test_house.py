@@ -1,4 +1,4 @@
-"""The house rules of DESIGN.md, checked over the whole package and the README:
+"""The house rules of docs/design.md, checked over the whole package and the README:
 
 - no measured figure (a time, a rate, a share, a speed-up, a loss value, a before -> after history, an issue number)
   in src/ or README.md outside a link to docs/benchmarks.md: figures live in docs/benchmarks.md only, with their
@@ -261,3 +261,12 @@ def test_an_import_of_conftest_or_of_a_test_file_is_found(tmp_path):
     (tmp_path / "test_b.py").write_text("def f():\n    from test_a import x\n    import test_c as t\n"
                                         "code = 'import test_b'  # a string is no import\n")
     assert shared_imports(tmp_path) == ["test_a.py:3 conftest", "test_b.py:2 test_a", "test_b.py:3 test_c"]
+
+
+# ---- the design is written down ----------------------------------------------------------------------------------
+
+def test_the_design_is_written_in_the_repository_and_names_every_package():
+    design = (ROOT / "docs" / "design.md").read_text(encoding="utf-8")
+    packages = sorted(p.name for p in PACKAGE.iterdir() if (p / "__init__.py").is_file())
+    assert packages and [p for p in packages if f"`{p}/`" not in design] == []
+    assert "tests/boundaries.toml" in design and "## Boundaries" in design
