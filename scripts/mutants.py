@@ -105,11 +105,11 @@ MODULES = {
     "native": _m("inference/native machine", "test_machine test_fused test_compiled test_kernel_mutants"),
     "quality": _m("bench/quality", "test_int8"),
     "tasks": _m("tasks/items tasks/score tasks/measure tasks/report tasks/harness cli/task_verbs",
-                "test_tasks test_harness"),
+                "test_tasks test_harness test_tasks_vs_harness"),
     "reference": _m("reference/model reference/optim reference/native reference/train reference/check compiled",
-                    "test_reference test_reference_cli test_reference_mutants test_compiled"),
+                    "test_reference test_reference_cli test_reference_mutants test_compiled test_reference_edges"),
     # issue 26: LoRA adapters and PEFT's format
-    "lora": _m("lora hf/peft", "test_lora test_lora_chat test_chunked_loss "
+    "lora": _m("lora hf/peft", "test_lora test_lora_chat test_lora_edges test_chunked_loss "
                "test_distributed::test_lora_adapters_train_in_two_processes_like_in_one"),
     "loggers": _m("training/loggers", "test_loggers"),
     # issue 27: conversations, the chat template, rows and lessons of conversations, the markers' rows under LoRA
