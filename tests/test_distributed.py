@@ -337,6 +337,6 @@ def test_an_elastic_restart_resumes_from_the_last_checkpoint(tmp_path, monkeypat
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")  # what torchrun sets when it restarts the workers
     assert main([*argv, "--max-steps=8"]) == 0
     out = capsys.readouterr().out
-    assert "run run: 8 steps" in out
+    assert "run run: 3 steps (5 to 8) in " in out  # this process's steps: the restart continued from step 5
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows if r["kind"] == "train"] == list(range(1, 9))  # continued, not restarted

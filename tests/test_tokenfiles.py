@@ -306,14 +306,18 @@ def test_a_checkpoint_is_kept_only_when_it_records_units_done(tmp_path, units, k
 
 @pytest.mark.parametrize("complete, said", [(0, "0 complete shards and"), (1, "1 complete shard and"),
                                             (2, "2 complete shards and")])
-def test_a_kept_checkpoint_says_how_many_complete_shards_it_keeps(tmp_path, caplog, complete, said):
-    with pytest.raises(Stop), Staging(tmp_path / "out", "fp") as s:
+@pytest.mark.parametrize("stop", [Stop, OSError], ids=["ctrl-c", "error"])
+def test_a_kept_checkpoint_says_how_many_complete_shards_it_keeps(tmp_path, caplog, complete, said, stop):
+    """In Ctrl-C's own message (the CLI prints it as its one line), or after any other failure in a warning."""
+    with pytest.raises(stop) as stopped, Staging(tmp_path / "out", "fp") as s:
         writer = ShardWriter(s.path, "train", 300, 2)
         writer.write(np.arange(2 * complete + 1))
         s.checkpoint(4, [writer, ShardWriter(s.path, "val", 300, 2)])
         writer.abandon()
-        raise Stop()
-    assert f"keeps {said} the checkpoint; run the same command again to continue from there" in caplog.text
+        raise stop()
+    kept = f"keeps {said} the checkpoint; run the same command again to continue from there"
+    assert kept in (str(stopped.value) if stop is Stop else caplog.text)
+    assert kept not in (caplog.text if stop is Stop else str(stopped.value))
 
 
 def test_an_output_folder_that_cannot_be_made_is_one_error_and_deep_new_ones_are_made(tmp_path):
