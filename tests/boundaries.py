@@ -55,18 +55,23 @@ def constants(src: Path = SRC) -> set[str]:
     return found
 
 
-def flags(parser: argparse.ArgumentParser) -> set[str]:
-    """Every --flag of `parser` and of its verbs and their subcommands (flags added on first use too)."""
-    found = set()
+def verbs(parser: argparse.ArgumentParser, path: tuple[str, ...] = ()):
+    """(path, parser) of every verb and subcommand under `parser` ("bench", "chat"), depth first, each with its
+    flags added (common.Verbs adds them on first use)."""
     for action in parser._actions:
         if isinstance(action, argparse._SubParsersAction):
             for name, sub in action.choices.items():
                 add = getattr(action, "pending", {}).pop(name, None)
                 if add is not None:
                     add(sub)
-                found |= flags(sub)
-        found |= {o for o in action.option_strings if o.startswith("--") and o not in ("--help", "--version")}
-    return found
+                yield (*path, name), sub
+                yield from verbs(sub, (*path, name))
+
+
+def flags(parser: argparse.ArgumentParser) -> set[str]:
+    """Every --flag of `parser` and of its verbs and their subcommands (flags added on first use too)."""
+    return {o for p in [parser, *(sub for _, sub in verbs(parser))] for action in p._actions
+            for o in action.option_strings if o.startswith("--") and o not in ("--help", "--version")}
 
 
 def api_fields(src: Path = SRC) -> set[str]:

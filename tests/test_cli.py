@@ -115,22 +115,12 @@ for argv in {argvs!r}:
 print("no torch")
 """
 # serve's and bench chat's flags take their defaults from the modules that run them, which import torch
-def every_verb(parser=None, path=()) -> list[str]:
+def every_verb() -> list[str]:
     """Every verb and subcommand of `gptlab` ("train", "bench chat", "inspect lens"), from its parser."""
-    import argparse
-
+    from boundaries import verbs
     from gptlab.cli import make_parser
 
-    parser = parser or make_parser()
-    out = []
-    for action in parser._actions:
-        if isinstance(action, argparse._SubParsersAction):
-            for name, sub in action.choices.items():
-                add = getattr(action, "pending", {}).pop(name, None)
-                if add is not None:
-                    add(sub)
-                out += [" ".join((*path, name)), *every_verb(sub, (*path, name))]
-    return out
+    return [" ".join(path) for path, _ in verbs(make_parser())]
 
 
 HELPED = every_verb()
