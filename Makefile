@@ -21,8 +21,10 @@ run: $(STAMP)
 	$(BIN)/gptlab train
 	$(BIN)/gptlab sample --max-new-tokens 500
 
+# one pytest-xdist worker per core (at most 4), a test file's tests in one worker (its module fixtures built once);
+# tests/conftest.py gives each worker its share of the cores' threads
 test: $(STAMP) browser
-	$(BIN)/python -m pytest --durations=15
+	$(BIN)/python -m pytest -n auto --maxprocesses 4 --dist loadfile --durations=15
 
 # Debian packages some tests use, installed when missing and we are root with apt-get (otherwise those tests skip and
 # the summary says so): chromium, which the attention page's and the playground's tests drive with Playwright (pip's

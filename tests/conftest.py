@@ -49,8 +49,14 @@ def pytest_configure(config):
     the device_path marker is declared (see the summary at the end of this file)."""
     config.addinivalue_line("markers", "device_path(name): the device path a test exercises (default: cpu), "
                                        "named in the summary at the end")
-    config.stash[_kernels] = (os.environ.get("GPTLAB_KERNELS"), tempfile.mkdtemp(prefix="gptlab-kernels-"))
-    os.environ["GPTLAB_KERNELS"] = config.stash[_kernels][1]
+    shared = os.environ.get("GPTLAB_TEST_KERNELS") if os.environ.get("PYTEST_XDIST_WORKER") else None
+    if shared:  # a pytest-xdist worker: the controller's folder (builds are published atomically, so workers share)
+        config.stash[_kernels] = (None, None)
+        os.environ["GPTLAB_KERNELS"] = shared
+        _share_the_cores(int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
+    else:
+        config.stash[_kernels] = (os.environ.get("GPTLAB_KERNELS"), tempfile.mkdtemp(prefix="gptlab-kernels-"))
+        os.environ["GPTLAB_KERNELS"] = os.environ["GPTLAB_TEST_KERNELS"] = config.stash[_kernels][1]
     # CLI subprocesses import the gptlab these tests import: a mutation tool's or a planted bug's copy of src/, not
     # the editable install's src/ (what is imported first wins, and PYTHONPATH comes before site-packages)
     src = str(Path(gptlab.__file__).resolve().parents[1])
@@ -58,8 +64,22 @@ def pytest_configure(config):
     os.environ["PYTHONPATH"] = os.pathsep.join([src, *others])
 
 
+def _share_the_cores(workers: int) -> None:
+    """`make test` runs the suite in pytest-xdist workers, one per core: each worker, and the CLI subprocesses its
+    tests start (OMP_NUM_THREADS, which gptlab.runtime.set_threads keeps), takes its share of the cores, not all of
+    them (two workers of two threads each on two cores wait on each other's spinning threads)."""
+    from gptlab.machine import usable_cores
+
+    threads = max(1, usable_cores() // max(1, workers))
+    os.environ.setdefault("OMP_NUM_THREADS", str(threads))
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+
+
 def pytest_unconfigure(config):
     before, kernels = config.stash[_kernels]
+    if kernels is None:  # a worker: the controller removes the folder
+        return
+    os.environ.pop("GPTLAB_TEST_KERNELS", None)
     shutil.rmtree(kernels, ignore_errors=True)
     if before is None:
         os.environ.pop("GPTLAB_KERNELS", None)
@@ -158,12 +178,12 @@ def pytest_terminal_summary(terminalreporter):
 
 @pytest.fixture(scope="session")
 def reference_engine():
-    """The naive C++ engine (gptlab.reference.native), built. Skips only where there is no C++ compiler; on a machine
+    """The naive C++ engine (gptlab.reference.library), built. Skips only where there is no C++ compiler; on a machine
     with one, an engine that fails to build fails every test that uses it (compiled.BuildError, with the compiler's
     message)."""
-    from gptlab.reference import native
+    from gptlab.reference import library
 
-    reason = native.missing()
+    reason = library.missing()
     if reason is not None:
         pytest.skip(reason)
-    return native.load_library()
+    return library.load_library()

@@ -19,16 +19,11 @@ VNNI's and sdot's of 4 and 3). The builds besides this CPU's own (built as users
 optimizer changes an exact product, and -O0 compiles in seconds.
 """
 
-import shutil
-import struct
-import subprocess
-from pathlib import Path
-
 import numpy as np
 import pytest
 import torch
+from arm_driver import CROSS, MISSING, QEMU, cross_build, run_driver
 
-from gptlab import compiled
 from gptlab.config import ModelConfig
 from gptlab.inference import native
 from gptlab.inference.fused import FusedDecoder
@@ -41,8 +36,6 @@ TOLERANCE = 1e-6  # of the largest output; a constant slipped by one moves every
 X_MAX = {"fma": 32767, "vnni": 32767, "sdot": 16383}  # x's largest magnitude: the constant each product quantizes by
 O0 = ("-O0", *native.FLAGS[1:])
 OTHER_X86 = ["x86-64-v4", "x86-64-v3", "plain"]  # +vnni and +bf16 add no int8 code but VNNI's: the CPU's own build's
-CROSS, QEMU = shutil.which("aarch64-linux-gnu-g++"), shutil.which("qemu-aarch64")
-DRIVER = Path(__file__).parent / "native" / "drive_decode.cpp"
 ARM = [("armv8-a", "cortex-a53", "fma"), ("armv8.2-a+dotprod", "max", "sdot")]  # build, qemu's CPU, product
 
 
@@ -156,49 +149,13 @@ def test_each_native_builds_int8_product_is_exact(native_build, build, product, 
 
 # ---- the ARM builds, under qemu (as tests/test_arm.py runs them) ------------------------------------------------
 
-def drive_input(model: GPT, ids: torch.Tensor) -> bytes:
-    """tests/native/drive_decode.cpp's input for int8 `model` (its FMA layout: q, scales, sums as they are) and ids
-    (steps, R)."""
-    c, t = model.config, model.transformer
-
-    def array(x: torch.Tensor | None) -> bytes:
-        data = b"" if x is None else x.detach().contiguous().numpy().tobytes()
-        return struct.pack("<q", len(data)) + data
-
-    parts = [b"GPTLABDRIVE1", struct.pack("<11if", c.n_layer, c.n_head, c.head_dim, c.n_embd, c.vocab_size,
-                                          c.block_size, native.WEIGHTS["int8 fma"], 0, ids.shape[1], ids.shape[0], 0,
-                                          c.layer_norm_eps)]
-    head = model.lm_head
-    parts += [array(t.wte.weight), array(t.wpe.weight), array(head.q), array(t.ln_f.weight), array(t.ln_f.bias),
-              array(head.scale), array(head.sums)]
-    for block in t.h:
-        mats = (block.attn.c_attn, block.attn.c_proj, block.mlp.c_fc, block.mlp.c_proj)
-        vectors = (block.ln_1.weight, block.ln_1.bias, mats[0].bias, mats[1].bias, block.ln_2.weight,
-                   block.ln_2.bias, mats[2].bias, mats[3].bias)
-        parts += [array(m.q) for m in mats] + [array(v) for v in vectors]
-        parts += [array(m.scale) for m in mats] + [array(m.sums) for m in mats]
-    return b"".join(parts + [ids.to(torch.int64).contiguous().numpy().tobytes()])
-
-
-def cross_build(build: str, folder: Path) -> Path:
-    """drive_decode.cpp with the kernel of ARM build `build` compiled in, -O0, static, for qemu-user."""
-    folder.mkdir(parents=True, exist_ok=True)
-    for source in (DRIVER, native.SOURCE):
-        shutil.copy(source, folder / source.name)
-    flags = [f for f in (*O0, *native.BUILDS[build].target) if f not in ("-shared", "-fPIC")]
-    done = subprocess.run([CROSS, *flags, "-static", "-I", str(compiled.INCLUDE), str(folder / DRIVER.name), "-o",
-                           str(folder / "drive")], capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, f"the {build} build failed to compile:\n{done.stderr[-3000:]}"
-    return folder / "drive"
-
-
 @pytest.fixture(scope="module")
 def arm_driver(tmp_path_factory):
     """build -> its driver, cross-compiled when first asked for; skips without the cross compiler or qemu-user."""
     if CROSS is None or QEMU is None:
-        pytest.skip("no aarch64-linux-gnu-g++ or qemu-aarch64 (Debian's g++-aarch64-linux-gnu and qemu-user)")
+        pytest.skip(MISSING)
     folder, drivers = tmp_path_factory.mktemp("arm-exact"), {}
-    return lambda build: drivers.get(build) or drivers.setdefault(build, cross_build(build, folder / build))
+    return lambda build: drivers.get(build) or drivers.setdefault(build, cross_build(build, folder / build, "-O0"))
 
 
 @pytest.mark.device_path("arm64 under qemu")
@@ -207,10 +164,6 @@ def test_each_arm_builds_int8_product_is_exact(arm_driver, build, cpu, product, 
     got = {}
     for (C, V, n_head), rows in [(width, rows) for width in WIDTHS for rows in ROWS]:
         model, want = exact_case(C, V, n_head, X_MAX[product])
-        (tmp_path / "in.bin").write_bytes(drive_input(model, torch.randint(0, V, (1, rows))))  # one step
-        done = subprocess.run([QEMU, "-cpu", cpu, str(arm_driver(build)), str(tmp_path / "in.bin"),
-                               str(tmp_path / "out.bin")], capture_output=True, text=True, timeout=120)
-        assert done.returncode == 0, done.stderr[-2000:]
-        logits = torch.frombuffer(bytearray((tmp_path / "out.bin").read_bytes()), dtype=torch.float32).view(-1, V)
+        logits = run_driver(arm_driver(build), cpu, model, torch.randint(0, V, (1, rows)), tmp_path)[0]  # one step
         got[f"width {C}, {rows} rows"] = error(logits, want["head"])
     assert max(got.values()) <= TOLERANCE, f"{build} ({product}) under -cpu {cpu}: {got}"
