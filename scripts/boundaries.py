@@ -17,7 +17,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 
-from boundaries import constants, listing, mentions, settings, test_functions  # noqa: E402
+from boundaries import constants, listing, mentions, settings, functions_of_tests  # noqa: E402
 
 
 REFUSALS = ("refus", "bad", "error", "one_line", "one_clear_line", "invalid", "damaged", "sweep", "spellings")
@@ -41,7 +41,7 @@ def main() -> int:
     parser.add_argument("--all", action="store_true", help="draft every key, listed or not")
     args = parser.parse_args()
     listed = listing()
-    tests = test_functions()
+    tests = functions_of_tests()
     for kind, found in (("constant", constants()), ("setting", settings())):
         for key in sorted(found if args.all else found - set(listed[kind])):
             nodes = draft(key, tests)

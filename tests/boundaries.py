@@ -96,7 +96,7 @@ def listing(path: Path = LISTING) -> dict[str, dict[str, dict]]:
     return {kind: data.get(kind, {}) for kind in ("constant", "setting", "edge")}
 
 
-def test_functions(root: Path = ROOT) -> dict[str, str]:
+def functions_of_tests(root: Path = ROOT) -> dict[str, str]:
     """Every test function's node id (FILE::NAME) -> its source, with its decorators, the module-level
     assignments of the names they use (a parametrize list such as CASES) and the module's own functions it calls."""
     out = {}

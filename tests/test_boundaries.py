@@ -7,10 +7,10 @@ import argparse
 
 import pytest
 
-from boundaries import api_fields, constants, flags, listing, mentions, settings, test_functions
+from boundaries import api_fields, constants, flags, listing, mentions, settings, functions_of_tests
 
 LISTED = listing()
-TESTS = test_functions()
+TESTS = functions_of_tests()
 
 
 def test_every_constant_has_an_entry_and_every_entry_a_constant():
@@ -38,6 +38,8 @@ def test_each_entry_names_tests_that_exist_and_name_it_or_says_why_it_is_no_edge
             "only a constant may be no edge, with its reason and no tests"
         return
     assert entry.get("tests"), f"{key}: name the tests that cross or vary it"
+    if kind == "setting":  # what the tests run it at and what they hold the result to (or that it is only refused)
+        assert entry.get("varies", "").strip(), f"{key}: say in `varies` the value its tests use and what they compare"
     for node in entry["tests"]:
         assert node in TESTS, f"{key}: no test {node}"
         if kind != "edge":
