@@ -14,7 +14,8 @@ Score = (killed + timeout) / (generated - message - equivalent), per module:
 - message: a mutant whose only change is a string literal inside a message call (an exception built with it, print,
   warnings.warn, a logger's or parser's error/warning/info/debug): found by comparing each mutant's AST with the
   original function's, marked skipped before mutmut runs, so never run;
-- equivalent: the reviewed equivalent survivors listed in docs/equivalent-mutants.toml, each with its reason;
+- equivalent: the reviewed equivalent survivors listed in docs/equivalent-mutants.toml, each with its reason, found by
+  the code they change (scripts/mutants_ledger.py), not by mutmut's positional names;
 - "no tests" (no selected test calls the function) counts against the score, as a survivor does.
 Functions that only a CLI subprocess reaches: mutmut 3 maps tests to functions by the calls it records in the pytest
 process; scripts/mutmut_hooks records the calls a subprocess makes too (tests/conftest.py already puts the mutated
@@ -27,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import ast
-import difflib
 import hashlib
 import json
 import os
@@ -40,14 +40,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parents[1]  # this repository: the hooks and the equivalents list live here
+sys.path.insert(0, str(HERE / "scripts"))  # mutants_ledger.py, beside this file
+from mutants_ledger import changed_lines, find, functions, load_equivalents, module_of, only_message_changed
 # -11 / -6: the tests' process died of SIGSEGV / SIGABRT (a mutant that passes a bad pointer to C++): the suite fails
 STATUS = {1: "killed", 3: "killed", -11: "killed", -6: "killed", 36: "timeout", 24: "timeout", -24: "timeout", 152: "timeout", 255: "timeout",
           0: "survived", 5: "no tests", 33: "no tests", 34: "message", 35: "not sampled",
           None: "not checked"}  # the rest: "other"
 COLUMNS = ["generated", "message", "equivalent", "killed", "timeout", "survived", "no tests", "other", "not checked",
            "not sampled"]
-MESSAGE_CALLS = {"print", "warn", "error", "warning", "info", "debug", "exception", "critical", "fail", "exit"}
-MESSAGE_SUFFIXES = ("Error", "Exception", "Exit", "Warning")
 LINKED = ["src", "tests", "README.md", "docs", "scripts", "Makefile"]  # what a module's folder sees of the repo
 
 
@@ -106,18 +106,19 @@ MODULES = {
     "quality": _m("bench/quality", "test_int8"),
     "tasks": _m("tasks/items tasks/score tasks/measure tasks/report tasks/harness cli/task_verbs",
                 "test_tasks test_harness test_tasks_vs_harness"),
-    "reference": _m("reference/model reference/optim reference/native reference/train reference/check compiled",
+    "reference": _m("reference/naive_gpt reference/naive_adamw reference/library reference/naive_training reference/check "
+                    "compiled",
                     "test_reference test_reference_cli test_reference_mutants test_compiled test_reference_edges"),
     # issue 26: LoRA adapters and PEFT's format
     "lora": _m("lora hf/peft", "test_lora test_lora_chat test_lora_edges test_chunked_loss "
                "test_distributed::test_lora_adapters_train_in_two_processes_like_in_one"),
-    "loggers": _m("training/loggers", "test_loggers"),
+    "loggers": _m("training/loggers", "test_loggers test_loggers_edges"),
     # issue 27: conversations, the chat template, rows and lessons of conversations, the markers' rows under LoRA
-    "chat": _m("chat data/conversations", "test_conversations test_lora_chat"),
+    "chat": _m("chat data/conversations", "test_conversations test_lora_chat test_chat_edges"),
     "chat.tokenizer": _m("tokenizer", "test_tokenizer test_conversations"),
     "chat.cli": _m("cli/chat_verbs", "test_chat_cli test_serve_chat::"
                    "test_the_openai_client_s_answers_equal_gptlab_chat_s_with_the_same_seed_and_settings"),
-    "bench.chat": _m("bench/chat", "test_bench_chat"),
+    "bench.chat": _m("bench/chat_finetune", "test_bench_chat"),
     "chat.training": _m("data/batches training/step",
                         "test_conversations test_data test_train "
                         "test_distributed::test_conversations_train_in_two_processes_like_in_one"),
@@ -184,90 +185,6 @@ def metas(folder: Path, module: Module) -> list[tuple[Path, Path]]:
         if (mutated.parent / (mutated.name + ".meta")).exists():
             found.append((mutated, mutated.parent / (mutated.name + ".meta")))
     return found
-
-
-def functions(tree: ast.Module) -> dict[str, ast.FunctionDef]:
-    """Every function at module level and in classes, by the name mutmut gives it."""
-    found = {}
-    for node in tree.body:
-        for item in [node, *(node.body if isinstance(node, ast.ClassDef) else [])]:
-            if isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef)):
-                found[item.name] = item
-    return found
-
-
-def _differences(a, b, parents: tuple) -> list[tuple[object, tuple]]:
-    """The smallest nodes (with their ancestors) where ASTs `a` and `b` differ."""
-    if type(a) is not type(b):
-        return [(a, parents)]
-    if isinstance(a, ast.AST):
-        out = []
-        for field in a._fields:
-            out += _differences(getattr(a, field), getattr(b, field), (*parents, a))
-        return out
-    if isinstance(a, list):
-        if len(a) != len(b):
-            return [(a, parents)]
-        return [d for x, y in zip(a, b) for d in _differences(x, y, parents)]
-    return [] if a == b else [(a, parents)]
-
-
-def _call_name(call: ast.Call) -> str:
-    func = call.func
-    return func.id if isinstance(func, ast.Name) else func.attr if isinstance(func, ast.Attribute) else ""
-
-
-def _is_message_call(node) -> bool:
-    if not isinstance(node, ast.Call):
-        return False
-    name = _call_name(node)
-    return name in MESSAGE_CALLS or name.endswith(MESSAGE_SUFFIXES)
-
-
-def _message_argument(call: ast.Call):
-    """The message of a message call: its first positional argument that is not a number (ApiError(400, message,
-    param) has a status first)."""
-    return next((a for a in call.args if not (isinstance(a, ast.Constant) and isinstance(a.value, (int, float)))),
-                None)
-
-
-def _is_message_text(node: ast.Constant, parents: tuple) -> bool:
-    """Whether string `node` is literal text of the innermost message call's message: the message itself, or a
-    literal part of it as an f-string or a sum (not inside a call or an expression that builds the message)."""
-    for i in range(len(parents) - 1, -1, -1):
-        if _is_message_call(parents[i]):
-            path = [*parents[i + 1:], node]
-            between = all(isinstance(p, (ast.JoinedStr, ast.BinOp)) for p in path[:-1])
-            return path[0] is _message_argument(parents[i]) and between
-    return False
-
-
-def only_message_changed(original: ast.FunctionDef, mutant: ast.FunctionDef) -> bool:
-    """Whether `mutant` differs from `original` only in the literal text of messages (see _is_message_text)."""
-    diffs = _differences(original.body, mutant.body, ())
-    if not diffs:
-        return False
-    for value, parents in diffs:
-        if isinstance(value, str) and parents and isinstance(parents[-1], ast.Constant):
-            node, parents = parents[-1], parents[:-1]  # the text of a string changed (or it became None)
-        elif isinstance(value, ast.Constant) and isinstance(value.value, str):
-            node = value  # a string replaced by another node
-        else:
-            return False
-        if not _is_message_text(node, parents):
-            return False
-    return True
-
-
-def changed_lines(source: str | list[str], original: ast.FunctionDef, mutant: ast.FunctionDef) -> list[str]:
-    """The mutant's lines that differ from the original function's (stripped), to show and to check a listing.
-    `source` may be given as its lines (a module's thousand mutants then split it once, not once each)."""
-    real = original.name.rpartition("__mutmut_")[0].rpartition("ǁ")[2].removeprefix("x_")  # the name in src/
-    lines = source.splitlines() if isinstance(source, str) else source
-    old = "\n".join(lines[original.lineno - 1:original.end_lineno]).replace(original.name, real, 1).splitlines()
-    new = "\n".join(lines[mutant.lineno - 1:mutant.end_lineno]).replace(mutant.name, real, 1).splitlines()
-    return [line[1:].strip() for line in difflib.unified_diff(old, new, lineterm="", n=0)
-            if line.startswith("+") and not line.startswith("+++")]
 
 
 def mark_messages(folder: Path, module: Module) -> int:
@@ -379,43 +296,33 @@ def run_module(root: Path, name: str, module: Module, children: int, fresh: bool
     return subprocess.run([str(mutmut), "run", "--max-children", str(children)], cwd=folder, env=env).returncode
 
 
-def load_equivalents(path: Path) -> dict[str, dict]:
-    """docs/equivalent-mutants.toml: [[equivalent]] tables with mutant, line (the mutated line) and reason."""
-    if not path.exists():
-        return {}
-    entries = tomllib.loads(path.read_text(encoding="utf-8")).get("equivalent", [])
-    listed: dict[str, dict] = {}
-    for entry in entries:
-        missing = {"mutant", "line", "reason"} - set(entry)
-        if missing:
-            raise SystemExit(f"mutants: {path}: an entry lacks {', '.join(sorted(missing))}: {entry}")
-        if entry["mutant"] in listed:  # the later one would silently replace the earlier: keep one, edit it
-            raise SystemExit(f"mutants: {path}: {entry['mutant']} is listed twice; keep one entry")
-        listed[entry["mutant"]] = entry
-    return listed
-
-
-def tally(folder: Path, module: Module, equivalents: dict[str, dict]) -> tuple[dict[str, int], list[str]]:
-    """(counts per column, lines describing survivors and stale listings) for one module's kept results."""
+def tally(folder: Path, module: Module, listed: dict[str, list]) -> tuple[dict[str, int], list[str]]:
+    """(counts per column, lines describing survivors and stale listings) for one module's kept results. A survivor
+    that makes a listed mutation (mutants_ledger.find) counts as equivalent; a listed mutation of the module's
+    sources that a run mutant makes but does not survive, or that no mutant makes, is stale."""
     counts = dict.fromkeys(COLUMNS, 0)
-    notes = []
+    notes, made, modules = [], set(), set()
     for mutated, meta in metas(folder, module):
+        modules.add(module_of(mutated.relative_to(folder / "mutants").as_posix()))
         source = mutated.read_text(encoding="utf-8")
         funcs, source_lines = functions(ast.parse(source)), source.splitlines()
         for key, code in json.loads(meta.read_text())["exit_code_by_key"].items():
             status = STATUS.get(code, "other")
             name = key.rpartition(".")[2]
             original = funcs.get(name.rpartition("__mutmut_")[0] + "__mutmut_orig")
-            lines = changed_lines(source_lines, original, funcs[name]) if original and name in funcs else []
-            listed = equivalents.get(key)
-            if listed and status == "survived" and listed["line"].strip() in lines:
+            mutation = find(listed, key, original, funcs.get(name))
+            made.add(mutation)
+            if mutation and status == "survived":
                 status = "equivalent"
-            elif listed and status not in ("not sampled", "not checked"):  # run, and killed, or its line moved
-                notes.append(f"  stale listing {key} ({status}; listed line {listed['line']!r}, now {lines})")
+            elif mutation and status not in ("not sampled", "not checked"):  # run, and killed
+                notes.append(f"  stale listing {mutation} ({status}: {key})")
             if status in ("survived", "no tests", "other"):
+                lines = changed_lines(source_lines, original, funcs[name]) if original and name in funcs else []
                 notes.append(f"  {status:<9} {key}: {' | '.join(lines) or '(a deletion)'}")
             counts["generated"] += 1
             counts[status] += 1
+    notes += [f"  stale listing {m} (no mutant makes this change now)" for function, mutations in listed.items()
+              if function.partition(":")[0] in modules for m in mutations if m not in made]
     return counts, notes
 
 

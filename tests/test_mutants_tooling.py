@@ -1,9 +1,11 @@
 """scripts/mutants.py (make mutants): which mutants it filters as message-only, the folder config it gives mutmut,
-and its refusal of an unknown module. Pure and fast; mutmut itself is not run here."""
+its refusal of an unknown module, and how the equivalents ledger finds a listed mutant by the code it changes
+(scripts/mutants_ledger.py). Pure and fast; mutmut runs no test here (one test has it write its mutants)."""
 
 import ast
 import json
 import importlib.util
+import subprocess
 import sys
 import tomllib
 from pathlib import Path
@@ -14,6 +16,7 @@ ROOT = Path(__file__).resolve().parents[1]
 _spec = importlib.util.spec_from_file_location("mutants_script", ROOT / "scripts" / "mutants.py")
 mutants = sys.modules["mutants_script"] = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(mutants)
+mutants_ledger = sys.modules["mutants_ledger"]  # what scripts/mutants.py imports from beside it
 
 
 def _pair(original: str, mutant: str) -> tuple[ast.FunctionDef, ast.FunctionDef]:
@@ -58,7 +61,7 @@ def test_anything_else_is_kept(original, mutant):
     assert not mutants.only_message_changed(*_pair(original, mutant))
 
 
-def test_the_changed_line_is_what_the_equivalents_list_names():
+def test_a_survivors_changed_line_is_what_the_report_shows():
     source = ("def x_f__mutmut_orig(a):\n    b = a + 1\n    return b\n\n"
               "def x_f__mutmut_1(a):\n    b = a - 1\n    return b\n")
     funcs = mutants.functions(ast.parse(source))
@@ -94,15 +97,146 @@ def test_an_unknown_module_is_refused_in_one_line(capsys):
 
 def test_the_equivalents_list_parses_and_each_entry_has_a_reason():
     listed = mutants.load_equivalents(ROOT / "docs" / "equivalent-mutants.toml")
-    assert all(entry["reason"].strip() for entry in listed.values())
+    assert listed and all(m.reason.strip() for mutations in listed.values() for m in mutations)
 
 
-def test_a_mutant_listed_twice_is_refused_naming_it(tmp_path):
-    entry = '[[equivalent]]\nmutant = "gptlab.x.x_f__mutmut_{}"\nline = "x = 1"\nreason = "{}"\n\n'
+def _ledger(tmp_path, *mutations: tuple[str, str, str], reason: str = "the same") -> Path:
     path = tmp_path / "equivalents.toml"
-    path.write_text(entry.format(1, "first") + entry.format(2, "other") + entry.format(1, "second"))
-    with pytest.raises(SystemExit, match=r"gptlab\.x\.x_f__mutmut_1 is listed twice"):
+    items = "".join(f'[[equivalent.mutation]]\nfunction = "{f}"\noriginal = "{o}"\nmutated = "{m}"\n'
+                    for f, o, m in mutations)
+    path.write_text(f'[[equivalent]]\nreason = "{reason}"\n{items}')
+    return path
+
+
+def test_a_mutation_listed_twice_is_refused_naming_it(tmp_path):
+    path = _ledger(tmp_path, ("gptlab.x:f", "y = g(a, b=1)", "y = g(a)"), ("gptlab.x:f", "y = g(a, b=2)", "y = g(a)"),
+                   ("gptlab.x:f", "y = g(a,\\n      b=1)  # the same code, another layout", "y = g(a, )"))
+    with pytest.raises(SystemExit, match=r"gptlab\.x:f: 'y = g\(a,.*is listed twice"):
         mutants.load_equivalents(path)
+
+
+@pytest.mark.parametrize("code", ["if k <= 0 or k > n:", "elif k:", "except (KeyError, ValueError) as e:",
+                                  "def f(a, b='x') -> int:", "for i in range(n - 1):", "with open(p) as f:",
+                                  "return x + 1", "x[i] = (a +\n   b)", "a +\n b", "{'step': ([P, P], i)}"])
+def test_a_listed_code_is_a_statement_an_expression_or_a_header(code):
+    assert mutants_ledger.code_shape(code)
+
+
+# a mutmut-made file (mutmut 3 writes each function's original and its mutants beside it, by these names): pick's
+# mutant 2 drops sorted's key=None, its default (an equivalent mutant)
+PLANTED = '''
+class Box:
+    def xǁBoxǁpick__mutmut_orig(self, items):
+        total = len(items)
+        order = sorted(items, key=None)
+        return order[:total]
+
+    def xǁBoxǁpick__mutmut_1(self, items):
+        total = len(items)
+        order = sorted(items, key=None)
+        return order[:total + 1]
+
+    def xǁBoxǁpick__mutmut_2(self, items):
+        total = len(items)
+        order = sorted(items)
+        return order[:total]
+'''
+# the same class reformatted, pick moved below a new method, and a statement added before the listed one: the
+# listed mutant is now pick's mutant 3
+MOVED = '''
+class Box:
+    def xǁBoxǁsize__mutmut_orig(self):
+        return 1
+
+    def xǁBoxǁpick__mutmut_orig(self, items):
+        if not items: return []
+        total = len(
+            items)  # every item
+        order = sorted(
+            items,
+            key=None,
+        )
+        return order[:total]
+
+    def xǁBoxǁpick__mutmut_1(self, items):
+        if items: return []
+        total = len(items)
+        order = sorted(items, key=None)
+        return order[:total]
+
+    def xǁBoxǁpick__mutmut_2(self, items):
+        if not items: return []
+        total = len(items)
+        order = sorted(items, key=None)
+        return order[:total + 1]
+
+    def xǁBoxǁpick__mutmut_3(self, items):
+        if not items: return []
+        total = len(items)
+        order = sorted(items)
+        return order[:total]
+'''
+
+
+def _tally(tmp_path, source: str, survivors: list[int]):
+    """scripts/mutants.py's counts and notes for a planted module gptlab.x whose pick mutants `survivors` survived
+    (the others were killed)."""
+    module = mutants.Module(("src/gptlab/x.py",), ())
+    mutated = tmp_path / "mutants" / "src" / "gptlab" / "x.py"
+    mutated.parent.mkdir(parents=True, exist_ok=True)
+    mutated.write_text(source, encoding="utf-8")
+    names = [n for n in mutants.functions(ast.parse(source)) if not n.endswith("_orig")]
+    codes = {f"gptlab.x.{n}": 0 if int(n.rpartition("_")[2]) in survivors else 1 for n in names}
+    mutated.with_name("x.py.meta").write_text(json.dumps({"exit_code_by_key": codes}))
+    listed = mutants.load_equivalents(_ledger(tmp_path, ("gptlab.x:Box.pick", "order = sorted(items, key=None)",
+                                                         "order = sorted(items)")))
+    return mutants.tally(tmp_path, module, listed)
+
+
+def test_a_listed_mutation_is_found_by_its_code_after_a_reformat_a_move_and_an_edit_elsewhere(tmp_path):
+    counts, notes = _tally(tmp_path, PLANTED, survivors=[2])
+    assert (counts["equivalent"], counts["survived"], notes) == (1, 0, [])
+    counts, notes = _tally(tmp_path, MOVED, survivors=[3])
+    assert (counts["equivalent"], counts["survived"], notes) == (1, 0, [])
+    counts, notes = _tally(tmp_path, MOVED, survivors=[2, 3])  # another survivor is not taken for it
+    assert (counts["equivalent"], counts["survived"]) == (1, 1) and "x.xǁBoxǁpick__mutmut_2" in notes[0]
+
+
+def test_a_listed_mutation_whose_code_changed_is_reported_stale_and_not_counted(tmp_path):
+    edited = PLANTED.replace("sorted(items, key=None)", "sorted(items, key=None, reverse=True)").replace(
+        "sorted(items)", "sorted(items, reverse=True)")
+    counts, notes = _tally(tmp_path, edited, survivors=[2])
+    assert (counts["equivalent"], counts["survived"]) == (0, 1)
+    assert "  stale listing gptlab.x:Box.pick: 'order = sorted(items, key=None)' -> 'order = sorted(items)' " \
+           "(no mutant makes this change now)" in notes
+    counts, notes = _tally(tmp_path, PLANTED, survivors=[])  # found, but killed: the review was wrong, or is stale
+    assert counts["equivalent"] == 0 and any("stale listing gptlab.x:Box.pick" in n and "(killed: " in n
+                                              for n in notes)
+
+
+def test_mutmuts_own_mutants_of_a_reformatted_and_edited_function_still_match(tmp_path):
+    """As above, with the files mutmut writes: the module formatted by ruff (its calls spread one argument a line)
+    and a statement added before the listed one, so mutmut numbers the listed mutant differently."""
+    pytest.importorskip("ruff", reason="ruff formats the module (pip install -e '.[test]')")
+    file_mutation = pytest.importorskip("mutmut.mutation.file_mutation", reason="pip install -e '.[mutants]'")
+    source = "def pick(items, n=2):\n    total = len(items)\n    order = sorted(items, key=None)\n    return order[:n]\n"
+    listed = mutants.load_equivalents(_ledger(tmp_path, ("gptlab.x:pick", "order = sorted(items, key=None)",
+                                                         "order = sorted(items, )")))
+
+    def matching(text: str) -> list[str]:
+        mutated = file_mutation.mutate_file_contents("src/gptlab/x.py", text)
+        funcs = mutants.functions(ast.parse(mutated.code))
+        return [n for n in mutated.mutant_names if mutants_ledger.find(
+            listed, f"gptlab.x.{n}", funcs["x_pick__mutmut_orig"], funcs[n])]
+
+    assert matching(source) == ["x_pick__mutmut_6"]
+    edited = tmp_path / "x.py"
+    edited.write_text(source.replace("    total", "    items = list(items)\n    total").replace(
+        "sorted(items, key=None)", "sorted(items, key=None)  # a note"))
+    subprocess.run([sys.executable, "-m", "ruff", "format", "-q", "--line-length", "20", str(edited)], check=True)
+    assert "key=None,\n" in edited.read_text()  # one argument a line
+    assert matching(edited.read_text()) == ["x_pick__mutmut_8"]  # the new line's 2 mutants come first
+    assert matching(source.replace("key=None)", "key=None, reverse=True)")) == []
 
 
 def test_a_sample_runs_n_mutants_drawn_by_seed_and_leaves_the_rest_out_of_the_score(tmp_path):
