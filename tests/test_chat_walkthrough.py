@@ -1,8 +1,8 @@
-"""The README's chat walk-through, run as written on a small file in the same format (SmolTalk's everyday
-conversations: OpenAI messages plus a topic field) over a tiny random GPT-2 instead of the real one: its commands are
-read from the README's code block, and only the steps and batch shrink (flags appended, which win) so that it takes
-seconds. What it must show: each command succeeds, the run is a LoRA run on the imported GPT-2 whose tokenizer has
-the chat template, and `gptlab chat` answers a turn."""
+"""The chat walk-through of docs/guides/07-fine-tuning-and-chat.md, run as written on a small file in the same
+format (SmolTalk's everyday conversations: OpenAI messages plus a topic field) over a tiny random GPT-2 instead of the
+real one: its commands are read from the guide's code block, and only the steps and batch shrink (flags appended,
+which win) so that it takes seconds. What it must show: each command succeeds, the run is a LoRA run on the imported
+GPT-2 whose tokenizer has the chat template, and `gptlab chat` answers a turn."""
 
 import re
 import shlex
@@ -26,10 +26,10 @@ SHRINK = {"train": ["--max-steps", "2", "--batch-size", "2", "--block-size", "12
 
 
 def walkthrough_commands() -> list[list[str]]:
-    """The gptlab commands of the README's walk-through block, continuation lines joined."""
-    readme = (ROOT / "README.md").read_text(encoding="utf-8")
-    start = readme.index("**A walk-through on real data.**")
-    block = readme[readme.index("```bash", start) + 7:readme.index("```", readme.index("```bash", start) + 7)]
+    """The gptlab commands of the chat guide's walk-through block, continuation lines joined."""
+    guide = (ROOT / "docs" / "guides" / "07-fine-tuning-and-chat.md").read_text(encoding="utf-8")
+    start = guide.index("### A walk-through on real data")
+    block = guide[guide.index("```bash", start) + 7:guide.index("```", guide.index("```bash", start) + 7)]
     commands = []
     for line in block.replace("\\\n", " ").splitlines():
         for part in line.split("&&"):

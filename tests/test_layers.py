@@ -1,7 +1,7 @@
 """The house's walls: data flows one way through the modules (no module imports one that imports it back, lazy
 imports inside functions included); each stage's package imports only the stages before it and is imported only by
 the later ones that use it; model.py is the architecture alone; the core never reaches into the bench wing, the CLI
-or the Hugging Face bridge; and the README's map of the modules is the tree's."""
+or the Hugging Face bridge; and the map of the modules in docs/design.md is the tree's."""
 
 import ast
 import re
@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "src" / "gptlab"
-HF_USERS = {"cli.verbs", "runs"}  # --init-from and import / export are the only ways into hf/ (hf, hf_tokenizer)
+HF_USERS = {"cli.verbs", "runs"}  # --init-from and import / export are the only ways into hf/ (gpt2_folders, hf_tokenizer)
 STAGES = ("data", "training", "distributed", "hf")  # packages that are a stage's modules side by side: a bare __init__
 
 # A room is a top-level module or a package with everything inside it. What each of these packages may import
@@ -104,12 +104,13 @@ def test_the_modules_import_one_way():
 
 
 def test_model_py_is_the_architecture_alone():
-    allowed = {"torch", "gptlab.config", "__future__"} | set(sys.stdlib_module_names)
-    for name in imports_of(PACKAGE / "model.py"):
-        top = name.split(".")[0]
-        assert top in allowed or name == "gptlab.config" or name.startswith("gptlab.config."), \
-            f"model.py imports {name}"
-        assert not name.startswith("gptlab.") or name.startswith("gptlab.config"), f"model.py imports {name}"
+    """model.py imports torch, the standard library, config.py and ops.py (the two operations it is built from);
+    ops.py imports torch and the standard library alone."""
+    outside = {"torch", "__future__"} | set(sys.stdlib_module_names)
+    for module, own in (("model.py", ("gptlab.config", "gptlab.ops")), ("ops.py", ())):
+        for name in imports_of(PACKAGE / module):
+            ours = any(name == o or name.startswith(f"{o}.") for o in own)
+            assert ours or name.split(".")[0] in outside, f"{module} imports {name}"
 
 
 def test_the_core_never_imports_the_bench_wing_the_cli_or_hf():
@@ -130,7 +131,7 @@ def test_the_stage_walls_are_seen_when_broken():
     the loop importing it, inference importing the engine above it, anyone but the CLI importing serve/."""
     edges = graph()
     for name, dep in [("data.prepare", "model"), ("evaluate", "training.train"), ("inference.fused", "engine"),
-                      ("runs", "serve.app"), ("checkpoint", "distributed.fsdp"), ("sampling", "hf.hf")]:
+                      ("runs", "serve.app"), ("checkpoint", "distributed.fsdp"), ("sampling", "hf.gpt2_folders")]:
         broken = {**edges, name: edges[name] | {dep}}
         assert any(b.startswith(f"{name} imports {dep}:") for b in breaches(broken)), (name, dep)
 
@@ -155,27 +156,27 @@ def test_every_package_says_what_it_is_and_a_stages_package_imports_nothing():
 
 def test_the_checker_sees_lazy_imports(tmp_path):
     """The walls above are only as good as the import reader: it must see imports inside functions."""
-    (tmp_path / "m.py").write_text("def f():\n    from gptlab.bench import peak\n    import gptlab.cli\n")
-    assert {"gptlab.bench", "gptlab.bench.peak", "gptlab.cli"} <= imports_of(tmp_path / "m.py")
+    (tmp_path / "m.py").write_text("def f():\n    from gptlab.bench import device_peak\n    import gptlab.cli\n")
+    assert {"gptlab.bench", "gptlab.bench.device_peak", "gptlab.cli"} <= imports_of(tmp_path / "m.py")
 
 
-def readme_map() -> list[tuple[str, str]]:
-    """The README's module table: (what each row names, `name.py` or `name/`; the whole row), in order."""
-    readme = (PACKAGE.parents[1] / "README.md").read_text()
-    table = readme[readme.index("| module | what it does |"):].split("\n\n")[0]
+def design_map() -> list[tuple[str, str]]:
+    """docs/design.md's module table: (what each row names, `name.py` or `name/`; the whole row), in order."""
+    design = (PACKAGE.parents[1] / "docs" / "design.md").read_text(encoding="utf-8")
+    table = design[design.index("| module | what it does |"):].split("\n\n")[0]
     return [(line.split("`")[1], line) for line in table.splitlines()[2:]]
 
 
-def test_the_readme_map_is_the_tree():
+def test_the_design_map_is_the_tree():
     """One row per top-level module (`name.py`) and one per package (`name/`), nothing else; a package's row names
     each module in it (`name.py`) and no other."""
-    named = [name for name, _ in readme_map()]
+    named = [name for name, _ in design_map()]
     modules = {p.name for p in PACKAGE.glob("*.py") if p.stem not in ("__init__", "__main__")}
     packages = {f"{p.name}/" for p in PACKAGE.iterdir() if (p / "__init__.py").is_file()}
     assert len(named) == len(set(named)), f"rows named twice: {sorted(n for n in named if named.count(n) > 1)}"
     tree = modules | packages
     assert set(named) == tree, f"not in the map: {sorted(tree - set(named))}; not in the tree: {sorted(set(named) - tree)}"
-    for name, row in readme_map():
+    for name, row in design_map():
         if name.endswith("/"):
             inside = {p.relative_to(PACKAGE / name).as_posix() for p in (PACKAGE / name).rglob("*.py")} - {"__init__.py"}
             listed = set(re.findall(r"`([\w/]+\.py)`", row))
@@ -183,13 +184,13 @@ def test_the_readme_map_is_the_tree():
                 f"{sorted(inside - listed)}"
 
 
-def test_the_readme_map_lists_every_module_in_an_order_the_imports_follow():
-    """The README's module table is the pipeline's map: every module is in it, and each imports only rows above
+def test_the_design_map_lists_every_module_in_an_order_the_imports_follow():
+    """docs/design.md's module table is the pipeline's map: every module is in it, and each imports only rows above
     its own (a package's modules share its row and may import each other)."""
-    rows = [name.removesuffix(".py").rstrip("/") for name, _ in readme_map()]
+    rows = [name.removesuffix(".py").rstrip("/") for name, _ in design_map()]
     row_of = {name: (name.split(".")[0] if name.split(".")[0] in rows else name) for name in graph()}
     missing = sorted(n for n, row in row_of.items() if row not in rows and n not in ("__init__", "__main__"))
-    assert not missing, f"modules missing from the README's map: {missing}"
+    assert not missing, f"modules missing from docs/design.md's map: {missing}"
     for name, deps in graph().items():
         if name in ("__init__", "__main__"):
             continue

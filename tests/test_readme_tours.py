@@ -1,8 +1,8 @@
-"""The README's tour of the verbs, its chat lines run as written (issue 41: `--context 256` with char-quick, whose rows
+"""The README's ten-line tour, its chat lines run as written (issue 41: `--context 256` with char-quick, whose rows
 hold 64 ids, had every conversation refused). The commands are read from the README's tour block: first the two
 that leave the run `make run` leaves (`gptlab prepare`, `gptlab train`), then the three chat lines on a small
 chats.jsonl in Tiny Shakespeare's characters; only the steps shrink (flags appended, which win) so that it takes
-seconds."""
+seconds. The chat guide shows the same three lines, word for word."""
 
 import json
 import shlex
@@ -24,11 +24,15 @@ CHATS = [[{"role": "user", "content": "Who art thou, good friend?"}, {"role": "a
 # each exchange fits in char-quick's 64 ids, a whole conversation does not: it is cut before its second question
 
 
-def tour_commands() -> list[list[str]]:
-    """The gptlab commands of the README's tour block, in order, comments dropped."""
-    readme = (ROOT / "README.md").read_text(encoding="utf-8")
-    start = readme.index("```bash", readme.index("## A tour of the verbs")) + len("```bash")
-    block = readme[start:readme.index("```", start)]
+CHAT_GUIDE = ROOT / "docs" / "guides" / "07-fine-tuning-and-chat.md"
+
+
+def tour_commands(path: Path = ROOT / "README.md", after: str = "## A ten-line tour") -> list[list[str]]:
+    """The gptlab commands of the first bash block after `after` in `path` (the README's tour), in order, comments
+    dropped."""
+    text = path.read_text(encoding="utf-8")
+    start = text.index("```bash", text.index(after)) + len("```bash")
+    block = text[start:text.index("```", start)]
     commands = [shlex.split(line, comments=True) for line in block.splitlines()]
     return [words[1:] for words in commands if words and words[0] == "gptlab"]
 
@@ -49,3 +53,9 @@ def test_the_tour_s_chat_lines_run_as_written_on_the_run_make_run_leaves(tmp_pat
                           input="Who art thou?\n", timeout=300)  # a terminal's stdin: piped
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "you> Who art thou?" in proc.stdout and "assistant>" in proc.stdout
+
+
+def test_the_chat_guide_shows_the_tour_s_chat_lines_word_for_word():
+    tour = tour_commands()
+    at = next(i for i, argv in enumerate(tour) if argv[:2] == ["prepare", "--chat"])
+    assert tour_commands(CHAT_GUIDE, "On the model `make run` leaves") == tour[at:at + 3]
