@@ -2,14 +2,15 @@
 process, so both see the same moments of the machine (a fair ratio on a loaded machine, where absolute figures are
 not). Each side is a build name (gptlab.inference.native.BUILDS, built for this CPU), a decode.cpp file (built with
 -O3 -march=native, as kernels were built before they named their targets), or FILE@BUILD (that file, with the headers
-beside it if any, for a named build: an older source against today's for the same target).
+beside it (simd.h, products.h: copy them too), for a named build: an older source against today's for the same target).
 
     .venv/bin/python scripts/kernel_ab.py A B [--rounds N] [--threads T]
     .venv/bin/python scripts/kernel_ab.py x86-64-v3 x86-64-v4+vnni+bf16 --threads 1
     git show 0c43430:src/gptlab/inference/csrc/decode.cpp > /tmp/old.cpp
     .venv/bin/python scripts/kernel_ab.py /tmp/old.cpp x86-64-v4+vnni+bf16 --threads 1
     mkdir /tmp/v && git show HEAD~1:src/gptlab/inference/csrc/decode.cpp > /tmp/v/decode.cpp \
-        && git show HEAD~1:src/gptlab/csrc/simd.h > /tmp/v/simd.h
+        && git show HEAD~1:src/gptlab/inference/csrc/simd.h > /tmp/v/simd.h \
+        && git show HEAD~1:src/gptlab/inference/csrc/products.h > /tmp/v/products.h
     .venv/bin/python scripts/kernel_ab.py /tmp/v/decode.cpp@x86-64-v3 x86-64-v3 --threads 1
 
 Prints, per precision (fp32, bf16, int8) and batch (1, 8 rows at 144 cached positions), the median step of each
@@ -30,20 +31,21 @@ import torch
 from gptlab import compiled
 from gptlab.bench.generate import GEN_MODELS
 from gptlab.config import ModelConfig, build
-from gptlab.inference import fused, native, prepare_for_inference
+from gptlab.inference import fused, native
+from gptlab.inference.loading import prepare_for_inference
 from gptlab.model import GPT
 
 
 def kernel(side: str, folder: Path) -> ctypes.CDLL:
     if side in native.BUILDS:
         return native.build_library(build=side)
-    if "@" in side:  # FILE@BUILD: that source (with the headers beside it, else gptlab/csrc's) for a named build
+    if "@" in side:  # FILE@BUILD: that source (with simd.h and products.h beside it) for a named build
         source, build = side.rsplit("@", 1)
         (folder / side.replace("/", "_")).mkdir()
         return native.build_library(Path(source), folder / side.replace("/", "_"), build)
     target = folder / f"{Path(side).stem}.so"
     subprocess.run(["g++", "-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17", "-I",
-                    str(compiled.INCLUDE), side, "-o", str(target)], check=True)
+                    str(compiled.INCLUDE), "-I", str(native.SOURCE.parent), side, "-o", str(target)], check=True)
     lib = ctypes.CDLL(str(target))
     native.check_layout(lib, side)
     lib.gptlab_decode_step.argtypes = [ctypes.POINTER(native.Model), ctypes.POINTER(native.Step)]

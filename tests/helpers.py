@@ -16,7 +16,8 @@ import torch.nn as nn
 
 from gptlab.cli import main
 from gptlab.config import ModelConfig, SampleConfig
-from gptlab.inference import native, prepare_for_inference
+from gptlab.inference import native
+from gptlab.inference.loading import prepare_for_inference
 from gptlab.inference.fused import FusedDecoder, fused_decoder
 from gptlab.inference.int8 import quantize_model
 from gptlab.model import GPT

@@ -17,9 +17,9 @@ import torch.utils.checkpoint
 
 from helpers import CORPUS, tiny_config
 from gptlab import checkpoint as ck
-from gptlab.bench import peak
+from gptlab.bench import device_peak
 from gptlab.bench.memory import saved_bytes
-from gptlab.bench.train import checkpointing_variants, run_train_bench
+from gptlab.bench.train_speed import checkpointing_variants, run_train_bench
 from gptlab.cli import main
 from gptlab.config import ModelConfig, TrainConfig
 from gptlab.model import GPT
@@ -271,7 +271,7 @@ def test_a_model_or_engine_without_blocks_to_recompute_refuses_it_in_one_line(ar
 def test_bench_train_compares_memory_and_time_without_and_with_it(char_data, monkeypatch, capsys):
     """The tiny bench: each variant's memory measured in a fresh process, then timed side by side; the table ends
     with the ratios (no timing is asserted)."""
-    monkeypatch.setattr(peak, "measure_peak", lambda device, quick: Peak(1e10, "test", bf16=2e10))
+    monkeypatch.setattr(device_peak, "measure_peak", lambda device, quick: Peak(1e10, "test", bf16=2e10))
     model = tiny_config(vocab_size=0, dropout=0.1, n_layer=3)
     cfg = TrainConfig(batch_size=4, lr=3e-3, warmup_steps=1, device="cpu")
     variants = checkpointing_variants(CPU)

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from helpers import tiny_config
-from gptlab.bench import matmul, peak, timing
-from gptlab.bench.train import Variant, attention_variants, run_train_bench, train_variants
+from gptlab.bench import device_peak, matmul, timing
+from gptlab.bench.train_speed import Variant, attention_variants, run_train_bench, train_variants
 from gptlab.cli import BENCHES, main
 from gptlab.config import TrainConfig
 from gptlab.peak import Peak, read_peak
@@ -52,14 +52,14 @@ def test_the_load_counts_other_processes_time_not_this_ones(monkeypatch):
 def test_a_peak_measured_on_a_busy_machine_is_printed_but_not_cached(monkeypatch, capsys):
     cpu = torch.device("cpu")
     fake_machine(monkeypatch, others=1.5)
-    busy = peak.run_peak(device="cpu", quick=True)
+    busy = device_peak.run_peak(device="cpu", quick=True)
     out = capsys.readouterr().out
     assert busy.fp32 > 0 and "fp32 matmul" in out and read_peak(cpu) is None
     assert "warning: measured while other work was running (1.50 CPUs of other work): not cached" in out
-    assert peak.cached_peak(cpu, quick=True) and read_peak(cpu) is None  # training's first measurement, too
+    assert device_peak.cached_peak(cpu, quick=True) and read_peak(cpu) is None  # training's first measurement, too
     assert "not cached" in capsys.readouterr().out
     fake_machine(monkeypatch, others=0.0)
-    quiet = peak.run_peak(device="cpu", quick=True)
+    quiet = device_peak.run_peak(device="cpu", quick=True)
     out = capsys.readouterr().out
     assert "warning" not in out and "other processes used 0.00 CPUs" in out
     assert read_peak(cpu).fp32 == quiet.fp32 and read_peak(cpu).load.startswith("machine load: ")
@@ -67,23 +67,23 @@ def test_a_peak_measured_on_a_busy_machine_is_printed_but_not_cached(monkeypatch
 
 def test_peak_is_measured_once_then_read_from_the_cache(monkeypatch, quiet_machine):
     device = torch.device("cpu")
-    measured = peak.measure_peak(device, quick=True)
+    measured = device_peak.measure_peak(device, quick=True)
     assert measured.fp32 > 1e8 and measured.read_bytes_per_s > 1e8
     assert (measured.bf16 is not None) == bf16_supported(device) and measured.tf32 is None
     calls = []
-    monkeypatch.setattr(peak, "measure_peak", lambda device, quick: calls.append(device) or
+    monkeypatch.setattr(device_peak, "measure_peak", lambda device, quick: calls.append(device) or
                         dataclasses.replace(measured, fp32=123.0))
     assert read_peak(device) is None
-    assert peak.cached_peak(device).fp32 == 123.0 and read_peak(device).fp32 == 123.0
-    assert peak.cached_peak(device).fp32 == 123.0 and len(calls) == 1
-    peak.cached_peak(device, refresh=True)
+    assert device_peak.cached_peak(device).fp32 == 123.0 and read_peak(device).fp32 == 123.0
+    assert device_peak.cached_peak(device).fp32 == 123.0 and len(calls) == 1
+    device_peak.cached_peak(device, refresh=True)
     assert len(calls) == 2
 
 
 def bench_rows(char_data, monkeypatch, capsys, variants):
     """bench train's rows and printed lines for `variants` over 2 steps of a tiny model with dropout (interleaved
     variants, yet each draws the masks it would alone), against a fake peak of 1e10 fp32 and 2e10 bf16 FLOP/s."""
-    monkeypatch.setattr(peak, "measure_peak", lambda device, quick: Peak(1e10, "test", bf16=2e10))
+    monkeypatch.setattr(device_peak, "measure_peak", lambda device, quick: Peak(1e10, "test", bf16=2e10))
     cfg = TrainConfig(batch_size=4, lr=3e-3, warmup_steps=1, device="cpu")
     model = tiny_config(vocab_size=0, dropout=0.1)
     rows = run_train_bench(char_data, model, cfg, steps=2, warmup=1, variants=variants)

@@ -1,4 +1,4 @@
-"""`gptlab bench chat` (bench/chat.py) in seconds: a tiny char GPT, an easier task (reverse a 2-letter word),
+"""`gptlab bench chat` (bench/chat_finetune.py) in seconds: a tiny char GPT, an easier task (reverse a 2-letter word),
 few steps. Masked fine-tuning must reach a lower bar that the base before fine-tuning misses;
 the expected answers are computed here from the task's rule, not taken from the bench."""
 
@@ -7,7 +7,7 @@ import json
 import numpy as np
 import pytest
 
-from gptlab.bench.chat import ChatBenchSettings, make_conversations, run_chat_bench
+from gptlab.bench.chat_finetune import ChatBenchSettings, make_conversations, run_chat_bench
 from gptlab.cli import main
 
 BAR = 0.75  # masked fine-tuning's accuracy at least; the base before fine-tuning below it

@@ -1,10 +1,10 @@
-"""`gptlab bench prepare` (bench/prepare.py): the generated corpus, and one small run whose figures are checked
+"""`gptlab bench prepare` (bench/prepare_speed.py): the generated corpus, and one small run whose figures are checked
 against direct tokenization of the same documents."""
 
 import json
 from pathlib import Path
 
-from gptlab.bench import prepare as prepare_bench
+from gptlab.bench import prepare_speed as prepare_bench
 from gptlab.cli import main
 from gptlab.tokenizer import train_tokenizer
 

@@ -13,11 +13,11 @@ from gptlab.bench import reference
 from gptlab.cli import main
 from gptlab.model import GPT
 from gptlab.peak import Peak, write_peak
-from gptlab.reference import native
+from gptlab.reference import library
 from gptlab.runtime import device_name
 
-pytestmark = pytest.mark.skipif(native.missing() is not None, reason=f"the naive engine cannot run here: "
-                                f"{native.missing()}")
+pytestmark = pytest.mark.skipif(library.missing() is not None, reason=f"the naive engine cannot run here: "
+                                f"{library.missing()}")
 
 CPU = torch.device("cpu")
 ROW = re.compile(r"^(?P<name>naive C\+\+ fp32|torch fp32|torch fastest \([^)]*\))\s+(?P<B>\d+) x (?P<T>\d+)\s+"

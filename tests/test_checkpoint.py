@@ -349,7 +349,7 @@ def test_clean_stale_removes_temp_and_trash_folders_only(tmp_path):
 
 
 def shard_writer(model, calls):
-    """What distributed.py hands save_checkpoint for FSDP, in one process: the model's (and optimizer's)
+    """What distributed/processes.py hands save_checkpoint for FSDP, in one process: the model's (and optimizer's)
     tensors written by sharded.write into the folder it is given; returns the optimizer's JSON part."""
     from gptlab import sharded
 

@@ -370,10 +370,10 @@ def test_bf16_on_a_cpu_without_it_is_stored_for_decoding_refused_for_training_an
     row = run_ok(capsys, "eval", "--run", "runs/r", "--precision", "bf16").splitlines()[1]
     assert row.split()[-1] == "bf16"
     assert run_ok(capsys, "eval", "--run", "runs/r").splitlines()[1].split()[-1] == "fp32"  # eval's auto
-    import gptlab.inference
+    import gptlab.inference.loading
 
-    prepared_in, prepare = [], gptlab.inference.prepare_for_inference  # the precision sample's weights are made in
-    monkeypatch.setattr(gptlab.inference, "prepare_for_inference",
+    prepared_in, prepare = [], gptlab.inference.loading.prepare_for_inference  # the precision sample's weights are made in
+    monkeypatch.setattr(gptlab.inference.loading, "prepare_for_inference",
                         lambda model, precision, *a, **kw: prepared_in.append(precision) or prepare(model, precision,
                                                                                                     *a, **kw))
     assert run_ok(capsys, "sample", "--run", "runs/r", "--prompt", "All:", "--max-new-tokens", "20",

@@ -6,9 +6,9 @@ import shutil
 import pytest
 
 from gptlab import compiled
-from gptlab.reference import native
+from gptlab.reference import library
 
-O0 = ("-O0", *native.FLAGS[1:])  # the quickest build: these tests check the layout, not the numbers
+O0 = ("-O0", *library.FLAGS[1:])  # the quickest build: these tests check the layout, not the numbers
 
 
 @pytest.fixture
@@ -27,10 +27,10 @@ def edited(header, old, new):
 
 
 def test_a_changed_header_rebuilds_the_library(headers, tmp_path):
-    first = compiled.build_shared(native.SOURCE, O0, tmp_path / "kernels", "reference")
-    assert compiled.build_shared(native.SOURCE, O0, tmp_path / "kernels", "reference") == first  # built once
+    first = compiled.build_shared(library.SOURCE, O0, tmp_path / "kernels", "reference")
+    assert compiled.build_shared(library.SOURCE, O0, tmp_path / "kernels", "reference") == first  # built once
     headers.write_text(headers.read_text() + "\n// a comment changes nothing the compiler makes, but it is new\n")
-    second = compiled.build_shared(native.SOURCE, O0, tmp_path / "kernels", "reference")
+    second = compiled.build_shared(library.SOURCE, O0, tmp_path / "kernels", "reference")
     assert second != first and second.is_file()
     assert not first.exists()  # the older build of the same compiler and flags is removed
 
@@ -50,7 +50,7 @@ def test_a_header_that_misreports_the_structs_gets_the_library_refused(name, hea
     (old, new), message = HEADER_MUTANTS[name]
     edited(headers, old, new)
     with pytest.raises(compiled.ABIError, match=message):
-        native.build_library(native.SOURCE, tmp_path / "kernels", O0)
+        library.build_library(library.SOURCE, tmp_path / "kernels", O0)
 
 
 

@@ -363,7 +363,7 @@ def test_an_evaluation_of_few_conversations_scores_each_one_s_lessons_once(chat_
 
 def test_fine_tuning_grows_the_vocabulary_by_the_markers_at_the_mean_row(tmp_path, capsys):
     from gptlab.checkpoint import load_run, model_tensors
-    from gptlab.hf.hf import init_tensors
+    from gptlab.hf.gpt2_folders import init_tensors
 
     (tmp_path / "corpus.txt").write_text(CORPUS)
     run_ok(capsys, "prepare", str(tmp_path / "corpus.txt"), "--out", str(tmp_path / "text"))

@@ -15,7 +15,7 @@ from helpers import CORPUS
 from gptlab import checkpoint as ck
 from gptlab.cli import main
 from gptlab.config import ModelConfig, PrepareConfig, TrainConfig
-from gptlab.distributed.distributed import Parallel
+from gptlab.distributed.processes import Parallel
 from gptlab.errors import GptlabError
 from gptlab.model import build_model
 from gptlab.training.train import train
@@ -136,7 +136,7 @@ INIT_SCRIPT = """
 import json, sys, torch
 from safetensors.torch import save_file
 from gptlab.config import ModelConfig
-from gptlab.distributed.distributed import setup
+from gptlab.distributed.processes import setup
 par = setup("cpu")
 torch.manual_seed(7)
 model = par.build(ModelConfig(**json.loads(sys.argv[1])), fsdp=True)
@@ -292,7 +292,7 @@ def test_machines_that_see_different_run_folders_are_refused(straight, tmp_path)
 
 START_SCRIPT = """
 import sys
-from gptlab.distributed.distributed import setup
+from gptlab.distributed.processes import setup
 from gptlab.errors import GptlabError
 par = setup("cpu")
 try:

@@ -9,7 +9,8 @@ from helpers import (CORPUS, pair, perturbed, reference_continuation, reference_
 from gptlab.config import SampleConfig
 from gptlab.engine import RunningBatch, generate, generate_batch, generate_uncached, one_thread, window_keep
 from gptlab.textstream import Completion, TextStream, complete
-from gptlab.inference import InferenceModel, TorchStep, as_inference, prepare_for_inference
+from gptlab.inference.loading import prepare_for_inference
+from gptlab.inference.prepared import InferenceModel, TorchStep, as_inference
 from gptlab.inference.weights import InferenceLinear, can_pack
 from gptlab.errors import GptlabError
 from gptlab.model import GPT, Bigram
@@ -349,16 +350,17 @@ def test_bf16_inference_is_close_to_fp32():
 
 
 def test_the_readmes_python_example_runs(tmp_path):
-    """The README's engine example, as written, on a tiny run (a moved name fails here, not in a user's hands)."""
+    """The generation guide's engine example, as written, on a tiny run (a moved name fails here, not in a user's
+    hands)."""
     import re
     from pathlib import Path
 
     from gptlab.cli import main
     from gptlab.runtime import bf16_supported
 
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8")
-    blocks = re.findall(r"```python\n(.*?)```", readme, re.S)
-    assert blocks, "the README has no Python example"
+    guide = Path(__file__).resolve().parents[1] / "docs" / "guides" / "05-generation.md"
+    blocks = re.findall(r"```python\n(.*?)```", guide.read_text(encoding="utf-8"), re.S)
+    assert blocks, "the generation guide has no Python example"
     (tmp_path / "corpus.txt").write_text(CORPUS, encoding="utf-8")  # byte-level BPE: any prompt encodes
     data, run = tmp_path / "data", tmp_path / "run"
     assert main(["prepare", str(tmp_path / "corpus.txt"), "--out", str(data), "--tokenizer", "bpe", "--vocab-size",
@@ -373,5 +375,5 @@ def test_the_readmes_python_example_runs(tmp_path):
         if not bf16_supported(torch.device("cpu")):
             code = code.replace('"bf16"', '"fp32"')
         namespace: dict = {}
-        exec(compile(code, "README.md", "exec"), namespace)
+        exec(compile(code, str(guide), "exec"), namespace)
         assert namespace["texts"] and all(isinstance(t, str) for t in namespace["texts"])

@@ -23,7 +23,9 @@ from helpers import (BF16_TOLERANCE, FP32_TOLERANCE, KERNEL_SHAPES, bf16_cache_e
 from gptlab import compiled
 from gptlab.config import SampleConfig
 from gptlab.engine import generate_batch, generate_uncached
-from gptlab.inference import TorchStep, native, prepare_for_inference
+from gptlab.inference import native
+from gptlab.inference.loading import prepare_for_inference
+from gptlab.inference.prepared import TorchStep
 from gptlab.inference.fused import FusedDecoder, fused_decoder
 from gptlab.inference.weights import move_to_huge_pages
 from gptlab.machine import X86_64, cpu_flags

@@ -19,7 +19,7 @@ from lm_eval.api.instance import Instance  # noqa: E402
 from lm_eval.models.huggingface import HFLM  # noqa: E402
 from lm_eval.tasks import TaskManager  # noqa: E402
 
-from gptlab.hf.hf import load_hf_model  # noqa: E402
+from gptlab.hf.gpt2_folders import load_hf_model  # noqa: E402
 from gptlab.hf.hf_tokenizer import write_tokenizer_files  # noqa: E402
 from gptlab.tasks.harness import GptlabLM  # noqa: E402
 from gptlab.tasks.items import read_task  # noqa: E402

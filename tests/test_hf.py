@@ -24,8 +24,8 @@ from gptlab.data.prepare import prepare
 from gptlab.engine import generate
 from gptlab.errors import GptlabError
 from gptlab.evaluate import total_nats
-import gptlab.hf.hf
-from gptlab.hf.hf import CONV1D, export_hf, import_hf, init_tensors, load_hf_model
+import gptlab.hf.gpt2_folders
+from gptlab.hf.gpt2_folders import CONV1D, export_hf, import_hf, init_tensors, load_hf_model
 from gptlab.hf.hf_tokenizer import gpt2_merges, gpt2_vocab, write_tokenizer_files
 from gptlab.model import GPT
 from gptlab.tokenizer import EOT, GPT2Tokenizer
@@ -197,9 +197,9 @@ def test_a_failed_export_changes_nothing_on_disk(tmp_path, gpt2_vocab_folder, ca
     before = tree(tmp_path)
     with monkeypatch.context() as m:
         if fails == "model.safetensors":
-            m.setattr(gptlab.hf.hf, "save_file", no_space)
+            m.setattr(gptlab.hf.gpt2_folders, "save_file", no_space)
         else:  # one file written, then the disk is full
-            m.setattr(gptlab.hf.hf, "write_tokenizer_files", lambda out, *_: ((out / "vocab.json").write_text("{}"),
+            m.setattr(gptlab.hf.gpt2_folders, "write_tokenizer_files", lambda out, *_: ((out / "vocab.json").write_text("{}"),
                                                                           no_space()))
         for out in ("old", "new/deeper/hf"):
             assert "No space left on device" in run_bad(capsys, "export", "run", "--out", out, "--overwrite")

@@ -19,7 +19,7 @@ from gptlab.cli import main
 from gptlab.config import PRESETS, ModelConfig, SampleConfig
 from gptlab.engine import generate
 from gptlab.errors import GptlabError
-from gptlab.hf.hf import load_hf_model
+from gptlab.hf.gpt2_folders import load_hf_model
 from gptlab.inspect import page
 from gptlab.inspect.anatomy import anatomy_table, model_for, totals
 from gptlab.inspect import pictures
@@ -385,12 +385,12 @@ def test_the_apple_experiment(char_run, capsys):
 def test_bench_train_traced_gives_the_references_numbers(char_data, monkeypatch, capsys):
     """`gptlab bench train --traced`: the reference traced before every step reaches the same loss (the bench line
     beside it shows the speed)."""
-    from gptlab.bench import peak
-    from gptlab.bench.train import run_train_bench, train_variants
+    from gptlab.bench import device_peak
+    from gptlab.bench.train_speed import run_train_bench, train_variants
     from gptlab.config import TrainConfig
     from gptlab.peak import Peak
 
-    monkeypatch.setattr(peak, "measure_peak", lambda device, quick: Peak(1e10, "test"))
+    monkeypatch.setattr(device_peak, "measure_peak", lambda device, quick: Peak(1e10, "test"))
     variants = train_variants(torch.device("cpu"), traced=True)[:2]
     assert [v.traced for v in variants] == [False, True]
     calls = []

@@ -18,14 +18,15 @@ import torch.nn as nn
 import torch.nn.functional as F
 from helpers import FMA_TOLERANCE, INT8_SHAPES, VNNI_TOLERANCE, int8_error, int8_model, trained_like
 
-from gptlab import compiled
 from gptlab.bench.quality import TORCH_INT8, int8_quality, kl_divergence, quality_lines, total_kl
 from gptlab.cli import main
 from gptlab.config import ModelConfig, SampleConfig, TrainConfig
 from gptlab.data.batches import load_dataset
 from gptlab.engine import generate_batch, generate_uncached
 from gptlab.errors import GptlabError
-from gptlab.inference import TorchStep, bf16_storage_possible, cache_dtype, native, prepare_for_inference
+from gptlab.inference import native
+from gptlab.inference.loading import bf16_storage_possible, prepare_for_inference
+from gptlab.inference.prepared import TorchStep, cache_dtype
 from gptlab.inference.fused import FusedDecoder
 from gptlab.inference.int8 import BF16_ROWS, Int8Linear, dequantize_rows, quantize_model, quantize_rows
 from gptlab.model import GPT
@@ -188,11 +189,12 @@ def test_a_rows_vnni_logits_do_not_depend_on_the_rows_beside_it(vnni_kernel):
 def test_a_kernel_built_without_vnni_decodes_int8_by_fma_and_refuses_vnni(fused_kernel, tmp_path):
     """A machine with AVX-512 but no VNNI, simulated by a build whose VNNI code is compiled out: the capability
     check picks the FMA product, which gives the reference result, and VNNI cannot be forced on it."""
-    source, products = native.SOURCE.read_text(), (compiled.INCLUDE / "products.h").read_text()
+    source, products = native.SOURCE.read_text(), (native.SOURCE.parent / "products.h").read_text()
     assert source.count("#ifdef __AVX512VNNI__") == 2  # the product's call and gptlab_int8_vnni()
     assert products.count("#ifdef __AVX512VNNI__") == 1  # the product (found beside the copy first)
     for name, text in (("decode.cpp", source), ("products.h", products)):
         (tmp_path / name).write_text(text.replace("#ifdef __AVX512VNNI__", "#ifdef GPTLAB_NO_SUCH_ISA"))
+    (tmp_path / "simd.h").write_text((native.SOURCE.parent / "simd.h").read_text())  # the vector layer, as it is
     lib = native.build_library(tmp_path / "decode.cpp", tmp_path)
     assert not native.has_int8_vnni(lib)
     model = int8_model(INT8_SHAPES[1])

@@ -1,5 +1,5 @@
 """Deliberately broken copies of the fused decode kernel (inference/csrc/decode.cpp and its vector layer,
-csrc/simd.h): each must fail one of the parity checks of tests/test_fused.py and tests/test_int8.py
+inference/csrc/simd.h): each must fail one of the parity checks of tests/test_fused.py and tests/test_int8.py
 (tests/helpers.py holds them), so that those checks are known to catch what they claim to; the other builds this
 CPU runs (the AVX2 build on an AVX-512 machine, the plain build everywhere) held to the same checks, with a few
 mutants of their own vector code each; and copies whose structs differ from the ctypes ones
@@ -12,7 +12,6 @@ import pytest
 
 from helpers import (BF16_TOLERANCE, FMA_TOLERANCE, FP32_TOLERANCE, INT8_SHAPES, KERNEL_SHAPES, VNNI_TOLERANCE,
                      bf16_cache_errors, bf16_errors, fp32_error, int8_error)
-from gptlab import compiled
 from gptlab.inference import native
 
 pytestmark = [pytest.mark.device_path("fused decode (native)"), pytest.mark.usefixtures("fused_kernel")]
@@ -90,7 +89,7 @@ def test_a_broken_kernel_fails_the_parity_checks(name, tmp_path):
     assert not CHECKS[catcher](lib), f"the {catcher} check passes a kernel with {name}"
 
 
-# ---- the other builds: each build's own vector code (csrc/simd.h) ---------------------------------------------------
+# ---- the other builds: each build's own vector code (inference/csrc/simd.h) ------------------------------------------
 
 # The builds tested besides this CPU's own (the AVX2 build runs on every AVX-512 machine; plain runs everywhere)
 OTHER_BUILDS = ["x86-64-v3", "plain"]
@@ -169,7 +168,7 @@ ABI_MUTANTS = {
 }
 
 
-KERNEL_FILES = (native.SOURCE, compiled.INCLUDE / "simd.h", compiled.INCLUDE / "products.h")
+KERNEL_FILES = (native.SOURCE, native.SOURCE.parent / "simd.h", native.SOURCE.parent / "products.h")
 
 
 def mutated_source(edits: list[tuple[str, str]], folder, file: str | None = None) -> Path:

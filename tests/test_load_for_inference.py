@@ -7,7 +7,9 @@ from helpers import CORPUS, TINY, run_bad, tiny_run
 from safetensors.torch import load_file
 
 from gptlab.errors import GptlabError
-from gptlab.inference import InferenceModel, Int8Linear, TorchStep, load_for_inference
+from gptlab.inference.int8 import Int8Linear
+from gptlab.inference.loading import load_for_inference
+from gptlab.inference.prepared import InferenceModel, TorchStep
 
 V = len(set(CORPUS))  # the char tokenizer's vocabulary
 
@@ -62,9 +64,9 @@ def test_a_precision_this_machine_lacks_is_refused_before_anything_is_loaded(tmp
 def test_sample_refuses_a_prompt_its_tokenizer_cannot_read_before_the_model_is_prepared(run, monkeypatch, capsys):
     """Preparing (packing the weights, building the fused step on first use) is work a bad prompt must not wait for:
     sample reads its prompt with the run's tokenizer first, as it did before load_for_inference."""
-    import gptlab.inference
+    import gptlab.inference.loading
 
     prepared = []
-    monkeypatch.setattr(gptlab.inference, "prepare_for_inference", lambda *args, **kw: prepared.append(args))
+    monkeypatch.setattr(gptlab.inference.loading, "prepare_for_inference", lambda *args, **kw: prepared.append(args))
     line = run_bad(capsys, "sample", "--run", str(run), "--prompt", "\u2603", "--precision", "fp32")
     assert "never seen" in line and prepared == []

@@ -19,8 +19,8 @@ from gptlab.checkpoint import load_run, model_tensors
 from gptlab.config import SampleConfig, TrainConfig
 from gptlab.engine import generate
 from gptlab.errors import GptlabError
-from gptlab.hf.hf import load_hf_model
-from gptlab.inference import load_for_inference
+from gptlab.hf.gpt2_folders import load_hf_model
+from gptlab.inference.loading import load_for_inference
 from gptlab.optim import make_optimizer
 from gptlab.runtime import bf16_supported
 
@@ -436,7 +436,7 @@ def test_a_peft_export_into_a_gptlab_folder_or_a_full_disk_is_refused_and_writes
 
     def no_space(*args, **kwargs):
         raise OSError(28, "No space left on device")
-    monkeypatch.setattr("gptlab.hf.hf.save_file", no_space)
+    monkeypatch.setattr("gptlab.hf.gpt2_folders.save_file", no_space)
     line = run_bad(capsys, "export", "runs/lo", "--format", "peft", "--out", "full/lo")
     assert line == ("gptlab: error: cannot write full/lo/adapter_model.safetensors: No space left on device; check "
                     "free space")
@@ -460,12 +460,12 @@ def test_bench_train_sets_lora_beside_full_fine_tuning_with_memory_split(char_da
     """The tiny bench: full fine-tuning, LoRA and LoRA with activation checkpointing, each one's memory measured in a
     fresh process; the split's weights and trained bytes worked out here (no timing is asserted)."""
     from gptlab import model as model_module
-    from gptlab.bench import peak
-    from gptlab.bench.train import lora_variants, run_train_bench
+    from gptlab.bench import device_peak
+    from gptlab.bench.train_speed import lora_variants, run_train_bench
     from gptlab.config import ModelConfig
     from gptlab.peak import Peak
 
-    monkeypatch.setattr(peak, "measure_peak", lambda device, quick: Peak(1e10, "test", bf16=2e10))
+    monkeypatch.setattr(device_peak, "measure_peak", lambda device, quick: Peak(1e10, "test", bf16=2e10))
     model = ModelConfig(block_size=32, n_layer=3, n_head=2, n_embd=48, dropout=0.1, vocab_size=0)
     variants = lora_variants(torch.device("cpu"), 4)
     chunks, real = [], model_module.chunked_loss
@@ -492,11 +492,11 @@ def test_bench_train_sets_lora_beside_full_fine_tuning_with_memory_split(char_da
 def test_bench_train_lora_rank_runs_the_three_variants_with_memory(monkeypatch, capsys, tmp_path):
     """The command line reaches the bench: --lora-rank R gives full fine-tuning, LoRA of rank R and LoRA with
     activation checkpointing, memory measured; a rank under 1 or another comparison beside it is refused."""
-    import gptlab.bench.train
+    import gptlab.bench.train_speed
 
     seen = {}
     monkeypatch.chdir(tmp_path)  # the bench prepares the bundled corpus here
-    monkeypatch.setattr(gptlab.bench.train, "run_train_bench", lambda data, model, cfg, **kw: seen.update(kw, cfg=cfg))
+    monkeypatch.setattr(gptlab.bench.train_speed, "run_train_bench", lambda data, model, cfg, **kw: seen.update(kw, cfg=cfg))
     assert main_ok("bench", "train", "--lora-rank", "6", "--device", "cpu")
     assert [(v.lora_rank, v.checkpointing) for v in seen["variants"]] == [(0, False), (6, False), (6, True)]
     assert seen["memory"] is True and seen["cfg"].loss_chunk == 0

@@ -17,7 +17,7 @@ from helpers import hf_folder, run_bad, run_ok, tree
 from gptlab import lora
 from gptlab.checkpoint import load_run, model_tensors
 from gptlab.hf import peft as gptlab_peft
-from gptlab.hf.hf import load_hf_model
+from gptlab.hf.gpt2_folders import load_hf_model
 
 P = 0.25  # the adapters' dropout: not the default 0, and not 0.5, where p and 1 - p would be the same number
 NO_DROPOUT = dict(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)  # transformers' own dropouts off: LoRA's alone

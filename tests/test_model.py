@@ -109,7 +109,7 @@ def test_dropout_is_active_in_training_and_off_in_eval():
 
 @pytest.mark.parametrize("p", [0.1, 0.2, 0.5])
 def test_cpu_dropout_keeps_1_minus_p_of_the_elements_and_scales_them_like_torch(p):
-    from gptlab.model import Dropout
+    from gptlab.ops import Dropout
 
     x = torch.ones(64, 1000, 33, dtype=torch.bfloat16, requires_grad=True)  # odd size: words cut mid-way
     torch.manual_seed(3)
@@ -129,7 +129,7 @@ def test_cpu_dropout_keeps_1_minus_p_of_the_elements_and_scales_them_like_torch(
 def test_cpu_dropout_draws_the_mask_it_always_has(dtype):
     """The mask and scaling, bit for bit, as first written (16-bit slices of 64-bit words from torch's generator,
     kept where >= p * 65536 - 32768, times 1 / (1 - p) in x's dtype): faster conversions must not change them."""
-    from gptlab.model import Dropout
+    from gptlab.ops import Dropout
 
     p, x = 0.2, torch.randn(64, 1000, 33).to(dtype)  # odd size: words cut mid-way
     torch.manual_seed(5)

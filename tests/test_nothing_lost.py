@@ -25,7 +25,7 @@ from safetensors import SafetensorError
 import gptlab
 import gptlab.checkpoint as ck
 import gptlab.data.tokenfiles
-import gptlab.hf.hf
+import gptlab.hf.gpt2_folders
 from gptlab import rundir
 from gptlab.cli import main
 from gptlab.config import ModelConfig, TrainConfig, from_dict, to_dict
@@ -153,7 +153,7 @@ def test_a_full_disk_during_training_keeps_the_previous_checkpoint(trained, monk
 
 
 def test_a_full_disk_during_export_is_one_line_and_leaves_no_temporary_file(trained, tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr(gptlab.hf.hf, "save_file", full)
+    monkeypatch.setattr(gptlab.hf.gpt2_folders, "save_file", full)
     assert main(["export", str(trained), "--out", str(tmp_path / "hf")]) == 2
     assert "No space left on device" in capsys.readouterr().err
     assert not (tmp_path / "hf").exists() and not [p for p in tmp_path.iterdir() if p.name.startswith(".")]

@@ -15,12 +15,12 @@ import torch.nn.functional as F
 from helpers import HF_SHAPES, hf_folder, perturbed
 from gptlab.config import ModelConfig, TrainConfig
 from gptlab.data.batches import Dataset
-from gptlab.hf.hf import load_hf_model
+from gptlab.hf.gpt2_folders import load_hf_model
 from gptlab.model import GPT, MLP, Block
 from gptlab.optim import make_optimizer
-from gptlab.reference import model as rm
-from gptlab.reference import native
-from gptlab.reference.train import naive_model, naive_optimizer
+from gptlab.reference import library
+from gptlab.reference import naive_gpt as rm
+from gptlab.reference.naive_training import naive_model, naive_optimizer
 from gptlab.training.step import StepContext, train_step
 
 pytestmark = pytest.mark.usefixtures("reference_engine")
@@ -157,10 +157,10 @@ def test_cross_entropy_and_its_gradient_match_autograd(reference_engine):
     assert rel(dlogits, lt.grad) <= PIECE_TOLERANCE and dlogits[[2, 5]].abs().max() == 0
 
 
-def layer_struct(block: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> native.Layer:
+def layer_struct(block: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> library.Layer:
     """A Layer struct over one Block's tensors (or gradients), named as the block names its parameters."""
     names = {field: name.removeprefix("transformer.h.0.") for field, name in rm.layer_names(0).items()}
-    return native.Layer(**{field: tensors[name].data_ptr() if name in tensors else None for field, name in names.items()})
+    return library.Layer(**{field: tensors[name].data_ptr() if name in tensors else None for field, name in names.items()})
 
 
 @pytest.mark.parametrize("bias,activation", [(True, "gelu"), (False, "gelu_tanh")])
@@ -171,7 +171,7 @@ def test_one_block_matches_autograd(reference_engine, bias, activation):
     x, dy = randn(B, T, C, seed=14), randn(B, T, C, seed=15)
     params = {n: p.detach() for n, p in block.named_parameters()}
     grads = {n: torch.zeros_like(p) for n, p in params.items()}
-    model = native.Model(n_layer=1, n_head=H, n_embd=C, vocab_size=5, block_size=T,
+    model = library.Model(n_layer=1, n_head=H, n_embd=C, vocab_size=5, block_size=T,
                          gelu_tanh=int(activation == "gelu_tanh"), eps=cfg.layer_norm_eps)
     y, dx = torch.empty_like(x), torch.empty_like(x)
     w, g = layer_struct(block, params), layer_struct(block, grads)

@@ -14,7 +14,7 @@ from helpers import CORPUS, perturbed, run_bad, run_ok
 from gptlab.checkpoint import load_run
 from gptlab.config import ModelConfig, SampleConfig
 from gptlab.model import GPT
-from gptlab.reference.train import naive_model
+from gptlab.reference.naive_training import naive_model
 from gptlab.textstream import TextStream
 from gptlab.tokenizer import CharTokenizer
 

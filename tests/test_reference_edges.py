@@ -15,11 +15,11 @@ import torch.nn.functional as F
 from helpers import perturbed
 from gptlab.config import ModelConfig, TrainConfig
 from gptlab.model import GPT
-from gptlab.reference import model as rm
-from gptlab.reference import native
+from gptlab.reference import library
+from gptlab.reference import naive_gpt as rm
 from gptlab.reference.check import compare_engines, difference
-from gptlab.reference.optim import clip_grad_norm
-from gptlab.reference.train import naive_model, naive_optimizer
+from gptlab.reference.naive_adamw import clip_grad_norm
+from gptlab.reference.naive_training import naive_model, naive_optimizer
 
 pytestmark = pytest.mark.usefixtures("reference_engine")
 f64 = torch.float64
@@ -193,14 +193,14 @@ def test_the_whole_model_at_epsilon_1e_2_without_biases_with_tanh_gelu_and_7_wid
 
 @contextlib.contextmanager
 def ticking(lib):
-    """The engine's clock made to tick once per reading (native.tick_clock) for the block, the steady clock after."""
-    native.tick_clock(lib, True)
-    native.reset_profile(lib)
+    """The engine's clock made to tick once per reading (library.tick_clock) for the block, the steady clock after."""
+    library.tick_clock(lib, True)
+    library.reset_profile(lib)
     try:
         yield
     finally:
-        native.tick_clock(lib, False)
-        native.reset_profile(lib)
+        library.tick_clock(lib, False)
+        library.reset_profile(lib)
 
 
 def calls(L: int, tensors: int, backward: bool, optimizer: bool) -> dict[str, float]:
@@ -232,16 +232,16 @@ def test_each_function_of_the_engine_is_clocked_on_its_own_once_a_call(reference
     with ticking(reference_engine):
         rm.step(model, x)
         forward_only = calls(3, tensors, backward=False, optimizer=False)
-        assert native.profile(reference_engine) == {**forward_only, "cross_entropy_forward": 0.0}
-        native.reset_profile(reference_engine)
+        assert library.profile(reference_engine) == {**forward_only, "cross_entropy_forward": 0.0}
+        library.reset_profile(reference_engine)
         _, _, grads = rm.step(model, x, y, grads=True)
-        assert native.profile(reference_engine) == calls(3, tensors, backward=True, optimizer=False)
-        native.reset_profile(reference_engine)
+        assert library.profile(reference_engine) == calls(3, tensors, backward=True, optimizer=False)
+        library.reset_profile(reference_engine)
         for name, p in model.named_parameters():
             p.grad = grads[name]
         clip_grad_norm(model.parameters(), 0.1)
         naive_optimizer(naive_model(model), TrainConfig(weight_decay=0.1)).step()
-        assert native.profile(reference_engine) == {name: float(name in ("clip_grad_norm", "adamw")) * n for name, n
+        assert library.profile(reference_engine) == {name: float(name in ("clip_grad_norm", "adamw")) * n for name, n
                                                     in calls(3, tensors, True, True).items()}
 
 

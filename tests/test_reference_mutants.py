@@ -15,11 +15,11 @@ from helpers import perturbed
 from gptlab import compiled
 from gptlab.config import ModelConfig
 from gptlab.model import GPT
-from gptlab.reference import model as rm
-from gptlab.reference import native
+from gptlab.reference import library
+from gptlab.reference import naive_gpt as rm
 
 pytestmark = pytest.mark.usefixtures("reference_engine")
-O1 = ("-O1", *native.FLAGS[1:])
+O1 = ("-O1", *library.FLAGS[1:])
 
 # name -> the edits (old text, new text) that plant the bug; each old text must still be in the source
 MUTANTS = {
@@ -38,18 +38,18 @@ MUTANTS = {
 
 
 def mutated_library(edits, folder) -> ctypes.CDLL:
-    source = native.SOURCE.read_text()
+    source = library.SOURCE.read_text()
     for old, new in edits:
         assert old in source, f"{old!r} is not in reference.cpp: the mutant no longer applies"
         source = source.replace(old, new)
     (folder / "reference.cpp").write_text(source)
-    return native.build_library(folder / "reference.cpp", folder, O1)
+    return library.build_library(folder / "reference.cpp", folder, O1)
 
 
 def engine_passes(monkeypatch, lib) -> bool:
     """The float64 checks with `lib` as the engine: a perturbed model's logits, loss and gradients against torch
     autograd, then three AdamW steps against torch's on the same gradients, all within 1e-10."""
-    monkeypatch.setattr(native, "load_library", lambda: lib)
+    monkeypatch.setattr(library, "load_library", lambda: lib)
     torch.manual_seed(0)
     model = perturbed(GPT(ModelConfig(n_layer=2, n_embd=12, n_head=3, block_size=8, vocab_size=17, dropout=0.0)))
     model = model.double()
@@ -60,7 +60,7 @@ def engine_passes(monkeypatch, lib) -> bool:
     expected_logits = expected_logits.detach()
     errors = [(logits - expected_logits).abs().max() / expected_logits.abs().max(), abs(loss - expected_loss.item()) / loss]
     errors += [(grads[n] - p.grad).abs().max() / p.grad.abs().max() for n, p in model.named_parameters()]
-    from gptlab.reference.optim import NaiveAdamW
+    from gptlab.reference.naive_adamw import NaiveAdamW
 
     theirs = [p.detach().clone().requires_grad_() for p in model.parameters()]
     mine = [p.detach().clone() for p in model.parameters()]
@@ -109,6 +109,6 @@ def test_a_source_that_does_not_compile_is_refused_with_the_compilers_message(tm
     source = tmp_path / "broken.cpp"
     source.write_text("int main() { return undeclared_name_here; }\n")
     with pytest.raises(compiled.BuildError, match="undeclared_name_here") as caught:
-        native.build_library(source, tmp_path / "out", O1)
+        library.build_library(source, tmp_path / "out", O1)
     assert "failed:" in str(caught.value) and not list((tmp_path / "out").glob("*.so"))
     assert "b'" not in str(caught.value) and "\n" in str(caught.value)  # the compiler's text as it printed it

@@ -10,7 +10,7 @@ from helpers import pair, reference_continuation, rows_of, tiny_config
 from gptlab.config import SampleConfig
 from gptlab.engine import RunningBatch, check_prompts, generate, generate_batch, one_thread
 from gptlab.errors import GptlabError
-from gptlab.inference import prepare_for_inference
+from gptlab.inference.loading import prepare_for_inference
 from gptlab.model import GPT
 
 

@@ -12,7 +12,7 @@ import pytest
 from helpers import QUICK, SMALL, TINY, evaluated_run
 from safetensors.torch import load_file
 
-import gptlab.distributed.distributed
+import gptlab.distributed.processes
 from gptlab import checkpoint as ck
 from gptlab import rundir
 from gptlab.cli import main
@@ -111,7 +111,7 @@ def test_launch_holds_the_runs_lock_around_torchrun_and_removes_a_new_run_that_f
         calls.append((nproc, argv, max_restarts, extra_env, rundir.RunLock.held(spec.run)))
         (spec.run / rundir.CONFIG).write_text("{}")  # as a training would, before its first checkpoint
         return codes.pop(0)
-    monkeypatch.setattr(gptlab.distributed.distributed, "launch", torchrun)
+    monkeypatch.setattr(gptlab.distributed.processes, "launch", torchrun)
     from gptlab.runs import launch
 
     spec = resolve(model=SMALL, train={**QUICK, "batch_size": 8}, data=char_data, run="r")

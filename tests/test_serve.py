@@ -2,8 +2,9 @@
 logprobs, stop), each result equal to `gptlab sample` with the same seed and settings; every error status in
 OpenAI's shape; a client that leaves mid-stream or from the queue frees its place; /v1/models, /health, /metrics
 (counted exactly); echo, usage and finish reasons as OpenAI gives them (an end-of-text model over GPT-2's tokenizer
-for "stop" and non-ASCII prompts); `curl -N` as the README shows it; SIGTERM lets an in-flight request finish and
-exits 0. References come from outside the server: `gptlab sample`, the plain forward, numbers counted by hand."""
+for "stop" and non-ASCII prompts); `curl -N` as the serving guide shows it; SIGTERM lets an in-flight request
+finish and exits 0. References come from outside the server: `gptlab sample`, the plain forward, numbers counted by
+hand."""
 
 import contextlib
 import io
@@ -25,9 +26,10 @@ from helpers import CORPUS, eot_model, tiny_run
 
 from gptlab.checkpoint import load_run
 from gptlab.cli import main
-from gptlab.inference import prepare_for_inference
-from gptlab.serve import Limits, load_served, start_server
+from gptlab.inference.loading import prepare_for_inference
+from gptlab.serve.api import Limits
 from gptlab.serve.app import Served, make_app
+from gptlab.serve.server import load_served, start_server
 from gptlab.tokenizer import GPT2Tokenizer
 
 TINY = ["--n-layer", "2", "--n-head", "2", "--n-embd", "32", "--block-size", "32", "--batch-size", "4",
@@ -372,8 +374,8 @@ def test_a_client_that_leaves_a_plain_request_cancels_it_too(server, monkeypatch
 def test_curl_streams_as_the_readme_shows(server):
     if shutil.which("curl") is None:
         pytest.skip("no curl")
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
-    command = readme[readme.index("curl -N"):].split("\n```")[0].replace("localhost:8000", server.url[7:])
+    guide = (Path(__file__).resolve().parents[1] / "docs" / "guides" / "06-serving.md").read_text(encoding="utf-8")
+    command = guide[guide.index("curl -N"):].split("\n```")[0].replace("localhost:8000", server.url[7:])
     command = command.replace("ROMEO:", "All:")  # the tiny corpus here has no M
     assert '"model": "char-quick"' in command  # the name `gptlab serve --run runs/char-quick` serves; here, "run"
     command = command.replace('"model": "char-quick"', '"model": "run"')
@@ -450,10 +452,10 @@ def test_sigterm_cancels_what_the_grace_period_cannot_finish_and_exits_0(run_dir
 
 
 def test_accept_any_model_reaches_the_server_and_the_name_served_is_printed(run_dir, monkeypatch, capsys):
-    import gptlab.serve
+    import gptlab.serve.server
 
     seen = []
-    monkeypatch.setattr(gptlab.serve, "serve_run", lambda served, sock, limits, key: seen.append((served, limits)))
+    monkeypatch.setattr(gptlab.serve.server, "serve_run", lambda served, sock, limits, key: seen.append((served, limits)))
     for flags in ([], ["--accept-any-model"]):
         assert main(["serve", "--run", str(run_dir), "--port", "0", "--precision", "fp32", *flags]) == 0
     assert [(served.name, limits.accept_any_model) for served, limits in seen] == [("run", False), ("run", True)]

@@ -18,7 +18,7 @@ from helpers import tiny_config
 
 from gptlab.config import SEED_LIMIT
 from gptlab.errors import GptlabError
-from gptlab.inference import prepare_for_inference
+from gptlab.inference.loading import prepare_for_inference
 from gptlab.model import GPT
 from gptlab.serve.api import ApiError, Limits, completion_id, encode_prompts, envelope, parse_completion
 from gptlab.serve.app import Served, _collect, _read_json, _stream, make_app

@@ -10,7 +10,7 @@ from helpers import tiny_config
 
 from gptlab.config import SampleConfig
 from gptlab.engine import RunningBatch, _prefill, generate_batch, one_thread, row_seed
-from gptlab.inference import prepare_for_inference
+from gptlab.inference.loading import prepare_for_inference
 from gptlab.model import GPT
 from gptlab.runtime import bf16_supported
 

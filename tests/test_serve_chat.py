@@ -22,11 +22,11 @@ from PIL import Image
 from gptlab.checkpoint import load_run
 from gptlab.config import SampleConfig
 from gptlab.hf.hf_tokenizer import write_tokenizer_files
-from gptlab.inference import prepare_for_inference
+from gptlab.inference.loading import prepare_for_inference
 from gptlab.model import GPT
-from gptlab.serve import Limits, load_served, start_server
+from gptlab.serve.api import MAX_TOP_LOGPROBS, Limits
 from gptlab.serve.app import Served, make_app
-from gptlab.serve.api import MAX_TOP_LOGPROBS
+from gptlab.serve.server import load_served, start_server
 from gptlab.tokenizer import CharTokenizer
 
 openai = pytest.importorskip("openai", reason="no openai client (pip install -e '.[test]')")
@@ -389,15 +389,16 @@ def test_the_openai_client_s_answers_equal_gptlab_chat_s_with_the_same_seed_and_
 
 
 def test_the_readme_s_chat_client_example_runs_against_a_live_server(server, capsys):
-    """The README's openai example, as written, but for the server's address: an answer, then the same streamed."""
+    """The chat guide's openai example, as written, but for the server's address: an answer, then the same streamed."""
     import re
     from pathlib import Path
 
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8")
-    [code] = [b for b in re.findall(r"```python\n(.*?)```", readme, re.S) if "chat.completions" in b]
+    guide = Path(__file__).resolve().parents[1] / "docs" / "guides" / "07-fine-tuning-and-chat.md"
+    [code] = [b for b in re.findall(r"```python\n(.*?)```", guide.read_text(encoding="utf-8"), re.S)
+              if "chat.completions" in b]
     assert code.count('model="chat"') == 2  # `gptlab serve --run runs/chat` serves "chat"; here, "chat-run"
     code = code.replace("http://localhost:8000", server.url).replace('model="chat"', 'model="chat-run"')
-    exec(compile(code, "README.md", "exec"), {})
+    exec(compile(code, str(guide), "exec"), {})
     printed = capsys.readouterr().out.splitlines()
     answer, reason, total = printed[0].rsplit(" ", 2)
     assert reason in ("stop", "length") and int(total) > 0

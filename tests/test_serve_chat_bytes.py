@@ -14,10 +14,11 @@ import torch
 from helpers import reference_probs, reference_window
 
 from gptlab.config import ModelConfig, SampleConfig
-from gptlab.inference import prepare_for_inference
+from gptlab.inference.loading import prepare_for_inference
 from gptlab.model import GPT
-from gptlab.serve import Limits, start_server
+from gptlab.serve.api import Limits
 from gptlab.serve.app import Served, make_app
+from gptlab.serve.server import start_server
 from gptlab.tokenizer import ChatTokenizer, GPT2Tokenizer, gpt2_ranks
 
 openai = pytest.importorskip("openai", reason="no openai client (pip install -e '.[test]')")

@@ -19,9 +19,9 @@ from lm_eval.api.instance import Instance  # noqa: E402
 from lm_eval.tasks import TaskManager  # noqa: E402
 
 from gptlab.config import ModelConfig  # noqa: E402
-from gptlab.inference import prepare_for_inference  # noqa: E402
+from gptlab.inference.loading import prepare_for_inference  # noqa: E402
 from gptlab.model import GPT  # noqa: E402
-from gptlab.serve import start_server  # noqa: E402
+from gptlab.serve.server import start_server  # noqa: E402
 from gptlab.serve.api import Limits  # noqa: E402
 from gptlab.serve.app import Served, make_app  # noqa: E402
 from gptlab.tasks.harness import GptlabLM  # noqa: E402

@@ -12,8 +12,9 @@ import pytest
 from helpers import tiny_run
 from PIL import Image
 
-from gptlab.serve import Limits, load_served, start_server
+from gptlab.serve.api import Limits
 from gptlab.serve.app import make_app
+from gptlab.serve.server import load_served, start_server
 
 TINY = ["--n-layer", "2", "--n-head", "2", "--n-embd", "32", "--block-size", "64", "--batch-size", "4",
         "--eval-interval", "10", "--eval-batches", "2", "--log-interval", "10", "--precision", "fp32", "--quiet"]

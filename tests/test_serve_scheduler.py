@@ -15,7 +15,7 @@ from helpers import eot_model, tiny_config
 
 from gptlab.config import SampleConfig
 from gptlab.engine import generate_batch, one_thread
-from gptlab.inference import prepare_for_inference
+from gptlab.inference.loading import prepare_for_inference
 from gptlab.model import GPT
 from gptlab.serve.api import CompletionRequest
 from gptlab.serve.scheduler import Job, Metrics, Scheduler, top_logprobs

@@ -275,3 +275,17 @@ def test_the_summary_of_a_resumed_run_counts_this_sessions_steps_with_its_second
     result = train(char_data, run, model_cfg(n_layer=1, n_head=2, n_embd=16), quick(max_steps=10), resume=True,
                    quiet=True)
     assert (result.start_step, result.step) == (8, 10)
+
+
+def test_a_run_from_init_from_weights_not_read_is_refused_but_a_full_fine_tune_resumes_without_them():
+    """runs.start reads cfg.init_from's weights; train() given none refuses a new run, and a LoRA run even when it
+    resumes (its base is in no checkpoint of its own), but resumes a full fine-tune from its own checkpoint."""
+    from gptlab.training.preflight import check_init_weights
+
+    full, adapters = TrainConfig(init_from="runs/base"), TrainConfig(init_from="runs/base", lora_rank=4)
+    for cfg, resume in ((full, False), (adapters, False), (adapters, True)):
+        with pytest.raises(GptlabError, match="init_from 'runs/base' needs its weights"):
+            check_init_weights(cfg, resume, None)
+    check_init_weights(full, True, None)
+    check_init_weights(adapters, True, {})  # the base's weights, read
+    check_init_weights(TrainConfig(), False, None)  # a run from scratch

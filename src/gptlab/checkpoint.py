@@ -39,6 +39,7 @@ log = logging.getLogger("gptlab")
 MANIFEST = "manifest.json"
 WRAPPER_PREFIXES = ("_orig_mod.", "module.")  # torch.compile and DDP wrap the model and prefix its names
 SHARDS = "shards"  # an FSDP checkpoint's model and optimizer: every process's slices (see sharded.py)
+_WriteShards = Callable[[Path, bool], dict[str, Any] | None]  # (its folder, with_optimizer) -> the optimizer's JSON
 
 
 def sha256_file(path: Path) -> str:
@@ -191,12 +192,12 @@ def verify_cached(path: Path) -> str | None:
 
 def save_checkpoint(run_dir: str | Path, kind: str, step: int, model: torch.nn.Module, state: TrainingState,
                     optimizer: torch.optim.Optimizer | None = None, keep: int = 2,
-                    extra_files: dict[str, bytes] | None = None, shards: Callable[..., Any] | None = None) -> Path:
+                    extra_files: dict[str, bytes] | None = None, shards: _WriteShards | None = None) -> Path:
     """Write a checkpoint atomically (with `extra_files`, e.g. the tokenizer, inside it) and then prune all but
     the newest `keep` of its kind; its state.json is `state` with the step, the time and (with `optimizer`) the
     optimizer's JSON part stamped in. Returns its path; raises GptlabError when the disk refuses the write. With
-    `shards` (FSDP, see distributed/distributed.py), every process writes its own slices of model and optimizer into the
-    checkpoint's shards/ through shards(folder, with_optimizer), which returns the optimizer's JSON part."""
+    `shards` (FSDP, see distributed/processes.py), every process writes its own slices of model and optimizer into
+    the checkpoint's shards/ through shards(folder, with_optimizer), which returns the optimizer's JSON part."""
     ckpts = Path(run_dir) / CKPTS
     final = ckpts / f"{kind}-{step:08d}"
     tmp = ckpts / f".tmp-{kind}-{step:08d}-{os.getpid()}"

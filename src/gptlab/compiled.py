@@ -1,5 +1,5 @@
 """C++ libraries compiled on first use with the machine's compiler and loaded with ctypes: the fused decode kernel
-(inference/native.py) and the naive reference engine (reference/native.py) share this.
+(inference/native.py) and the naive reference engine (reference/library.py) share this.
 
 A build goes into a cache folder under a name keyed by its source, its flags and the compiler's version (and what
 else the caller names, such as the CPU for -march=native builds), is compiled aside and published atomically, so two

@@ -1,7 +1,7 @@
 """Autoregressive generation: prefill the prompts once, then decode one token at a time from the KV cache.
 
 Generation over token ids, over a model made fast to run by the inference wing
-(`gptlab.inference.prepare_for_inference`: packed weights, the decode step, the KV cache's precision):
+(`gptlab.inference.loading.prepare_for_inference`: packed weights, the decode step, the KV cache's precision):
 
 - `generate_batch` / `generate` see only token ids: prompts of different lengths in one batch (each row keeps its
   own position), `num_samples` continuations of each prompt from one prefill, yielding ids as they come.
@@ -33,7 +33,7 @@ import torch.nn as nn
 
 from gptlab.config import SEED_LIMIT, SampleConfig
 from gptlab.errors import GptlabError
-from gptlab.inference import InferenceModel, as_inference
+from gptlab.inference.prepared import InferenceModel, as_inference
 from gptlab.model import KVCache
 from gptlab.sampling import next_token
 

@@ -14,16 +14,20 @@ import hashlib
 import math
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 from gptlab.config import LORA_TARGETS as TARGETS  # a name matches a module named so or ending in "." + it
-from gptlab.config import TrainConfig
+from gptlab.config import ModelConfig, TrainConfig
 from gptlab.errors import GptlabError
-from gptlab.model import Dropout, build_model
+from gptlab.model import build_model, is_gpt
+from gptlab.ops import Dropout
+
+if TYPE_CHECKING:
+    from gptlab.tokenizer import Tokenizer
 
 
 @dataclass(frozen=True)
@@ -44,7 +48,7 @@ class LoraSettings:
 _DEFAULTS = {f.name: f.default for f in fields(TrainConfig) if f.name.startswith("lora_")}
 
 
-def settings(train: Any) -> LoraSettings | None:
+def settings(train: TrainConfig | dict[str, Any] | None) -> LoraSettings | None:
     """The LoRA settings of a TrainConfig or its JSON (a run's or a checkpoint's), None without adapters."""
     if not train:
         return None
@@ -149,7 +153,7 @@ def train_tokens(model: nn.Module, ids: list[int]) -> None:
     model.lm_head = TrainableTokensHead(model.lm_head, wte)
 
 
-def added_tokens(tokenizer: Any, base_run: str | Path) -> list[int]:
+def added_tokens(tokenizer: Tokenizer | None, base_run: str | Path) -> list[int]:
     """The ids a LoRA fine-tune of `base_run` on data tokenized by `tokenizer` trains whole rows for: the chat
     markers, when the base run's tokenizer lacks them."""
     from gptlab.tokenizer import ChatTokenizer, load as load_tokenizer
@@ -162,8 +166,7 @@ def added_tokens(tokenizer: Any, base_run: str | Path) -> list[int]:
 
 def _targets_of(model: nn.Module, lora: LoraSettings) -> dict[str, nn.Linear]:
     """The Linear layers of the model's blocks that `lora` targets; GptlabError for a target that names none."""
-    blocks = getattr(getattr(model, "transformer", None), "h", None)
-    if blocks is None:
+    if not is_gpt(model):
         raise GptlabError("LoRA adapts a GPT's layers; this model (a bigram) has none: fine-tune it in full")
     found: dict[str, nn.Linear] = {}
     for target in lora.targets:
@@ -234,7 +237,7 @@ def adapter_count(model: nn.Module) -> int:
     return sum(p.numel() for name, p in model.named_parameters() if is_adapter(name))
 
 
-def count_parameters(model_cfg: Any, lora: LoraSettings | None, tokens: int = 0) -> tuple[int, int]:
+def count_parameters(model_cfg: ModelConfig, lora: LoraSettings | None, tokens: int = 0) -> tuple[int, int]:
     """(the parameters of a model of `model_cfg`, those `lora`'s adapters would add to it, with whole rows for
     `tokens` added tokens, as adapter_count counts them), counted on a model built on the meta device (nothing
     allocated)."""
@@ -257,8 +260,9 @@ def tensors_sha256(tensors: dict[str, torch.Tensor]) -> str:
     return sha.hexdigest()
 
 
-def adapt(model: nn.Module, cfg: Any, init: dict[str, torch.Tensor] | None, resumed: tuple[Any, Any] | None,
-          tokenizer: Any = None, precision: str = "fp32") -> dict[str, str] | None:
+def adapt(model: nn.Module, cfg: TrainConfig, init: dict[str, torch.Tensor] | None,
+          resumed: tuple[dict[str, Any] | None, dict[str, str] | None] | None, tokenizer: Tokenizer | None = None,
+          precision: str = "fp32") -> dict[str, str] | None:
     """Training's start: with cfg.lora_rank (a TrainConfig), put fresh adapters on `model` (built from `init`, its
     base), with trainable rows for the tokens the data's `tokenizer` adds to the base's (added_tokens), the frozen
     matrices in bf16 when training in `precision` bf16 (store_frozen_matrices), and return the base's reference

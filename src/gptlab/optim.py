@@ -8,6 +8,7 @@ from collections.abc import Iterable
 import torch
 
 from gptlab.config import TrainConfig
+from gptlab.model import is_gpt
 
 
 def param_groups(params: Iterable[torch.nn.Parameter], weight_decay: float) -> list[dict]:
@@ -89,7 +90,7 @@ class Muon(torch.optim.Optimizer):
 def muon_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> Muon:
     """Muon for the transformer blocks' matrices (attention and MLP weights), at cfg.muon_lr; AdamW at cfg.lr for
     the embeddings (and the LM head tied to them), LayerNorm gains and biases, as modded-nanogpt and nanochat do."""
-    blocks = getattr(getattr(model, "transformer", None), "h", None)
+    blocks = model.transformer.h if is_gpt(model) else None
     matrices = [p for p in blocks.parameters() if p.requires_grad and p.dim() == 2] if blocks is not None else []
     ids = {id(p) for p in matrices}
     rest = [p for p in model.parameters() if id(p) not in ids]

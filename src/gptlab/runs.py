@@ -17,7 +17,7 @@ import logging
 import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from gptlab import checkpoint as ck
 from gptlab import lora, rundir
@@ -27,6 +27,9 @@ from gptlab.configfile import read_config_file
 from gptlab.data.prepare import prepare
 from gptlab.errors import GptlabError
 from gptlab.rundata import check_data_tokenizer, check_data_unchanged
+
+if TYPE_CHECKING:
+    from gptlab.training.train import TrainResult
 
 log = logging.getLogger("gptlab")
 RUNS = Path("runs")
@@ -110,7 +113,7 @@ def _data_vocab(data_dir: Path) -> int:
 def init_from_model_base(source: str | None, model_base: dict[str, Any]) -> dict[str, Any]:
     """With --init-from the model's shape comes from the source; the preset and flags still set dropout, the
     attention path and a shorter block_size."""
-    from gptlab.hf.hf import source_model_config
+    from gptlab.hf.gpt2_folders import source_model_config
 
     if not source:
         raise GptlabError(f"the {FINETUNE_PRESET} preset continues training a model; name it with --init-from "
@@ -149,8 +152,8 @@ def data_dir_for(data: str | Path | None, preset: str, quiet: bool = False, run:
     return path
 
 
-def start(spec: TrainSpec, quiet: bool = False) -> Any:
-    """Train per `spec` (in this process; under torchrun, in each); returns train.TrainResult."""
+def start(spec: TrainSpec, quiet: bool = False) -> TrainResult:
+    """Train per `spec` (in this process; under torchrun, in each); returns the run's numbers."""
     from gptlab.training.train import train
 
     init = None
@@ -161,7 +164,7 @@ def start(spec: TrainSpec, quiet: bool = False) -> Any:
     # the weights to start from (a LoRA run's base, resumed too), checked against model and data
     if spec.train.init_from and (not spec.resume or spec.train.lora_rank):
         from gptlab.data.batches import not_prepared
-        from gptlab.hf.hf import init_tensors
+        from gptlab.hf.gpt2_folders import init_tensors
         from gptlab.tokenizer import load as load_tokenizer
 
         if rundir.folder_kind(spec.data) != "data":
@@ -179,7 +182,7 @@ def launch(spec: TrainSpec, nproc: int, argv: list[str], max_restarts: int = 0) 
     """`gptlab ARGV` (a train command whose settings resolved to `spec`) in `nproc` processes through torchrun, all
     writing spec.run, whose lock this process holds for the whole job (elastic restarts included); returns the
     exit code. Settings are checked here, before any process starts."""
-    from gptlab.distributed.distributed import launch as torchrun
+    from gptlab.distributed.processes import launch as torchrun
     from gptlab.training.train import LOCKED_RUN_ENV
 
     if nproc < 1:

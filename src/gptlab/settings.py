@@ -7,9 +7,11 @@ import dataclasses
 import math
 import types
 from dataclasses import field, fields
-from typing import Any, Union, get_args, get_origin, get_type_hints
+from typing import Any, TypeVar, Union, get_args, get_origin, get_type_hints
 
 from gptlab.errors import GptlabError
+
+_D = TypeVar("_D")  # a settings dataclass
 
 
 def check(ok: bool, message: str) -> None:
@@ -71,7 +73,7 @@ def _required(kind: Any) -> Any:
     return kind
 
 
-def parse_value(cls: type, name: str, text: str) -> Any:
+def parse_value(cls: type, name: str, text: str) -> bool | int | float | str:
     """Turn the command-line text for field `name` of dataclass `cls` into a value of the field's type."""
     kind = field_types(cls)[name]
     if kind is bool:
@@ -92,7 +94,7 @@ def parse_value(cls: type, name: str, text: str) -> Any:
     return text
 
 
-def build(cls: type, base: dict[str, Any], overrides: dict[str, Any]) -> Any:
+def build(cls: type[_D], base: dict[str, Any], overrides: dict[str, Any]) -> _D:
     """An instance of dataclass `cls` from preset values updated with overrides; validates once."""
     names = {f.name for f in fields(cls)}
     unknown = sorted(set(base) - names) + sorted(set(overrides) - names)
@@ -105,7 +107,7 @@ def to_dict(obj: Any) -> dict[str, Any]:
     return dataclasses.asdict(obj)
 
 
-def from_dict(cls: type, data: dict[str, Any]) -> Any:
+def from_dict(cls: type[_D], data: dict[str, Any]) -> _D:
     """Rebuild a dataclass from JSON, ignoring keys newer versions may have added."""
     names = {f.name for f in fields(cls)}
     return cls(**{k: v for k, v in data.items() if k in names})

@@ -11,7 +11,7 @@ import torch.nn as nn
 
 from gptlab.config import SampleConfig
 from gptlab.engine import generate_batch
-from gptlab.inference import InferenceModel
+from gptlab.inference.prepared import InferenceModel
 from gptlab.tokenizer import StreamDecoder, Tokenizer
 
 

@@ -14,9 +14,12 @@ import json
 from collections.abc import Iterable, Sequence
 from importlib import resources
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from gptlab.errors import GptlabError
+
+if TYPE_CHECKING:
+    from tokenizers import Tokenizer as HFTokenizer
 
 EOT = "<|endoftext|>"
 GPT2_PATTERN = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
@@ -129,7 +132,7 @@ class BPETokenizer(Tokenizer):
 
     kind = "bpe"
 
-    def __init__(self, hf_tokenizer: Any):
+    def __init__(self, hf_tokenizer: HFTokenizer):
         self.hf = hf_tokenizer
         self.eot_id = hf_tokenizer.token_to_id(EOT)
         self._pieces = [hf_tokenizer.id_to_token(i) for i in range(hf_tokenizer.get_vocab_size())]

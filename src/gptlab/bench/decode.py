@@ -1,7 +1,7 @@
 """`gptlab bench decode`: how close one fused decode step comes to the memory-bandwidth floor, with the floor
 measured beside each step, fp32, bf16 and int8 weights (int8's floor: its own bytes, gptlab.bench.engines).
 
-A shared machine's read bandwidth drifts by tens of percent within seconds, so this alternates, `rounds` times: a
+A shared machine's read bandwidth drifts from moment to moment, so this alternates, `rounds` times: a
 read of a 512 MB buffer (its rate is the floor of the moment), then one batch-1 decode step of a
 GPT-2-124M-shaped model (random weights, 144 positions in the cache); and likewise batch-8 steps. It prints, per
 precision, the median and range of (floor time / step time), the batch-8 step's aggregate tokens/s over batch
@@ -19,7 +19,7 @@ import torch
 from gptlab.bench.engines import GEN_MODELS, weight_bytes_per_token
 from gptlab.bench.timing import LoadWatch, median, read_then
 from gptlab.config import ModelConfig, build
-from gptlab.inference import prepare_for_inference
+from gptlab.inference.loading import prepare_for_inference
 from gptlab.inference.native import describe, load_library
 from gptlab.model import GPT
 from gptlab.runtime import set_threads

@@ -8,15 +8,19 @@ from __future__ import annotations
 import copy
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
 from gptlab.bench.timing import Clock, median, read_bandwidth, read_then
 from gptlab.config import ModelConfig, SampleConfig, get_preset
 from gptlab.engine import generate_batch, generate_uncached
-from gptlab.inference import FLOAT_DTYPES, InferenceModel, prepare_for_inference
+from gptlab.inference.loading import FLOAT_DTYPES, prepare_for_inference
+from gptlab.inference.prepared import InferenceModel
 from gptlab.model import GPT
+
+if TYPE_CHECKING:  # transformers is optional: the twin is None without it
+    from transformers import GPT2LMHeadModel
 
 GEN_MODELS = {  # random weights in the shapes of GPT-2 small and of the char-small preset (Tiny Shakespeare's 65)
     "gpt2-124M": {**get_preset("gpt2").model, "dropout": 0.0},
@@ -62,7 +66,7 @@ def run_gptlab(model: InferenceModel, prompts: list[list[int]], new_tokens: int,
     return clock
 
 
-def run_transformers(hf: Any, prompts: list[list[int]], new_tokens: int) -> Clock:
+def run_transformers(hf: GPT2LMHeadModel, prompts: list[list[int]], new_tokens: int) -> Clock:
     """Greedy generation with transformers' generate() and its KV cache, timed position by position."""
     x = torch.tensor(prompts, device=hf.device)
     clock = Clock(skip=1)
@@ -72,14 +76,14 @@ def run_transformers(hf: Any, prompts: list[list[int]], new_tokens: int) -> Cloc
     return clock
 
 
-def transformers_twin(model: GPT) -> Any:
-    """transformers' GPT2LMHeadModel holding `model`'s weights (converted by gptlab.hf.hf), or None when transformers
-    is not installed."""
+def transformers_twin(model: GPT) -> GPT2LMHeadModel | None:
+    """transformers' GPT2LMHeadModel holding `model`'s weights (converted by gptlab.hf.gpt2_folders), or None when
+    transformers is not installed."""
     try:
         import transformers
     except ImportError:
         return None
-    from gptlab.hf.hf import to_hf_tensors
+    from gptlab.hf.gpt2_folders import to_hf_tensors
 
     transformers.logging.set_verbosity_error()
     c = model.config
@@ -147,7 +151,7 @@ def bench_model(config: ModelConfig, device: torch.device, precisions: list[str]
                 run(2)  # warm-up: first-call allocations and kernel selection
             for _ in range(repeats):
                 for name, run in variants.items():
-                    # a shared machine's bandwidth drifts by tens of percent: each engine run gets its own floor
+                    # a shared machine's bandwidth drifts from moment to moment: each engine run gets its own floor
                     bandwidth = read_bandwidth(device, bandwidth_mb, 0.3) if name == ENGINE else float("nan")
                     result = GenResult.of(run(new_tokens), name, precision, batch, prompt_tokens)
                     result.bandwidth = bandwidth
@@ -166,7 +170,7 @@ def paired_floor(model: InferenceModel, prompts: list[list[int]], new_tokens: in
                  megabytes: int = 512) -> float:
     """How close batch-1 decoding comes to the bandwidth floor, measured token by token: before each decode step,
     one read of a `megabytes` buffer (its rate is the floor for that step); the median over the steps of
-    floor time / step time. A shared machine's bandwidth drifts by tens of percent within seconds, so a floor
+    floor time / step time. A shared machine's bandwidth drifts from moment to moment, so a floor
     measured beside each step, not once per run, is what the step can be held to."""
     x = torch.ones(megabytes * (1 << 20) // 4)
     steps = iter(generate_batch(model, prompts, SampleConfig(max_new_tokens=new_tokens, temperature=0)))

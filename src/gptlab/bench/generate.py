@@ -18,7 +18,7 @@ from gptlab.bench.quality import int8_quality
 from gptlab.bench.sliding import char_model_speedup
 from gptlab.bench.timing import LoadWatch, read_bandwidth
 from gptlab.config import ModelConfig, build
-from gptlab.inference import FLOAT_DTYPES
+from gptlab.inference.loading import FLOAT_DTYPES
 from gptlab.inference.native import describe, has_int8_vnni, load_library
 from gptlab.inference.weights import can_pack
 from gptlab.model import GPT

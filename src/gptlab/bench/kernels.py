@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from gptlab.bench.timing import time_it
-from gptlab.inference import FLOAT_DTYPES
+from gptlab.inference.loading import FLOAT_DTYPES
 from gptlab.inference.weights import InferenceLinear
 
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -22,6 +22,9 @@ from gptlab.bench.timing import LoadWatch
 from gptlab.config import ModelConfig, build, get_preset
 from gptlab.model import GPT
 from gptlab.runtime import autocast, reuse_freed_memory, set_threads
+
+if TYPE_CHECKING:
+    from torch.autograd.profiler_util import FunctionEvent
 
 CHAR_VOCAB = 65  # Tiny Shakespeare's characters, for presets whose vocabulary comes from the data
 PRODUCTS = ("forward", "input grad", "weight grad")
@@ -43,7 +46,7 @@ class MatmulResult:
         return self.total_s["fp32"] / self.total_s["bf16"]
 
 
-def best(fn: Callable[[], Any], repeats: int = 10) -> float:
+def best(fn: Callable[[], object], repeats: int = 10) -> float:
     """The fastest of `repeats` calls, after two warm-up calls."""
     fn()
     fn()
@@ -92,7 +95,7 @@ OP_KINDS = (("module:Dropout", "dropout"), ("optimizer", "optimizer (AdamW)"), (
 LABELLED = ("Dropout", "Embedding")  # module types whose whole forward counts as theirs
 
 
-def kind_of(event: Any) -> str:
+def kind_of(event: FunctionEvent | None) -> str:
     """The OP_KINDS label of one profiler event, from its own name and its callers'."""
     names = []
     while event is not None:

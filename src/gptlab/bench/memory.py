@@ -18,7 +18,7 @@ import torch
 from gptlab.config import ModelConfig, TrainConfig
 
 
-def saved_bytes(model: torch.nn.Module, forward: Callable[[], Any]) -> int:
+def saved_bytes(model: torch.nn.Module, forward: Callable[[], object]) -> int:
     """Bytes of the distinct storages that `forward()` (a training forward of `model`) keeps for backward: every
     tensor autograd saves, parameters left out (activation checkpointing saves each block's input this way too)."""
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
@@ -45,13 +45,14 @@ def measure_in_fresh_process(build: Callable[..., Any], variant: Any, model_cfg:
 
 def step_memory(build: Callable[..., Any], variant: Any, model_cfg: ModelConfig, cfg: TrainConfig,
                 data_dir: Path) -> dict[str, int]:
-    """The memory of one training step of `variant` (a bench.train.Variant), built by `build` (bench.train's
-    build_contender, passed in: that module imports this one) as `gptlab bench train` builds it: {"saved":
-    saved_bytes of one forward, "base": the memory held once the model and the optimizer's state exist, "step": the
-    peak of one training step above base, "weights": the parameters' bytes, "trained": the bytes of the trained
-    parameters' gradients and AdamW moments}. On a CPU memory is the process's resident set (freed blocks of 1 MiB
-    and more go back to the system at once, so the peak is the step's own), on CUDA torch's allocated bytes. Meant
-    for a fresh process: the resident peak is the process's."""
+    """The memory of one training step of `variant` (a bench.train_speed.Variant), built by `build`
+    (bench.train_speed's build_contender, passed in: that module imports this one, so neither type can be named
+    here) as `gptlab bench train` builds it: {"saved": saved_bytes of one forward, "base": the memory held once the
+    model and the optimizer's state exist, "step": the peak of one training step above base, "weights": the
+    parameters' bytes, "trained": the bytes of the trained parameters' gradients and AdamW moments}. On a CPU
+    memory is the process's resident set (freed blocks of 1 MiB and more go back to the system at once, so the peak
+    is the step's own), on CUDA torch's allocated bytes. Meant for a fresh process: the resident peak is the
+    process's."""
     from gptlab.data.batches import batch_generator, load_dataset
     from gptlab.runtime import resolve_device, set_threads
     from gptlab.training.step import train_step

@@ -15,7 +15,7 @@ from gptlab.config import SampleConfig
 from gptlab.data.batches import load_dataset
 from gptlab.engine import generate_batch
 from gptlab.errors import GptlabError
-from gptlab.inference import bf16_storage_possible, prepare_for_inference
+from gptlab.inference.loading import bf16_storage_possible, prepare_for_inference
 from gptlab.runtime import bf16_supported
 
 TORCH_INT8 = "int8 (torch step)"

@@ -16,7 +16,7 @@ import dataclasses
 import json
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -25,6 +25,9 @@ from gptlab.bench.timing import LoadWatch, median
 from gptlab.config import ModelConfig, TrainConfig, build, get_preset
 from gptlab.peak import Peak, Speed, peak_key, read_peak
 from gptlab.runtime import bf16_supported, device_name, reuse_freed_memory, set_threads
+
+if TYPE_CHECKING:
+    from gptlab.training.step import StepContext
 
 DEFAULT_PRESETS = ("char-quick", "char-small")
 NAIVE_STEP_LIMIT = 1e12  # model FLOPs of a naive step of the preset's batch above which the preset runs batch 1
@@ -52,7 +55,7 @@ class StepPath:
     precision: str
     model: torch.nn.Module
     optimizer: torch.optim.Optimizer
-    ctx: Any
+    ctx: StepContext
     times: list[float] = field(default_factory=list)
 
 
@@ -93,7 +96,7 @@ def _step_paths(shape: ReferenceShape) -> list[StepPath]:
     random token stream (what a step reads of a Dataset: no corpus needed)."""
     from gptlab.model import GPT
     from gptlab.optim import make_optimizer
-    from gptlab.reference.train import naive_model, naive_optimizer
+    from gptlab.reference.naive_training import naive_model, naive_optimizer
     from gptlab.data.batches import Dataset
     from gptlab.training.step import StepContext
 
@@ -118,7 +121,7 @@ def time_shape(shape: ReferenceShape, steps: int, warmup: int, peak: Peak | None
     """`warmup` untimed steps, then `steps` timed ones, of each path, interleaved step by step (a busy machine
     slows them alike); the engine's clock is reset after the warm-up and read after the last step. Returns the
     shape's result (see shape_result)."""
-    from gptlab.reference.native import load_library, profile, reset_profile
+    from gptlab.reference.library import load_library, profile, reset_profile
     from gptlab.training.step import train_step
 
     paths = _step_paths(shape)

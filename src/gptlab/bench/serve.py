@@ -16,10 +16,11 @@ import torch
 from gptlab.bench.timing import LoadWatch
 from gptlab.config import ModelConfig, build, get_preset
 from gptlab.errors import GptlabError
-from gptlab.inference import bf16_storage_possible
+from gptlab.inference.loading import bf16_storage_possible
 from gptlab.runtime import device_name, resolve_precision, set_threads
-from gptlab.serve import Limits, load_served, start_server
+from gptlab.serve.api import Limits
 from gptlab.serve.app import make_app
+from gptlab.serve.server import load_served, start_server
 
 
 @dataclass
@@ -114,7 +115,7 @@ async def _run_phase(url: str, phase: Phase, requests_each: int, body: dict, tim
 
 def _model(model: str | None, run: str | None, precision: str):
     """A Served: a run's model, or a GPT-2-124M-shaped one with random weights and GPT-2's tokenizer."""
-    from gptlab.inference import prepare_for_inference
+    from gptlab.inference.loading import prepare_for_inference
     from gptlab.model import GPT
     from gptlab.serve.app import Served
     from gptlab.tokenizer import GPT2Tokenizer

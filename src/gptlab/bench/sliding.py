@@ -7,7 +7,7 @@ import torch
 
 from gptlab.bench.engines import GEN_MODELS, run_gptlab
 from gptlab.config import ModelConfig, build
-from gptlab.inference import prepare_for_inference
+from gptlab.inference.loading import prepare_for_inference
 from gptlab.model import GPT
 
 

@@ -52,7 +52,7 @@ def write_model(folder: Path, shape: str) -> None:
 
 def time_gptlab(folder: Path, items: list[Item]) -> tuple[float, float]:
     """(seconds, acc) of gptlab's task scoring (fp32) over `items`, after one warm-up item."""
-    from gptlab.hf.hf import load_hf_model
+    from gptlab.hf.gpt2_folders import load_hf_model
     from gptlab.tasks.measure import evaluate_items
     from gptlab.tokenizer import GPT2Tokenizer
 

@@ -6,14 +6,16 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TypeVar
 
 import torch
 
 from gptlab.machine import usable_cores
+
+_R = TypeVar("_R")
 
 BUSY_CPUS = 0.3  # other processes using more than this many CPUs' worth of time during a bench: a busy machine
 
@@ -26,7 +28,7 @@ def sync(device: torch.device) -> None:
         torch.mps.synchronize()
 
 
-def time_it(fn: Callable[[], Any], device: torch.device, min_seconds: float = 0.5, warmup: int = 2,
+def time_it(fn: Callable[[], object], device: torch.device, min_seconds: float = 0.5, warmup: int = 2,
             max_iters: int = 1000, best: bool = False) -> float:
     """Seconds per call of fn over repeated calls lasting at least min_seconds, after warmup calls: the median,
     or with best the fastest call (what the device can do when nothing else runs)."""
@@ -48,9 +50,9 @@ def median(values: list[float]) -> float:
     return sorted(values)[len(values) // 2] if values else float("nan")
 
 
-def read_then(buffer: torch.Tensor, fn: Callable[[], Any]) -> tuple[float, float, Any]:
+def read_then(buffer: torch.Tensor, fn: Callable[[], _R]) -> tuple[float, float, _R]:
     """One read of `buffer` (a CPU tensor much larger than the caches), then fn(): (the read's bytes/s, fn's
-    seconds, fn's result). A shared machine's read bandwidth drifts by tens of percent within seconds, so the
+    seconds, fn's result). A shared machine's read bandwidth drifts from moment to moment, so the
     benches hold each decode step to the floor of its own moment, read just before it."""
     t0 = time.perf_counter()
     buffer.sum()
@@ -75,7 +77,7 @@ class Clock:
         self.skip, self.stamps, self.ids = skip, [], []
         self.start = time.perf_counter()
 
-    def put(self, value: Any) -> None:
+    def put(self, value: torch.Tensor | Iterable[int]) -> None:
         if self.skip:
             self.skip -= 1
             return

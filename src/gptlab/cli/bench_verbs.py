@@ -19,7 +19,7 @@ BENCHES = Subcommands("bench", "BENCH")  # also the decorator that registers one
 @BENCHES("peak", "measure the device's matmul peak (fp32, bf16, tf32) and memory bandwidth, and the machine's load; "
          "cached per device for MFU unless other work was running", add_device)
 def bench_peak(args: argparse.Namespace) -> int:
-    from gptlab.bench.peak import run_peak
+    from gptlab.bench.device_peak import run_peak
 
     run_peak(device=args.device)
     return 0
@@ -55,7 +55,7 @@ def add_bench_train(p: argparse.ArgumentParser) -> None:
          "on CUDA), or without and with activation checkpointing: tokens/s, ms/step, MFU, and the loss after the same "
          "steps (and memory)", add_bench_train)
 def bench_train(args: argparse.Namespace) -> int:
-    from gptlab.bench.train import checkpointing_variants, lora_variants, run_train_bench, train_variants
+    from gptlab.bench.train_speed import checkpointing_variants, lora_variants, run_train_bench, train_variants
     from gptlab.runtime import resolve_device
 
     if args.traced and args.activation_checkpointing:
@@ -86,7 +86,7 @@ def _bench_train_settings(args: argparse.Namespace) -> tuple[Path, ModelConfig, 
 @BENCHES("attention", "time a training step with each attention path (sdpa, naive) in each precision, side by side",
          add_bench_attention)
 def bench_attention(args: argparse.Namespace) -> int:
-    from gptlab.bench.train import attention_variants, run_train_bench
+    from gptlab.bench.train_speed import attention_variants, run_train_bench
     from gptlab.runtime import resolve_device
 
     data, model_cfg, train_cfg = _bench_train_settings(args)
@@ -142,7 +142,7 @@ def bench_eval(args: argparse.Namespace) -> int:
 
 
 def add_bench_chat(p: argparse.ArgumentParser) -> None:
-    from gptlab.bench.chat import ChatBenchSettings
+    from gptlab.bench.chat_finetune import ChatBenchSettings
 
     d = ChatBenchSettings()
     for flag, kind, text in (("train", int, "training conversations"), ("held", int, "held-out questions"),
@@ -166,7 +166,7 @@ def add_bench_chat(p: argparse.ArgumentParser) -> None:
          "beside the base before fine-tuning", add_bench_chat)
 def bench_chat(args: argparse.Namespace) -> int:
 
-    from gptlab.bench.chat import ChatBenchSettings, run_chat_bench  # too few words: refused before any training
+    from gptlab.bench.chat_finetune import ChatBenchSettings, run_chat_bench  # too few words: refused before any training
 
     at_least(args, train=1, held=1, min_len=1, max_len=args.min_len, n_layer=1, n_head=1, n_embd=1, batch_size=1,
              base_steps=1, steps=1)
@@ -258,7 +258,7 @@ def add_bench_prepare(p: argparse.ArgumentParser) -> None:
          "library's own batch encoding with as many threads, and its peak memory at two corpus sizes",
          add_bench_prepare)
 def bench_prepare(args: argparse.Namespace) -> int:
-    from gptlab.bench.prepare import run_prepare_bench
+    from gptlab.bench.prepare_speed import run_prepare_bench
 
     if min(args.sizes_mb) <= 0 or (args.workers is not None and args.workers < 1):
         raise GptlabError(f"--sizes-mb must be > 0 and --workers >= 1, not {args.sizes_mb} / {args.workers}")

@@ -31,7 +31,7 @@ a file) is echoed after each prompt, so the transcript reads as the conversation
 
 @command("chat", HELP)
 def cmd_chat(args: argparse.Namespace) -> int:
-    from gptlab.inference import load_for_inference
+    from gptlab.inference.loading import load_for_inference
     from gptlab.runs import latest_run
     from gptlab.runtime import resolve_device, set_threads
     from gptlab.tokenizer import chat_of

@@ -6,12 +6,15 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
 from typing import Any
 
 from gptlab.config import DEVICES, field_help, field_types, parse_value
 from gptlab.errors import GptlabError
 
-COMMANDS: dict[str, tuple[Any, str]] = {}  # name -> (function, help); its flags: the module's add_NAME
+RunVerb = Callable[[argparse.Namespace], int]  # a verb: its parsed arguments -> the exit code
+AddFlags = Callable[[argparse.ArgumentParser], None]  # a verb's flags, added to its parser
+COMMANDS: dict[str, tuple[RunVerb, str]] = {}  # name -> (function, help); its flags: the module's add_NAME
 class Parser(argparse.ArgumentParser):
     """argparse that reports a usage error as one line (exit 2) instead of a usage dump."""
 
@@ -34,9 +37,9 @@ class Verbs(argparse._SubParsersAction):
 
     def __init__(self, *args: Any, **kwargs: Any):
         super().__init__(*args, **kwargs)
-        self.pending: dict[str, Any] = {}  # name -> the function that adds its flags, until it is used
+        self.pending: dict[str, AddFlags] = {}  # name -> the function that adds its flags, until it is used
 
-    def add_parser(self, name: str, flags: Any = None, **kwargs: Any) -> argparse.ArgumentParser:
+    def add_parser(self, name: str, flags: AddFlags | None = None, **kwargs: Any) -> argparse.ArgumentParser:
         parser = super().add_parser(name, **kwargs)
         if flags is not None:
             self.pending[name] = flags
@@ -65,7 +68,7 @@ class Subcommands(dict):
         super().__init__()
         self.dest, self.metavar = dest, metavar
 
-    def __call__(self, name: str, help: str, add: Any):
+    def __call__(self, name: str, help: str, add: AddFlags | None) -> Callable[[RunVerb], RunVerb]:
         def register(fn):
             self[name] = (add, fn, help)
             return fn

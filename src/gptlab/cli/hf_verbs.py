@@ -28,7 +28,7 @@ def cmd_import(args: argparse.Namespace) -> int:
         print(f"imported the LoRA adapter in {path} into {run}: {count:,} adapter parameters on base {args.base}")
         print(f"sample it: gptlab sample --run {run}; export it merged: gptlab export {run} --merge --out DIR")
         return 0
-    from gptlab.hf.hf import import_hf
+    from gptlab.hf.gpt2_folders import import_hf
 
     if args.base:
         raise GptlabError("--base is for `gptlab import peft DIR --base RUN`; a Hugging Face model is whole")
@@ -73,7 +73,7 @@ def cmd_export(args: argparse.Namespace) -> int:
         print(f"load them: peft.PeftModel.from_pretrained(GPT2LMHeadModel of the exported base, {str(args.out)!r})"
               f"{grow}")
         return 0
-    from gptlab.hf.hf import export_hf
+    from gptlab.hf.gpt2_folders import export_hf
 
     names = export_hf(args.run_dir, args.out, merge=args.merge, overwrite=args.overwrite)
     print(f"exported {args.run_dir} to {args.out}: {', '.join(names)}")

@@ -26,15 +26,15 @@ def check_run(args: argparse.Namespace) -> int:
     from gptlab import lora
     from gptlab.checkpoint import load_run
     from gptlab.data.batches import batch_generator, get_batch, load_dataset
-    from gptlab.model import GPT
+    from gptlab.model import is_gpt
     from gptlab.reference.check import compare_engines
-    from gptlab.reference.native import load_library
+    from gptlab.reference.library import load_library
     from gptlab.runs import latest_run, run_data_dir
 
     at_least(args, batch_size=1)
     run = Path(args.run) if args.run else latest_run()
     loaded = load_run(run)
-    if type(loaded.model) is not GPT:
+    if not is_gpt(loaded.model):
         raise GptlabError(f"run {run} is not a GPT (the reference engine implements the GPT alone)")
     data = run_data_dir(run)
     if data is None:

@@ -23,10 +23,11 @@ LIMIT_FLAGS = {  # flag -> (Limits field, type, help); the defaults come from Li
                   "with a chat template) with continuous batching, a playground at /")
 def cmd_serve(args: argparse.Namespace) -> int:
     from gptlab.checkpoint import read_run_config
-    from gptlab.inference import bf16_storage_possible
+    from gptlab.inference.loading import bf16_storage_possible
     from gptlab.runs import latest_run
     from gptlab.runtime import resolve_device, resolve_precision, set_threads
-    from gptlab.serve import Limits, check_bind, listen, load_served, serve_run
+    from gptlab.serve.api import Limits
+    from gptlab.serve.server import check_bind, listen, load_served, serve_run
     from gptlab.tokenizer import ChatTokenizer
 
     limits = Limits(**{name: getattr(args, name) for name, _, _ in LIMIT_FLAGS.values()},

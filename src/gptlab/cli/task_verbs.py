@@ -82,7 +82,7 @@ def eval_tasks(args: argparse.Namespace, run: str | Path) -> int:
     """Score the run on every task file, print the table (or JSON), keep each result in RUN/evals/."""
     from tqdm import tqdm
 
-    from gptlab.inference import load_for_inference
+    from gptlab.inference.loading import load_for_inference
     from gptlab.runtime import resolve_device
     from gptlab.tasks.items import read_task
     from gptlab.tasks.measure import evaluate_items

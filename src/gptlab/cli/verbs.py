@@ -98,16 +98,16 @@ def train_spec(args: argparse.Namespace, resume: bool | str):
 
 @command("train", "train a model (no arguments: the default preset on the bundled corpus, into runs/)")
 def cmd_train(args: argparse.Namespace) -> int:
-    from gptlab.distributed import distributed
+    from gptlab.distributed import processes
     from gptlab.runs import launch, start
 
     if args.resume not in RESUME_VALUES:
         raise GptlabError(f"--resume takes no value or 'auto', not {args.resume!r}")
-    if args.nproc is not None and not distributed.launched():  # under torchrun, --nproc has done its job
+    if args.nproc is not None and not processes.launched():  # under torchrun, --nproc has done its job
         spec = train_spec(args, RESUME_VALUES[args.resume])
         return launch(spec, args.nproc, args.argv + ([] if args.run else ["--run", str(spec.run)]),
                       args.max_restarts)
-    resume = distributed.elastic_resume(args.resume, args.run)
+    resume = processes.elastic_resume(args.resume, args.run)
     result = start(train_spec(args, RESUME_VALUES[resume]), quiet=args.quiet)
     if result.rank:
         return 0  # rank 0 speaks for all
@@ -159,7 +159,7 @@ def read_prompt(args: argparse.Namespace, tokenizer) -> list[int]:
 
 @command("sample", "generate text from a trained run, streamed as it is produced")
 def cmd_sample(args: argparse.Namespace) -> int:
-    from gptlab.inference import load_for_inference
+    from gptlab.inference.loading import load_for_inference
     from gptlab.runs import latest_run
     from gptlab.runtime import resolve_device, set_threads
     from gptlab.textstream import TextStream
@@ -201,10 +201,10 @@ def sample_config(args: argparse.Namespace, **defaults) -> SampleConfig:
 def load_naive(args: argparse.Namespace, prompt: list[int]):
     """The run's model decoded by the naive C++ engine (fp32, CPU, no KV cache: each step recomputes the window),
     the prompt read first; what the engine cannot do is refused in one line before the model is loaded."""
-    from gptlab.inference import load_for_inference
-    from gptlab.model import GPT
-    from gptlab.reference.native import load_library
-    from gptlab.reference.train import naive_model
+    from gptlab.inference.loading import load_for_inference
+    from gptlab.model import is_gpt
+    from gptlab.reference.library import load_library
+    from gptlab.reference.naive_training import naive_model
     from gptlab.runs import latest_run
 
     if args.precision not in ("auto", "fp32") or args.device not in ("auto", "cpu"):
@@ -213,7 +213,7 @@ def load_naive(args: argparse.Namespace, prompt: list[int]):
     load_library()  # no compiler: refused in one line
     ready = load_for_inference(args.run or latest_run(), "cpu", "fp32", decode=False,
                                check=lambda tokenizer: prompt.extend(read_prompt(args, tokenizer)))
-    if type(ready.model.model) is not GPT:
+    if not is_gpt(ready.model.model):
         raise GptlabError("the reference engine implements the GPT, not the bigram; use --engine torch")
     naive_model(ready.model.model)  # the same object, computed by the engine from now on
     return ready
@@ -250,7 +250,7 @@ def add_sample(p: argparse.ArgumentParser) -> None:
 @command("eval", "loss, perplexity and bits per character / byte on the validation split or on text files")
 def cmd_eval(args: argparse.Namespace) -> int:
     from gptlab.evaluate import score_files, score_split
-    from gptlab.inference import load_for_inference
+    from gptlab.inference.loading import load_for_inference
     from gptlab.runs import latest_run, run_data_dir
     from gptlab.runtime import resolve_device, set_threads
 

@@ -15,7 +15,7 @@ from collections import deque
 from collections.abc import Iterable, Iterator
 from multiprocessing import connection, resource_tracker
 from multiprocessing.connection import Connection
-from typing import Any
+from multiprocessing.context import BaseContext
 
 import numpy as np
 
@@ -100,7 +100,7 @@ def _sigint_held() -> Iterator[None]:
 class _Worker:
     """One worker process with its two pipes, seen from the parent."""
 
-    def __init__(self, context: Any, tokenizer: dict, allow_special: bool):
+    def __init__(self, context: BaseContext, tokenizer: dict, allow_special: bool):
         inbox, self.inbox = context.Pipe(duplex=False)
         self.outbox, outbox = context.Pipe(duplex=False)
         self.process = context.Process(target=_work, args=(tokenizer, allow_special, inbox, outbox), daemon=True)

@@ -17,7 +17,7 @@ import sys
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 
@@ -34,6 +34,11 @@ from gptlab.machine import usable_cores
 from gptlab.rundir import folder_kind
 from gptlab.tokenizer import Tokenizer, load as load_tokenizer, train_tokenizer
 
+if TYPE_CHECKING:
+    from tqdm import tqdm
+
+_T = TypeVar("_T")
+
 
 class OtherData(GptlabError):
     """The output folder holds prepared data made from other inputs or settings, which a run may train on."""
@@ -46,7 +51,7 @@ class OtherData(GptlabError):
                          "folder, or pass --overwrite to replace it")
 
 
-def _progress(sources: list[Source], desc: str, quiet: bool, total: int | None = None) -> Any:
+def _progress(sources: list[Source], desc: str, quiet: bool, total: int | None = None) -> tqdm:
     """A bar over the bytes read. The scan of compressed or Parquet inputs cannot know their total, so it shows the
     rate; the encoding pass after it is given the total the scan counted, so it shows the time left too."""
     from tqdm import tqdm
@@ -66,7 +71,7 @@ def tokenizer_of(folder: str | Path) -> Tokenizer:
     return load_tokenizer(file)
 
 
-def _interruptible(fn: Callable[[], Any]) -> Any:
+def _interruptible(fn: Callable[[], _T]) -> _T:
     """fn() in a worker thread, so that Ctrl-C stops the caller at once even while fn runs native code that
     never returns to Python (training a BPE tokenizer does); the abandoned worker dies with the process."""
     result: dict[str, Any] = {}
@@ -313,7 +318,7 @@ def _check_not_empty(scan: Scan, sources: list[Source], what: str) -> None:
 
 
 def _pieces(sources: list[Source], split_at: int, held: np.ndarray | None, encoding: str, text_field: str,
-            bar: Any, chars: list[int], joiner: str = "") -> Iterator[Piece]:
+            bar: tqdm, chars: list[int], joiner: str = "") -> Iterator[Piece]:
     """Every document's text in pieces, each marked with its side: the documents marked in `held` go to val and
     the rest to train, or without it, characters before `split_at` go to train and the rest to val. Every document
     ends with the end-of-text token (on the side its last character is), and `joiner` follows it on that side when

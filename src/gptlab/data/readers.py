@@ -220,7 +220,7 @@ def _validation_corpus(scan: Scan) -> np.ndarray | None:
 
 
 def scan_sources(sources: list[Source], encoding: str, text_field: str, strict: bool,
-                 on_progress: Callable[[int], Any], refuse_special: bool, collect_chars: bool = True) -> Scan:
+                 on_progress: Callable[[int], object], refuse_special: bool, collect_chars: bool = True) -> Scan:
     """First pass: validate every file, count documents and characters, hash the bytes and, with collect_chars
     (for a char tokenizer; it is the slowest part), collect the characters. A file found in a folder that cannot be
     read (binary, another encoding, not its kind, JSON lines of which none is a good record) is skipped unless
@@ -257,7 +257,7 @@ def scan_sources(sources: list[Source], encoding: str, text_field: str, strict: 
     return scan
 
 
-def _scan_source(source: Source, encoding: str, text_field: str, on_progress: Callable[[int], Any],
+def _scan_source(source: Source, encoding: str, text_field: str, on_progress: Callable[[int], object],
                  refuse_special: bool, collect_chars: bool,
                  on_bad: Callable[[int, str], None]) -> tuple[dict[str, Any], set[str], array]:
     sha, n_chars, chars, n_bytes, lengths = hashlib.sha256(), 0, set(), [0], array("q")

@@ -16,7 +16,8 @@ import logging
 import os
 import shutil
 from pathlib import Path
-from typing import Any
+from types import TracebackType
+from typing import Any, TextIO
 
 import numpy as np
 
@@ -108,7 +109,7 @@ class Staging:
         self.progress: dict[str, Any] | None = None
         self.created = not out.exists()
         self.committed = False
-        self.lock: Any = None
+        self.lock: TextIO | None = None
 
     def __enter__(self) -> Staging:
         try:
@@ -195,7 +196,7 @@ class Staging:
         self.committed = True
         return meta
 
-    def __exit__(self, kind: type | None, exc: BaseException | None, tb: Any) -> None:
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
         # what is on disk decides, not self.progress: a Ctrl-C inside `checkpoint` can land after progress.json
         # was renamed into place and before this object heard of it
         progress = None if self.committed else self._read_progress()

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 
 from gptlab.errors import GptlabError
 
@@ -136,14 +137,14 @@ class ShardedTokens:
         joined = np.concatenate(parts)
         return joined if picked.step == 1 else joined[::picked.step]  # a negative step starts from its last
 
-    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
+    def __array__(self, dtype: npt.DTypeLike = None, copy: bool | None = None) -> np.ndarray:
         whole = self[:]
         return whole if dtype is None else whole.astype(dtype)
 
     def tolist(self) -> list[int]:
         return self[:].tolist()
 
-    def astype(self, dtype: Any) -> np.ndarray:
+    def astype(self, dtype: npt.DTypeLike) -> np.ndarray:
         return self[:].astype(dtype)
 
     def windows(self, starts: np.ndarray, length: int) -> np.ndarray:

@@ -1,4 +1,4 @@
-"""Training in several processes: `distributed` (joining torchrun's process group, the checks every process makes
+"""Training in several processes: `processes` (joining torchrun's process group, the checks every process makes
 at start-up, each rank's rows of the batch, DDP / FSDP wrapping, launching torchrun) and `fsdp` (FSDP2 from the
 inside: a model built on the meta device and initialised shard by shard exactly as a whole build, slice-wise
 checkpoint reads and writes). The sharded checkpoints' file I/O (gptlab.sharded) stays beside checkpoint.py, which

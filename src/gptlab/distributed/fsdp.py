@@ -1,6 +1,6 @@
 """FSDP2 from the inside: building a model whose processes each hold only their slices (initialised exactly as a
 whole build would be), writing and reading checkpoints slice by slice, and cutting a process's slice from a whole
-tensor. distributed.py applies it; sharded.py (beside checkpoint.py) does the file I/O."""
+tensor. processes.py applies it; sharded.py (beside checkpoint.py) does the file I/O."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from torch.overrides import TorchFunctionMode
 from gptlab import checkpoint as ck
 from gptlab import sharded
 from gptlab.errors import GptlabError
+from gptlab.model import is_gpt
 
 
 def load_checkpoint(folder: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
@@ -59,7 +60,8 @@ def shard_targets(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
     return targets
 
 
-def write_shards(folder: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> Any:
+def write_shards(folder: Path, model: torch.nn.Module,
+                 optimizer: torch.optim.Optimizer | None) -> dict[str, Any] | None:
     """Every process together: write model and optimizer (when given) into `folder`, each process its own
     slices, named as in a whole checkpoint; returns the optimizer's JSON part (or None)."""
     tensors = {f"model.{name}": p.detach() for name, p in named_tensors(model)}
@@ -127,7 +129,7 @@ def shard_model(model: torch.nn.Module) -> torch.nn.Module:
     LM head, the final LayerNorm) another."""
     from torch.distributed.fsdp import fully_shard
 
-    for block in getattr(getattr(model, "transformer", None), "h", []):
+    for block in model.transformer.h if is_gpt(model) else []:
         fully_shard(block)
     fully_shard(model)
     return model

@@ -7,13 +7,16 @@ from __future__ import annotations
 import functools
 import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from gptlab.errors import GptlabError
 from gptlab.rundir import write_atomic
 from gptlab.tokenizer import (CHAT_TEMPLATE, CHAT_TOKENS, EOT, CharTokenizer, ChatTokenizer, GPT2Tokenizer, Tokenizer,
                               byte_decoder, gpt2_ranks)
 from gptlab.tokenizer import load as load_tokenizer
+
+if TYPE_CHECKING:
+    from tokenizers import Tokenizer as HFTokenizer
 
 GPTLAB_TOKENIZER = "gptlab_tokenizer.json"  # written by export, so that importing the folder back is exact
 
@@ -97,7 +100,7 @@ def read_hf_tokenizer(folder: str | Path, vocab_size: int) -> Tokenizer:
     return tokenizer
 
 
-def _hf_tokenizer(tokenizer: Tokenizer) -> Any:
+def _hf_tokenizer(tokenizer: Tokenizer) -> HFTokenizer:
     """The tokenizer as a Hugging Face `tokenizers.Tokenizer`, which transformers loads from tokenizer.json."""
     from tokenizers import AddedToken, Regex, Tokenizer as HFTokenizer, decoders, models, pre_tokenizers
 

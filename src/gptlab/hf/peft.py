@@ -22,7 +22,7 @@ from gptlab import lora, rundir
 from gptlab.chat import grow_vocab
 from gptlab.config import LORA_TARGETS, TrainConfig, to_dict
 from gptlab.errors import GptlabError
-from gptlab.hf.hf import (check_export_folder, check_import_folder, staged_folder, write_imported_run,
+from gptlab.hf.gpt2_folders import (check_export_folder, check_import_folder, staged_folder, write_imported_run,
                          write_weights)
 from gptlab.hf.hf_tokenizer import write_tokenizer_files
 from gptlab.lora import TOKEN_IDS
@@ -206,7 +206,8 @@ def import_peft(folder: str | Path, base_run: str | Path, run_dir: str | Path) -
     return lora.adapter_count(model)
 
 
-def _grown(loaded: ck.LoadedRun, tokens: list[int], folder: Path) -> tuple[torch.nn.Module, dict[str, Any], Any]:
+def _grown(loaded: ck.LoadedRun, tokens: list[int],
+           folder: Path) -> tuple[torch.nn.Module, dict[str, torch.Tensor], ChatTokenizer]:
     """The base model, its weights and tokenizer grown by the chat markers, which `tokens` must be."""
     tokenizer = ChatTokenizer(loaded.tokenizer)
     if isinstance(loaded.tokenizer, ChatTokenizer) or sorted(tokens) != sorted(tokenizer.special_ids.values()):

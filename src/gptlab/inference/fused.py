@@ -9,7 +9,7 @@ where the CPU has it, else widened to fp32; gptlab.inference.int8 is the referen
 
 The library is built, loaded and its structs checked by gptlab.inference.native. Where it cannot run
 `fused_decoder` returns None, and where a cache is neither fp32 nor bf16 `accepts` says no: the engine then
-decodes with the torch step (gptlab.inference.TorchStep), which stays the reference (tests/test_fused.py
+decodes with the torch step (gptlab.inference.prepared.TorchStep), which stays the reference (tests/test_fused.py
 holds the two together; tests/test_kernel_mutants.py checks that those tests catch a broken kernel).
 """
 
@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from gptlab.inference.int8 import Int8Linear
 from gptlab.inference.native import WEIGHTS, Layer, Model, Step, has_int8_vnni, load_library
 from gptlab.inference.weights import move_to_huge_pages
-from gptlab.model import GPT, KVCache
+from gptlab.model import GPT, KVCache, is_gpt
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:
@@ -193,7 +193,7 @@ def fused_decoder(model: torch.nn.Module, huge_pages: bool = True) -> FusedDecod
     """A FusedDecoder for `model`, or None where the native step cannot run it (not a GPT, not on the CPU,
     embeddings neither fp32 nor bf16 (an int8 model keeps its own in fp32), heads wider than 256, no compiler).
     Every CPU has a build (gptlab.inference.native.BUILDS: the plain one at least)."""
-    if not isinstance(model, GPT):
+    if not is_gpt(model):
         return None
     weight = model.transformer.wte.weight
     if weight.device.type != "cpu" or weight.dtype not in (torch.float32, torch.bfloat16):

@@ -20,6 +20,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from gptlab.model import is_gpt
+
 QMAX = 127  # symmetric: -128 is never used, so -q is always representable
 BF16_ROWS = 16  # from this many rows on (a prompt, not a decode step) the bf16 product pays for its conversion
 
@@ -85,9 +87,8 @@ def quantize_model(model: nn.Module, bf16_rows: int | None = None) -> None:
     rows or more in bf16 (None: always fp32). A token embedding tied to the LM head (GPT's wte) is set to the
     head's dequantized weights, untied: the embedding and the head keep meaning the same matrix, and a decoder
     reading either one sees the same numbers."""
-    head = getattr(model, "lm_head", None)
-    wte = getattr(getattr(model, "transformer", None), "wte", None)
-    tied = isinstance(head, nn.Linear) and wte is not None and head.weight is wte.weight
+    wte = model.transformer.wte if is_gpt(model) else None
+    tied = wte is not None and isinstance(model.lm_head, nn.Linear) and model.lm_head.weight is wte.weight
     for module in list(model.modules()):
         for name, child in list(module.named_children()):
             if isinstance(child, nn.Linear):

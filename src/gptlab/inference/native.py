@@ -1,7 +1,7 @@
 """The native decode library (csrc/decode.cpp): building it for this CPU, loading it, and checking that its
 structs are the ones this module passes across.
 
-The kernel is one C++ source over a small vector layer (gptlab/csrc/simd.h) that builds for several named targets
+The kernel is one C++ source over a small vector layer (csrc/simd.h beside it) that builds for several named targets
 (BUILDS: x86-64-v4 with AVX512-VNNI and AVX512-BF16 where the CPU has them, x86-64-v3 = AVX2 + FMA, ARM64 with
 NEON, and a plain build any compiler makes), never -march=native, so one machine can build and test several. The
 CPU picks the build at load (`build_for_cpu`: the first in BUILDS whose instructions it has; $GPTLAB_KERNEL_BUILD

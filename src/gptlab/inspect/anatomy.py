@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from gptlab.config import ModelConfig
-from gptlab.model import GPT, build_model
+from gptlab.model import GPT, build_model, is_gpt
 
 KINDS = ("embeddings", "attention", "MLP", "LayerNorms")
 
@@ -52,7 +52,7 @@ def anatomy(model: torch.nn.Module) -> list[Part]:
     """The rows describing `model` (a GPT or the bigram table), top to bottom, each with its parameter count;
     repeated blocks are listed once with "× n_layer" and their counts multiplied by n_layer."""
     c = model.config
-    if not isinstance(model, GPT):
+    if not is_gpt(model):
         return [Part("input ids", "B×T"),
                 Part("logits_table", f"V×V = {c.vocab_size}×{c.vocab_size}", _count(model), "embeddings"),
                 Part("logits", "B×T×V")]
@@ -97,7 +97,7 @@ def anatomy_table(model: torch.nn.Module) -> str:
     lines.insert(1, "-" * len(lines[0]))
     sums = totals(model)
     lines.append("-" * len(lines[0]))
-    if isinstance(model, GPT):
+    if is_gpt(model):
         lines.append(f"B batch, T ≤ block_size {c.block_size}, C = n_embd {c.n_embd}, H = n_head {c.n_head}, "
                      f"d_k = C/H = {c.head_dim}, V = vocab {c.vocab_size}, {c.n_layer} blocks")
     for kind in KINDS:

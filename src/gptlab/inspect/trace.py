@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from gptlab.config import SampleConfig
 from gptlab.engine import generate
 from gptlab.errors import GptlabError
-from gptlab.model import GPT
+from gptlab.model import GPT, is_gpt
 from gptlab.plots import escape
 from gptlab.tokenizer import Tokenizer
 
@@ -50,7 +50,7 @@ class Trace:
 
 def check_traceable(model: torch.nn.Module) -> GPT:
     """The model as a GPT; GptlabError for the bigram baseline, which has no attention or residual stream."""
-    if not isinstance(model, GPT):
+    if not is_gpt(model):
         raise GptlabError(f"this run's model is a {type(model).__name__}: it has no attention or residual stream to "
                           "look inside; inspect a GPT run")
     return model

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from gptlab.model import GPT
-from gptlab.reference import model as rm
+from gptlab.reference import naive_gpt as rm
 
 PRECISIONS = {"fp32": torch.float32, "fp64": torch.float64}
 

@@ -23,7 +23,8 @@ from gptlab.errors import GptlabError
 from gptlab.serve.api import (ApiError, CompletionRequest, Limits, chat_response, chat_stream, check_model,
                               completion_id, encode_chat, encode_prompts, envelope, parse_chat, parse_completion, sse)
 from gptlab.serve.scheduler import Job, Scheduler
-from gptlab.tokenizer import CHAT_TEMPLATE, EOT, ChatTokenizer
+from gptlab.inference.prepared import InferenceModel
+from gptlab.tokenizer import CHAT_TEMPLATE, EOT, ChatTokenizer, Tokenizer
 
 
 @dataclass
@@ -32,8 +33,8 @@ class Served:
     fp32 copy of the model for /inspect (loaded on first use)."""
 
     name: str
-    model: Any
-    tokenizer: Any
+    model: InferenceModel
+    tokenizer: Tokenizer
     parameters: int
     plain_model: Callable[[], torch.nn.Module]
 

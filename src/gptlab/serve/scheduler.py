@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from gptlab.engine import Row, RunningBatch
-from gptlab.inference import InferenceModel
+from gptlab.inference.prepared import InferenceModel
 from gptlab.serve.api import CompletionRequest
 from gptlab.textstream import Completion
 from gptlab.tokenizer import Tokenizer
@@ -153,7 +153,7 @@ class Scheduler:
 
     def close(self, grace: float) -> None:
         """Refuse new jobs from now on and give running and waiting ones `grace` seconds to finish; the first call
-        sets the deadline (a shutdown signal's, before the server stops: `gptlab.serve.serve_run`)."""
+        sets the deadline (a shutdown signal's, before the server stops: `gptlab.serve.server.serve_run`)."""
         with self._wake:
             if not self._closing:
                 self._closing = True

@@ -38,7 +38,7 @@ class GptlabLM(TemplateLM):
         super().__init__()
         self.checkpoint = None  # the run's checkpoint the weights came from (None: a model given directly)
         if model is None:
-            from gptlab.inference import load_for_inference
+            from gptlab.inference.loading import load_for_inference
 
             if run is None:
                 raise GptlabError("the gptlab harness model needs a run: model_args=run=RUN")

@@ -7,8 +7,8 @@ import signal
 import sys
 import threading
 from collections import deque
+from collections.abc import Callable
 from types import FrameType
-from typing import Any
 
 from gptlab.errors import GptlabError
 
@@ -47,7 +47,7 @@ class GracefulStop:
 
     def __init__(self) -> None:
         self.signum: int | None = None
-        self._previous: dict[int, Any] = {}
+        self._previous: dict[int, Callable[[int, FrameType | None], object] | int | None] = {}  # as signal.signal
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         if self.signum is not None:

@@ -15,6 +15,7 @@ import secrets
 import signal
 import time
 from pathlib import Path
+from types import TracebackType
 from typing import Any, Callable
 from urllib.parse import urlsplit
 
@@ -311,7 +312,7 @@ class Loggers:
     def __enter__(self) -> Loggers:
         return self
 
-    def __exit__(self, kind: Any, exc: Any, tb: Any) -> None:
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
         for logger in self.loggers:
             logger.finish(exc)
 

@@ -35,6 +35,13 @@ def check_data(dataset: Dataset, model_cfg: ModelConfig) -> None:
                           f"{dataset.tokenizer.vocab_size}; drop the --vocab-size override")
 
 
+def check_init_weights(cfg: TrainConfig, resume: bool, init: dict[str, torch.Tensor] | None) -> None:
+    """Refuse a run that starts from cfg.init_from's weights without them (`init`, which runs.start reads): a new
+    run, or a LoRA run even when it resumes (its base is not in its checkpoints)."""
+    if cfg.init_from and (not resume or cfg.lora_rank) and init is None:  # a LoRA run needs its base even to resume
+        raise GptlabError(f"init_from {cfg.init_from!r} needs its weights: start the run with gptlab.runs.start")
+
+
 def check_memory(model_cfg: ModelConfig, cfg: TrainConfig, device: torch.device, processes: int,
                  precision: str = "fp32") -> None:
     """Refuse, before allocating anything, what cannot fit the device's memory by a lower bound alone: the

@@ -11,9 +11,9 @@ import torch
 
 from gptlab.config import TrainConfig
 from gptlab.data.batches import Dataset, batch_generator, draw_batch, pass_batches, pass_rows
-from gptlab.distributed.distributed import Parallel
+from gptlab.distributed.processes import Parallel
 from gptlab.optim import lr_at, step_if_finite
-from gptlab.reference.optim import NaiveAdamW, clip_grad_norm
+from gptlab.reference.naive_adamw import NaiveAdamW, clip_grad_norm
 from gptlab.runtime import autocast, to_device
 from gptlab.training.faults import NonFiniteLoss
 

@@ -10,9 +10,10 @@ import os
 import signal
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, Any, TextIO, TypeVar
 
 import torch
 
@@ -20,23 +21,27 @@ from gptlab import checkpoint as ck
 from gptlab import __version__, lora, rundir
 from gptlab.config import ModelConfig, TrainConfig, to_dict
 from gptlab.data.batches import Dataset, load_dataset
-from gptlab.distributed import distributed
-from gptlab.distributed.distributed import Parallel
-from gptlab.distributed.fsdp import load_checkpoint
+from gptlab.distributed import processes
+from gptlab.distributed.processes import Parallel
 from gptlab.errors import GptlabError
 from gptlab.optim import lr_at, make_optimizer
 from gptlab.peak import Speed, cached_speed
-from gptlab.plots import plot_loss, read_metrics
+from gptlab.plots import plot_loss
 from gptlab.runtime import (autocast, compile_model, configure_matmul, resolve_precision, reuse_freed_memory,
                              set_threads)
+from gptlab.reference.naive_training import naive_model, naive_optimizer
 from gptlab.training.faults import GracefulStop, Interrupted, LossSpike, NonFiniteLoss, SpikeGuard, is_out_of_memory
 from gptlab.training.loggers import Loggers, check_loggers, open_loggers, sample_ids
-from gptlab.reference.train import naive_model, naive_optimizer
-from gptlab.training.preflight import (check_checkpointing, check_data, check_engine, check_memory, check_new_run,
-                                       check_resume, settings_changed)
+from gptlab.training.preflight import (check_checkpointing, check_data, check_engine, check_init_weights,
+                                       check_memory, check_new_run, check_resume, settings_changed)
+from gptlab.training.resume import Progress, keep_metrics_until, resume_state
 from gptlab.training.step import StepContext, defers_finite_check, estimate_loss, train_step, warm_up
 
+if TYPE_CHECKING:
+    from tqdm import tqdm
+
 log = logging.getLogger("gptlab")
+_T = TypeVar("_T")
 
 
 @dataclass
@@ -53,33 +58,8 @@ class TrainResult:
     start_step: int = 0  # where this session began (a resume's checkpoint): `seconds` timed the steps from here
 
 
-@dataclass
-class Progress:
-    """Everything about where training stands that a checkpoint must carry to resume exactly."""
-
-    step: int = 0
-    tokens_seen: int = 0
-    best_val_loss: float = math.inf
-
-
 PLAIN_LINE_SECONDS = 10.0  # without a terminal (CI, nohup, | tee): a progress line at most this often
 LOCKED_RUN_ENV = "GPTLAB_LOCKED_RUN"  # set by `gptlab train --nproc`, whose launcher holds the run's lock
-
-
-def resume_state(ckpt: ck.Checkpoint, state: rundir.TrainingState, model: torch.nn.Module,
-                 optimizer: torch.optim.Optimizer, progress: Progress) -> None:
-    """Load a checkpoint (already checked by check_resume) into model, optimizer and the random generators, and
-    set `progress` to where training stands."""
-    load_checkpoint(ckpt.path, model, optimizer, state.optimizer)  # whole or sharded, either way
-    ck.restore_rng(ck.load_tensors(ckpt.path / "rng.safetensors"))
-    progress.step, progress.tokens_seen = state.step, state.tokens_seen or 0
-    progress.best_val_loss = math.inf if state.best_val_loss is None else state.best_val_loss
-
-
-def _keep_metrics_until(path: Path, step: int) -> None:
-    """After a resume, drop what a crashed run logged past its checkpoint, so the log reads as one run."""
-    rows = [r for r in read_metrics(path) if r.get("step", 0) <= step]
-    rundir.write_atomic(path, "".join(json.dumps(r) + "\n" for r in rows).encode())
 
 
 def train(data_dir: str | Path, run_dir: str | Path, model_cfg: ModelConfig, cfg: TrainConfig,
@@ -90,11 +70,11 @@ def train(data_dir: str | Path, run_dir: str | Path, model_cfg: ModelConfig, cfg
     start a new run from those weights. Returns the final numbers. Raises GptlabError on bad input, and its
     subclasses Interrupted (a signal: a checkpoint was written), NonFiniteLoss and LossSpike (nothing applied).
     Everything is checked before the run folder is written, and the folder has one writer at a time (RunLock).
-    Under torchrun, every process runs this and trains its share of each batch (see distributed.py)."""
+    Under torchrun, every process runs this and trains its share of each batch (see distributed/processes.py)."""
     set_threads()
     reuse_freed_memory()
     reference = cfg.engine == "reference"  # the naive C++ engine: fp32 on the CPU, whatever auto would pick
-    parallel = distributed.setup("cpu" if reference else cfg.device)
+    parallel = processes.setup("cpu" if reference else cfg.device)
     device = parallel.device
     precision = "fp32" if reference else resolve_precision(cfg.precision, device)
     check_engine(cfg, model_cfg, parallel.world_size)
@@ -104,8 +84,7 @@ def train(data_dir: str | Path, run_dir: str | Path, model_cfg: ModelConfig, cfg
     dataset = load_dataset(data_dir)
     if model_cfg.vocab_size == 0:
         model_cfg.vocab_size = dataset.tokenizer.vocab_size
-    if cfg.init_from and (not resume or cfg.lora_rank) and init is None:  # a LoRA run needs its base even to resume
-        raise GptlabError(f"init_from {cfg.init_from!r} needs its weights: start the run with gptlab.runs.start")
+    check_init_weights(cfg, resume, init)
     if not resume:  # a resume checks first that the data is the run's (check_resume): what is wrong when it is not
         check_data(dataset, model_cfg)
     check_memory(model_cfg, cfg, device, parallel.world_size, precision)
@@ -167,7 +146,7 @@ def _train_locked(dataset: Dataset, run: Path, model_cfg: ModelConfig, cfg: Trai
         ck.clean_stale(run)
         metrics = run / rundir.METRICS
         if resume:
-            _keep_metrics_until(metrics, progress.step)
+            keep_metrics_until(metrics, progress.step)
         elif metrics.exists():
             metrics.unlink()
     with open_loggers(cfg.log if parallel.is_main else [], run, progress.step) as loggers:
@@ -298,7 +277,7 @@ class Trainer:
             return stop.signum is not None
         return log_row and self.parallel.any(stop.signum is not None)
 
-    def guard(self, fn: Any, *args: Any) -> Any:
+    def guard(self, fn: Callable[..., _T], *args: object) -> _T:
         """Run fn; turn a non-finite loss, a spike or running out of memory into one message that says where the
         last good checkpoint is and what to try."""
         last = f"the last good checkpoint is {self.last_checkpoint}" if self.last_checkpoint else \
@@ -330,7 +309,7 @@ class Trainer:
             ids = sample_ids(self.eager, int(self.ctx.dataset.val[0]), self.model_cfg.block_size, self.ctx.device)
         return self.ctx.dataset.tokenizer.decode(ids)
 
-    def log(self, loss: torch.Tensor, norm: torch.Tensor, bar: Any) -> None:
+    def log(self, loss: torch.Tensor, norm: torch.Tensor, bar: tqdm) -> None:
         """A train row: loss, norm, lr, and the speed since the last row (tokens/s; MFU once the peak is cached)."""
         clock, now = self.clock, time.perf_counter()
         rates = self.speed.report(self.progress.step - clock.tick_step, now - clock.tick)
@@ -349,7 +328,7 @@ class Trainer:
                   f"{rates['tokens_per_s']:,.0f} tokens/s" + (f", mfu {mfu['mfu']}" if mfu else "") +
                   f", {now - clock.start:,.0f} s", file=sys.stderr, flush=True)
 
-    def evaluate(self, bar: Any) -> None:
+    def evaluate(self, bar: tqdm) -> None:
         losses = estimate_loss(self.eager, self.ctx)
         self.val_loss = losses["val"]
         self.record({"kind": "eval", "step": self.progress.step, "train_loss": losses["train"],
@@ -360,7 +339,7 @@ class Trainer:
         self.save(best=self.val_loss < self.progress.best_val_loss)
         self.clock.tick, self.clock.tick_step = time.perf_counter(), self.progress.step
 
-    def interrupted(self, signum: int, bar: Any) -> None:
+    def interrupted(self, signum: int, bar: tqdm) -> None:
         """Write a checkpoint of the step just finished (unless evaluation just did) and stop."""
         if self.last_checkpoint is None or not self.last_checkpoint.name.endswith(f"{self.progress.step:08d}"):
             self.save(best=False)

@@ -1,6 +1,6 @@
 // One decode step of a GPT-2 decoder on a CPU: every row (prompt) brings one new token; this runs the whole model
 // for it in one call, so no interpreter sits between the weights and the memory bus. One source for every CPU: the
-// vector operations come from gptlab/csrc/simd.h (AVX-512, AVX2 + FMA, NEON, or the compiler's generic vectors,
+// vector operations come from simd.h beside it (AVX-512, AVX2 + FMA, NEON, or the compiler's generic vectors,
 // by the build's target: gptlab/inference/native.py names them).
 //
 // Why: decoding one token reads every weight once, so memory bandwidth sets its speed. Each op launched from
@@ -12,7 +12,7 @@
 // bytes read on any CPU), or int8 with one fp32 scale per output row (gptlab/inference/int8.py): widened to fp32
 // for FMAs, or, where the build has AVX512-VNNI, multiplied as bytes by vpdpbusd against x quantized per row to 16
 // bits, in two bytes (see gemv_vnni), or, where it has ARM's dot product, by sdot against x in 15 bits (gemv_sdot).
-// Those ISA-specific products live in csrc/products.h; everything else here is written once over csrc/simd.h.
+// Those ISA-specific products live in products.h; everything else here is written once over simd.h.
 //
 // The math is the model's (gptlab/model.py), step by step; tests/test_fused.py holds it to the torch path
 // (gptlab/inference/fused.py calls it).
@@ -24,7 +24,7 @@
 #include <omp.h>
 
 #include "abi.h"   // gptlab/csrc: the struct layout every library exports
-#include "simd.h"  // gptlab/csrc: the vector layer (vf, LANES, loads, sums, e^x) for this build's target
+#include "simd.h"  // beside this file: the vector layer (vf, LANES, loads, sums, e^x) for this build's target
 
 using simd::vf;
 
@@ -297,7 +297,7 @@ static void gemv(const typename D::W* W, const typename D::X* X, const float* s,
     }
 }
 
-#include "products.h"  // gptlab/csrc: DotBF16, gemv_vnni, gemv_sdot, the products with an ISA's own instructions
+#include "products.h"  // beside this file: DotBF16, gemv_vnni, gemv_sdot, the products with an ISA's own instructions
 
 // Y (R, N) = X (R, K) W^T + b, W (N, K) in the model's format (s, sums: int8's per-row scales and sums), epilogue
 // E; the outputs are split evenly over the threads, then all wait for all.

@@ -21,7 +21,7 @@
 
 #include "abi.h"  // gptlab/csrc: the struct layout every library exports
 
-// ---- the structs Python fills (reference/native.py mirrors them field for field) ----
+// ---- the structs Python fills (reference/library.py mirrors them field for field) ----
 
 struct Layer {  // one block's tensors (or their gradients); a bias is NULL when the model has none
     void *ln_1_w, *ln_1_b, *c_attn_w, *c_attn_b, *attn_proj_w, *attn_proj_b;
@@ -52,7 +52,7 @@ struct Batch {
 };
 
 // ---- the ABI (gptlab/csrc/abi.h): Python checks these before the first call ----
-constexpr int LAYOUT_VERSION = 1;  // raise with any change to the structs above, here and in reference/native.py
+constexpr int LAYOUT_VERSION = 1;  // raise with any change to the structs above, here and in reference/library.py
 #define F(S, f) GPTLAB_FIELD(S, f)
 static const gptlab_abi::Field FIELDS[] = {
     F(Layer, ln_1_w), F(Layer, ln_1_b), F(Layer, c_attn_w), F(Layer, c_attn_b), F(Layer, attn_proj_w),

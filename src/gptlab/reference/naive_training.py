@@ -4,18 +4,18 @@ the engine's) and the engine's AdamW over the torch path's groups (optim.param_g
 from __future__ import annotations
 
 from gptlab.config import TrainConfig
-from gptlab.model import GPT
+from gptlab.model import GPT, is_gpt
 from gptlab.optim import param_groups
-from gptlab.reference.model import NaiveGPT
-from gptlab.reference.native import load_library
-from gptlab.reference.optim import NaiveAdamW
+from gptlab.reference.library import load_library
+from gptlab.reference.naive_adamw import NaiveAdamW
+from gptlab.reference.naive_gpt import NaiveGPT
 
 
 def naive_model(model: GPT) -> NaiveGPT:
     """`model` itself, computed by the engine from now on (its class becomes NaiveGPT: no state changes); the
     library is built first, so a machine without a compiler is told before anything is written."""
     load_library()
-    if type(model) is not GPT:
+    if not is_gpt(model):
         raise TypeError(f"the reference engine computes a GPT, not a {type(model).__name__}")
     model.__class__ = NaiveGPT
     return model

@@ -12,8 +12,8 @@ from collections.abc import Iterable
 
 import torch
 
-from gptlab.reference import native
-from gptlab.reference.model import DTYPES
+from gptlab.reference import library
+from gptlab.reference.naive_gpt import DTYPES
 
 
 def _suffix(t: torch.Tensor) -> str:
@@ -34,7 +34,7 @@ def clip_grad_norm(params: Iterable[torch.Tensor], max_norm: float) -> torch.Ten
         raise ValueError("the reference engine clips gradients of one dtype")
     pointers = (ctypes.c_void_p * len(grads))(*[g.data_ptr() for g in grads])
     sizes = torch.tensor([g.numel() for g in grads], dtype=torch.int64)
-    fn = getattr(native.load_library(), f"gptlab_clip_grad_norm_{suffix}")
+    fn = getattr(library.load_library(), f"gptlab_clip_grad_norm_{suffix}")
     limit = 0.0 if max_norm == float("inf") else float(max_norm)
     return torch.tensor(fn(pointers, sizes.data_ptr(), len(grads), limit), dtype=grads[0].dtype)
 
@@ -48,7 +48,7 @@ class NaiveAdamW(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
-        lib = native.load_library()
+        lib = library.load_library()
         for group in self.param_groups:
             beta1, beta2 = group["betas"]
             for p in group["params"]:

@@ -29,7 +29,7 @@ from gptlab.chat import grow_vocab, rows_added
 from gptlab.config import ModelConfig, TrainConfig, from_dict, to_dict
 from gptlab.errors import GptlabError
 from gptlab.hf.hf_tokenizer import read_hf_tokenizer, write_tokenizer_files
-from gptlab.model import GPT
+from gptlab.model import GPT, is_gpt
 from gptlab.tokenizer import Tokenizer
 
 HF_CONFIG = "config.json"
@@ -318,7 +318,7 @@ def export_hf(run_dir: str | Path, out_dir: str | Path, which: str = "best", mer
         raise GptlabError(f"{run_dir} has no LoRA adapters to merge (it was trained in full); export it without "
                           "--merge")
     loaded = ck.load_run(run_dir, which)
-    if not isinstance(loaded.model, GPT):
+    if not is_gpt(loaded.model):
         raise GptlabError(f"{run_dir} holds a {loaded.model_cfg.arch} model; only GPT models have a Hugging Face "
                           "GPT-2 form")
     tensors = to_hf_tensors(loaded.model, loaded.tokenizer.vocab_size)

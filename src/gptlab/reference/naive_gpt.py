@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from gptlab.model import GPT, KVCache
-from gptlab.reference import native
+from gptlab.reference import library
 
 DTYPES = {torch.float32: "f32", torch.float64: "f64"}
 
@@ -38,15 +38,15 @@ def _ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
 
-def model_struct(model: GPT, tensors: dict[str, torch.Tensor]) -> tuple[native.Model, ctypes.Array]:
+def model_struct(model: GPT, tensors: dict[str, torch.Tensor]) -> tuple[library.Model, ctypes.Array]:
     """A Model struct over `tensors` (parameter name -> tensor: the weights, or gradients of the same shapes); a
     name missing from `tensors` (a bias the model has not) is NULL. Returns the struct and its layers' array, which
     must stay alive while the struct is used."""
     c = model.config
-    layers = (native.Layer * c.n_layer)(*[
-        native.Layer(**{field: _ptr(tensors.get(name)) for field, name in layer_names(i).items()})
+    layers = (library.Layer * c.n_layer)(*[
+        library.Layer(**{field: _ptr(tensors.get(name)) for field, name in layer_names(i).items()})
         for i in range(c.n_layer)])
-    struct = native.Model(n_layer=c.n_layer, n_head=c.n_head, n_embd=c.n_embd, vocab_size=c.vocab_size,
+    struct = library.Model(n_layer=c.n_layer, n_head=c.n_head, n_embd=c.n_embd, vocab_size=c.vocab_size,
                           block_size=c.block_size, gelu_tanh=int(c.activation == "gelu_tanh"),
                           eps=c.layer_norm_eps, layers=layers,
                           **{field: _ptr(tensors.get(name)) for field, name in TOP_NAMES.items()})
@@ -90,7 +90,7 @@ def step(model: GPT, idx: torch.Tensor, targets: torch.Tensor | None = None, mas
         raise ValueError("the reference engine takes fp32 or fp64 parameters on the CPU, all one dtype")
     if grads and targets is None:
         raise ValueError("gradients need targets")
-    lib, suffix = native.load_library(), DTYPES[dtype]
+    lib, suffix = library.load_library(), DTYPES[dtype]
     weights = {name: p.detach().contiguous() for name, p in params.items()}
     B, T = idx.shape
     idx = idx.to(torch.int64).contiguous()
@@ -100,12 +100,12 @@ def step(model: GPT, idx: torch.Tensor, targets: torch.Tensor | None = None, mas
     struct, layers = model_struct(model, weights)
     grad_tensors = {name: torch.zeros_like(p) for name, p in weights.items()} if grads else None
     grad_struct = model_struct(model, grad_tensors) if grads else None
-    batch = native.Batch(B=B, T=T, idx=idx.data_ptr(), targets=_ptr(tgt), logits=logits.data_ptr())
+    batch = library.Batch(B=B, T=T, idx=idx.data_ptr(), targets=_ptr(tgt), logits=logits.data_ptr())
     if masks is not None:
         keep.append(masks := _as(masks, dtype))
         batch.emb_mask = _ptr(masks.emb)
-        mask_structs = (native.Masks * model.config.n_layer)(*[
-            native.Masks(_ptr(a), _ptr(r), _ptr(m)) for a, r, m in zip(masks.attn, masks.attn_resid, masks.mlp_resid)])
+        mask_structs = (library.Masks * model.config.n_layer)(*[
+            library.Masks(_ptr(a), _ptr(r), _ptr(m)) for a, r, m in zip(masks.attn, masks.attn_resid, masks.mlp_resid)])
         batch.masks = mask_structs
     fn = getattr(lib, f"gptlab_step_{suffix}")
     rc = fn(ctypes.byref(struct), ctypes.byref(grad_struct[0]) if grad_struct else None, ctypes.byref(batch))

@@ -24,6 +24,8 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:  # torch and the clocks are imported by the run: the settings (`bench chat --help`) need neither
     import torch
 
+    from gptlab.tokenizer import Tokenizer
+
 SYSTEM = "Reverse the word."
 
 
@@ -155,10 +157,10 @@ def plain_answers(run: Path, held: list[dict[str, Any]], max_new_tokens: int) ->
     return _greedy(loaded.model, loaded.tokenizer, prompts, max_new_tokens, stop=["\n"])
 
 
-def _greedy(model: torch.nn.Module, tok: Any, prompts: list[list[int]], max_new_tokens: int,
+def _greedy(model: torch.nn.Module, tok: Tokenizer, prompts: list[list[int]], max_new_tokens: int,
             stop: list[str]) -> list[str]:
     from gptlab.config import SampleConfig
-    from gptlab.inference import prepare_for_inference
+    from gptlab.inference.loading import prepare_for_inference
     from gptlab.textstream import complete
 
     prepared = prepare_for_inference(model, "fp32")

@@ -12,18 +12,22 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from gptlab import lora
+from gptlab.bench.device_peak import cached_peak
 from gptlab.bench.memory import measure_in_fresh_process
-from gptlab.bench.peak import cached_peak
 from gptlab.bench.timing import Load, LoadWatch, median, sync
 from gptlab.config import ModelConfig, TrainConfig
 from gptlab.peak import Peak, Speed, peak_key, read_peak
 from gptlab.runtime import (bf16_supported, compile_model, configure_matmul, resolve_device, reuse_freed_memory,
                             set_threads)
+
+if TYPE_CHECKING:
+    from gptlab.data.batches import Dataset
+    from gptlab.training.step import StepContext
 
 
 @dataclass(frozen=True)
@@ -85,7 +89,7 @@ class Contender:
     """A variant's own model and optimizer, built from the same seed as every other, and its step times."""
 
     variant: Variant
-    ctx: Any  # its StepContext: the data, settings and device every variant shares, in its own precision
+    ctx: StepContext  # the data, settings and device every variant shares, in its own precision
     model: torch.nn.Module
     optimizer: torch.optim.Optimizer
     eager: torch.nn.Module
@@ -120,7 +124,7 @@ def _set_rng_state(device: torch.device, state: list[torch.Tensor]) -> None:
         torch.cuda.set_rng_state(state[1], device)
 
 
-def build_contender(variant: Variant, model_cfg: ModelConfig, cfg: TrainConfig, dataset: Any,
+def build_contender(variant: Variant, model_cfg: ModelConfig, cfg: TrainConfig, dataset: Dataset,
                     device: torch.device) -> Contender:
     """The variant's model and optimizer, built from cfg.seed (compiled now where the variant compiles)."""
     from gptlab.model import build_model
@@ -203,7 +207,7 @@ def _in_fp32(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
-def _trace(model: torch.nn.Module, dataset: Any, seed: int, step: int, block_size: int, device: torch.device) -> None:
+def _trace(model: torch.nn.Module, dataset: Dataset, seed: int, step: int, block_size: int, device: torch.device) -> None:
     """What a user looking inside the model between steps does: trace one window of the training split."""
     from gptlab.data.batches import batch_generator, get_batch
     from gptlab.inspect.trace import trace

@@ -214,14 +214,14 @@ class Parallel:
         return {"param_bytes": [int(t[0]) for t in every], "optimizer_bytes": [int(t[1]) for t in every]}
 
     def shard_writer(self, model: torch.nn.Module,
-                     optimizer: torch.optim.Optimizer) -> Callable[[Path, bool], Any] | None:
+                     optimizer: torch.optim.Optimizer) -> Callable[[Path, bool], dict[str, Any] | None] | None:
         """With FSDP, what rank 0 hands checkpoint.save_checkpoint as `shards`: called with the new checkpoint's
         folder, it tells every other process where it is (they wait in `join_saves`) and all write their slices
         there together; returns the optimizer's JSON part. None without FSDP (rank 0 writes whole tensors)."""
         if self.sharded is None:
             return None
 
-        def write(folder: Path, with_optimizer: bool) -> Any:
+        def write(folder: Path, with_optimizer: bool) -> dict[str, Any] | None:
             dist.broadcast_object_list([str(folder), with_optimizer], src=0)
             return write_shards(folder, model, optimizer if with_optimizer else None)
         return write

@@ -3,7 +3,7 @@
 // bf16 by AVX512-BF16 (DotBF16, a "dot" type for decode.cpp's gemv templates, and to_bf16 for its x), int8 by
 // AVX512-VNNI (gemv_vnni, over W packed in blocks of 16 rows) and int8 by ARM's dot product (gemv_sdot, over
 // row-major W). Each is compiled only into the builds whose target has its instructions; every other build runs
-// the widening products of csrc/simd.h. AVX2 has no such product worth taking: its byte multiply-add (vpmaddubsw)
+// the widening products of simd.h. AVX2 has no such product worth taking: its byte multiply-add (vpmaddubsw)
 // saturates at int16 and needs a vpmaddwd and an add after it, as many instructions per weight and row as the
 // FMAs over widened weights, so x86-64-v3 widens.
 #pragma once

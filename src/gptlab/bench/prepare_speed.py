@@ -5,7 +5,7 @@ and prepare's peak memory (its process and its workers together) at two corpus s
 
 The corpus is generated: JSON-lines shards of documents of 1-8 KB cut from Tiny Shakespeare at seeded offsets,
 with FineWeb's fields. prepare runs as the user runs it, in its own process (`python -m gptlab prepare`), and
-its time includes the scan pass and the process's start; its memory is sampled from /proc every 50 ms.
+its time includes the scan pass and the process's start; its memory is sampled from /proc while it runs.
 """
 
 from __future__ import annotations
