@@ -3,6 +3,7 @@ runs it, a folder's fingerprint, Hugging Face folders, the outside references th
 to, and the fused decode step's parity checks. Fixtures stay in conftest.py; nothing here is a test. Test files
 import these from here, never from conftest.py or from one another (tests/test_house.py checks it)."""
 
+import contextlib
 import copy
 import hashlib
 import json
@@ -11,15 +12,16 @@ import signal
 from dataclasses import replace
 
 import numpy as np
+import pytest
 import torch
 import torch.nn as nn
 
 from gptlab.cli import main
 from gptlab.config import ModelConfig, SampleConfig
 from gptlab.inference import native
-from gptlab.inference.loading import prepare_for_inference
 from gptlab.inference.fused import FusedDecoder, fused_decoder
 from gptlab.inference.int8 import quantize_model
+from gptlab.inference.loading import prepare_for_inference
 from gptlab.model import GPT
 
 # ---- a corpus, tiny models, tiny runs ----------------------------------------------------------------------------
@@ -381,3 +383,16 @@ def int8_error(shape: dict, rows: int, lib=None, vnni: bool | None = False) -> f
     if not torch.equal(out.pos, ref.pos):
         return float("inf")
     return max((got - expected).abs().max(), (out.k - ref.k).abs().max(), (out.v - ref.v).abs().max()).item()
+
+
+@contextlib.contextmanager
+def torch_ops_on_one_thread():
+    """Decoding by torch ops (no kernel build) on one torch thread, for tests whose models are tiny: on a loaded
+    machine threads wait for one another far longer than they compute. OMP_NUM_THREADS keeps set_threads at one."""
+    before = torch.get_num_threads()
+    with pytest.MonkeyPatch.context() as m:
+        m.setenv("OMP_NUM_THREADS", "1")
+        m.setattr("gptlab.inference.fused.load_library", lambda: None)
+        torch.set_num_threads(1)
+        yield
+    torch.set_num_threads(before)

@@ -13,7 +13,7 @@ import os
 import numpy as np
 import pytest
 import torch
-from helpers import reference_probs, reference_window, run_ok
+from helpers import reference_probs, reference_window, run_ok, torch_ops_on_one_thread
 
 from gptlab import rundir
 from gptlab.checkpoint import load_run, save_checkpoint
@@ -35,15 +35,9 @@ DRAWS = {  # one setting away from its default (temperature 0.8, no top-k, top-p
 
 
 @pytest.fixture(autouse=True)
-def torch_step(monkeypatch):
-    """Decode with torch ops (no kernel build in these tests), on one thread: the models are tiny, and a loaded
-    machine makes threads wait for one another far longer than they compute."""
-    monkeypatch.setattr("gptlab.inference.fused.load_library", lambda: None)
-    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # set_threads then keeps the count set here
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+def torch_step():
+    with torch_ops_on_one_thread():
+        yield
 
 
 def written_run(run, seed=0):

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from helpers import CORPUS, run_ok
+from helpers import CORPUS, run_ok, torch_ops_on_one_thread
 
 import gptlab.training.step
 import gptlab.training.train
@@ -26,15 +26,8 @@ LRS = [0.005, 0.01, 0.01, 0.006, 0.002]
 
 @pytest.fixture(scope="module", autouse=True)
 def one_thread():
-    """One torch thread, and decoding by torch ops (no kernel build here): the models are tiny, and on a loaded
-    machine threads wait for one another far longer than they compute."""
-    before = torch.get_num_threads()
-    with pytest.MonkeyPatch.context() as m:
-        m.setenv("OMP_NUM_THREADS", "1")  # set_threads then keeps the count set here
-        m.setattr("gptlab.inference.fused.load_library", lambda: None)
-        torch.set_num_threads(1)
+    with torch_ops_on_one_thread():
         yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")

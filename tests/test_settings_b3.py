@@ -6,22 +6,15 @@ import socket
 
 import pytest
 import torch
-from helpers import CORPUS, chat_run
+from helpers import CORPUS, chat_run, torch_ops_on_one_thread
 
 from gptlab.cli import main
 
 
 @pytest.fixture(scope="module", autouse=True)
 def one_thread():
-    """One torch thread, and decoding by torch ops (no kernel build here): the models are tiny, and on a loaded
-    machine threads wait for one another far longer than they compute."""
-    before = torch.get_num_threads()
-    with pytest.MonkeyPatch.context() as m:
-        m.setenv("OMP_NUM_THREADS", "1")  # set_threads then keeps the count set here
-        m.setattr("gptlab.inference.fused.load_library", lambda: None)
-        torch.set_num_threads(1)
+    with torch_ops_on_one_thread():
         yield
-    torch.set_num_threads(before)
 
 
 class Started(Exception):
