@@ -241,3 +241,18 @@ def test_the_sliding_bench_returns_the_cached_time_then_the_uncached_one(monkeyp
     cached_s, uncached_s = char_model_speedup(torch.device("cpu"), 3, 4)
     assert calls == ["cache", "cache", "no cache"]  # a warm-up, then the two timed runs
     assert (cached_s, uncached_s) == (clocks[1].seconds, clocks[2].seconds)
+
+
+def test_time_it_is_the_median_of_the_timed_calls_or_with_best_the_fastest_and_skips_the_warm_ups(monkeypatch):
+    """On a clock that moves only inside fn, by durations set by hand: 2 warm-up calls (100 s each, never counted),
+    then calls of 5, 1, 3, 9, 2 s until min_seconds (19 s) has passed: the median is 3, the fastest 1."""
+    durations = iter([100, 100, 5, 1, 3, 9, 2] * 2)
+    now = [0.0]
+    monkeypatch.setattr(timing.time, "perf_counter", lambda: now[0])
+
+    def fn():
+        now[0] += next(durations)
+
+    cpu = torch.device("cpu")
+    assert timing.time_it(fn, cpu, min_seconds=19) == 3
+    assert timing.time_it(fn, cpu, min_seconds=19, best=True) == 1

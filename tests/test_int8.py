@@ -345,12 +345,15 @@ def test_the_kl_divergence_is_the_one_worked_out_by_hand_and_torchs():
     m1, m2 = GPT(config).eval(), GPT(config).eval()
     tokens = torch.randint(0, 50, (16 * 2 + 6,)).tolist()
     assert total_kl(m1, m1, tokens) == (0.0, 37)
+    assert total_kl(m1, m1, tokens[:34]) == (0.0, 33)  # a last window of one token (one past the edge) counts
     total, count = total_kl(m1, m2, tokens)
     with torch.no_grad():  # by hand: the three windows, each position's KL from the two models' own logits
         windows = [torch.tensor(tokens[s:s + 16])[None] for s in (0, 16, 32)]
         windows[-1] = windows[-1][:, :5]  # the last token predicts nothing scored
         expected = sum(kl_divergence(m1(w)[0][0], m2(w)[0][0]).sum().item() for w in windows)
     assert count == 37 and total == pytest.approx(expected, rel=1e-9)
+    for batch in (1, 2, 3):  # windows in groups below, at and one past the three there are (and the short one apart)
+        assert total_kl(m1, m2, tokens, batch_size=batch) == (pytest.approx(expected, rel=1e-9), 37), batch
 
 def test_any_module_with_linear_layers_can_be_quantized_and_shows_its_shape():
     """quantize_model needs no GPT: a model without lm_head or transformer.wte (nothing tied) gets every nn.Linear
