@@ -31,7 +31,7 @@ MUTANTS = {
     "attention's sum over V drops the odd positions": ([("y[c] = y[c] + z[c];", "y[c] = y[c];")], "fp32"),
     "attention's head tail one short": ([("n[c] = left >= L ? L : left <= 0 ? 0 : left;",
                                           "n[c] = left >= L ? L : left <= 0 ? 0 : left - 1;")], "fp32"),
-    "int8 FMA product of one row ignores the row scales": ([("fmaf(d[i], s[n + i],", "fmaf(d[i], 1.0f,")],
+    "int8 FMA product of one row ignores the row scales": ([("scale = s ? s[n + i] : 1.0f;", "scale = 1.0f;")],
                                                            "int8 fma"),
     "int8 FMA product of many rows ignores the row scales": ([("scale = s ? s[n] : 1.0f;", "scale = 1.0f;")],
                                                              "int8 fma"),

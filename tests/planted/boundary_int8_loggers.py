@@ -32,8 +32,8 @@ PLANTED = [
     Planted("int8edge: weights quantized into [-126, 126] (each row's largest clamped)", INT8, "quantize_rows",
             [(".clamp_(-QMAX, QMAX)", ".clamp_(-QMAX + 1, QMAX - 1)")], TORCH),
     # lane tails: a width one past a multiple of the lanes, or one short of the next
-    Planted("int8edge: one row's product drops a last lone input (width 1 past the lanes)", DECODE, "dot_row",
-            [("    for (; k < K; k += L) {", "    for (; k + 1 < K; k += L) {")], OWN_FMA),
+    Planted("int8edge: one row's product drops a last lone input (width 1 past the lanes)", DECODE, "gemv_one",
+            [("if (k < K) {", "if (k + 1 < K) {")], OWN_FMA),
     Planted("int8edge: the product of two rows drops a last lone input", DECODE, "gemv_rows",
             [("        if (k < K) {\n            typename D::Mask m",
               "        if (k + 1 < K) {\n            typename D::Mask m")], OWN_FMA),

@@ -28,10 +28,19 @@
 
 using simd::vf;
 
+// A row of x alone (gemv_one) is multiplied by this many rows of W at a time: independent sums enough to hide the
+// multiply-add's latency, and as many rows streaming side by side. The generic build's vectors take two registers
+// each on a plain x86-64 (SSE's 16), where eight sums spill.
+#ifdef GPTLAB_SIMD_GENERIC
+constexpr int ONE_ROW = 4;
+#else
+constexpr int ONE_ROW = 8;
+#endif
 // Batched products fetch W this many rows ahead into L2: the hardware prefetcher alone lags, and into L1 the
 // fetches evicted x (measured slower).
 constexpr int AHEAD = 4;
-// A single row of x streams W in order, fetched this many bytes ahead into L2.
+// A product that reads W as one sequential stream (gemv_one, products.h's gemv_vnni) fetches it this many bytes
+// ahead into L2.
 constexpr int STREAM_AHEAD = 4096;
 // Attention reads a head's cached keys and values in order, fetched this many positions ahead into L1.
 constexpr int CACHE_AHEAD = 16;
@@ -147,41 +156,65 @@ template <typename WT> struct Widen {
     static vf madd(vf acc, WV w, XV x) { return simd::fma(w, x, acc); }
 };
 
-// One row of W against one row of x: four independent sums along k (added into one vector at the end), one
-// sequential stream through W, fetched STREAM_AHEAD bytes ahead into L2.
-template <typename D>
-static inline vf dot_row(const typename D::W* w, const typename D::X* x, int K) {
+// Every product below sums each output of each row of x alike, whatever the rows beside it (so a row's logits are
+// the same floats alone or in any batch: the server's continuous batching and `gptlab sample` rely on it): one
+// vector of sums over k in steps of the lanes, then the masked tail, then simd::sum, times the scale (int8's; 1
+// for float weights) plus the bias in one rounding (fmaf, not left to the compiler's contraction), then E.
+//
+// The sums are named variables, not an array: GCC keeps such an array on the stack and stores it every
+// iteration.
+
+// One row of x (R = 1): NB rows of W (outputs n .. n + NB - 1) at a time, one sum each: independent chains that
+// hide the multiply-add's latency without splitting any output's sum, x loaded once for all NB. The NB rows are
+// one block of W, read side by side; the blocks are fetched into L2 as one stream, at the pace they are read, a
+// block plus STREAM_AHEAD bytes ahead (so that each byte is fetched more than STREAM_AHEAD bytes of the stream
+// before it is read). The last group's rows past n1 repeat row n (read again from L1) and are not stored.
+#define LOAD(p) D::w(p)
+#define LOAD_TAIL(p) D::w(p, m)
+#define MADD1(j, LD) if constexpr (NB > j) a##j = D::madd(a##j, LD(r##j + k), xv);
+#define MADDS1(LD) MADD1(0, LD) MADD1(1, LD) MADD1(2, LD) MADD1(3, LD) MADD1(4, LD) MADD1(5, LD) MADD1(6, LD) \
+                   MADD1(7, LD)
+#define ROW1(j) *r##j = count > j ? r0 + j * (int64_t)K : r0
+template <int E, int NB, typename D>
+static void gemv_one(const typename D::W* W, const typename D::X* x, const float* s, const float* b, float* y,
+                     int K, int n0, int n1) {
     constexpr int L = D::LANES;
-    vf a0 = simd::zero(), a1 = a0, a2 = a0, a3 = a0;
-    int k = 0;
-    for (; k + 4 * L <= K; k += 4 * L) {
-        for (int line = 0; line < 4 * L * (int)sizeof(*w); line += 64)
-            simd::fetch_far((const char*)(w + k) + STREAM_AHEAD + line);
-        a0 = D::madd(a0, D::w(w + k), D::x(x + k));
-        a1 = D::madd(a1, D::w(w + k + L), D::x(x + k + L));
-        a2 = D::madd(a2, D::w(w + k + 2 * L), D::x(x + k + 2 * L));
-        a3 = D::madd(a3, D::w(w + k + 3 * L), D::x(x + k + 3 * L));
+    const typename D::Mask all = D::tail(L);
+    const int64_t block = (int64_t)NB * K * sizeof(*W), step = (int64_t)NB * L * sizeof(*W);  // bytes
+    for (int n = n0; n < n1; n += NB) {
+        const int count = n1 - n >= NB ? NB : n1 - n;
+        const typename D::W* r0 = W + (int64_t)n * K;
+        const typename D::W ROW1(1), ROW1(2), ROW1(3), ROW1(4), ROW1(5), ROW1(6), ROW1(7);
+        const char* ahead = (const char*)r0 + block + STREAM_AHEAD;
+        vf a0 = simd::zero(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
+        int k = 0;
+        for (; k + L <= K; k += L) {
+            for (int line = 0; line < step; line += 64) simd::fetch_far(ahead + (int64_t)k * NB * sizeof(*W) + line);
+            typename D::XV xv = D::x(x + k, all);
+            MADDS1(LOAD)
+        }
+        if (k < K) {
+            typename D::Mask m = D::tail(K - k);
+            typename D::XV xv = D::x(x + k, m);
+            MADDS1(LOAD_TAIL)
+        }
+        float d[8];
+        simd::sum4(a0, a1, a2, a3, d);  // each as simd::sum adds it
+        if constexpr (NB > 4) simd::sum4(a4, a5, a6, a7, d + 4);
+        for (int i = 0; i < count; i++) {
+            float bias = b ? b[n + i] : 0.0f, scale = s ? s[n + i] : 1.0f;
+            finish<E>(y + n + i, fmaf(d[i], scale, bias));
+        }
     }
-    for (; k < K; k += L) {
-        typename D::Mask m = D::tail(K - k);
-        a0 = D::madd(a0, D::w(w + k, m), D::x(x + k, m));
-    }
-    return (a0 + a1) + (a2 + a3);
 }
+#undef LOAD
+#undef LOAD_TAIL
+#undef MADD1
+#undef MADDS1
+#undef ROW1
 
-// One row of x, one output at a time (`dot_row`).
-template <int E, typename D>
-static void gemv_row1(const typename D::W* W, const typename D::X* x, const float* s, const float* b, float* y,
-                      int K, int n0, int n1) {
-    for (int n = n0; n < n1; n++) {
-        float d = simd::sum(dot_row<D>(W + (int64_t)n * K, x, K));
-        finish<E>(y + n, d * (s ? s[n] : 1.0f) + (b ? b[n] : 0.0f));
-    }
-}
-
-// The sums below are named variables, not an array: GCC keeps such an array on the stack and stores it every
-// iteration. OUT stores row j's sum a##j for output n.
-#define OUT(j) if constexpr (RB > j) finish<E>(Y + (int64_t)j * N + n, simd::sum(a##j) * scale + bias);
+// OUT stores row j's sum a##j for output n.
+#define OUT(j) if constexpr (RB > j) finish<E>(Y + (int64_t)j * N + n, fmaf(simd::sum(a##j), scale, bias));
 #define OUTS OUT(0) OUT(1) OUT(2) OUT(3) OUT(4) OUT(5) OUT(6) OUT(7)
 
 // Two rows of x (or the last odd one): one row of W at a time, one sequential stream (two interleaved streams, or
@@ -222,8 +255,8 @@ static void gemv_rows(const typename D::W* W, const typename D::X* X, const floa
                                             a##j = D::madd(a##j, w0, xv); b##j = D::madd(b##j, w1, xv); }
 #define MADDS2(M) MADD2(0, M) MADD2(1, M) MADD2(2, M) MADD2(3, M) MADD2(4, M) MADD2(5, M) MADD2(6, M) MADD2(7, M)
 #define OUT2(j) if constexpr (RB > j) { \
-    finish<E>(Y + (int64_t)j * N + n, simd::sum(a##j) * scale0 + bias0); \
-    if (!one) finish<E>(Y + (int64_t)j * N + n + 1, simd::sum(b##j) * scale1 + bias1); }
+    finish<E>(Y + (int64_t)j * N + n, fmaf(simd::sum(a##j), scale0, bias0)); \
+    if (!one) finish<E>(Y + (int64_t)j * N + n + 1, fmaf(simd::sum(b##j), scale1, bias1)); }
 template <int E, int RB, typename D>
 static void gemv_pair(const typename D::W* W, const typename D::X* X, const float* s, const float* b, float* Y, int N,
                       int K, int n, bool one) {
@@ -254,31 +287,11 @@ static void gemv_pair(const typename D::W* W, const typename D::X* X, const floa
 #undef MADDS2
 #undef OUT2
 
-// One row of x against int8 W: as gemv_row1 (`dot_row`), but four outputs at a time, reduced together and
-// scaled in one vector: an int8 row is a quarter of an fp32 one, so what each output costs besides its bytes (the
-// reduction, the epilogue) counts four times as much. Outputs past n1 take row n's sums (d0, nothing read again)
-// and are not stored.
-template <int E>
-static void gemv_row1_int8(const int8_t* W, const float* x, const float* s, const float* b, float* y, int K, int n0,
-                           int n1) {
-    for (int n = n0; n < n1; n += 4) {
-        const int count = n1 - n >= 4 ? 4 : n1 - n;
-        const int8_t* w = W + (int64_t)n * K;
-        vf d0 = dot_row<Widen<int8_t>>(w, x, K);
-        vf d1 = count > 1 ? dot_row<Widen<int8_t>>(w + K, x, K) : d0;
-        vf d2 = count > 2 ? dot_row<Widen<int8_t>>(w + 2 * K, x, K) : d0;
-        vf d3 = count > 3 ? dot_row<Widen<int8_t>>(w + 3 * K, x, K) : d0;
-        float d[4];
-        simd::sum4(d0, d1, d2, d3, d);
-        for (int i = 0; i < count; i++) finish<E>(y + n + i, fmaf(d[i], s[n + i], b ? b[n + i] : 0.0f));
-    }
-}
-
 // Y (R, N) from X (R, K) and W (N, K): this thread's share [n0, n1) of the outputs, every row.
 template <int E, typename D>
 static void gemv(const typename D::W* W, const typename D::X* X, const float* s, const float* b, float* Y, int R,
                  int N, int K, int n0, int n1) {
-    if (R == 1) { gemv_row1<E, D>(W, X, s, b, Y, K, n0, n1); return; }
+    if (R == 1) { gemv_one<E, ONE_ROW, D>(W, X, s, b, Y, K, n0, n1); return; }
     for (int r = 0; r < R;) {
         const typename D::X* x = X + (int64_t)r * K;
         float* y = Y + (int64_t)r * N;
@@ -319,8 +332,6 @@ static void linear(const Model& m, const void* W, const float* s, const int32_t*
         } else if (m.weights == INT8_FMA) {
             gemv_sdot<E>((const int8_t*)W, X, s, b, Y, R, N, K, n0, n1);
 #endif
-        } else if (R == 1 && m.weights == INT8_FMA) {
-            gemv_row1_int8<E>((const int8_t*)W, X, s, b, Y, K, n0, n1);
         } else if (m.weights == INT8_FMA) {
             gemv<E, Widen<int8_t>>((const int8_t*)W, X, s, b, Y, R, N, K, n0, n1);
         } else if (m.weights == BF16) {
