@@ -122,7 +122,7 @@ def test_the_engine_decodes_batches_samples_and_windows_as_the_torch_path():
     prompts = [tokenizer.encode("Ça"), tokenizer.encode("First Citizen: naïve")]
     texts = []
     for model in (plain, naive):
-        stream = TextStream(model, tokenizer, prompts, cfg, 2, batch_invariant=True)
+        stream = TextStream(model, tokenizer, prompts, cfg, 2)
         for _ in stream:
             pass
         texts.append([c.text for c in stream.completions])

@@ -11,6 +11,7 @@ from gptlab.config import SampleConfig
 from gptlab.engine import RunningBatch, check_prompts, generate, generate_batch, one_thread
 from gptlab.errors import GptlabError
 from gptlab.inference.loading import prepare_for_inference
+from gptlab.inference.prefix_cache import PrefixCache
 from gptlab.model import GPT
 
 
@@ -22,7 +23,7 @@ def _one_thread():  # as test_engine's
 
 def running(model, prompts, cfg, n=1):
     """Per-row ids through the server's path (RunningBatch)."""
-    return rows_of(generate_batch(model, prompts, cfg, n, batch_invariant=True))
+    return rows_of(generate_batch(model, prompts, cfg, n))
 
 
 @pytest.mark.parametrize("penalty", [{"repetition_penalty": 2.0}, {"repetition_penalty": 1.3},
@@ -60,7 +61,9 @@ def test_without_the_fused_step_a_lone_row_decodes_without_a_pad_row():
 
 
 @pytest.mark.device_path("fused decode (native)")
-def test_the_fused_step_decodes_a_lone_row_beside_a_pad_row_at_position_0(fused_kernel):
+def test_the_fused_step_decodes_a_lone_row_alone(fused_kernel):
+    """One row is one row of the fused step (its one-row product rounds as its many-row ones: tests/test_one_row.py),
+    not two with a pad row beside it."""
     model = prepare_for_inference(GPT(tiny_config()).eval(), "fp32")
     if not model.fused:
         pytest.skip("no fused fp32 step on this CPU")
@@ -69,18 +72,19 @@ def test_the_fused_step_decodes_a_lone_row_beside_a_pad_row_at_position_0(fused_
     for _ in range(2):
         batch.sample()
         batch.advance()
-    assert batch.cache.pos.tolist() == [5, 1]  # the row: 3 + 2 positions; the pad row decodes position 0 each step
+    assert batch.cache.pos.tolist() == [5]  # the row: 3 + 2 positions, and no other
 
 
-def test_the_default_path_prefills_all_prompts_in_one_forward_and_the_servers_path_each_alone():
+def test_each_prompt_goes_through_the_prompt_pass_alone_in_chunks_of_the_caches_size():
     model = GPT(tiny_config()).eval()
     widths = []
     model.transformer.wte.register_forward_hook(lambda m, args, out: widths.append(tuple(args[0].shape)))
     cfg = SampleConfig(max_new_tokens=1, temperature=0)
     list(generate_batch(model, [[1, 2], [3, 4]], cfg))
-    assert widths == [(2, 2)]
-    list(generate_batch(model, [[1, 2], [3, 4]], cfg, batch_invariant=True))
-    assert widths == [(2, 2), (1, 2), (1, 2)]
+    assert widths == [(1, 2), (1, 2)]  # PROMPT_CHUNK is longer than these prompts: one forward each
+    widths.clear()
+    list(generate_batch(model, [[1, 2, 3, 4, 5, 6, 7], [3, 4, 5]], cfg, prefix_cache=PrefixCache(0, chunk=3)))
+    assert widths == [(1, 3), (1, 3), (1, 1), (1, 3)]  # 3 + 3 + 1 and 3: chunk by chunk, prompt by prompt
 
 
 def test_ids_0_to_vocab_size_minus_1_are_accepted_and_the_rest_refused_on_both_paths():
@@ -108,7 +112,8 @@ def test_the_engine_feeds_the_model_on_the_models_device_whatever_torchs_default
     model = GPT(tiny_config(block_size=8)).eval()
     cfg = SampleConfig(max_new_tokens=12, temperature=0.8, repetition_penalty=1.2, seed=1)  # 3 + 12 > 8: slides
     prompts = [[1, 2, 3], [4]]
-    expected = [rows_of(generate_batch(model, prompts, cfg, 2, invariant)) for invariant in (False, True)]
+    caches = (None, PrefixCache(2 ** 20, chunk=2))  # a second run of the same prompts reuses their blocks
+    expected = [rows_of(generate_batch(model, prompts, cfg, 2, c)) for c in caches]
     with torch.device("meta"):
-        got = [rows_of(generate_batch(model, prompts, cfg, 2, invariant)) for invariant in (False, True)]
+        got = [rows_of(generate_batch(model, prompts, cfg, 2, c)) for c in caches]
     assert got == expected

@@ -1,6 +1,6 @@
 """Continuous batching in the engine (gptlab.engine.RunningBatch): rows join a running batch and leave it between
 decode steps, each with its own settings and generator, and a row's tokens are bitwise the same alone or beside any
-other rows (the server's promise), and the same as `generate_batch(..., batch_invariant=True)` (`gptlab sample`)."""
+other rows (the server's promise), and the same as `generate_batch` (`gptlab sample`)."""
 
 from dataclasses import replace
 
@@ -9,7 +9,8 @@ import torch
 from helpers import tiny_config
 
 from gptlab.config import SampleConfig
-from gptlab.engine import RunningBatch, _prefill, generate_batch, one_thread, row_seed
+from gptlab.engine import RunningBatch, generate_batch, one_thread, row_seed
+from gptlab.inference.prefix_cache import prompt_pass
 from gptlab.inference.loading import prepare_for_inference
 from gptlab.model import GPT
 from gptlab.runtime import bf16_supported
@@ -36,7 +37,7 @@ def prepared(precision="fp32"):
 
 
 def alone(model, prompt, cfg, n=1):
-    return [list(r) for r in zip(*generate_batch(model, [prompt], cfg, n, batch_invariant=True))]
+    return [list(r) for r in zip(*generate_batch(model, [prompt], cfg, n))]
 
 
 def drive(batch, joins):
@@ -61,11 +62,12 @@ def test_the_fused_steps_many_row_kernels_agree_bitwise_at_any_batch_size(fused_
     for R in (2, 3, 5, 8, 9, 16):
         with torch.inference_mode():
             mine = model.new_kv_cache(1, max_len=32)
-            _prefill(model.model, mine, [[1, 2, 3, 4, 5]], torch.device("cpu"))
+            prompt_pass(model.model, mine, [1, 2, 3, 4, 5], None)
             cache = model.new_kv_cache(R, max_len=32)
-            others = model.new_kv_cache(R, max_len=32)
-            _prefill(model.model, others, [[7] * (2 + i) for i in range(R)], torch.device("cpu"))
-            cache.replace_rows(torch.arange(R), others)
+            for i in range(R):
+                other = model.new_kv_cache(1, max_len=32)
+                prompt_pass(model.model, other, [7] * (2 + i), None)
+                cache.replace_rows(torch.tensor([i]), other)
             cache.replace_rows(torch.tensor([R - 1]), mine)  # the row watched sits last, beside ragged rows
             rows[R] = [model.decoder.step(torch.tensor([9] * R), cache)[R - 1].clone() for _ in range(3)]
     for R, logits in rows.items():

@@ -1,6 +1,8 @@
 """The text stream (gptlab.textstream): a row's Completion (UTF-8-safe streaming, end-of-text, stop strings held back
 until ruled out) and TextStream / complete over the engine, held to plain-Python references of the same rules."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -205,28 +207,29 @@ def test_a_row_closed_without_a_reason_finished_by_length():
     assert row.close() == "" and row.finish_reason == "length"  # as OpenAI's API names it
 
 
-@pytest.mark.parametrize("batch_invariant", [False, True])
-def test_the_stream_decodes_on_the_engine_path_it_names(batch_invariant, monkeypatch):
-    """TextStream's rows are generate_batch's rows with the same flag: False by default (one prefill per prompt),
-    True through the server's RunningBatch (what `gptlab sample` asks for, to give bitwise what the server gives).
-    The two paths agree on the ids by design, so the path is seen by the RunningBatch it builds or not."""
+@pytest.mark.parametrize("with_cache", [False, True])
+def test_the_stream_decodes_through_the_running_batch_with_the_prefix_cache_it_is_given(with_cache, monkeypatch):
+    """TextStream's rows are generate_batch's rows, decoded by the one RunningBatch path with the prefix cache it
+    is handed (None by default)."""
     import gptlab.engine as engine
+    from gptlab.inference.prefix_cache import PrefixCache
 
     built = []
 
     class Seen(engine.RunningBatch):
         def __init__(self, *args, **kwargs):
-            built.append(1)
             super().__init__(*args, **kwargs)
+            built.append(self.prefix_cache)
 
     torch.manual_seed(0)
     model = GPT(tiny_config(vocab_size=4)).eval()
     cfg = SampleConfig(max_new_tokens=12, temperature=1.0, seed=5)
     prompts = [char_ids("ab"), char_ids("b.a")]
-    expected = [list(row) for row in zip(*engine.generate_batch(model, prompts, cfg, 2, batch_invariant))]
+    expected = [list(row) for row in zip(*engine.generate_uncached(model, prompts, replace(cfg, temperature=0), 2))]
     monkeypatch.setattr(engine, "RunningBatch", Seen)
-    kwargs = {"batch_invariant": True} if batch_invariant else {}  # the default is checked as the default
-    stream = TextStream(model, CHARS, prompts, cfg, 2, **kwargs)
+    cache = PrefixCache(2 ** 20, chunk=2) if with_cache else None
+    kwargs = {"prefix_cache": cache} if with_cache else {}  # the default is checked as the default
+    stream = TextStream(model, CHARS, prompts, replace(cfg, temperature=0), 2, **kwargs)
     list(stream)
     assert [c.ids for c in stream.completions] == expected
-    assert built == ([1] if batch_invariant else [])
+    assert len(built) == 1 and built[0] is cache

@@ -22,6 +22,7 @@ INFERENCE_PRECISIONS = (*TRAIN_PRECISIONS, "int8")
 DEVICES = ("auto", "cpu", "cuda", "mps")
 TOKENIZERS = ("char", "bpe", "gpt2")
 OPTIMIZERS = ("adamw", "muon")
+PREFIX_CACHE_MB = 512  # chat's and serve's --prefix-cache-mb: some 200 blocks of GPT-2 small in fp32
 ENGINES = ("torch", "reference")  # train's and sample's --engine
 # the layers LoRA may adapt, by GPT-2's module names; "c_proj" is attention's and the MLP's (as in PEFT)
 LORA_TARGETS = ("c_attn", "c_proj", "c_fc", "attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")

@@ -1,14 +1,15 @@
-"""Autoregressive generation: prefill the prompts once, then decode one token at a time from the KV cache.
+"""Autoregressive generation: each prompt through the prompt pass once, then one token at a time from the KV cache.
 
-Generation over token ids, over a model made fast to run by the inference wing
+One cached decoder, over a model made fast to run by the inference wing
 (`gptlab.inference.loading.prepare_for_inference`: packed weights, the decode step, the KV cache's precision):
 
-- `generate_batch` / `generate` see only token ids: prompts of different lengths in one batch (each row keeps its
-  own position), `num_samples` continuations of each prompt from one prefill, yielding ids as they come.
-- `RunningBatch` is the server's continuous batching (gptlab.serve): rows join (each prompt prefilled alone) and
-  leave between decode steps, each drawn by its own `RowSampler` (settings, generator, penalty counts), so a row's
-  tokens do not depend on the rows beside it. `generate_batch(..., batch_invariant=True)` decodes through it: that
-  is `gptlab sample`, which therefore gives what the server gives for the same seed and settings.
+- `RunningBatch` is the decoder: rows join (each prompt put through the prompt pass alone, in fixed chunks that an
+  exact prefix cache may serve: gptlab.inference.prefix_cache) and leave between decode steps, each drawn by its own
+  `RowSampler` (settings, generator, penalty counts), so a row's tokens do not depend on the rows beside it. The
+  server (gptlab.serve), `gptlab sample`, `gptlab chat`, `eval --task`'s generation and `inspect` all run it.
+- `generate_batch` / `generate` are its loop over token ids: prompts of different lengths in one batch (each row
+  keeps its own position), `num_samples` continuations of each prompt from one prompt pass, yielding ids as they
+  come. `generate_uncached` is the reference: no cache, every step recomputes each window from scratch.
 
 Text is textstream.py's: `TextStream` turns these ids into text (UTF-8-safe streaming, the end-of-text token,
 stop strings).
@@ -17,8 +18,8 @@ Each takes an `InferenceModel` or a plain model, which runs as it is, decoded by
 
 The sliding window. Learned positions cannot be shifted, so when a row's window is full (block_size tokens) and
 one more token arrives, the row's window becomes its last `keep` tokens (`window_keep`: 3/4 of block_size) and
-its cache rows are rebuilt from them: one rebuild every block_size - keep + 1 new tokens, every token seeing at
-least `keep` tokens of context (if the prompt had that many). The reference `generate_uncached` recomputes the
+its cache row is rebuilt from them through the prompt pass: one rebuild every block_size - keep + 1 new tokens,
+every token seeing at least `keep` tokens of context (if the prompt had that many). The reference recomputes the
 same window from scratch each step, so under greedy decoding the two give the same ids.
 """
 
@@ -33,6 +34,7 @@ import torch.nn as nn
 
 from gptlab.config import SEED_LIMIT, SampleConfig
 from gptlab.errors import GptlabError
+from gptlab.inference.prefix_cache import PrefixCache, prompt_pass
 from gptlab.inference.prepared import InferenceModel, as_inference
 from gptlab.model import KVCache
 from gptlab.sampling import next_token
@@ -89,18 +91,16 @@ class RowSampler:
         return i
 
 
-class Generation:
-    """State shared by the cached and the reference decoder: each row's window (the tokens the model sees) and its
+class Reference:
+    """The reference decoder's state (`generate_uncached`): each row's window (the tokens the model sees) and its
     RowSampler (sample i of a prompt seeded with `row_seed(cfg.seed, i)`). Rows are prompt-major: row r continues
-    prompt r // num_samples. `model` is the torch module that prompts go through, `prepared` the InferenceModel
-    (its decoder and cache precision) it belongs to."""
+    prompt r // num_samples."""
 
     def __init__(self, model: InferenceModel | nn.Module, prompts: Sequence[Sequence[int]], cfg: SampleConfig,
                  num_samples: int):
-        self.prepared = as_inference(model)
-        model = self.model = self.prepared.model
+        model = self.model = as_inference(model).model
         check_prompts(model, prompts, num_samples)
-        self.cfg, self.num_samples = cfg, num_samples
+        self.cfg = cfg
         self.device = next(model.parameters()).device
         self.block_size = model.config.block_size
         self.keep = window_keep(self.block_size)
@@ -133,22 +133,6 @@ def check_prompts(model: nn.Module, prompts: Sequence[Sequence[int]], num_sample
         raise GptlabError(f"token id {bad} is outside the model's vocabulary of {vocab}; use the run's tokenizer")
 
 
-def _prefill(model: nn.Module, cache: KVCache, windows: list[list[int]], device: torch.device) -> torch.Tensor:
-    """Fill an empty cache with each row's window; returns the next-token logits (R, V). Rows of equal length go in
-    one pass; ragged rows are right-padded: all but their last token in one pass, then the last tokens as one step
-    at each row's own position (the padding is never attended to)."""
-    lengths = [len(w) for w in windows]
-    if len(set(lengths)) == 1:
-        logits, _ = model(torch.tensor(windows, device=device), kv_cache=cache, last_only=True)
-        return logits[:, -1]
-    longest = max(lengths) - 1
-    padded = [w[:-1] + [0] * (longest - len(w) + 1) for w in windows]  # (R, longest)
-    model(torch.tensor(padded, device=device), kv_cache=cache, last_only=True)
-    cache.pos.copy_(torch.tensor(lengths, device=device) - 1)
-    logits, _ = model(torch.tensor([w[-1:] for w in windows], device=device), kv_cache=cache, last_only=True)
-    return logits[:, -1]
-
-
 def push(window: list[int], token: int, block_size: int, keep: int) -> None:
     """Append a new token to a row's window; a window past block_size slides to its last `keep` tokens."""
     window.append(token)
@@ -156,86 +140,31 @@ def push(window: list[int], token: int, block_size: int, keep: int) -> None:
         del window[:-keep]
 
 
-def _slide(model: nn.Module, cache: KVCache, state: Generation, filled: list[int]) -> None:
-    """Rebuild the cache rows whose window slid (their cache holds as many positions as the window has tokens)
-    from all but the window's newest token, which the next decode step then adds like any other row's: every row
-    that slid this step in one forward (a full window slides to `keep` tokens, so they have one length; the
-    server's rows, which must not depend on their neighbours, go one by one: `_rebuild_row`)."""
-    rows = [r for r, (n, w) in enumerate(zip(filled, state.windows)) if n >= len(w)]
-    if not rows:
-        return
-    fresh = model.new_kv_cache(len(rows), dtype=cache.k.dtype, max_len=state.keep)
-    if state.keep > 1:
-        model(state.tensor([state.windows[r][:-1] for r in rows]), kv_cache=fresh, last_only=True)
-    cache.replace_rows(state.tensor(rows), fresh)
-    for r in rows:
-        filled[r] = len(state.windows[r]) - 1
-
-
-def _rebuild_row(model: nn.Module, cache: KVCache, row: int, window: list[int], keep: int) -> int:
-    """Refill cache row `row` from all but the newest token of its slid window; returns its filled positions. One
-    row at a time, so a row's rebuild is the same whichever rows slide beside it (a batch of rows would change the
-    products' shapes, and with them the rounding)."""
-    fresh = model.new_kv_cache(1, dtype=cache.k.dtype, max_len=keep)
-    if keep > 1:
-        device = cache.pos.device
-        model(torch.tensor([window[:-1]], dtype=torch.long, device=device), kv_cache=fresh, last_only=True)
-    cache.replace_rows(torch.tensor([row], device=cache.pos.device), fresh)
-    return len(window) - 1
-
-
 def generate_batch(model: InferenceModel | nn.Module, prompts: Sequence[Sequence[int]], cfg: SampleConfig,
-                   num_samples: int = 1, batch_invariant: bool = False) -> Iterator[list[int]]:
+                   num_samples: int = 1, prefix_cache: PrefixCache | None = None) -> Iterator[list[int]]:
     """Yield, for each new position, the next token id of every row: len(prompts) * num_samples ids, prompt-major
-    (row r continues prompts[r // num_samples]), up to cfg.max_new_tokens positions. Each prompt is prefilled
-    once and shared by its samples; prompts may differ in length, and each row gives the ids its prompt would give
-    alone (exactly under greedy decoding). A prompt longer than the context keeps its last block_size tokens.
-    Raises GptlabError (at the call, not at the first token) for an empty prompt, ids outside the vocabulary, or
-    num_samples < 1.
-
-    batch_invariant: decode through a `RunningBatch`, the server's path (each prompt prefilled alone, at least two
-    rows per fused step), so every row gives bitwise what the server gives it in any batch (`gptlab sample`)."""
-    if batch_invariant:
-        batch = RunningBatch(model)
-        for prompt in prompts:
-            batch.join(prompt, cfg, num_samples)
-        return _decode_running(batch, cfg.max_new_tokens)
-    return _decode_cached(Generation(model, prompts, cfg, num_samples))
+    (row r continues prompts[r // num_samples]), up to cfg.max_new_tokens positions. Decoded by a `RunningBatch`,
+    the server's path: each prompt goes through the prompt pass alone (reusing `prefix_cache`'s blocks) and is
+    shared by its samples, so every row gives bitwise what it gives alone or in the server beside any others.
+    A prompt longer than the context keeps its last block_size tokens. Raises GptlabError (at the call, not at the
+    first token) for an empty prompt, ids outside the vocabulary, or num_samples < 1."""
+    batch = RunningBatch(model, prefix_cache)
+    for prompt in prompts:
+        batch.join(prompt, cfg, num_samples)
+    return _decode_running(batch, cfg.max_new_tokens)
 
 
 def _decode_running(batch: RunningBatch, steps: int) -> Iterator[list[int]]:
-    for _ in range(steps):
+    for step in range(steps):
         yield [token for _, token, _ in batch.sample()]
-        batch.advance()
-
-
-@torch.inference_mode()
-def _decode_cached(state: Generation) -> Iterator[list[int]]:
-    model, n = state.model, state.num_samples
-    firsts = state.windows[::n]
-    longest = min(state.block_size, max(len(w) for w in firsts) + state.cfg.max_new_tokens)
-    # only as long as this generation can get: zeroing a cache of block_size positions costs time
-    cache = state.prepared.new_kv_cache(len(firsts), max_len=longest)
-    logits = _prefill(model, cache, firsts, state.device)
-    if n > 1:
-        cache = cache.repeat_rows(n)
-        logits = logits.repeat_interleave(n, dim=0)
-    filled = [len(w) for w in state.windows]  # cache positions of each row, tracked here to avoid host syncs
-    decoder = state.prepared.decoder_for(cache)
-    for step in range(state.cfg.max_new_tokens):
-        ids = state.choose(logits)
-        yield ids
-        if step + 1 == state.cfg.max_new_tokens:
-            break  # no logits needed after the last token
-        _slide(model, cache, state, filled)
-        logits = decoder.step(state.tensor(ids), cache)  # (R, V)
-        filled = [k + 1 for k in filled]
+        if step + 1 < steps:  # no logits needed after the last token
+            batch.advance()
 
 
 def generate(model: InferenceModel | nn.Module, prompt: Sequence[int], cfg: SampleConfig,
-             num_samples: int = 1) -> Iterator[list[int]]:
+             num_samples: int = 1, prefix_cache: PrefixCache | None = None) -> Iterator[list[int]]:
     """`generate_batch` for one prompt: yields the `num_samples` next ids of each new position."""
-    return generate_batch(model, [prompt], cfg, num_samples)
+    return generate_batch(model, [prompt], cfg, num_samples, prefix_cache)
 
 
 def generate_uncached(model: InferenceModel | nn.Module, prompts: Sequence[Sequence[int]], cfg: SampleConfig,
@@ -243,11 +172,11 @@ def generate_uncached(model: InferenceModel | nn.Module, prompts: Sequence[Seque
     """The reference for `generate_batch` (same arguments, rows, window policy and yields): no cache, every step
     recomputes each row's whole window through the model's forward, rows of equal window length together, others
     one by one (an InferenceModel's decoder is not used)."""
-    return _decode_uncached(Generation(model, prompts, cfg, num_samples))
+    return _decode_uncached(Reference(model, prompts, cfg, num_samples))
 
 
 @torch.inference_mode()
-def _decode_uncached(state: Generation) -> Iterator[list[int]]:
+def _decode_uncached(state: Reference) -> Iterator[list[int]]:
     model = state.model
     for _ in range(state.cfg.max_new_tokens):
         if len({len(w) for w in state.windows}) == 1:
@@ -270,27 +199,32 @@ class Row:
     logits: torch.Tensor
     filled: int
     need: int  # cache positions this row can ever use
+    cached: int = 0  # of its prompt's tokens, how many the prefix cache served
+    prompt_logits: torch.Tensor | None = None  # (T, V), where join was asked for them
 
 
 class RunningBatch:
     """Rows that join and leave between decode steps (the server's continuous batching), over one KV cache.
 
-    `join` prefills a prompt alone and adds its samples; `sample` draws every row's next token (each with its own
-    settings and generator); `leave` drops rows (finished, cancelled); `advance` runs one decode step for the rest,
-    first laying the cache out afresh if rows joined or left (once per step, however many did: the fused step
-    reads a contiguous cache of exactly its rows, so each new layout copies every row's keys and values).
+    `join` puts a prompt through the prompt pass alone (gptlab.inference.prefix_cache: fixed chunks, reusing the
+    `prefix_cache`'s blocks) and adds its samples; `sample` draws every row's next token (each with its own settings
+    and generator); `leave` drops rows (finished, cancelled); `advance` runs one decode step for the rest, first
+    laying the cache out afresh if rows joined or left (once per step, however many did: the fused step reads a
+    contiguous cache of exactly its rows, so each new layout copies every row's keys and values).
     A row's logits do not depend on the rows beside it: it is prefilled alone, slides alone, is drawn alone, and
-    the fused step, whose one-row kernel rounds differently from its many-row kernels (which agree bitwise at any
-    batch size, tests/test_serve_batching.py), always runs at least two rows (a pad row at position 0 when one is
-    left). The torch step gives no such guarantee (its products' rounding varies with the batch size)."""
+    the fused step computes each row's products in the same order at any batch size, one row included
+    (tests/test_serve_batching.py). The torch step gives no such guarantee (its products' rounding varies with the
+    batch size)."""
 
-    def __init__(self, model: InferenceModel | nn.Module):
+    def __init__(self, model: InferenceModel | nn.Module, prefix_cache: PrefixCache | None = None):
         self.prepared = as_inference(model)
         self.model = self.prepared.model
         self.device = next(self.model.parameters()).device
         self.block_size = self.model.config.block_size
         self.keep = window_keep(self.block_size)
-        self.min_rows = 2 if self.prepared.fused else 1
+        if prefix_cache is not None:
+            prefix_cache.check(self.model, self.prepared.cache_dtype)
+        self.prefix_cache = prefix_cache
         self.rows: list[Row] = []
         self.cache: KVCache | None = None
         self._slots: dict[Row, int] = {}  # row -> its row in self.cache (a Row hashes by identity)
@@ -298,21 +232,34 @@ class RunningBatch:
         self._moved = False  # rows left since the last layout
 
     @torch.inference_mode()
-    def join(self, prompt: Sequence[int], cfg: SampleConfig, num_samples: int = 1) -> list[Row]:
-        """Prefill `prompt` (its last block_size tokens) and add `num_samples` rows continuing it, sample i drawn
-        with `row_seed(cfg.seed, i)`; they take part from the next `sample`. Raises GptlabError for an empty
-        prompt, ids outside the vocabulary or num_samples < 1."""
+    def join(self, prompt: Sequence[int], cfg: SampleConfig, num_samples: int = 1,
+             prompt_logits: bool = False) -> list[Row]:
+        """Put `prompt` (its last block_size tokens) through the prompt pass and add `num_samples` rows continuing
+        it, sample i drawn with `row_seed(cfg.seed, i)`; they take part from the next `sample`. `prompt_logits`:
+        every position's logits are computed (no block reused) and kept in the first row's `prompt_logits` (T, V).
+        Raises GptlabError for an empty prompt, ids outside the vocabulary or num_samples < 1."""
         check_prompts(self.model, [prompt], num_samples)
         window = list(prompt[-self.block_size:])
         need = min(self.block_size, len(window) + cfg.max_new_tokens)
         cache = self.prepared.new_kv_cache(1, max_len=need)
-        logits = _prefill(self.model, cache, [window], self.device).clone()  # (1, V)
+        logits, hit = prompt_pass(self.model, cache, window, self.prefix_cache, "all" if prompt_logits else "last")
+        last = logits[-1:].clone()  # (1, V)
         vocab = self.model.config.vocab_size
         rows = [Row(list(window), RowSampler(cfg, row_seed(cfg.seed, i), window, vocab, self.device),
-                    cfg.max_new_tokens, logits, len(window), need) for i in range(num_samples)]
+                    cfg.max_new_tokens, last, len(window), need, hit) for i in range(num_samples)]
+        if prompt_logits and rows:
+            rows[0].prompt_logits = logits
         self.rows += rows
         self._joining.update((row, cache) for row in rows)
         return rows
+
+    @torch.inference_mode()
+    def prompt_logits(self, prompt: Sequence[int]) -> torch.Tensor:
+        """Every position's logits (T, V) of `prompt` (at most block_size tokens) through the prompt pass, as `join`
+        computes them with prompt_logits, without adding a row."""
+        check_prompts(self.model, [prompt])
+        cache = self.prepared.new_kv_cache(1, max_len=len(prompt))
+        return prompt_pass(self.model, cache, list(prompt), self.prefix_cache, "all")[0]
 
     @torch.inference_mode()
     def sample(self) -> list[tuple[Row, int, torch.Tensor]]:
@@ -345,11 +292,8 @@ class RunningBatch:
             return
         for i, row in enumerate(self.rows):
             if row.filled >= len(row.window):
-                row.filled = _rebuild_row(self.model, self.cache, i, row.window, self.keep)
-        pads = len(self.cache.pos) - len(self.rows)
-        ids = [row.window[-1] for row in self.rows] + [0] * pads
-        if pads:
-            self.cache.pos[len(self.rows):] = 0  # a pad row only ever decodes position 0
+                row.filled = self._rebuild_row(i, row.window)
+        ids = [row.window[-1] for row in self.rows]
         decoder = self.prepared.decoder_for(self.cache)
         # one copy of all rows' logits: the fused step's buffer is reused by the next step
         logits = decoder.step(torch.tensor(ids, dtype=torch.long, device=self.device), self.cache).clone()
@@ -358,11 +302,11 @@ class RunningBatch:
             row.filled += 1
 
     def _relayout(self) -> None:
-        """Make the cache hold exactly self.rows in order (plus pad rows up to min_rows): each row's filled
-        positions copied from the old cache or from its one-row prefill."""
+        """Make the cache hold exactly self.rows in order: each row's filled positions copied from the old cache
+        or from its one-row prompt pass."""
         rows, cache = self.rows, None
         if rows:
-            cache = self.prepared.new_kv_cache(max(len(rows), self.min_rows), max_len=max(r.need for r in rows))
+            cache = self.prepared.new_kv_cache(len(rows), max_len=max(r.need for r in rows))
             for i, row in enumerate(rows):
                 source, j = (self._joining[row], 0) if row in self._joining else (self.cache, self._slots[row])
                 n = row.filled
@@ -372,3 +316,12 @@ class RunningBatch:
         self.cache = cache
         self._slots = {row: i for i, row in enumerate(rows)}
         self._joining, self._moved = {}, False
+
+    def _rebuild_row(self, row: int, window: list[int]) -> int:
+        """Refill cache row `row` from all but the newest token of its slid window, through the prompt pass (alone,
+        so a row's rebuild is the same whichever rows slide beside it); returns its filled positions."""
+        fresh = self.prepared.new_kv_cache(1, max_len=self.keep)
+        if self.keep > 1:
+            prompt_pass(self.model, fresh, window[:-1], self.prefix_cache, "none")
+        self.cache.replace_rows(torch.tensor([row], device=self.device), fresh)
+        return len(window) - 1

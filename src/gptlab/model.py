@@ -245,11 +245,11 @@ class GPT(nn.Module):
             nn.init.zeros_(module.bias)
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, kv_cache: KVCache | None = None,
-                last_only: bool = False) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+                last_only: bool = False, head: bool = True) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """idx (B, T) token ids -> logits (B, T, V) (or (B, 1, V) with last_only) and the mean cross-entropy
         against targets (B, T) when given (-1 targets are ignored); with loss_chunk set, a forward that records
         gradients returns the loss alone (logits None). With a cache, idx continues each row at kv_cache.pos, and
-        pos advances by T."""
+        pos advances by T; head=False (with a cache) only fills the cache: no logits, (None, None)."""
         B, T = idx.shape
         if kv_cache is None:
             assert T <= self.config.block_size, f"sequence of {T} tokens > block_size {self.config.block_size}"
@@ -265,9 +265,11 @@ class GPT(nn.Module):
                 x = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False, preserve_rng_state=True)
             else:
                 x = block(x, kv_cache, layer)
-        x = self.transformer.ln_f(x)
         if kv_cache is not None:
             kv_cache.pos += T
+            if not head:
+                return None, None
+        x = self.transformer.ln_f(x)
         if last_only:
             x = x[:, -1:]
         if self.loss_chunk and targets is not None and torch.is_grad_enabled() and not last_only:
@@ -317,9 +319,11 @@ class Bigram(nn.Module):
         nn.init.zeros_(self.logits_table.weight)  # start from the uniform distribution
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, kv_cache: KVCache | None = None,
-                last_only: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+                last_only: bool = False, head: bool = True) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         if kv_cache is not None:  # nothing to remember: the last token is all the context there is
             kv_cache.pos += idx.size(1)
+            if not head:
+                return None, None
         logits = self.logits_table(idx[:, -1:] if last_only else idx)  # (B, T, V)
         return logits, _loss(logits, targets)
 

@@ -11,6 +11,7 @@ import torch.nn as nn
 
 from gptlab.config import SampleConfig
 from gptlab.engine import generate_batch
+from gptlab.inference.prefix_cache import PrefixCache
 from gptlab.inference.prepared import InferenceModel
 from gptlab.tokenizer import StreamDecoder, Tokenizer
 
@@ -76,11 +77,11 @@ def _held_back(text: str, stops: Sequence[str]) -> int:
 class TextStream:
     """Generation as text. Iterating yields, per step, the newly released text of every row ("" when a row has
     nothing new or has finished) and stops once every row has finished; `completions` then holds each row's text,
-    ids and finish reason. Rows (and `batch_invariant`) are as in `generate_batch`."""
+    ids and finish reason. Rows (and `prefix_cache`) are as in `generate_batch`."""
 
     def __init__(self, model: InferenceModel | nn.Module, tokenizer: Tokenizer, prompts: Sequence[Sequence[int]],
-                 cfg: SampleConfig, num_samples: int = 1, batch_invariant: bool = False):
-        self._ids = generate_batch(model, prompts, cfg, num_samples, batch_invariant)
+                 cfg: SampleConfig, num_samples: int = 1, prefix_cache: PrefixCache | None = None):
+        self._ids = generate_batch(model, prompts, cfg, num_samples, prefix_cache)
         self.completions = [Completion(tokenizer, cfg.stop) for _ in range(len(prompts) * num_samples)]
 
     def __iter__(self) -> Iterator[list[str]]:

@@ -4,6 +4,7 @@ from planted import Planted
 
 SAMPLING = "src/gptlab/sampling.py"
 ENGINE = "src/gptlab/engine.py"
+PREFIX = "src/gptlab/inference/prefix_cache.py"
 TEXTSTREAM = "src/gptlab/textstream.py"
 T_SAMPLING = "tests/test_sampling.py"
 
@@ -46,9 +47,9 @@ REFERENCE = f"{T_ENGINE}::test_running_batch_equals_the_plain_forward_over_the_d
 SEEDS = f"{T_ENGINE}::test_each_sample_of_each_prompt_is_that_prompt_alone_with_seed_plus_i"
 
 PLANTED += [
-    Planted("engine: sample i of prompt 2+ seeded by its row, not its sample", ENGINE, "Generation.__init__",
-            [("RowSampler(cfg, row_seed(cfg.seed, r % num_samples), w, vocab, self.device)",
-              "RowSampler(cfg, row_seed(cfg.seed, r), w, vocab, self.device)")],
+    Planted("engine: sample i of prompt 2+ seeded by its row, not its sample", ENGINE, "RunningBatch.join",
+            [("RowSampler(cfg, row_seed(cfg.seed, i), window, vocab, self.device)",
+              "RowSampler(cfg, row_seed(cfg.seed, len(self.rows) + i), window, vocab, self.device)")],
             SEEDS),
     Planted("engine: RunningBatch ignores the prompt in penalties", ENGINE, "RunningBatch.join",
             [("RowSampler(cfg, row_seed(cfg.seed, i), window, vocab, self.device)",
@@ -64,23 +65,26 @@ RAGGED = f"{T_ENGINE}::test_each_row_of_a_ragged_batch_equals_the_plain_forward_
 GREEDY = f"{T_ENGINE}::test_cached_greedy_equals_the_plain_forward_for_200_tokens_across_the_window_boundary"
 
 PLANTED += [
-    Planted("engine: generate_batch slides its window one token early", ENGINE, "Generation.choose",
+    Planted("engine: the reference slides its window one token early", ENGINE, "Reference.choose",
             [("push(window, i, self.block_size, self.keep)", "push(window, i, self.block_size - 1, self.keep)")],
             [GREEDY, RAGGED]),
-    Planted("engine: generate_batch ignores the prompt in penalties", ENGINE, "Generation.__init__",
+    Planted("engine: the reference ignores the prompt in penalties", ENGINE, "Reference.__init__",
             [("RowSampler(cfg, row_seed(cfg.seed, r % num_samples), w, vocab, self.device)",
               "RowSampler(cfg, row_seed(cfg.seed, r % num_samples), [], vocab, self.device)")],
-            RAGGED),
+            f"{T_ENGINE}::test_the_uncached_reference_decodes_what_the_plain_loop_decodes_with_penalties"),
     Planted("engine: generated tokens not counted for the penalties", ENGINE, "RowSampler.choose",
             [("            self.counts[0, i] += 1\n", "            pass\n")],
             [RAGGED, REFERENCE]),
     Planted("engine: the window keeps half of block_size, not 3/4", ENGINE, "window_keep",
             [("return max(1, block_size * 3 // 4)", "return max(1, block_size // 2)")],
             [GREEDY, REFERENCE]),
-    Planted("engine: a ragged prefill's last tokens one position late", ENGINE, "_prefill",
-            [("cache.pos.copy_(torch.tensor(lengths, device=device) - 1)",
-              "cache.pos.copy_(torch.tensor(lengths, device=device))")],
-            RAGGED),
+    Planted("engine: a prefix cache hit reuses the chunk that holds the prompt's last token", PREFIX, "prompt_pass",
+            [("(T if logits == \"none\" else T - 1) // chunk", "T // chunk")],
+            [f"tests/test_prefix_cache.py::test_only_whole_chunks_before_the_last_token_are_reused",
+             f"tests/test_prefix_cache.py::test_the_prompt_chunk_is_crossed_below_at_and_one_past_its_edges"]),
+    Planted("engine: the prefix cache evicts the most recently used block", PREFIX, "PrefixCache._touch",
+            [("for block in reversed(chain):", "for block in chain:")],
+            "tests/test_prefix_cache.py::test_the_budget_is_never_exceeded_and_least_recently_used_leaves_go_first"),
     Planted("engine: a relayout copies one cache position too few", ENGINE, "RunningBatch._relayout",
             [("                n = row.filled\n", "                n = row.filled - 1\n")],
             REFERENCE),

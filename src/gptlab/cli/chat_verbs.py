@@ -8,7 +8,7 @@ import argparse
 import sys
 from dataclasses import replace
 
-from gptlab.cli.common import add_config_flags, announce, command
+from gptlab.cli.common import add_config_flags, add_prefix_cache_flag, announce, command, prefix_cache
 from gptlab.cli.verbs import add_inference_flags, sample_config
 from gptlab.config import SEED_LIMIT, SampleConfig
 from gptlab.errors import GptlabError
@@ -43,7 +43,8 @@ def cmd_chat(args: argparse.Namespace) -> int:
     ready = load_for_inference(run, resolve_device(args.device), args.precision,
                                check=lambda tokenizer: found.append(chat_of(tokenizer)))
     block_size = ready.model.config.block_size
-    chat = Chat(ready.model, found[0], chat_config(args, block_size), block_size, args.system)
+    chat = Chat(ready.model, found[0], chat_config(args, block_size), block_size, args.system,
+                prefix_cache(args.prefix_cache_mb))
     announce(ready)
     if sys.stdin.isatty():
         try:
@@ -70,8 +71,10 @@ class Chat:
     assistant's messages, `system` the system message (None: none); `answers` counts the answers since the start
     or the last /reset (answer n draws with cfg.seed + n - 1)."""
 
-    def __init__(self, model, tokenizer, cfg: SampleConfig, block_size: int, system: str | None = None):
+    def __init__(self, model, tokenizer, cfg: SampleConfig, block_size: int, system: str | None = None,
+                 prefix=None):
         self.model, self.tokenizer, self.cfg = model, tokenizer, cfg
+        self.prefix = prefix  # a PrefixCache kept between turns: the conversation so far is not computed again
         self.room = block_size - cfg.max_new_tokens  # prompt tokens that leave room for a whole answer
         self.system = system or None
         self.turns: list[dict[str, str]] = []
@@ -143,7 +146,7 @@ class Chat:
         said, stopped = "", False
         _show(ANSWER)
         try:
-            stream = TextStream(self.model, self.tokenizer, [ids], cfg, batch_invariant=True)  # as `gptlab sample`
+            stream = TextStream(self.model, self.tokenizer, [ids], cfg, prefix_cache=self.prefix)  # as `gptlab sample`
             for pieces in stream:
                 _show(pieces[0])
                 said += pieces[0]
@@ -189,4 +192,5 @@ def add_chat(p: argparse.ArgumentParser) -> None:
     p.add_argument("--run", help="run folder (default: the most recent under runs/)")
     p.add_argument("--system", metavar="TEXT", help="start with this system message (change it with /system TEXT)")
     add_inference_flags(p)
+    add_prefix_cache_flag(p)
     add_config_flags(p, SampleConfig, "sampling settings (each answer is a sample; see the seeds above)")

@@ -9,7 +9,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from gptlab.config import DEVICES, field_help, field_types, parse_value
+from gptlab.config import DEVICES, PREFIX_CACHE_MB, field_help, field_types, parse_value
 from gptlab.errors import GptlabError
 
 RunVerb = Callable[[argparse.Namespace], int]  # a verb: its parsed arguments -> the exit code
@@ -147,3 +147,20 @@ def at_least(args: argparse.Namespace, **minimums: int) -> None:
     for name, low in minimums.items():
         if getattr(args, name) < low:
             raise GptlabError(f"--{name.replace('_', '-')} must be >= {low}, not {getattr(args, name)}")
+
+
+def add_prefix_cache_flag(p: argparse.ArgumentParser) -> None:
+    """--prefix-cache-mb: the exact prefix cache's budget (chat, serve)."""
+    p.add_argument("--prefix-cache-mb", type=float, default=PREFIX_CACHE_MB, metavar="MB",
+                   help="keep the keys and values of prompts' whole chunks up to this many MB and reuse them for "
+                        "prompts that start alike (a conversation's earlier turns, a shared system prompt); the "
+                        f"output is bit for bit the same as without; 0 turns it off (default {PREFIX_CACHE_MB})")
+
+
+def prefix_cache(mb: float):
+    """The PrefixCache of a --prefix-cache-mb (None for 0)."""
+    from gptlab.inference.prefix_cache import PrefixCache
+
+    if mb < 0:
+        raise GptlabError(f"--prefix-cache-mb must be >= 0, not {mb:g}; 0 turns the cache off")
+    return PrefixCache(int(mb * 2 ** 20)) if mb else None

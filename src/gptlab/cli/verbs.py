@@ -175,7 +175,7 @@ def cmd_sample(args: argparse.Namespace) -> int:
         ready = load_for_inference(args.run or latest_run(), resolve_device(args.device), args.precision,
                                    check=lambda tokenizer: prompt.extend(read_prompt(args, tokenizer)))
     # the server's path (gptlab.serve), so the same seed and settings give the same text there
-    stream = TextStream(ready.model, ready.tokenizer, [prompt], cfg, args.num_samples, batch_invariant=True)
+    stream = TextStream(ready.model, ready.tokenizer, [prompt], cfg, args.num_samples)
     announce(ready)
     echo = ready.tokenizer.decode(prompt) if args.echo_prompt else ""
     sys.stdout.write(echo)

@@ -160,9 +160,9 @@ class NaiveGPT(GPT):
         return KVCache(1, batch_size, 1, max_len or self.config.block_size, 1, "cpu", torch.float32)
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, kv_cache: KVCache | None = None,
-                last_only: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+                last_only: bool = False, head: bool = True) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         if kv_cache is not None:
-            return self._over_cache(idx, kv_cache, last_only), None
+            return self._over_cache(idx, kv_cache, last_only, head), None
         B, T = idx.shape
         dtype = self.transformer.wte.weight.dtype
         masks = self.draw_masks(B, T)
@@ -181,9 +181,10 @@ class NaiveGPT(GPT):
             return None
         return DropoutMasks.draw(self, B, T, p, self.transformer.wte.weight.dtype)
 
-    def _over_cache(self, idx: torch.Tensor, cache: KVCache, last_only: bool) -> torch.Tensor:
+    def _over_cache(self, idx: torch.Tensor, cache: KVCache, last_only: bool, head: bool = True) -> torch.Tensor | None:
         """idx (B, T) continues each row at cache.pos: its ids are stored, and each row's logits for them come
-        from the engine run over all of that row's ids (rows of one length in one call); pos advances by T."""
+        from the engine run over all of that row's ids (rows of one length in one call; none without the `head`:
+        the ids only stored); pos advances by T."""
         if cache.k.shape[0] != 1 or cache.k.shape[2:] != (1, cache.max_len, 1):
             raise ValueError("the reference engine keeps token ids, not keys and values: use its own new_kv_cache")
         B, T = idx.shape
@@ -192,6 +193,9 @@ class NaiveGPT(GPT):
             raise ValueError("position beyond block_size: slide the window")
         for b, end in enumerate(ends):
             cache.k[0, b, 0, end - T:end, 0] = idx[b].float()
+        if not head:
+            cache.pos += T
+            return None
         logits = torch.empty(B, T, self.config.vocab_size, dtype=self.transformer.wte.weight.dtype)
         for end in sorted(set(ends)):
             rows = torch.tensor([b for b, e in enumerate(ends) if e == end])

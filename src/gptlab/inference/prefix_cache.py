@@ -1,0 +1,190 @@
+"""The prompt pass and the exact prefix cache.
+
+A prompt (a row's window) goes through the model's forward in chunks of `PROMPT_CHUNK` tokens, one chunk after
+another over the row's KV cache, whether or not any of it is cached: so a chunk's keys and values are the same
+numbers whichever request computed them, and a `PrefixCache` can hand one request the chunks another computed.
+
+`PrefixCache` keeps the keys and values of whole chunks, keyed by the exact tokens from the window's first one to the
+chunk's last (each block's key is its parent block and its own tokens: no hashing, no collisions), evicted least
+recently used under a budget of bytes. A hit copies the blocks into the row's cache and the prompt pass goes on
+from the first chunk not cached; the last token of a window is always computed (its logits are the next token's),
+so at most the whole chunks before it are reused. Only the prompt pass makes blocks: keys and values written by the
+decode step round differently, so a chat's next turn puts the last reply through the prompt pass again. Logits,
+log-probabilities and text with the cache are therefore bit for bit those without it (tests/test_prefix_cache.py).
+
+A cache belongs to one model and one cache dtype (`PrefixCache.check`): it never serves blocks of another run or
+another precision.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from gptlab.errors import GptlabError
+from gptlab.model import KVCache
+
+PROMPT_CHUNK = 64  # tokens per forward of the prompt pass, and per cached block
+
+
+@dataclass
+class CacheStats:
+    """What a PrefixCache did so far: prompt tokens looked up and of those served from blocks, the bytes held now
+    and the budget, the blocks held now and how many were evicted."""
+
+    lookup_tokens: int = 0
+    hit_tokens: int = 0
+    bytes: int = 0
+    budget_bytes: int = 0
+    blocks: int = 0
+    evictions: int = 0
+
+
+@dataclass(eq=False)
+class _Block:
+    k: torch.Tensor  # (n_layer, H, chunk, D): one chunk's keys, every layer and head
+    v: torch.Tensor
+    key: tuple  # (parent block's id, this chunk's tokens)
+    id: int
+    children: set[int] = field(default_factory=set)
+
+    @property
+    def nbytes(self) -> int:
+        return self.k.nbytes + self.v.nbytes
+
+
+class PrefixCache:
+    """Blocks of keys and values of whole prompt chunks, for one model and cache dtype, under `budget_bytes`
+    (0: nothing is kept, every lookup misses)."""
+
+    def __init__(self, budget_bytes: int, chunk: int = PROMPT_CHUNK):
+        if budget_bytes < 0:
+            raise GptlabError(f"the prefix cache's budget must be >= 0 MB, not {budget_bytes / 2 ** 20:g}")
+        self.budget, self.chunk = budget_bytes, chunk
+        self._blocks: OrderedDict[tuple, _Block] = OrderedDict()  # least recently used first
+        self._by_id: dict[int, _Block] = {}
+        self._next_id = 1  # 0 is the root: the parent of every window's first chunk
+        self._owner: tuple | None = None
+        self._stats = CacheStats(budget_bytes=budget_bytes)
+
+    def check(self, model: torch.nn.Module, dtype: torch.dtype) -> None:
+        """Bind the cache to `model` and `dtype` on first use; GptlabError for any other later."""
+        owner = (model, dtype)
+        if self._owner is None:
+            self._owner = owner
+        elif self._owner[0] is not model or self._owner[1] != dtype:
+            raise GptlabError("this prefix cache holds another model's keys and values (or another precision's); "
+                              "give each model its own")
+
+    def stats(self) -> CacheStats:
+        return CacheStats(**{**self._stats.__dict__, "bytes": sum(b.nbytes for b in self._blocks.values()),
+                             "blocks": len(self._blocks)})
+
+    def lookup(self, tokens: Sequence[int], usable: int) -> list[_Block]:
+        """The cached blocks of the longest run of whole chunks of `tokens` from its start, at most `usable`
+        chunks; counted in the stats over len(tokens) tokens looked up."""
+        found: list[_Block] = []
+        parent = 0
+        for i in range(usable):
+            block = self._blocks.get((parent, tuple(tokens[i * self.chunk:(i + 1) * self.chunk])))
+            if block is None:
+                break
+            found.append(block)
+            parent = block.id
+        self._stats.lookup_tokens += len(tokens)
+        self._stats.hit_tokens += len(found) * self.chunk
+        self._touch(found)
+        return found
+
+    def insert(self, tokens: Sequence[int], cache: KVCache, row: int, start: int, end: int) -> None:
+        """Keep chunks start..end-1 of `tokens` (whole chunks, computed by the prompt pass) from row `row` of
+        `cache`; chunks before `start` must be cached already (looked up just before)."""
+        chain, parent = [], 0
+        for i in range(end):
+            key = (parent, tuple(tokens[i * self.chunk:(i + 1) * self.chunk]))
+            block = self._blocks.get(key)
+            if block is None and i >= start and self.budget:
+                lo, hi = i * self.chunk, (i + 1) * self.chunk
+                block = _Block(cache.k[:, row, :, lo:hi].clone(), cache.v[:, row, :, lo:hi].clone(), key,
+                               self._next_id)
+                block = self._add(block, parent)
+            if block is None:
+                break  # evicted meanwhile, or over the budget: the rest has no parent to hang from
+            chain.append(block)
+            parent = block.id
+        self._touch(chain)
+
+    def _add(self, block: _Block, parent: int) -> _Block | None:
+        if block.nbytes > self.budget:
+            return None
+        self._evict(self.budget - block.nbytes, keep=parent)
+        if parent and parent not in self._by_id:
+            return None
+        self._next_id += 1
+        self._blocks[block.key] = block
+        self._by_id[block.id] = block
+        if parent:
+            self._by_id[parent].children.add(block.id)
+        return block
+
+    def _evict(self, room: int, keep: int) -> None:
+        """Drop least recently used blocks (never `keep`, the parent of the block about to be added) until the
+        rest take at most `room` bytes. A block's descendants go with it."""
+        held = sum(b.nbytes for b in self._blocks.values())
+        for key in list(self._blocks):
+            if held <= room:
+                return
+            block = self._blocks.get(key)
+            if block is None or block.id == keep:
+                continue
+            held -= self._drop(block)
+
+    def _drop(self, block: _Block) -> int:
+        freed = block.nbytes
+        for child in list(block.children):
+            if child in self._by_id:
+                freed += self._drop(self._by_id[child])
+        del self._blocks[block.key], self._by_id[block.id]
+        parent = self._by_id.get(block.key[0])
+        if parent is not None:
+            parent.children.discard(block.id)
+        self._stats.evictions += 1
+        return freed
+
+    def _touch(self, chain: list[_Block]) -> None:
+        """Mark a chain used, its last block first: a parent stays more recently used than its children, so
+        eviction takes leaves first."""
+        for block in reversed(chain):
+            self._blocks.move_to_end(block.key)
+
+
+def prompt_pass(model: torch.nn.Module, cache: KVCache, tokens: Sequence[int], prefix: PrefixCache | None,
+                logits: str = "last") -> tuple[torch.Tensor | None, int]:
+    """Fill row 0 of the empty one-row `cache` with `tokens` through the model's forward, PROMPT_CHUNK tokens at a
+    time, reusing `prefix`'s blocks of the whole chunks before the last token and keeping the chunks computed.
+    `logits`: "last" (the last position's (1, V)), "all" (every position's (T, V): no block is reused, so every
+    position is computed; the chunks are still kept) or "none". Returns (logits, tokens served from the cache)."""
+    chunk = prefix.chunk if prefix is not None else PROMPT_CHUNK
+    T, device = len(tokens), cache.pos.device
+    usable = 0 if logits == "all" else (T if logits == "none" else T - 1) // chunk
+    found = prefix.lookup(tokens, usable) if prefix is not None and usable else []
+    for i, block in enumerate(found):
+        cache.k[:, 0, :, i * chunk:(i + 1) * chunk] = block.k
+        cache.v[:, 0, :, i * chunk:(i + 1) * chunk] = block.v
+    cache.pos[0] = len(found) * chunk
+    outs = []
+    for lo in range(len(found) * chunk, T, chunk):
+        ids = torch.tensor([list(tokens[lo:lo + chunk])], dtype=torch.long, device=device)
+        head = logits == "all" or (logits == "last" and lo + chunk >= T)  # the LM head only where logits are kept
+        out, _ = model(ids, kv_cache=cache, last_only=logits != "all", head=head)
+        if head:
+            outs.append(out[0])
+    if prefix is not None:
+        prefix.insert(tokens, cache, 0, len(found), T // chunk)
+    hit = len(found) * chunk
+    if logits == "none":
+        return None, hit
+    return (torch.cat(outs) if logits == "all" else outs[-1]), hit

@@ -1,0 +1,221 @@
+"""The exact prefix cache (gptlab.inference.prefix_cache): with it, every row's logits, at every step, are bit for
+bit those without it (the same chunked prompt pass with a cache that keeps nothing), in fp32, bf16 and int8, alone
+and in a batch, with windows that slide; what it reuses (whole chunks before the last token, exact keys), its budget
+(never exceeded, least recently used first, leaves before their parents) and whose blocks it may serve."""
+
+import pytest
+import torch
+from helpers import tiny_config
+
+from gptlab.config import SampleConfig
+from gptlab.engine import RunningBatch, generate_uncached, one_thread
+from gptlab.errors import GptlabError
+from gptlab.inference.loading import prepare_for_inference
+from gptlab.inference.prefix_cache import PROMPT_CHUNK, PrefixCache, prompt_pass
+from gptlab.inference.prepared import InferenceModel, TorchStep
+from gptlab.model import GPT
+from gptlab.runtime import bf16_supported
+
+SHAPE = dict(n_layer=2, n_head=4, n_embd=64, vocab_size=65, block_size=40)
+CHUNK = 4
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    with one_thread():
+        yield
+
+
+def trained_like(precision="fp32", seed=0):
+    """A model away from its init (matrices x 10, LayerNorms and biases moved) so that context matters."""
+    torch.manual_seed(seed)
+    model = GPT(tiny_config(**SHAPE)).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(10.0) if p.dim() == 2 else p.add_(torch.randn_like(p) * 0.1)
+    return prepare_for_inference(model, precision)
+
+
+def run(model, prefix, requests, steps_between=2):
+    """Requests [(prompt, cfg, n)] joining one RunningBatch `steps_between` steps apart; every row's logits at every
+    step and its tokens, and each row's cached count, in join order."""
+    batch = RunningBatch(model, prefix)
+    logits, tokens, cached, order = {}, {}, {}, []
+    pending = list(requests)
+    step = 0
+    while pending or batch.rows:
+        if pending and step % steps_between == 0:
+            prompt, cfg, n = pending.pop(0)
+            for row in batch.join(prompt, cfg, n):
+                order.append(row)
+                logits[row], tokens[row], cached[row] = [], [], row.cached
+        for row, token, row_logits in batch.sample():
+            logits[row].append(row_logits.clone())
+            tokens[row].append(token)
+        batch.advance()
+        step += 1
+    return [(logits[r], tokens[r], cached[r]) for r in order]
+
+
+SYSTEM = [5, 9, 13, 2, 7, 7, 1, 30, 22, 8, 41]  # 11 tokens: two whole chunks and 3 more
+
+
+def requests():
+    """Shared system prompts of lengths crossing the chunk edges (≡ 0, 1, CHUNK - 1 mod CHUNK), a conversation
+    continued turn by turn, unrelated prompts, greedy and seeded sampling, n > 1, and windows that slide."""
+    greedy = SampleConfig(max_new_tokens=6, temperature=0)
+    sampled = SampleConfig(max_new_tokens=8, temperature=0.9, top_k=20, seed=3)
+    long = SampleConfig(max_new_tokens=30, temperature=0.8, seed=11)  # 14 + 30 > 40: slides
+    turn1 = SYSTEM + [3, 4, 60]
+    return [(SYSTEM + [3, 4], greedy, 1), (SYSTEM[:8], greedy, 1), (SYSTEM[:9], sampled, 2), (SYSTEM[:7], greedy, 1),
+            (turn1, long, 1), (turn1 + [17, 18, 19, 20, 21, 22], sampled, 1), ([50, 51, 52], greedy, 1),
+            (SYSTEM + [3, 4], sampled, 3), (list(range(40, 65)) + SYSTEM, greedy, 1)]
+
+
+@pytest.mark.device_path("fused decode (native)")
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "int8"])
+def test_logits_and_tokens_with_the_cache_are_bit_for_bit_those_without(fused_kernel, precision):
+    if precision == "bf16" and not bf16_supported(torch.device("cpu")):
+        pytest.skip("no native bf16 on this CPU")
+    model = trained_like(precision)
+    if not model.fused:
+        pytest.skip(f"no fused {precision} step on this CPU")
+    off = run(model, PrefixCache(0, chunk=CHUNK), requests())
+    cache = PrefixCache(2 ** 24, chunk=CHUNK)
+    on = run(model, cache, requests())
+    again = run(model, cache, requests(), steps_between=1)  # every prompt's blocks now cached, other neighbours
+    for i, ((l0, t0, c0), (l1, t1, c1), (l2, t2, _)) in enumerate(zip(off, on, again)):
+        assert t0 == t1 == t2, f"request row {i}"
+        assert all(torch.equal(a, b) and torch.equal(a, c) for a, b, c in zip(l0, l1, l2)), f"request row {i}"
+        assert c0 == 0
+    assert [c for _, _, c in on][:5] == [0, 4, 8, 8, 4]  # the system prompt's whole chunks before each last token
+    assert cache.stats().hit_tokens > 100
+
+
+def test_a_plain_model_on_the_torch_step_is_exact_too():
+    model = trained_like().model  # decoded by the torch step, one row: the same shapes with the cache or without
+    cfg = SampleConfig(max_new_tokens=5, temperature=0)
+    prompts = [(SYSTEM + [3, 4], cfg, 1), (SYSTEM + [3, 4, 5], cfg, 1)]
+    off = run(model, PrefixCache(0, chunk=CHUNK), prompts, steps_between=100)
+    on = run(model, PrefixCache(2 ** 20, chunk=CHUNK), prompts, steps_between=100)
+    assert [t for _, t, _ in off] == [t for _, t, _ in on]
+    assert all(torch.equal(a, b) for (la, _, _), (lb, _, _) in zip(off, on) for a, b in zip(la, lb))
+    assert [c for _, _, c in on] == [0, 12]
+    greedy = [list(r) for r in zip(*generate_uncached(model, [SYSTEM + [3, 4, 5]], cfg))][0]
+    assert on[1][1] == greedy  # and both decode what the reference decodes
+
+
+@pytest.mark.parametrize("length, reused", [(1, 0), (3, 0), (4, 0), (5, 4), (7, 4), (8, 4), (9, 8), (12, 8), (13, 12)])
+def test_only_whole_chunks_before_the_last_token_are_reused(length, reused):
+    model = trained_like().model
+    cache = PrefixCache(2 ** 20, chunk=CHUNK)
+    tokens = list(range(1, 20))
+    RunningBatch(model, cache).join(tokens, SampleConfig(max_new_tokens=1))  # every whole chunk of 19 kept
+    assert cache.stats().blocks == 4
+    row = RunningBatch(model, cache).join(tokens[:length], SampleConfig(max_new_tokens=1))[0]
+    assert row.cached == reused
+
+
+def test_keys_are_the_exact_tokens_from_the_windows_start():
+    model = trained_like().model
+    cache = PrefixCache(2 ** 20, chunk=CHUNK)
+    cfg = SampleConfig(max_new_tokens=1)
+    RunningBatch(model, cache).join(list(range(1, 14)), cfg)
+    changed = list(range(1, 14))
+    changed[5] = 60  # chunk 2 differs: only chunk 1 is reused
+    assert RunningBatch(model, cache).join(changed, cfg)[0].cached == 4
+    shifted = [0] + list(range(1, 13))  # the same tokens one position later: nothing is reused
+    assert RunningBatch(model, cache).join(shifted, cfg)[0].cached == 0
+
+
+def test_prompt_logits_bypass_the_cache_and_are_the_rows_own():
+    model = trained_like().model
+    cache = PrefixCache(2 ** 20, chunk=CHUNK)
+    cfg = SampleConfig(max_new_tokens=1)
+    prompt = list(range(1, 14))
+    RunningBatch(model, cache).join(prompt, cfg)
+    rows = RunningBatch(model, cache).join(prompt, cfg, 2, prompt_logits=True)
+    assert rows[0].cached == 0 and rows[0].prompt_logits.shape == (13, SHAPE["vocab_size"])
+    assert torch.equal(rows[0].prompt_logits[-1:], rows[0].logits)
+    with torch.no_grad():
+        full, _ = model(torch.tensor([prompt]))
+    torch.testing.assert_close(rows[0].prompt_logits, full[0], rtol=1e-4, atol=1e-4)  # chunked, not one pass
+
+
+def test_the_budget_is_never_exceeded_and_least_recently_used_leaves_go_first():
+    model = trained_like().model
+    block = 2 * SHAPE["n_layer"] * SHAPE["n_embd"] * CHUNK * 4  # keys and values of one chunk in fp32
+    cache = PrefixCache(5 * block, chunk=CHUNK)
+    cfg = SampleConfig(max_new_tokens=1)
+    a, b = list(range(1, 13)), list(range(20, 32))  # three whole chunks each (12 = 3 * 4)
+    for prompt in (a, b, a):
+        RunningBatch(model, cache).join(prompt, cfg)
+        assert cache.stats().bytes <= 5 * block
+    # a (3 blocks) used last; to make room for a's last block, b's leaf went (not its first chunks, nor a's)
+    assert RunningBatch(model, cache).join(a + [1], cfg)[0].cached == 12
+    assert RunningBatch(model, cache).join(b + [1], cfg)[0].cached == 8
+    stats = cache.stats()
+    assert stats.blocks <= 5 and stats.bytes <= stats.budget_bytes == 5 * block and stats.evictions >= 1
+
+
+def test_a_cache_of_no_bytes_keeps_nothing_and_one_smaller_than_a_block_keeps_nothing_either():
+    model = trained_like().model
+    cfg = SampleConfig(max_new_tokens=1)
+    for budget in (0, 100):
+        cache = PrefixCache(budget, chunk=CHUNK)
+        for _ in range(2):
+            assert RunningBatch(model, cache).join(list(range(1, 13)), cfg)[0].cached == 0
+        assert cache.stats().bytes == 0
+    with pytest.raises(GptlabError, match="budget must be >= 0"):
+        PrefixCache(-1)
+
+
+def test_a_cache_serves_one_model_in_one_precision():
+    cache = PrefixCache(2 ** 20, chunk=CHUNK)
+    first = trained_like()
+    RunningBatch(first, cache)
+    with pytest.raises(GptlabError, match="another model"):
+        RunningBatch(trained_like(seed=1), cache)
+    RunningBatch(InferenceModel(first.model, TorchStep(first.model), torch.float32), cache)  # the same: served
+    with pytest.raises(GptlabError, match="another model"):
+        RunningBatch(InferenceModel(first.model, TorchStep(first.model), torch.bfloat16), cache)  # another precision
+
+
+def test_a_slid_window_is_rebuilt_through_the_prompt_pass_and_reuses_blocks():
+    model = trained_like().model
+    cache = PrefixCache(2 ** 20, chunk=CHUNK)
+    cfg = SampleConfig(max_new_tokens=12, temperature=0)
+    out = run(model, cache, [(list(range(1, 39)), cfg, 1), (list(range(1, 39)), cfg, 1)], steps_between=100)
+    assert out[0][1] == out[1][1] and out[1][2] == 36
+    reference = [list(r) for r in zip(*generate_uncached(model, [list(range(1, 39))], cfg))][0]
+    assert out[0][1] == reference
+
+
+def test_prompt_pass_fills_what_the_one_pass_forward_fills():
+    model = trained_like().model
+    tokens = list(range(3, 16))
+    cache = model.new_kv_cache(1, max_len=20)
+    with torch.no_grad():
+        logits, hit = prompt_pass(model, cache, tokens, None, "last")
+        whole = model.new_kv_cache(1, max_len=20)
+        expected, _ = model(torch.tensor([tokens]), kv_cache=whole, last_only=True)
+    assert hit == 0 and int(cache.pos[0]) == 13
+    torch.testing.assert_close(logits, expected[0], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(cache.k[:, :, :, :13], whole.k[:, :, :, :13], rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("length, reused", [(63, 0), (64, 0), (65, 64), (127, 64), (128, 64), (129, 128)])
+def test_the_prompt_chunk_is_crossed_below_at_and_one_past_its_edges(length, reused):
+    """The real PROMPT_CHUNK (64 tokens): a window one below, at and one past a chunk's end reuses the whole chunks
+    before its last token, and its logits are those without the cache."""
+    torch.manual_seed(0)
+    model = GPT(tiny_config(**{**SHAPE, "block_size": 140})).eval()
+    tokens = torch.randint(0, SHAPE["vocab_size"], (130,)).tolist()
+    cache = PrefixCache(2 ** 22)
+    assert cache.chunk == PROMPT_CHUNK == 64
+    cfg = SampleConfig(max_new_tokens=3, temperature=0)
+    RunningBatch(model, cache).join(tokens, cfg)  # keeps chunks 1 and 2 (the third is not whole)
+    on = run(model, cache, [(tokens[:length], cfg, 1)])
+    off = run(model, PrefixCache(0), [(tokens[:length], cfg, 1)])
+    assert on[0][2] == reused and off[0][2] == 0
+    assert on[0][1] == off[0][1] and all(torch.equal(a, b) for a, b in zip(on[0][0], off[0][0]))
