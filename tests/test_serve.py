@@ -23,10 +23,12 @@ import httpx
 import pytest
 import torch
 from helpers import CORPUS, eot_model, tiny_run
+from prometheus_client.parser import text_string_to_metric_families
 
 from gptlab.checkpoint import load_run
 from gptlab.cli import main
 from gptlab.inference.loading import prepare_for_inference
+from gptlab.inference.prefix_cache import PrefixCache
 from gptlab.serve.api import Limits
 from gptlab.serve.app import Served, make_app
 from gptlab.serve.server import load_served, start_server
@@ -141,6 +143,22 @@ def test_usage_counts_each_prompt_once_however_many_choices(client, stream):
     assert (usage.prompt_tokens, usage.completion_tokens, usage.total_tokens) == (9, 12, 21)
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_cached_tokens_are_0_without_a_prefix_cache_and_each_prompt_s_once_with_one(client, server, stream,
+                                                                                  monkeypatch):
+    def ask():
+        got = client.completions.create(model="run", prompt=["All:", "First"], max_tokens=2, n=2, stream=stream)
+        return streamed(got, 4)[2] if stream else got.usage
+    assert ask().prompt_tokens_details.cached_tokens == 0  # the field is there, as OpenAI's, with nothing cached
+    batch = server.app.state.scheduler.batch
+    cache = PrefixCache(2 ** 20, chunk=2)  # chunks of 2: these short prompts have whole chunks to reuse
+    cache.check(batch.model, batch.prepared.cache_dtype)
+    monkeypatch.setattr(batch, "prefix_cache", cache)
+    assert ask().prompt_tokens_details.cached_tokens == 0  # the blocks are made now
+    usage = ask()  # "All:" reuses 2 of its 4 tokens, "First" 4 of 5 (whole chunks before the last token)
+    assert usage.prompt_tokens_details.cached_tokens == 2 + 4 and usage.prompt_tokens == 4 + 5  # once a prompt, not n
+
+
 def test_a_prompt_as_long_as_the_context_is_accepted(client, run_dir):
 
     prompt = CORPUS[:32]  # 32 characters, 32 tokens: the whole context, and the model still predicts the next one
@@ -208,9 +226,13 @@ def test_end_of_text_finishes_a_choice_with_openais_stop(eot_server, stream):
 
 
 def metric_values(server):
-    """/metrics as {sample name with its labels: value}."""
-    lines = httpx.get(server.url + "/metrics").text.splitlines()
-    return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in lines if not line.startswith("#")}
+    """/metrics read by prometheus_client's own parser, as {sample name with its labels: value}."""
+    values = {}
+    for family in text_string_to_metric_families(httpx.get(server.url + "/metrics").text):
+        for sample in family.samples:
+            labels = ",".join(f'{k}="{v}"' for k, v in sorted(sample.labels.items()))
+            values[f"{sample.name}{{{labels}}}" if labels else sample.name] = sample.value
+    return values
 
 
 def test_models_health_and_metrics(server, client):
@@ -231,6 +253,7 @@ def test_models_health_and_metrics(server, client):
         'gptlab_requests_total{status="200"}': 1, 'gptlab_requests_total{status="400"}': 1,
         "gptlab_tokens_generated_total": 20, "gptlab_time_to_first_token_seconds_count": 1}
     assert after["gptlab_queue_depth"] == 0 and after["gptlab_batch_size"] == 4  # the last step decoded all four
+    assert after["gptlab_prefix_cache_hit_tokens_total"] == after["gptlab_prefix_cache_hit_ratio"] == 0  # no cache
     metrics = httpx.get(server.url + "/metrics").text
     assert "# TYPE gptlab_time_to_first_token_seconds histogram" in metrics
 

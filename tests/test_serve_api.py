@@ -20,9 +20,10 @@ from gptlab.config import SEED_LIMIT
 from gptlab.errors import GptlabError
 from gptlab.inference.loading import prepare_for_inference
 from gptlab.model import GPT
-from gptlab.serve.api import ApiError, Limits, completion_id, encode_prompts, envelope, parse_completion
-from gptlab.serve.app import Served, _collect, _read_json, _stream, make_app
-from gptlab.serve.scheduler import Job
+from gptlab.serve.api import ApiError, Limits, encode_prompts, parse_completion
+from gptlab.serve.app import Served, _read_json, make_app
+from gptlab.serve.responses import answer, completion_id, completion_response, completion_stream, envelope
+from gptlab.serve.scheduler import Done, Failed, Job, PromptLogprobs, Token
 from gptlab.tokenizer import CharTokenizer, GPT2Tokenizer
 
 
@@ -459,21 +460,21 @@ def test_a_long_refused_value_is_cut_short():
 
 # --- the JSON and SSE writers, driven by events queued by hand (the scheduler's format: scheduler.Job) ---------
 
-SERVED = Served("run", None, None, 0, lambda: None)
-USAGE = {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7}
+DONE = Done(prompt_tokens=3, completion_tokens=4, cached_tokens=2)
+USAGE = {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7, "prompt_tokens_details": {"cached_tokens": 2}}
 
 
 def info(token, logprob):
     return {"token": token, "logprob": logprob, "top": {token: logprob, "x": -9.0}}
 
 
-EVENTS = [("token", 0, "ab", 1, info("ab", -0.5), None), ("token", 1, "c", 3, info("c", -1.0), None),
-          ("token", 0, "é", 11, info("é", -0.25), None), ("token", 1, "d", 4, info("d", -2.0), "stop"),
-          ("token", 0, "f", 6, info("f", -0.75), "length"), ("done", USAGE)]  # two choices of one prompt, tokens interleaved as a batch gives them
+EVENTS = [Token(0, "ab", 1, info("ab", -0.5), None), Token(1, "c", 3, info("c", -1.0), None),
+          Token(0, "é", 11, info("é", -0.25), None), Token(1, "d", 4, info("d", -2.0), "stop"),
+          Token(0, "f", 6, info("f", -0.75), "length"), DONE]  # two choices of one prompt, tokens interleaved as a batch gives them
 
 
 class Client:
-    """The request as _collect sees it: is_disconnected answers from `answers` (the last one repeats); each check
+    """The request as responses.answer sees it: is_disconnected answers from `answers` (the last one repeats); each check
     may also queue events (as if tokens arrived while the clock was looked at)."""
 
     def __init__(self, answers=(False,), then=()):
@@ -501,7 +502,8 @@ def collected(body, events, client=None, prompt_ids=((1, 2),)):
 
     async def run():
         client.job = job = job_of(body, events, prompt_ids)
-        response = await asyncio.wait_for(_collect(job, SERVED, client), 10)
+        response = await asyncio.wait_for(answer(job, client, lambda events: completion_response(events, job, "run")),
+                                          10)
         assert job.cancelled.is_set()  # its rows are freed whatever the outcome
         return response
     return asyncio.run(run())
@@ -524,7 +526,7 @@ def test_a_collected_completion_joins_each_choices_tokens_and_logprobs():
 
 
 def test_a_collected_echo_starts_each_choice_with_its_own_prompt():
-    events = [("token", 3, "a", 1, None, "length"), ("token", 0, "b", 2, None, "length"), ("done", USAGE)]
+    events = [Token(3, "a", 1, None, "length"), Token(0, "b", 2, None, "length"), DONE]
     body = json.loads(collected({"prompt": ["Où", "z"], "n": 2, "echo": True}, events,
                                 prompt_ids=((1, 2), (3,))).body)
     assert [(c["index"], c["text"], c["logprobs"]) for c in body["choices"]] == [
@@ -532,7 +534,7 @@ def test_a_collected_echo_starts_each_choice_with_its_own_prompt():
 
 
 def test_an_engine_error_is_a_500_in_openais_shape():
-    response = collected({"prompt": "xy"}, [("token", 0, "a", 1, None, None), ("error", "the model broke")])
+    response = collected({"prompt": "xy"}, [Token(0, "a", 1, None, None), Failed("the model broke")])
     assert response.status_code == 500 and json.loads(response.body) == {"error": {
         "message": "the model broke", "type": "server_error", "param": None, "code": None}}
 
@@ -543,16 +545,16 @@ def test_a_client_that_left_is_noticed_while_nothing_arrives():
 
 
 def test_a_lull_in_tokens_is_waited_out_while_the_client_stays():
-    client = Client(then=[("token", 0, "b", 2, None, "length"), ("done", USAGE)])
-    body = json.loads(collected({"prompt": "xy"}, [("token", 0, "a", 1, None, None)], client).body)
+    client = Client(then=[Token(0, "b", 2, None, "length"), DONE])
+    body = json.loads(collected({"prompt": "xy"}, [Token(0, "a", 1, None, None)], client).body)
     assert client.checks == 1 and [(c["text"], c["finish_reason"]) for c in body["choices"]] == [("ab", "length")]
 
 
 def streamed(body, events, prompt_ids=((1, 2),)):
-    """The SSE text _stream writes for these events, and whether it freed the job's rows after."""
+    """The SSE text completion_stream writes for these events, and whether it freed the job's rows after."""
     async def run():
         job = job_of(body, events, prompt_ids)
-        return [part async for part in _stream(job, SERVED)], job.cancelled.is_set()
+        return [part async for part in completion_stream(job, "run")], job.cancelled.is_set()
     return asyncio.run(run())
 
 
@@ -579,7 +581,7 @@ def test_a_stream_is_one_chunk_a_token_then_the_usage_then_done():
 
 
 def test_a_streamed_echo_sends_each_choices_prompt_first():
-    events = [("token", 1, "a", 1, None, "length"), ("token", 0, "b", 2, None, "length"), ("done", USAGE)]
+    events = [Token(1, "a", 1, None, "length"), Token(0, "b", 2, None, "length"), DONE]
     parts, _ = streamed({"prompt": ["Où", "z"], "echo": True, "stream": True}, events, prompt_ids=((1, 2), (3,)))
     assert '"Où"' in parts[0]
     assert {(c["object"], c["model"], c["id"][:5]) for c in chunks_of(parts)} == {("text_completion", "run", "cmpl-")}
@@ -589,13 +591,13 @@ def test_a_streamed_echo_sends_each_choices_prompt_first():
 
 
 def test_a_streamed_echo_with_logprobs_sends_each_prompt_with_its_logprobs_to_each_of_its_choices():
-    """With logprobs the echo waits for the prompt's logprobs ("prompt" events, in the order the scheduler scores
+    """With logprobs the echo waits for the prompt's logprobs (PromptLogprobs events, in the order the scheduler scores
     the prompts): each of the prompt's n choices gets its prompt text with those entries, then its tokens."""
     first = {"tokens": ["O", "ù"], "token_logprobs": [None, -1.5], "top_logprobs": [None, {"ù": -1.5}],
              "text_offset": [0, 1]}
     second = {"tokens": ["z"], "token_logprobs": [None], "top_logprobs": [None], "text_offset": [0]}
-    events = [("prompt", 1, second), ("prompt", 0, first), ("token", 3, "a", 1, None, "length"),
-              ("token", 0, "b", 2, None, "length"), ("done", USAGE)]
+    events = [PromptLogprobs(1, second), PromptLogprobs(0, first), Token(3, "a", 1, None, "length"),
+              Token(0, "b", 2, None, "length"), DONE]
     parts, freed = streamed({"prompt": ["Où", "z"], "echo": True, "stream": True, "logprobs": 1, "n": 2}, events,
                             prompt_ids=((1, 2), (3,)))
     assert freed and parts[-1] == "data: [DONE]\n\n"
@@ -616,8 +618,8 @@ def test_an_echo_with_logprobs_in_one_response_gives_each_prompt_s_logprobs_to_e
     first = {"tokens": ["O", "ù"], "token_logprobs": [None, -1.5], "top_logprobs": [None, {"ù": -1.5}],
              "text_offset": [0, 1]}
     second = {"tokens": ["z"], "token_logprobs": [None], "top_logprobs": [None], "text_offset": [0]}
-    events = [("prompt", 1, second), ("prompt", 0, first), ("token", 3, "a", 1, info("a", -0.5), "length"),
-              ("token", 0, "b", 2, info("b", -2.0), "length"), ("done", USAGE)]
+    events = [PromptLogprobs(1, second), PromptLogprobs(0, first), Token(3, "a", 1, info("a", -0.5), "length"),
+              Token(0, "b", 2, info("b", -2.0), "length"), DONE]
     body = json.loads(collected({"prompt": ["Où", "z"], "echo": True, "logprobs": 1, "n": 2}, events,
                                 prompt_ids=((1, 2), (3,))).body)
     def entries(start, token, logprob, offset):
@@ -630,8 +632,8 @@ def test_an_echo_with_logprobs_in_one_response_gives_each_prompt_s_logprobs_to_e
 
 
 def test_an_engine_error_ends_a_stream_in_openais_shape_then_done():
-    parts, freed = streamed({"prompt": "xy", "stream": True}, [("token", 0, "a", 1, None, None),
-                                                               ("error", "the server is shutting down")])
+    parts, freed = streamed({"prompt": "xy", "stream": True}, [Token(0, "a", 1, None, None),
+                                                               Failed("the server is shutting down")])
     assert freed and parts[-1] == "data: [DONE]\n\n" and len(parts) == 3
     assert chunks_of(parts)[-1] == {"error": {"message": "the server is shutting down", "type": "server_error",
                                               "param": None, "code": None}}

@@ -18,6 +18,7 @@ import pytest
 import torch
 from helpers import chat_run, reference_greedy, reference_probs, reference_window, tiny_config
 from PIL import Image
+from prometheus_client.parser import text_string_to_metric_families
 
 from gptlab.checkpoint import load_run
 from gptlab.config import SampleConfig
@@ -115,6 +116,7 @@ def test_a_seeded_chat_completion_equals_the_plain_forward_sampled_by_hand(chat,
     usage = got.usage  # the end-of-turn token is generated, so counted
     assert (usage.prompt_tokens, usage.completion_tokens) == (len(prompt_ids(chat, TWO_TURNS)), len(drawn))
     assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
+    assert usage.prompt_tokens_details.cached_tokens == 0  # no prefix cache: none served from it
 
 
 def test_greedy_and_max_tokens_equal_the_reference(chat, client):
@@ -181,6 +183,7 @@ def test_a_stream_sends_a_role_then_content_deltas_then_the_finish_reason(chat, 
         assert [c.finish_reason for c in mine] == [None] * (len(mine) - 1) + [reason]  # the last one only
         assert mine[-1].delta.content is None  # an empty last delta, as OpenAI sends
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == sum(len(d) for _, _, d in expected)
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens == 0
 
 
 def test_a_raw_stream_ends_with_done_and_sends_usage_only_when_asked(server, chat):
@@ -273,12 +276,12 @@ def test_the_chat_route_asks_for_the_key_and_is_counted_in_the_metrics(chat):
         answer = httpx.post(url, json=body, headers=good, timeout=30).json()["choices"][0]["message"]["content"]
         assert answer == reference(chat, HELLO, seed=3)[0]
         assert httpx.post(url, json={"messages": []}, headers=good, timeout=30).status_code == 400
-        lines = httpx.get(running.url + "/metrics", headers=good, timeout=30).text.splitlines()
-        counted = {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in lines if not line.startswith("#")}
-        assert {k: v for k, v in counted.items() if k.startswith("gptlab_requests_total")} == {
-            'gptlab_requests_total{status="200"}': 1, 'gptlab_requests_total{status="400"}': 1,
-            'gptlab_requests_total{status="401"}': 2}
-        assert counted["gptlab_tokens_generated_total"] == len(reference(chat, HELLO, seed=3)[2])
+        text = httpx.get(running.url + "/metrics", headers=good, timeout=30).text
+        samples = [s for family in text_string_to_metric_families(text) for s in family.samples]
+        assert {s.labels["status"]: s.value for s in samples if s.name == "gptlab_requests_total"} == {
+            "200": 1, "400": 1, "401": 2}
+        [tokens] = [s.value for s in samples if s.name == "gptlab_tokens_generated_total"]
+        assert tokens == len(reference(chat, HELLO, seed=3)[2])
     finally:
         running.stop()
 

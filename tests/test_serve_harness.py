@@ -67,7 +67,8 @@ def test_echo_logprobs_are_the_plain_forwards_and_max_tokens_0_generates_nothing
     body = completions(server, prompt=prompt, echo=True, logprobs=2, max_tokens=0, temperature=0)
     (choice,) = body["choices"]
     assert choice["text"] == prompt and body["usage"] == {"prompt_tokens": len(ids), "completion_tokens": 0,
-                                                          "total_tokens": len(ids)}
+                                                          "total_tokens": len(ids),
+                                                          "prompt_tokens_details": {"cached_tokens": 0}}
     lp = choice["logprobs"]
     with torch.no_grad():
         expected = plain(torch.tensor([ids]))[0][0].double().log_softmax(-1)  # (T, V)

@@ -1,24 +1,30 @@
 """The scheduler (gptlab.serve.scheduler) driven directly, without HTTP: a job's events (text, token ids, finish
-reasons, logprobs, usage) against the engine alone (`generate_batch(..., batch_invariant=True)`, `gptlab sample`'s
+reasons, logprobs, usage) against the engine alone (`generate_batch(...)`, `gptlab sample`'s
 path), the plain forward and the tokenizer; which jobs the queue takes (counted by hand); cancelled jobs leaving;
-closing with a grace period; a failing step; the /metrics text written out by hand."""
+closing with a grace period; a failing step; the /metrics text read back by prometheus_client's parser against
+numbers counted by hand."""
 
 import logging
 import math
 import queue
 import threading
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
 from helpers import eot_model, tiny_config
+from prometheus_client import generate_latest
+from prometheus_client.parser import text_string_to_metric_families
 
 from gptlab.config import SampleConfig
-from gptlab.engine import generate_batch, one_thread
+from gptlab.engine import RunningBatch, generate_batch, one_thread
 from gptlab.inference.loading import prepare_for_inference
+from gptlab.inference.prefix_cache import PrefixCache
 from gptlab.model import GPT
 from gptlab.serve.api import CompletionRequest
-from gptlab.serve.scheduler import Job, Metrics, Scheduler, top_logprobs
+from gptlab.serve.metrics import Metrics, metrics_registry
+from gptlab.serve.scheduler import Done, Failed, Job, Scheduler, Token, prompt_logprobs, top_logprobs
 from gptlab.tokenizer import CharTokenizer, GPT2Tokenizer
 
 SHAPE = {"n_layer": 2, "n_head": 4, "n_embd": 64, "vocab_size": 65, "block_size": 32}  # as test_serve_batching's
@@ -62,9 +68,9 @@ def job(prompts, n=1, logprobs=None, tokenizer=TOKENIZER, **settings):
 
 
 def events(job):
-    """The job's events up to its last ("done" or "error")."""
+    """The job's events up to its last (Done or Failed)."""
     out = []
-    while not out or out[-1][0] not in ("done", "error"):
+    while not out or not isinstance(out[-1], (Done, Failed)):
         out.append(job.events.get(timeout=20))
     return out
 
@@ -72,16 +78,16 @@ def events(job):
 def by_choice(evs, size):
     """Each choice's text, token ids and finish reasons (one per token event)."""
     texts, ids, reasons = [""] * size, [[] for _ in range(size)], [[] for _ in range(size)]
-    for kind, choice, text, token, _, reason in (e for e in evs if e[0] == "token"):
-        texts[choice] += text
-        ids[choice].append(token)
-        reasons[choice].append(reason)
+    for event in (e for e in evs if isinstance(e, Token)):
+        texts[event.choice] += event.text
+        ids[event.choice].append(event.id)
+        reasons[event.choice].append(event.finish_reason)
     return texts, ids, reasons
 
 
 def alone(model, prompt, cfg, n=1):
     """The engine's rows for `prompt` alone: what `gptlab sample` gives."""
-    return [list(r) for r in zip(*generate_batch(model, [TOKENIZER.encode(prompt)], cfg, n, batch_invariant=True))]
+    return [list(r) for r in zip(*generate_batch(model, [TOKENIZER.encode(prompt)], cfg, n))]
 
 
 @pytest.fixture
@@ -89,8 +95,8 @@ def make(model):
     """Schedulers over `model`, each stopped at the test's end (started here if the test did not)."""
     made = []
 
-    def make(max_batch=4, queue=2, tokenizer=TOKENIZER, over=model):
-        made.append(Scheduler(over, tokenizer, max_batch, queue))
+    def make(max_batch=4, queue=2, tokenizer=TOKENIZER, over=model, prefix_cache=None):
+        made.append(Scheduler(over, tokenizer, max_batch, queue, prefix_cache))
         return made[-1]
     yield make
     for scheduler in made:
@@ -101,41 +107,30 @@ def make(model):
 
 # ---- /metrics and logprobs, by hand ------------------------------------------------------------------------------
 
-EXPOSITION = """\
-# HELP gptlab_requests_total Completion requests answered, by HTTP status.
-# TYPE gptlab_requests_total counter
-gptlab_requests_total{status="200"} 2
-gptlab_requests_total{status="429"} 1
-gptlab_requests_total{status="503"} 1
-# HELP gptlab_tokens_generated_total Tokens generated, all requests.
-# TYPE gptlab_tokens_generated_total counter
-gptlab_tokens_generated_total 7
-# HELP gptlab_requests_cancelled_total Requests whose client left before the end.
-# TYPE gptlab_requests_cancelled_total counter
-gptlab_requests_cancelled_total 1
-# HELP gptlab_queue_depth Requests waiting for a place in the batch.
-# TYPE gptlab_queue_depth gauge
-gptlab_queue_depth 2
-# HELP gptlab_batch_size Sequences decoded together at the last step.
-# TYPE gptlab_batch_size gauge
-gptlab_batch_size 3
-# HELP gptlab_time_to_first_token_seconds From a request's arrival to its first token.
-# TYPE gptlab_time_to_first_token_seconds histogram
-gptlab_time_to_first_token_seconds_bucket{le="0.01"} 1
-gptlab_time_to_first_token_seconds_bucket{le="0.025"} 1
-gptlab_time_to_first_token_seconds_bucket{le="0.05"} 1
-gptlab_time_to_first_token_seconds_bucket{le="0.1"} 1
-gptlab_time_to_first_token_seconds_bucket{le="0.25"} 1
-gptlab_time_to_first_token_seconds_bucket{le="0.5"} 3
-gptlab_time_to_first_token_seconds_bucket{le="1.0"} 3
-gptlab_time_to_first_token_seconds_bucket{le="2.5"} 3
-gptlab_time_to_first_token_seconds_bucket{le="5.0"} 3
-gptlab_time_to_first_token_seconds_bucket{le="10.0"} 3
-gptlab_time_to_first_token_seconds_bucket{le="30.0"} 3
-gptlab_time_to_first_token_seconds_bucket{le="+Inf"} 4
-gptlab_time_to_first_token_seconds_sum 31.610000
-gptlab_time_to_first_token_seconds_count 4
-"""
+FAMILIES = {  # /metrics' names, types and help texts, as they always were (dashboards and alerts read them)
+    "gptlab_requests": ("counter", "Completion requests answered, by HTTP status."),
+    "gptlab_tokens_generated": ("counter", "Tokens generated, all requests."),
+    "gptlab_requests_cancelled": ("counter", "Requests whose client left before the end."),
+    "gptlab_queue_depth": ("gauge", "Requests waiting for a place in the batch."),
+    "gptlab_batch_size": ("gauge", "Sequences decoded together at the last step."),
+    "gptlab_time_to_first_token_seconds": ("histogram", "From a request's arrival to its first token."),
+}
+CACHE = {"gptlab_prefix_cache_bytes": "gauge", "gptlab_prefix_cache_budget_bytes": "gauge",
+         "gptlab_prefix_cache_blocks": "gauge", "gptlab_prefix_cache_lookup_tokens": "counter",
+         "gptlab_prefix_cache_hit_tokens": "counter", "gptlab_prefix_cache_evictions": "counter",
+         "gptlab_prefix_cache_hit_ratio": "gauge"}
+
+
+def scraped(registry):
+    """The registry's exposition read back by prometheus_client's own parser: {family: (type, help)} and
+    {sample name with its labels: value}."""
+    families = list(text_string_to_metric_families(generate_latest(registry).decode()))
+    samples = {}
+    for family in families:
+        for sample in family.samples:
+            labels = ",".join(f'{k}="{v}"' for k, v in sorted(sample.labels.items()))
+            samples[f"{sample.name}{{{labels}}}" if labels else sample.name] = sample.value
+    return {f.name: (f.type, f.documentation) for f in families}, samples
 
 
 def test_metrics_are_prometheus_text_with_cumulative_buckets_counted_by_hand():
@@ -145,7 +140,43 @@ def test_metrics_are_prometheus_text_with_cumulative_buckets_counted_by_hand():
     metrics.tokens, metrics.cancelled, metrics.queue_depth, metrics.batch_rows = 7, 1, 2, 3
     for seconds in (0.01, 0.3, 0.3, 31.0):  # 0.01 on a bound counts in it (le); 31 beyond the last: +Inf only
         metrics.observe_ttft(seconds)
-    assert metrics.text() == EXPOSITION  # sum 0.01 + 0.3 + 0.3 + 31 = 31.61
+    families, samples = scraped(metrics_registry(metrics, object()))  # a batch without a prefix cache
+    assert {name: families[name] for name in FAMILIES} == FAMILIES
+    assert {name: families[name][0] for name in CACHE} == CACHE and len(families) == len(FAMILIES) + len(CACHE)
+    buckets = dict(zip(["0.01", "0.025", "0.05", "0.1", "0.25", "0.5", "1.0", "2.5", "5.0", "10.0", "30.0", "+Inf"],
+                       [1, 1, 1, 1, 1, 3, 3, 3, 3, 3, 3, 4]))
+    assert samples.pop("gptlab_time_to_first_token_seconds_sum") == pytest.approx(0.01 + 0.3 + 0.3 + 31.0)
+    assert samples == {
+        'gptlab_requests_total{status="200"}': 2, 'gptlab_requests_total{status="429"}': 1,
+        'gptlab_requests_total{status="503"}': 1, "gptlab_tokens_generated_total": 7,
+        "gptlab_requests_cancelled_total": 1, "gptlab_queue_depth": 2, "gptlab_batch_size": 3,
+        **{f'gptlab_time_to_first_token_seconds_bucket{{le="{le}"}}': n for le, n in buckets.items()},
+        "gptlab_time_to_first_token_seconds_count": 4,
+        **{name + "_total" * (kind == "counter"): 0 for name, kind in CACHE.items()}}  # no cache: all 0
+
+
+class StandInCache:
+    """The engine's prefix cache as /metrics reads it: `stats()`, whose numbers the test sets."""
+
+    def __init__(self, **stats):
+        self.stats_now = SimpleNamespace(**stats)
+
+    def stats(self):
+        return self.stats_now
+
+
+def test_the_prefix_caches_numbers_are_read_at_each_scrape(make):
+    scheduler = make()
+    scheduler.batch.prefix_cache = cache = StandInCache(lookup_tokens=640, hit_tokens=192, bytes=3 << 20,
+                                                        budget_bytes=64 << 20, blocks=3, evictions=5)
+    got = {k: v for k, v in scraped(scheduler.registry)[1].items() if k.startswith("gptlab_prefix_cache")}
+    assert got == {"gptlab_prefix_cache_bytes": 3 * 2 ** 20, "gptlab_prefix_cache_budget_bytes": 64 * 2 ** 20,
+                   "gptlab_prefix_cache_blocks": 3, "gptlab_prefix_cache_lookup_tokens_total": 640,
+                   "gptlab_prefix_cache_hit_tokens_total": 192, "gptlab_prefix_cache_evictions_total": 5,
+                   "gptlab_prefix_cache_hit_ratio": 0.3}  # 192 / 640
+    cache.stats_now = SimpleNamespace(lookup_tokens=0, hit_tokens=0, bytes=0, budget_bytes=1, blocks=0, evictions=0)
+    got = scraped(scheduler.registry)[1]
+    assert got["gptlab_prefix_cache_hit_ratio"] == 0 and got["gptlab_prefix_cache_budget_bytes"] == 1  # none yet
 
 
 def test_top_logprobs_are_the_log_softmax_rounded_to_5_places():
@@ -159,6 +190,37 @@ def test_top_logprobs_are_the_log_softmax_rounded_to_5_places():
     assert top_logprobs(logits, 0, 0, tokenizer) == {"token": "x", "logprob": round(0.5 - lse, 5), "top": {},
                                                      "bytes": [0x78], "ranked": []}
     assert all(round(v - lse, 6) != round(v - lse, 5) for v in (0.5, 1.2, 3.0))  # a 6th place would show
+
+
+def test_prompt_logprobs_are_those_of_the_logits_handed_to_them_by_hand():
+    """Echo logprobs from any prompt pass's logits (T, V): row t scores token t + 1; the first token has none."""
+    tokenizer = CharTokenizer("xé€")  # ids: x 0, é 1, € 2
+    logits = torch.tensor([[0.5, 1.2, 3.0], [2.0, 0.0, -1.0], [9.0, 9.0, 9.0]])  # the last row predicts past the end
+    def logp(row, i):
+        return row[i] - math.log(sum(math.exp(v) for v in row))
+    got = prompt_logprobs(logits, [2, 1, 0], 2, tokenizer)  # "€éx"
+    rows = logits.tolist()
+    assert got["tokens"] == ["€", "é", "x"] and got["text_offset"] == [0, 1, 2]
+    assert got["token_logprobs"][0] is None and got["top_logprobs"][0] is None
+    assert got["token_logprobs"][1:] == pytest.approx([logp(rows[0], 1), logp(rows[1], 0)], abs=1e-6)
+    assert list(got["top_logprobs"][1]) == ["€", "é"] and list(got["top_logprobs"][2]) == ["x", "é"]
+    assert list(got["top_logprobs"][1].values()) == pytest.approx([logp(rows[0], 2), logp(rows[0], 1)], abs=1e-6)
+    assert list(got["top_logprobs"][2].values()) == pytest.approx([logp(rows[1], 0), logp(rows[1], 1)], abs=1e-6)
+    assert prompt_logprobs(logits, [2, 1, 0], 0, tokenizer)["top_logprobs"] == [None, {}, {}]
+
+
+def test_prompt_logits_come_from_the_prompt_pass_that_generation_runs():
+    """Echo logprobs are computed by the generating model's prompt pass (its chunks, its cache's precision): the same
+    numbers whether a row joins with them or not, and the plain forward's within float rounding."""
+    plain = gpt()
+    ids = TOKENIZER.encode("Hi ü, é€")
+    with torch.no_grad():
+        expected = plain(torch.tensor([ids]))[0][0]
+    batch = RunningBatch(plain, PrefixCache(0, chunk=3))  # chunks of 3: several forwards over the cache
+    alone = batch.prompt_logits(ids)
+    joined = batch.join(ids, SampleConfig(max_new_tokens=1), 2, prompt_logits=True)
+    assert torch.equal(alone, joined[0].prompt_logits) and torch.equal(alone[-1:], joined[1].logits)
+    torch.testing.assert_close(alone, expected, rtol=1e-5, atol=1e-5)
 
 
 # ---- a job's events against the engine alone -----------------------------------------------------------------------
@@ -178,12 +240,22 @@ def test_a_job_gives_each_choice_the_engines_tokens_text_and_usage_prompt_major(
     assert ids == reference and len(set(map(tuple, ids))) == 4
     assert texts == [TOKENIZER.decode(r) for r in reference]
     assert reasons == [[None] * 5 + ["length"]] * 4
-    assert all(e[4] is None for e in evs[:-1])  # no logprobs asked for
-    assert evs[-1] == ("done", {"prompt_tokens": 6, "completion_tokens": 24, "total_tokens": 30})
+    assert all(e.logprobs is None for e in evs[:-1])  # no logprobs asked for
+    assert evs[-1] == Done(prompt_tokens=6, completion_tokens=24, cached_tokens=0)  # each prompt once, not n times
     assert scheduler.idle.wait(10) and scheduler.batch.rows == []
     metrics = scheduler.metrics
     assert (metrics.tokens, metrics.batch_rows, metrics.queue_depth, metrics.cancelled) == (24, 4, 0, 0)
     assert sum(metrics.ttft) == 1 and 0 <= metrics.ttft_sum <= waited  # one first token, after its arrival
+
+
+def test_the_prefix_caches_tokens_are_counted_once_a_prompt_however_many_choices(make):
+    scheduler = make(max_batch=4, prefix_cache=PrefixCache(2 ** 20, chunk=2))
+    scheduler.start()
+    first, mine = job(["ab€d", "é c"], n=2), job(["ab€d", "é c"], n=2)  # 4 and 3 tokens
+    assert scheduler.submit(first)
+    assert events(first)[-1] == Done(prompt_tokens=7, completion_tokens=20, cached_tokens=0)
+    assert scheduler.submit(mine)  # whole chunks of 2 before each last token: 2 of "ab€d", 2 of "é c"
+    assert events(mine)[-1] == Done(prompt_tokens=7, completion_tokens=20, cached_tokens=2 + 2)  # not 2 x (2 + 2)
 
 
 def test_logprobs_are_the_plain_forwards_and_zero_gives_no_alternatives(make):
@@ -194,7 +266,8 @@ def test_logprobs_are_the_plain_forwards_and_zero_gives_no_alternatives(make):
     assert scheduler.submit(two) and scheduler.submit(none)
     got, zero = events(two)[:-1], events(none)[:-1]
     context = TOKENIZER.encode("Hi ü")
-    for (_, _, text, token, info, _), (*_, info0, _) in zip(got, zero):
+    for event, event0 in zip(got, zero):
+        text, token, info, info0 = event.text, event.id, event.logprobs, event0.logprobs
         with torch.no_grad():
             logp = torch.log_softmax(plain(torch.tensor([context]))[0][0, -1].double(), dim=-1)
         best = torch.topk(logp, 2)
@@ -231,9 +304,8 @@ def test_end_of_text_finishes_a_choice_with_openais_stop(make):
     mine = job(["Grüße"], n=2, tokenizer=tokenizer, max_new_tokens=4)
     assert scheduler.submit(mine)
     evs = events(mine)
-    assert sorted(evs[:-1]) == [("token", i, "", tokenizer.eot_id, None, "stop") for i in (0, 1)]
-    assert evs[-1] == ("done", {"prompt_tokens": len(tokenizer.encode("Grüße")), "completion_tokens": 2,
-                                "total_tokens": len(tokenizer.encode("Grüße")) + 2})
+    assert sorted(evs[:-1], key=lambda e: e.choice) == [Token(i, "", tokenizer.eot_id, None, "stop") for i in (0, 1)]
+    assert evs[-1] == Done(prompt_tokens=len(tokenizer.encode("Grüße")), completion_tokens=2)
 
 
 # ---- the queue: which jobs it takes (submitted before the thread starts, so that none has joined yet) ---------------
@@ -246,8 +318,7 @@ def test_jobs_that_fit_in_the_batch_never_count_against_the_queue(make):
     assert scheduler.waiting() == [a, b, c] and scheduler.metrics.queue_depth == 3
     scheduler.start()
     for mine, size, prompt in ((a, 2, 2), (b, 2, 1), (c, 1, 2)):
-        assert events(mine)[-1] == ("done", {"prompt_tokens": prompt, "completion_tokens": 5 * size,
-                                             "total_tokens": prompt + 5 * size})
+        assert events(mine)[-1] == Done(prompt_tokens=prompt, completion_tokens=5 * size)
     assert scheduler.idle.wait(10) and scheduler.waiting() == [] and scheduler.metrics.queue_depth == 0
     assert d.events.empty() and scheduler.metrics.tokens == 25
 
@@ -262,7 +333,7 @@ def test_a_job_whose_client_left_while_it_waited_takes_no_place_and_is_counted(m
     # the two gone take no rows: b fits the batch of 2, c waits beyond it (the queue of 1 is full), d is refused
     assert [scheduler.submit(j) for j in (b, c, d)] == [True, True, False]
     scheduler.start()
-    assert events(b)[-1][0] == events(c)[-1][0] == "done"
+    assert isinstance(events(b)[-1], Done) and isinstance(events(c)[-1], Done)
     assert scheduler.idle.wait(10) and scheduler.metrics.cancelled == 2 and scheduler.metrics.queue_depth == 0
     assert all(mine.events.empty() for mine in [*gone, d])  # never started, never answered
 
@@ -285,11 +356,11 @@ def test_jobs_whose_clients_left_mid_decoding_leave_the_batch_and_free_their_row
         assert scheduler.submit(mine)
     scheduler.start()
     for mine in long:
-        assert mine.events.get(timeout=20)[0] == "token"  # decoding: the batch is full
+        assert isinstance(mine.events.get(timeout=20), Token)  # decoding: the batch is full
         mine.cancelled.set()
     after = job(["é"], n=2)
     assert scheduler.submit(after)
-    assert events(after)[-1] == ("done", {"prompt_tokens": 1, "completion_tokens": 10, "total_tokens": 11})
+    assert events(after)[-1] == Done(prompt_tokens=1, completion_tokens=10)
     assert scheduler.idle.wait(10) and scheduler.metrics.cancelled == 2 and scheduler.batch.rows == []
     assert scheduler.metrics.tokens < 2 * 500 + 10
 
@@ -308,11 +379,11 @@ def test_closing_refuses_new_jobs_and_lets_running_and_waiting_ones_finish_in_th
     running, waiting = job(["ab"], n=2, max_new_tokens=20), job(["é"], max_new_tokens=3)
     assert scheduler.submit(running) and scheduler.submit(waiting)
     scheduler.start()
-    assert running.events.get(timeout=20)[0] == "token"
+    assert isinstance(running.events.get(timeout=20), Token)
     assert not scheduler.closing
     scheduler.close(60)
     assert scheduler.closing and not scheduler.submit(job(["x"]))
-    assert events(running)[-1][1]["completion_tokens"] == 40 and events(waiting)[-1][1]["completion_tokens"] == 3
+    assert events(running)[-1].completion_tokens == 40 and events(waiting)[-1].completion_tokens == 3
     scheduler.stop(60)
     assert not scheduler._thread.is_alive()  # it ended once nothing was left, long before the deadline
 
@@ -322,11 +393,11 @@ def test_at_the_deadline_running_and_waiting_jobs_are_told_the_server_is_shuttin
     running, waiting = job(["ab"], n=2, max_new_tokens=500), job(["é"], max_new_tokens=500)
     assert scheduler.submit(running) and scheduler.submit(waiting)
     scheduler.start()
-    assert running.events.get(timeout=20)[0] == "token"
+    assert isinstance(running.events.get(timeout=20), Token)
     scheduler.stop(0)
     assert not scheduler._thread.is_alive()  # stop returned once the thread had ended
-    assert events(running)[-1] == ("error", "the server is shutting down")
-    assert events(waiting) == [("error", "the server is shutting down")]
+    assert events(running)[-1] == Failed("the server is shutting down")
+    assert events(waiting) == [Failed("the server is shutting down")]
 
 
 def test_stop_gives_the_thread_the_grace_and_then_gives_up(make, monkeypatch):
@@ -353,7 +424,31 @@ def test_a_failing_step_fails_its_jobs_and_the_scheduler_keeps_serving(make, mod
     first = job(["ab"], n=2)
     assert scheduler.submit(first)
     scheduler.start()
-    assert events(first) == [("error", "generation failed: boom")]
+    assert events(first) == [Failed("generation failed: boom")]
+    assert scheduler.idle.wait(10) and scheduler.batch.rows == []
+    after = job(["€a"])
+    assert scheduler.submit(after)
+    assert by_choice(events(after), 1)[1] == [reference]
+
+
+def test_a_job_that_fails_to_start_is_answered_and_so_are_those_admitted_with_it(make, model):
+    """A prompt pass that raises (a bug) fails the job being started and every job admitted beside it, none left
+    waiting for an answer that never comes; the scheduler then serves on."""
+    [reference] = alone(model, "€a", SampleConfig(temperature=0.0, max_new_tokens=5))
+    scheduler = make(max_batch=4)
+    join, calls = scheduler.batch.join, []
+
+    def fails_once(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("boom")
+        return join(*args, **kwargs)
+    scheduler.batch.join = fails_once
+    first, beside = job(["ab"]), job(["cd"])
+    assert scheduler.submit(first) and scheduler.submit(beside)  # admitted together at the first step
+    scheduler.start()
+    assert events(first) == [Failed("generation failed: boom")]
+    assert events(beside) == [Failed("generation failed: boom")]
     assert scheduler.idle.wait(10) and scheduler.batch.rows == []
     after = job(["€a"])
     assert scheduler.submit(after)

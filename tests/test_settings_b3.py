@@ -74,3 +74,20 @@ def test_a_bench_time_is_the_fastest_of_the_repeats_asked_for(monkeypatch, capsy
     clock, calls = iter([0.0, 5.0, 10.0, 12.0, 20.0, 24.0]), []
     monkeypatch.setattr(matmul.time, "perf_counter", lambda: next(clock))
     assert real(lambda: calls.append(1), 3) == 2.0 and len(calls) == 2 + 3
+
+
+def test_the_servers_prefix_cache_has_the_budget_asked_for_and_none_at_0(tmp_path, monkeypatch):
+    """serve --prefix-cache-mb 0.25: the engine the app decodes with keeps a prefix cache of 0.25 MiB (262144
+    bytes); --prefix-cache-mb 0: none; left out: 512 MiB (its help's default). What the cache does at these budgets,
+    byte for byte against none: tests/test_serve_prefix.py."""
+    from gptlab.serve.app import make_app
+
+    run = chat_run(tmp_path)
+    apps = []
+    monkeypatch.setattr("gptlab.serve.server.serve_run", lambda served, sock, limits, key: apps.append(
+        make_app(served, limits)))
+    for flags in (["--prefix-cache-mb", "0.25"], ["--prefix-cache-mb", "0"], []):
+        assert main(["serve", "--run", str(run), "--port", "0", "--precision", "fp32", *flags]) == 0
+    caches = [app.state.scheduler.batch.prefix_cache for app in apps]
+    assert caches[0].budget == 262144 and caches[0].stats().budget_bytes == 262144
+    assert caches[1] is None and caches[2].budget == 512 * 2 ** 20

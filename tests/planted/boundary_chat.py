@@ -5,6 +5,7 @@ to the context, a conversation one below, at and one past the context, and damag
 from planted import Planted
 
 API = "src/gptlab/serve/api.py"
+RESPONSES = "src/gptlab/serve/responses.py"
 SCHEDULER = "src/gptlab/serve/scheduler.py"
 TEXTSTREAM = "src/gptlab/textstream.py"
 CONV = "src/gptlab/data/conversations.py"
@@ -20,9 +21,9 @@ DAMAGED = f"{T}::test_a_saved_split_with_an_empty_piece_or_starts_off_its_ends_i
 MASK = f"{T}::test_a_saved_mask_of_two_columns_is_refused_in_one_line"
 
 PLANTED = [
-    Planted("chatedge: a streamed chat drops the chunk of a token that shows no text, its logprobs with it", API,
+    Planted("chatedge: a streamed chat drops the chunk of a token that shows no text, its logprobs with it", RESPONSES,
             "chat_stream", [("                if text or entries:", "                if text:")], HALF),
-    Planted("chatedge: a non-streamed chat leaves out the logprobs of a token that shows no text", API, "chat_response",
+    Planted("chatedge: a non-streamed chat leaves out the logprobs of a token that shows no text", RESPONSES, "chat_response",
             [("            content[c] += logprob_content(info, token, ends)",
               "            content[c] += logprob_content(info, token, ends) if text else []")], HALF),
     Planted("chatedge: the scheduler computes logprobs only for tokens that release text", SCHEDULER, "Scheduler._step",

@@ -1,9 +1,10 @@
-"""Planted bugs of the server (src/gptlab/serve/api.py, app.py, scheduler.py)."""
+"""Planted bugs of the server (src/gptlab/serve/api.py, app.py, responses.py, scheduler.py)."""
 
 from planted import Planted
 
 API = "src/gptlab/serve/api.py"
 APP = "src/gptlab/serve/app.py"
+RESPONSES = "src/gptlab/serve/responses.py"
 SCHEDULER = "src/gptlab/serve/scheduler.py"
 T = "tests/test_serve.py"
 
@@ -11,10 +12,10 @@ PLANTED = [
     Planted("serve: a client that leaves the queue keeps its place (the next request gets 429)", SCHEDULER,
             "Scheduler._fitting", [("size = 0 if job.cancelled.is_set() else job.size", "size = job.size")],
             f"{T}::test_a_client_that_leaves_the_queue_gives_its_place_back"),
-    Planted("serve: echo puts another choice's prompt first (JSON response)", APP, "_collect",
+    Planted("serve: echo puts another choice's prompt first (JSON response)", RESPONSES, "completion_response",
             [("texts = [req.prompts[c // req.n] if req.echo", "texts = [req.prompts[c % len(req.prompts)] if req.echo")],
             f"{T}::test_echo_puts_each_choices_own_prompt_before_its_text"),
-    Planted("serve: echo puts another choice's prompt first (stream)", APP, "_stream",
+    Planted("serve: echo puts another choice's prompt first (stream)", RESPONSES, "completion_stream",
             [("text = req.prompts[c // req.n]", "text = req.prompts[c // len(req.prompts)]")],
             f"{T}::test_echo_puts_each_choices_own_prompt_before_its_text"),
     Planted("serve: /metrics answers without the API key", APP, "_add_pages.metrics",

@@ -15,6 +15,9 @@ LIMIT_FLAGS = {  # flag -> (Limits field, type, help); the defaults come from Li
     "--max-body-bytes": ("max_body_bytes", int, "largest request body; larger ones get 413 (default %(default)s)"),
     "--max-batch": ("max_batch", int, "most sequences decoded together (continuous batching) (default %(default)s)"),
     "--queue": ("queue", int, "most requests waiting for a place in the batch; more get 429 (default %(default)s)"),
+    "--prefix-cache-mb": ("prefix_cache_mb", float, "keep prompts' keys and values (whole chunks) up to this many MB "
+                          "and reuse them for prompts that start alike; answers are bit for bit the same; 0 turns "
+                          "it off (default %(default)s)"),
     "--grace": ("grace", float, "seconds in-flight requests get to finish after SIGTERM / Ctrl-C (default %(default)s)"),
 }
 

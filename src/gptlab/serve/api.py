@@ -1,21 +1,18 @@
-"""The OpenAI completions and chat completions APIs as data: a request body checked field by field into a
+"""The OpenAI completions and chat completions requests as data: a request body checked field by field into a
 `CompletionRequest` (a chat's prompt: the conversation rendered by the run's chat template, ending with the
-assistant's marker), errors in OpenAI's shape, the limits a server enforces, and the JSON of responses and stream
-chunks (a chat's: a `chat.completion`, or `chat.completion.chunk` events: a role delta, content deltas, a last delta
-with the finish reason). Generation itself is scheduler.py's; no HTTP here (app.py)."""
+assistant's marker), errors in OpenAI's shape, the limits a server enforces. Generation itself is scheduler.py's,
+the answers' shapes responses.py's; no HTTP here (app.py)."""
 
 from __future__ import annotations
 
 import json
 import math
 import secrets
-import time
-from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
 from gptlab.chat import check_messages
-from gptlab.config import SEED_LIMIT, SampleConfig
+from gptlab.config import PREFIX_CACHE_MB, SEED_LIMIT, SampleConfig
 from gptlab.errors import GptlabError
 from gptlab.tokenizer import ROLES, chat_of
 
@@ -24,7 +21,8 @@ from gptlab.tokenizer import ROLES, chat_of
 class Limits:
     """What one server accepts; each has a `gptlab serve` flag. Defaults: 512 new tokens a request, n <= 8,
     prompts up to the model's context (max_prompt_tokens 0), 1 MiB bodies, 16 rows decoded together, 64 requests
-    waiting for a place, 10 s for in-flight requests to finish on SIGTERM, only the served model's name."""
+    waiting for a place, 10 s for in-flight requests to finish on SIGTERM, only the served model's name, a prefix
+    cache of PREFIX_CACHE_MB."""
 
     max_tokens: int = 512
     max_n: int = 8
@@ -34,6 +32,7 @@ class Limits:
     queue: int = 64
     grace: float = 10.0
     accept_any_model: bool = False  # any "model" is answered by the served one (clients that hard-code a name)
+    prefix_cache_mb: float = PREFIX_CACHE_MB  # the exact prefix cache's budget (0: off)
 
     def __post_init__(self) -> None:
         for name in ("max_tokens", "max_n", "max_body_bytes", "max_batch", "queue"):
@@ -42,6 +41,8 @@ class Limits:
                 raise GptlabError(f"--{name.replace('_', '-')} must be a positive integer, not {value!r}")
         if self.max_prompt_tokens < 0:
             raise GptlabError(f"--max-prompt-tokens must be >= 0 (0: the context), not {self.max_prompt_tokens}")
+        if not (math.isfinite(self.prefix_cache_mb) and self.prefix_cache_mb >= 0):
+            raise GptlabError(f"--prefix-cache-mb must be >= 0 (0 turns the cache off), not {self.prefix_cache_mb}")
         if not (math.isfinite(self.grace) and self.grace >= 0):
             raise GptlabError(f"--grace must be a number of seconds >= 0, not {self.grace}")
 
@@ -237,20 +238,6 @@ def _check_length(ids: list[int], most: int, context: int) -> None:
                             f"model's context is {context} tokens)", "prompt", "context_length_exceeded")
 
 
-def completion_id(prefix: str = "cmpl-") -> str:
-    return prefix + secrets.token_hex(12)
-
-
-def envelope(cid: str, model: str) -> dict[str, Any]:
-    """The fields every completion response and chunk starts with."""
-    return {"id": cid, "object": "text_completion", "created": int(time.time()), "model": model}
-
-
-def sse(data: dict) -> str:
-    """One server-sent event holding `data` as JSON."""
-    return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
-
-
 # ---- chat completions --------------------------------------------------------------------------------------------
 
 # fields of OpenAI's chat API this server has no use for: refused where they would change the answer
@@ -320,70 +307,3 @@ def _messages(messages: Any) -> list[dict[str, str]]:
             raise GptlabError(f"the conversation: message {n} has the unknown role {_json(message.get('role'))}; "
                               "use system, user or assistant")
     return check_messages(messages, "the conversation")
-
-
-def logprob_content(info: dict | None, token: int, ends: frozenset[int]) -> list[dict]:
-    """The chat logprobs entries of one generated token: [] where none were asked for, or for the token that ends
-    the turn (it is no part of the answer's content)."""
-    if info is None or token in ends:
-        return []
-    return [{"token": info["token"], "logprob": info["logprob"], "bytes": info["bytes"],
-             "top_logprobs": info["ranked"]}]
-
-
-def _chunk(cid: str, model: str, index: int, delta: dict, logprobs: list[dict] | None = None,
-           reason: str | None = None) -> str:
-    choice = {"index": index, "delta": delta, "logprobs": None if logprobs is None else {"content": logprobs},
-              "finish_reason": reason}
-    return sse({**envelope(cid, model), "object": "chat.completion.chunk", "choices": [choice]})
-
-
-async def chat_stream(job, model: str, ends: frozenset[int]) -> AsyncIterator[str]:
-    """Server-sent events in OpenAI's chat chunk format: each choice's role delta, its content deltas (with their
-    logprobs), a last empty delta with its finish reason; the usage where stream_options asked for it; then
-    [DONE]. A client that leaves cancels the job."""
-    cid, req = completion_id("chatcmpl-"), job.request
-    try:
-        for c in range(job.size):
-            yield _chunk(cid, model, c, {"role": "assistant"})
-        while True:
-            event = await job.events.get()
-            if event[0] == "token":
-                _, c, text, token, info, reason = event
-                entries = logprob_content(info, token, ends)
-                if text or entries:
-                    yield _chunk(cid, model, c, {"content": text}, entries if req.logprobs is not None else None)
-                if reason is not None:
-                    yield _chunk(cid, model, c, {}, None, reason)
-            elif event[0] == "done":
-                if req.include_usage:
-                    yield sse({**envelope(cid, model), "object": "chat.completion.chunk", "choices": [],
-                               "usage": event[1]})
-                break
-            else:
-                yield sse({"error": {"message": event[1], "type": "server_error", "param": None, "code": None}})
-                break
-        yield "data: [DONE]\n\n"
-    finally:
-        job.cancelled.set()  # finished, or the client left (the generator is closed): either way, free the rows
-
-
-def chat_response(events: list[tuple], job, model: str, ends: frozenset[int]) -> dict[str, Any]:
-    """The `chat.completion` object of a job's events (all of them, up to its "done")."""
-    req = job.request
-    texts, reasons = [""] * job.size, [None] * job.size
-    content: list[list[dict]] = [[] for _ in range(job.size)]
-    usage = None
-    for event in events:
-        if event[0] == "token":
-            _, c, text, token, info, reason = event
-            texts[c] += text
-            content[c] += logprob_content(info, token, ends)
-            reasons[c] = reason or reasons[c]
-        elif event[0] == "done":
-            usage = event[1]
-    choices = [{"index": c, "message": {"role": "assistant", "content": texts[c]},
-                "logprobs": {"content": content[c]} if req.logprobs is not None else None,
-                "finish_reason": reasons[c]} for c in range(job.size)]
-    return {**envelope(completion_id("chatcmpl-"), model), "object": "chat.completion", "choices": choices,
-            "usage": usage}

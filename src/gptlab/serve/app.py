@@ -17,13 +17,24 @@ from typing import Any
 import torch
 from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response, StreamingResponse
+from prometheus_client import generate_latest
 from starlette.exceptions import HTTPException
 
 from gptlab.errors import GptlabError
-from gptlab.serve.api import (ApiError, CompletionRequest, Limits, chat_response, chat_stream, check_model,
-                              completion_id, encode_chat, encode_prompts, envelope, parse_chat, parse_completion, sse)
-from gptlab.serve.scheduler import Job, Scheduler
+from gptlab.inference.prefix_cache import PrefixCache
 from gptlab.inference.prepared import InferenceModel
+from gptlab.serve.api import (
+    ApiError,
+    CompletionRequest,
+    Limits,
+    check_model,
+    encode_chat,
+    encode_prompts,
+    parse_chat,
+    parse_completion,
+)
+from gptlab.serve.responses import answer, chat_response, chat_stream, completion_response, completion_stream
+from gptlab.serve.scheduler import Job, Scheduler
 from gptlab.tokenizer import CHAT_TEMPLATE, EOT, ChatTokenizer, Tokenizer
 
 
@@ -43,7 +54,8 @@ def make_app(served: Served, limits: Limits, api_key: str | None = None) -> Fast
     """The app, with its scheduler started with the app and stopped (within limits.grace) with it: completions,
     the pages and every refusal (a route's, no such route 404, a wrong method 405, a bug 500) in OpenAI's error
     shape; every route but /health and / asks for `api_key` when one is set."""
-    scheduler = Scheduler(served.model, served.tokenizer, limits.max_batch, limits.queue)
+    prefix = PrefixCache(int(limits.prefix_cache_mb * 2 ** 20)) if limits.prefix_cache_mb else None
+    scheduler = Scheduler(served.model, served.tokenizer, limits.max_batch, limits.queue, prefix)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -115,8 +127,8 @@ def _add_completions(app: FastAPI, served: Served, limits: Limits, scheduler: Sc
     async def completions(request: Request) -> Response:
         job = await _take(request, limits, scheduler, check_key, prepare)
         if job.request.stream:
-            return _event_stream(_stream(job, served))
-        return await _collect(job, served, request)
+            return _event_stream(completion_stream(job, served.name))
+        return await answer(job, request, lambda events: completion_response(events, job, served.name))
 
 
 def _add_chat(app: FastAPI, served: Served, limits: Limits, scheduler: Scheduler,
@@ -137,10 +149,7 @@ def _add_chat(app: FastAPI, served: Served, limits: Limits, scheduler: Scheduler
         job = await _take(request, limits, scheduler, check_key, prepare)
         if job.request.stream:
             return _event_stream(chat_stream(job, served.name, ends))
-        events = await _gather(job, request)
-        if isinstance(events, Response):
-            return events
-        return JSONResponse(chat_response(events, job, served.name, ends))
+        return await answer(job, request, lambda events: chat_response(events, job, served.name, ends))
 
 
 async def _take(request: Request, limits: Limits, scheduler: Scheduler, check_key: Callable[[Request], None],
@@ -194,7 +203,7 @@ def _add_pages(app: FastAPI, served: Served, limits: Limits, scheduler: Schedule
     @app.get("/metrics")
     async def metrics(request: Request) -> Response:
         check_key(request)
-        return PlainTextResponse(scheduler.metrics.text(), media_type="text/plain; version=0.0.4")
+        return PlainTextResponse(generate_latest(scheduler.registry), media_type="text/plain; version=0.0.4")
 
     @app.get("/")
     async def playground() -> Response:
@@ -270,107 +279,6 @@ async def _read_json(request: Request, limit: int) -> Any:
         raise ApiError(400, "the body is not valid JSON") from None
     except RecursionError:  # the decoder recurses once per level of arrays and objects
         raise ApiError(400, "the body's JSON is nested too deeply; a request needs a few levels at most") from None
-
-
-def _logprobs_entry(info: dict | None, offset: int) -> dict | None:
-    if info is None:
-        return None
-    return {"tokens": [info["token"]], "token_logprobs": [info["logprob"]], "top_logprobs": [info["top"]],
-            "text_offset": [offset]}
-
-
-async def _stream(job: Job, served: Served) -> AsyncIterator[str]:
-    """Server-sent events in OpenAI's chunk format, a last chunk with the usage, then [DONE]. A client that leaves
-    cancels the job (its rows leave the batch at the next step)."""
-    cid, req = completion_id(), job.request
-    offsets = [0] * job.size
-    try:
-        if req.echo and req.logprobs is None:  # with logprobs, the echo waits for the prompt's logprobs
-            for c in range(len(offsets)):
-                text = req.prompts[c // req.n]
-                offsets[c] = len(text)
-                yield sse({**envelope(cid, served.name), "choices": [_choice(c, text, None, None)]})
-        while True:
-            event = await job.events.get()
-            if event[0] == "prompt":
-                _, p, entries = event
-                for c in range(p * req.n, (p + 1) * req.n):
-                    offsets[c] = len(req.prompts[p])
-                    yield sse({**envelope(cid, served.name), "choices": [_choice(c, req.prompts[p], entries, None)]})
-            elif event[0] == "token":
-                _, c, text, _, info, reason = event
-                yield sse({**envelope(cid, served.name),
-                            "choices": [_choice(c, text, _logprobs_entry(info, offsets[c]), reason)]})
-                offsets[c] += len(text)
-            elif event[0] == "done":
-                yield sse({**envelope(cid, served.name), "choices": [], "usage": event[1]})
-                break
-            else:
-                yield sse({"error": {"message": event[1], "type": "server_error", "param": None, "code": None}})
-                break
-        yield "data: [DONE]\n\n"
-    finally:
-        job.cancelled.set()  # finished, or the client left (the generator is closed): either way, free the rows
-
-
-def _choice(index: int, text: str, logprobs: dict | None, reason: str | None) -> dict:
-    return {"text": text, "index": index, "logprobs": logprobs, "finish_reason": reason}
-
-
-async def _gather(job: Job, request: Request) -> list[tuple] | Response:
-    """Every event of the job up to its "done" (the last); instead, a 499 response where the client left before
-    the end (the job is cancelled), a 500 where generation failed."""
-    events: list[tuple] = []
-    loop = asyncio.get_running_loop()
-    checked = loop.time()
-    try:
-        while True:
-            try:
-                event = await asyncio.wait_for(job.events.get(), timeout=0.25)
-            except asyncio.TimeoutError:
-                event = None
-            if loop.time() - checked >= 0.25:  # tokens may flow without a pause: look at the clock, not for a lull
-                checked = loop.time()
-                if await request.is_disconnected():
-                    return Response(status_code=499)
-            if event is None:
-                continue
-            if event[0] == "error":
-                return JSONResponse(ApiError(500, event[1], type="server_error").body(), 500)
-            events.append(event)
-            if event[0] == "done":
-                return events
-    finally:
-        job.cancelled.set()
-
-
-async def _collect(job: Job, served: Served, request: Request) -> Response:
-    """The whole completion as one JSON response; a client that leaves before the end cancels the job."""
-    events = await _gather(job, request)
-    if isinstance(events, Response):
-        return events
-    req = job.request
-    size = job.size
-    texts = [req.prompts[c // req.n] if req.echo else "" for c in range(size)]
-    reasons: list[str | None] = [None] * size
-    logprobs = [{"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []} for _ in range(size)]
-    for event in events:
-        if event[0] == "prompt":
-            _, p, entries = event
-            for c in range(p * req.n, (p + 1) * req.n):
-                for key, value in entries.items():
-                    logprobs[c][key] += value
-        elif event[0] == "token":
-            _, c, text, _, info, reason = event
-            if info is not None:
-                for key, value in _logprobs_entry(info, len(texts[c])).items():
-                    logprobs[c][key] += value
-            texts[c] += text
-            reasons[c] = reason or reasons[c]
-    usage = events[-1][1]
-    choices = [_choice(c, texts[c], logprobs[c] if req.logprobs is not None else None, reasons[c])
-               for c in range(size)]
-    return JSONResponse({**envelope(completion_id(), served.name), "choices": choices, "usage": usage})
 
 
 class _Inspector:

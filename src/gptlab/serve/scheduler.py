@@ -1,7 +1,8 @@
 """Continuous batching: one thread owns the model and runs a `RunningBatch`. Requests wait in a bounded queue; at
 every step the ones that fit join the batch (prefilled, then decoded with the rest from the next step on), every row
 draws its next token with its own settings and generator, and finished or cancelled rows leave at once. Each
-request's events (text, token, logprobs, finish reason) go to its own asyncio queue on the server's event loop."""
+request's events (typed: `PromptLogprobs`, `Token`, then `Done` or `Failed`) go to its own asyncio queue on the
+server's event loop; the counts /metrics reports are updated here (gptlab.serve.metrics)."""
 
 from __future__ import annotations
 
@@ -19,19 +20,62 @@ import torch
 from gptlab.engine import Row, RunningBatch
 from gptlab.inference.prepared import InferenceModel
 from gptlab.serve.api import CompletionRequest
+from gptlab.serve.metrics import Metrics, metrics_registry
 from gptlab.textstream import Completion
 from gptlab.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
-TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+
+
+# ---- what a job tells its answer (gptlab.serve.responses shapes them) ----------------------------------------------
+
+@dataclass(frozen=True)
+class PromptLogprobs:
+    """A prompt's echo logprobs (`prompt_logprobs`), for each of its n choices: the prompt's index and OpenAI's
+    four lists (tokens, token_logprobs, top_logprobs, text_offset)."""
+
+    prompt: int
+    entries: dict[str, list]
+
+
+@dataclass(frozen=True)
+class Token:
+    """One generated token of one choice: the text it releases ("" while a character is incomplete), its id, its
+    log-probabilities (`top_logprobs`; None where none were asked for) and, on the choice's last token, the finish
+    reason ("stop" or "length")."""
+
+    choice: int
+    text: str
+    id: int
+    logprobs: dict[str, Any] | None
+    finish_reason: str | None
+
+
+@dataclass(frozen=True)
+class Done:
+    """A job's end: the usage, each prompt counted once however many choices (`cached_tokens`: those of its prompt
+    tokens whose keys and values the prefix cache served)."""
+
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class Failed:
+    """A job's end when generation failed or the server shut down first: the message for the client."""
+
+    message: str
+
+
+Event = PromptLogprobs | Token | Done | Failed
 
 
 @dataclass(eq=False)
 class Job:
     """One accepted request on its way through the scheduler. Events put on `events` (from the scheduler's thread,
-    through `loop`): ("prompt", prompt index, its echo logprobs) where echo and logprobs are asked for, ("token",
-    choice index, text, token id, logprob info or None, finish reason or None), then ("done", usage dict) or
-    ("error", message)."""
+    through `loop`): a `PromptLogprobs` per prompt where echo and logprobs are asked for, a `Token` per generated
+    token, then `Done` or `Failed` (the last). `cached`: its prompts' tokens served from the prefix cache."""
 
     request: CompletionRequest
     loop: asyncio.AbstractEventLoop
@@ -40,61 +84,18 @@ class Job:
     cancelled: threading.Event = field(default_factory=threading.Event)
     rows: dict[Row, tuple[int, Completion]] = field(default_factory=dict)  # its rows -> (choice index, text)
     generated: int = 0
+    cached: int = 0
     first_token: float | None = None
 
     @property
     def size(self) -> int:
         return len(self.request.ids) * self.request.n
 
-    def emit(self, event: tuple) -> None:
+    def emit(self, event: Event) -> None:
         try:
             self.loop.call_soon_threadsafe(self.events.put_nowait, event)
         except RuntimeError:  # the event loop has closed (the server is gone): nobody is listening
             self.cancelled.set()
-
-
-@dataclass
-class Metrics:
-    """What /metrics reports (the scheduler updates it; reads need no lock: each value is one Python object)."""
-
-    requests: dict[str, int] = field(default_factory=dict)  # HTTP status -> count
-    tokens: int = 0
-    cancelled: int = 0
-    queue_depth: int = 0
-    batch_rows: int = 0
-    ttft: list[int] = field(default_factory=lambda: [0] * (len(TTFT_BUCKETS) + 1))
-    ttft_sum: float = 0.0
-
-    def observe_ttft(self, seconds: float) -> None:
-        index = next((i for i, b in enumerate(TTFT_BUCKETS) if seconds <= b), len(TTFT_BUCKETS))
-        self.ttft[index] += 1
-        self.ttft_sum += seconds
-
-    def count(self, status: int) -> None:
-        self.requests[str(status)] = self.requests.get(str(status), 0) + 1
-
-    def text(self) -> str:
-        """The Prometheus text exposition format."""
-        lines = ["# HELP gptlab_requests_total Completion requests answered, by HTTP status.",
-                 "# TYPE gptlab_requests_total counter"]
-        lines += [f'gptlab_requests_total{{status="{s}"}} {n}' for s, n in sorted(self.requests.items())]
-        lines += ["# HELP gptlab_tokens_generated_total Tokens generated, all requests.",
-                  "# TYPE gptlab_tokens_generated_total counter", f"gptlab_tokens_generated_total {self.tokens}",
-                  "# HELP gptlab_requests_cancelled_total Requests whose client left before the end.",
-                  "# TYPE gptlab_requests_cancelled_total counter", f"gptlab_requests_cancelled_total {self.cancelled}",
-                  "# HELP gptlab_queue_depth Requests waiting for a place in the batch.",
-                  "# TYPE gptlab_queue_depth gauge", f"gptlab_queue_depth {self.queue_depth}",
-                  "# HELP gptlab_batch_size Sequences decoded together at the last step.",
-                  "# TYPE gptlab_batch_size gauge", f"gptlab_batch_size {self.batch_rows}",
-                  "# HELP gptlab_time_to_first_token_seconds From a request's arrival to its first token.",
-                  "# TYPE gptlab_time_to_first_token_seconds histogram"]
-        total = 0
-        for bound, n in zip([*map(str, TTFT_BUCKETS), "+Inf"], self.ttft):
-            total += n
-            lines.append(f'gptlab_time_to_first_token_seconds_bucket{{le="{bound}"}} {total}')
-        lines += [f"gptlab_time_to_first_token_seconds_sum {self.ttft_sum:.6f}",
-                  f"gptlab_time_to_first_token_seconds_count {total}"]
-        return "\n".join(lines) + "\n"
 
 
 class Scheduler:
@@ -102,11 +103,13 @@ class Scheduler:
     429); `stop` ends it: new jobs are refused, running ones get `grace` seconds to finish, then are cancelled.
     `idle` is set while no job waits or runs (the thread has nothing to do), cleared by `submit`."""
 
-    def __init__(self, model: InferenceModel | torch.nn.Module, tokenizer: Tokenizer, max_batch: int, queue: int):
-        self.batch = RunningBatch(model)
+    def __init__(self, model: InferenceModel | torch.nn.Module, tokenizer: Tokenizer, max_batch: int, queue: int,
+                 prefix_cache: PrefixCache | None = None):
+        self.batch = RunningBatch(model, prefix_cache)
         self.model = getattr(model, "model", model)  # the nn.Module: a whole prompt's forward (prompt logprobs)
         self.tokenizer, self.max_batch, self.queue_size = tokenizer, max_batch, queue
         self.metrics = Metrics()
+        self.registry = metrics_registry(self.metrics, self.batch)  # what /metrics exposes
         self._waiting: deque[Job] = deque()
         self._jobs: list[Job] = []  # in the batch
         self._owner: dict[Row, Job] = {}  # each row in the batch -> its job
@@ -189,12 +192,12 @@ class Scheduler:
                     time.sleep(0.005)  # nothing to decode (what was waiting had been cancelled): do not spin
             except Exception as exc:  # a bug must not leave clients waiting forever: fail the jobs, keep serving
                 log.exception("the scheduler failed a step")
-                for job in self._jobs:
-                    job.emit(("error", f"generation failed: {exc}"))
+                for job in [*self._jobs, *(j for j in joining if j not in self._jobs)]:  # joining: those starting
+                    job.emit(Failed(f"generation failed: {exc}"))
                 self.batch.leave(list(self.batch.rows))
                 self._jobs, self._owner = [], {}
         for job in [*self._jobs, *self._waiting]:
-            job.emit(("error", "the server is shutting down"))
+            job.emit(Failed("the server is shutting down"))
 
     def _admit(self) -> list[Job]:
         """Waiting jobs that fit in the batch now, first come first served (under the lock)."""
@@ -209,20 +212,28 @@ class Scheduler:
         return joining
 
     def _start(self, job: Job) -> None:
-        """The job's prompts' logprobs where it asks for them (echo with logprobs), then its rows in the batch; a
-        job that generates nothing (max_tokens 0) is done there."""
+        """The job's prompts' logprobs where it asks for them (echo with logprobs), then its rows in the batch (the
+        tokens the prefix cache served counted once a prompt: its n rows share one prefill); a job that generates
+        nothing (max_tokens 0) is done there."""
         req = job.request
         for p, ids in enumerate(req.ids):
-            if req.echo and req.logprobs is not None:
-                job.emit(("prompt", p, prompt_logprobs(self.model, ids, req.logprobs, self.tokenizer)))
+            echo = req.echo and req.logprobs is not None
             if req.max_tokens == 0:
+                if echo:
+                    job.emit(PromptLogprobs(p, prompt_logprobs(self.batch.prompt_logits(ids), ids, req.logprobs,
+                                                               self.tokenizer)))
                 continue
-            for i, row in enumerate(self.batch.join(ids, req.cfg, req.n)):
+            rows = self.batch.join(ids, req.cfg, req.n, prompt_logits=echo)  # with them, no block is reused
+            if echo:
+                job.emit(PromptLogprobs(p, prompt_logprobs(rows[0].prompt_logits, ids, req.logprobs,
+                                                           self.tokenizer)))
+            job.cached += rows[0].cached
+            for i, row in enumerate(rows):
                 job.rows[row] = (p * req.n + i, Completion(self.tokenizer, req.cfg.stop))
                 self._owner[row] = job
         if req.max_tokens == 0:
             prompt = sum(map(len, req.ids))
-            job.emit(("done", {"prompt_tokens": prompt, "completion_tokens": 0, "total_tokens": prompt}))
+            job.emit(Done(prompt, 0))
             return
         self._jobs.append(job)
 
@@ -247,7 +258,7 @@ class Scheduler:
             reason = {"eot": "stop"}.get(completion.finish_reason, completion.finish_reason)
             info = top_logprobs(logits, token, job.request.logprobs, self.tokenizer) \
                 if job.request.logprobs is not None else None
-            job.emit(("token", choice, text, token, info, reason))
+            job.emit(Token(choice, text, token, info, reason))
             job.generated += 1
             self.metrics.tokens += 1
             if job.first_token is None:
@@ -260,8 +271,7 @@ class Scheduler:
         for job in [j for j in self._jobs if not j.rows]:
             self._jobs.remove(job)
             prompt = sum(map(len, job.request.ids))
-            job.emit(("done", {"prompt_tokens": prompt, "completion_tokens": job.generated,
-                               "total_tokens": prompt + job.generated}))
+            job.emit(Done(prompt, job.generated, job.cached))
         self.batch.advance()
 
 
@@ -287,13 +297,12 @@ def _top_dict(pairs, tokenizer: Tokenizer, digits: int | None) -> dict[str, floa
     return out
 
 
-@torch.inference_mode()
-def prompt_logprobs(model: torch.nn.Module, ids: list[int], top: int, tokenizer: Tokenizer) -> dict[str, list]:
-    """OpenAI's echo logprobs of a prompt: each token's text, its log-probability given the tokens before it (None
-    for the first, which has none), the `top` most likely tokens there (text -> logprob; None for the first), and
-    where each token's text starts. Not rounded: summed, they are the prompt's log-likelihood."""
-    logits, _ = model(torch.tensor([ids], device=next(model.parameters()).device))
-    logp = torch.log_softmax(logits[0, :-1].float(), dim=-1)  # (T - 1, V): position t predicts token t + 1
+def prompt_logprobs(logits: torch.Tensor, ids: list[int], top: int, tokenizer: Tokenizer) -> dict[str, list]:
+    """OpenAI's echo logprobs of a prompt from its logits (T, V) (the prompt pass's: `RunningBatch.prompt_logits`, `join`'s): each
+    token's text, its log-probability given the tokens before it (None for the first, which has none), the `top`
+    most likely tokens there (text -> logprob; None for the first), and where each token's text starts. Not
+    rounded: summed, they are the prompt's log-likelihood."""
+    logp = torch.log_softmax(logits[:-1].float(), dim=-1)  # (T - 1, V): position t predicts token t + 1
     chosen = logp.gather(1, torch.tensor(ids[1:], device=logp.device)[:, None])[:, 0].tolist()
     best = torch.topk(logp, top) if top else None
     tops: list[dict | None] = [None]
