@@ -156,3 +156,32 @@ def test_quality_prompts_sets_how_many_validation_windows_are_compared(tmp_path)
     run = tiny_run(tmp_path, 2, TINY)
     lines = int8_quality(str(run), prompts=3, prompt_tokens=4, new_tokens=2)
     assert any("/3 validation prompts agree" in line for line in lines), lines
+
+
+def test_bench_generate_times_the_path_sample_runs_a_running_batch(monkeypatch):
+    """The engine rows (run_gptlab, and with it paired_floor's steps) are generate_batch over a RunningBatch, batch 1
+    as `gptlab sample` runs it: 6 new tokens are one prompt joined, 6 draws and 5 decode steps (none after the last)."""
+    from gptlab import engine
+    from gptlab.bench.engines import run_gptlab
+    from gptlab.inference.loading import prepare_for_inference
+
+    calls = []
+    for name in ("join", "sample", "advance"):
+        original = getattr(engine.RunningBatch, name)
+        monkeypatch.setattr(engine.RunningBatch, name,
+                            lambda self, *a, _f=original, _n=name, **k: calls.append(_n) or _f(self, *a, **k))
+    model = prepare_for_inference(GPT(tiny_config(block_size=32)).eval(), "fp32")
+    clock = run_gptlab(model, [[1, 2, 3]], 6)
+    assert [calls.count(n) for n in ("join", "sample", "advance")] == [1, 6, 5]
+    assert [len(ids) for ids in clock.ids] == [1] * 6
+
+
+def test_bench_decode_labels_itself_the_kernels_step_alone(monkeypatch, capsys):
+    import gptlab.bench.decode as decode
+    from gptlab.cli import main
+
+    monkeypatch.setattr(decode, "run_decode", lambda **kw: print("the rows") or [])
+    assert main(["bench", "decode", "--rounds", "2"]) == 0
+    assert capsys.readouterr().out.splitlines() == [
+        "gptlab bench decode: the fused kernel's decode step alone (no prompt pass, no sampling, no engine loop; "
+        "`gptlab bench generate` times the path `gptlab sample` runs)", "the rows"]

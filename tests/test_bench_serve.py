@@ -1,12 +1,13 @@
 """`gptlab bench serve` on a tiny run, few clients: the table's shape, every request accounted for, and a small
-queue's 429s beside accepted requests that all complete."""
+queue's 429s beside accepted requests that all complete; `--scenario shared-prefix` on a tiny run: the servers with
+and without the prefix cache, the cached one serving the prefix's whole chunks (timings are never asserted)."""
 
 import re
 
 import pytest
 from helpers import tiny_run
 
-from gptlab.bench.serve import percentile
+from gptlab.bench.serve import percentile, shared_prompts
 from gptlab.cli import main
 
 TINY = ["--n-layer", "1", "--n-head", "2", "--n-embd", "16", "--block-size", "32", "--batch-size", "4",
@@ -50,3 +51,45 @@ def test_a_small_queue_refuses_the_excess_with_429_and_completes_the_rest(run_di
 def test_percentiles_by_nearest_rank():
     assert percentile([], 50) == 0.0
     assert percentile([3.0, 1.0, 2.0], 50) == 2.0 and percentile(list(map(float, range(1, 101))), 95) == 95.0
+
+
+@pytest.fixture(scope="module")
+def long_run(tmp_path_factory):
+    """A tiny run whose context (128) holds a prompt of one whole prompt-pass chunk (64 tokens) and more."""
+    flags = [*TINY[:6], "--block-size", "128", *TINY[8:]]
+    return tiny_run(tmp_path_factory.mktemp("bench-serve-prefix"), 2, flags)
+
+
+def test_the_shared_prefix_scenario_times_both_servers_and_the_cached_one_serves_the_prefix(long_run, capsys):
+    """--prefix-tokens 64 --suffix-tokens 8: a prompt of 72 tokens, of which the whole chunks before the last token
+    (71 // 64 = 1 chunk of 64) are what a prefix cache can serve; the server without it serves none."""
+    out = bench(capsys, long_run, "--scenario", "shared-prefix", "--prefix-tokens", "64", "--suffix-tokens", "8",
+                "--max-tokens", "4", "--sequential", "2", "--clients", "3", "--requests", "1")
+    # (mode, cache): clients, requests, ok, 429, errors, tokens, cached p50
+    table = {(line[:14].strip(), line[15:20].strip()): line[20:].split()[:7] for line in out.splitlines()
+             if line.startswith(("one at a time", "concurrent"))}
+    assert table == {("one at a time", "on"): ["1", "2", "2", "0", "0", "8", "64"],
+                     ("concurrent", "on"): ["3", "3", "3", "0", "0", "12", "64"],
+                     ("one at a time", "off"): ["1", "2", "2", "0", "0", "8", "0"],
+                     ("concurrent", "off"): ["3", "3", "3", "0", "0", "12", "0"]}
+    assert "--prefix-cache-mb 512 and 0 (off)" in out and "the cache then held 1 block of 64 tokens" in out
+    assert "every request was sent" in out and "errors (not 429): 0; 429s: 0" in out
+    assert re.search(r"time to first token, one request at a time \(median of 2 and 2\): [\d.]+ s with the prefix "
+                     r"cache, [\d.]+ s without: [\d.]+x faster; 64 of 72 prompt tokens served from the cache", out)
+    assert re.search(r"3 concurrent clients sharing the 64-token prefix: [\d.]+ tokens/s with the prefix cache, "
+                     r"[\d.]+ without: [\d.]+x$", out.strip())
+
+
+def test_shared_prompts_share_the_prefix_and_differ_after_it():
+    prompt = shared_prompts(50, 10, 4)
+    a, b = prompt("a"), prompt("b")
+    assert len(a) == len(b) == 14 and a[:10] == b[:10] and a[10:] != b[10:] and prompt("a") == a
+    assert all(0 <= i < 50 for i in a + b)
+
+
+def test_a_prefix_and_suffix_past_the_context_are_refused(long_run, capsys):
+    """120 + 8 tokens fit a context of 128, 120 + 9 do not (refused before any server starts)."""
+    assert main(["bench", "serve", "--run", str(long_run), "--scenario", "shared-prefix", "--prefix-tokens", "120",
+                 "--suffix-tokens", "9"]) == 2
+    assert "--prefix-tokens + --suffix-tokens (120 + 9) must fit the model's context of 128 tokens" in \
+        capsys.readouterr().err

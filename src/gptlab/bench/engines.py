@@ -1,5 +1,5 @@
-"""The engine timed, for `gptlab bench generate`: greedy generation with the KV-cache engine beside the same
-model without the cache and transformers' generate() on the same weights, each engine run held to the
+"""The engine timed, for `gptlab bench generate`: greedy generation with the KV-cache engine (`generate_batch` over a
+`RunningBatch`, the path `gptlab sample` runs) beside the same model without the cache and transformers' generate() on the same weights, each engine run held to the
 memory-bandwidth floor (decoding one token reads every weight once); prefill, decode and time to first token, fp32,
 bf16 and int8 (weight-only, gptlab.inference.int8), batch 1 and 8; the table and the ratio lines."""
 
@@ -58,7 +58,8 @@ class GenResult:
 
 
 def run_gptlab(model: InferenceModel, prompts: list[list[int]], new_tokens: int, cached: bool = True) -> Clock:
-    """Greedy generation with the engine (or its no-cache reference), timed position by position."""
+    """Greedy generation with the engine (or its no-cache reference), timed position by position: the engine is
+    `generate_batch`, a `RunningBatch` decoding, as `gptlab sample` runs it (no prefix cache, as sample)."""
     cfg = SampleConfig(max_new_tokens=new_tokens, temperature=0)
     clock = Clock()
     for ids in (generate_batch if cached else generate_uncached)(model, prompts, cfg):
@@ -199,7 +200,8 @@ def print_generation_table(name: str, results: list[GenResult], bytes_per_token:
         if r.engine == ENGINE:
             floor = r.floor_tok_s(bytes_per_token[r.precision])  # one read of the weights serves every row
             print(f"{name:<11} {r.precision:<5} {r.batch:>5}  {'bandwidth floor':<22} {'-':>13} {floor:>12,.1f} "
-                  f"{'-':>8}  (memory read {r.bandwidth / 1e9:.1f} GB/s just before)")
+                  f"{'-':>8}  ({bytes_per_token[r.precision] / 1e6:,.0f} MB of weights a step; memory read "
+                  f"{r.bandwidth / 1e9:.1f} GB/s just before)")
 
 
 def generation_ratios(results: list[GenResult], bytes_per_token: dict[str, int]) -> list[str]:

@@ -1,5 +1,7 @@
-"""`gptlab bench generate`: the KV-cache engine timed beside the same model without the cache, transformers'
-generate() on the same weights, and the memory-bandwidth floor (decoding one token reads every weight once);
+"""`gptlab bench generate`: the KV-cache engine, timed on the path `gptlab sample` runs (`engine.generate_batch` over
+a `RunningBatch`: the chunked prompt pass, then the decode step, sampling and the loop in Python), beside the same
+model without the cache, transformers' generate() on the same weights, and the memory-bandwidth floor (decoding one
+token reads every weight once);
 prefill, decode and time to first token, fp32, bf16 and int8 (weight-only, gptlab.inference.int8), batch 1 and 8.
 With a trained run (`--quality RUN`), int8's quality beside bf16's: validation perplexity and greedy agreement.
 
@@ -45,7 +47,8 @@ def run_generate(*, device: str = "auto", new_tokens: int = 256, prompt_tokens: 
     lib = load_library() if dev.type == "cpu" else None
     step = f"fused native step (gptlab.inference.fused), build {describe(lib)}" if lib else "torch ops"
     int8 = ("VNNI" if has_int8_vnni(lib) else "fp32 FMAs") if lib else "torch ops (dequantized, fp32)"
-    print(f"gptlab (KV cache) decodes with: {step}; int8 products by {int8}")
+    print(f"{ENGINE}: engine.generate_batch over a RunningBatch, the path `gptlab sample` runs (batch 1: sample's "
+          f"own; no prefix cache, as sample); decodes with: {step}; int8 products by {int8}")
     model = GPT(config).to(dev)
     if can_pack(dev, torch.float32):
         print_kernel_lines(model, [p for p in precisions if p in FLOAT_DTYPES], dev)

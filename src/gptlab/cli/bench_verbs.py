@@ -194,9 +194,9 @@ def add_bench_generate(p: argparse.ArgumentParser) -> None:
                    "comparison of --quality (default 8)")
 
 
-@BENCHES("generate", "KV-cache generation on a GPT-2-124M-shaped model and a char model: prefill, decode, time to "
-         "first token, fp32, bf16 and int8, beside no cache, transformers' generate and the memory-bandwidth floor",
-         add_bench_generate)
+@BENCHES("generate", "KV-cache generation on the path `gptlab sample` runs (generate_batch over a RunningBatch) "
+         "on a GPT-2-124M-shaped model and a char model: prefill, decode, time to first token, fp32, bf16 and int8, "
+         "beside no cache, transformers' generate and the memory-bandwidth floor", add_bench_generate)
 def bench_generate(args: argparse.Namespace) -> int:
     from gptlab.bench.generate import run_generate
 
@@ -215,12 +215,18 @@ def add_bench_decode(p: argparse.ArgumentParser) -> None:
                         "or both, round by round (default 2M)")
 
 
-@BENCHES("decode", "the fused decode step of a GPT-2-124M-shaped model (CPU) against the memory-bandwidth floor read "
-         "beside each step, batch 1 and batch 8, fp32, bf16 and int8", add_bench_decode)
+DECODE_LABEL = ("gptlab bench decode: the fused kernel's decode step alone (no prompt pass, no sampling, no engine "
+                "loop; `gptlab bench generate` times the path `gptlab sample` runs)")
+
+
+@BENCHES("decode", "the fused decode kernel's step alone (no prompt pass, sampling or engine loop) of a "
+         "GPT-2-124M-shaped model (CPU) against the memory-bandwidth floor read beside each step, batch 1 and batch "
+         "8, fp32, bf16 and int8", add_bench_decode)
 def bench_decode(args: argparse.Namespace) -> int:
     from gptlab.bench.decode import run_decode
 
     at_least(args, rounds=1)
+    print(DECODE_LABEL)
     run_decode(rounds=args.rounds, pages=args.pages)
     return 0
 
@@ -291,6 +297,11 @@ def bench_race(args: argparse.Namespace) -> int:
 
 
 def add_bench_serve(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--scenario", choices=("concurrent", "shared-prefix"), default="concurrent",
+                   help="concurrent: one client, then concurrent clients, same short prompt (default); "
+                        "shared-prefix: servers with and without the prefix cache, prompts of a long shared prefix "
+                        "and a suffix of each request's own: time to first token one at a time, then tokens/s of "
+                        "concurrent clients")
     p.add_argument("--model", choices=("gpt2-124M",), default="gpt2-124M",
                    help="a model with random weights in this shape, and GPT-2's tokenizer (default gpt2-124M)")
     p.add_argument("--run", help="serve this run instead of --model")
@@ -298,9 +309,14 @@ def add_bench_serve(p: argparse.ArgumentParser) -> None:
     p.add_argument("--requests", type=int, default=2, help="requests each concurrent client sends, one after "
                    "another (default 2)")
     p.add_argument("--sequential", type=int, default=4, help="requests sent one at a time first, the baseline "
-                   "(default 4)")
-    p.add_argument("--max-tokens", type=int, default=128, help="new tokens per request (default 128)")
-    p.add_argument("--prompt-tokens", type=int, default=16, help="about this many prompt tokens (default 16)")
+                   "(shared-prefix: to each server; default 4)")
+    p.add_argument("--max-tokens", type=int, help="new tokens per request (default 128; shared-prefix 64)")
+    p.add_argument("--prompt-tokens", type=int, default=16, help="about this many prompt tokens (default 16; "
+                   "concurrent)")
+    p.add_argument("--prefix-tokens", type=int, default=768, help="shared-prefix: tokens of the prefix every "
+                   "prompt shares (default 768)")
+    p.add_argument("--suffix-tokens", type=int, default=64, help="shared-prefix: tokens of each request's own "
+                   "suffix after it (default 64)")
     p.add_argument("--max-batch", type=int, default=16, help="the server's --max-batch (default 16)")
     p.add_argument("--queue", type=int, default=64, help="the server's --queue: a small one shows 429s (default 64)")
     p.add_argument("--precision", choices=INFERENCE_PRECISIONS, default="auto",
@@ -311,21 +327,28 @@ def add_bench_serve(p: argparse.ArgumentParser) -> None:
 
 @BENCHES("serve", "concurrent streaming clients against a `gptlab serve` it starts on 127.0.0.1 (continuous "
          "batching), beside the same requests one at a time: tokens/s, p50 / p95 time to first token and latency, "
-         "429s, errors", add_bench_serve)
+         "429s, errors; or (--scenario shared-prefix) time to first token and tokens/s with and without the prefix "
+         "cache", add_bench_serve)
 def bench_serve(args: argparse.Namespace) -> int:
     import math
 
-    from gptlab.bench.serve import run_serve_bench
+    from gptlab.bench.serve import run_serve_bench, run_shared_prefix_bench
 
-    at_least(args, clients=1, requests=1, sequential=1, max_tokens=1, prompt_tokens=1, max_batch=1, queue=1)
+    shared = args.scenario == "shared-prefix"
+    if args.max_tokens is None:
+        args.max_tokens = 64 if shared else 128
+    at_least(args, clients=1, requests=1, sequential=1, max_tokens=1, prompt_tokens=1, prefix_tokens=1,
+             suffix_tokens=1, max_batch=1, queue=1)
     if args.clients > 256:
         raise GptlabError(f"--clients must be at most 256, not {args.clients}")
     if not (math.isfinite(args.time_limit) and 0 < args.time_limit <= 600):
         raise GptlabError(f"--time-limit must be in (0, 600] seconds, not {args.time_limit}")
-    run_serve_bench(model=args.model, run=args.run, clients=args.clients, requests=args.requests,
-                    sequential=args.sequential, max_tokens=args.max_tokens, prompt_tokens=args.prompt_tokens,
-                    max_batch=args.max_batch, queue=args.queue, precision=args.precision,
-                    time_limit=args.time_limit)
+    common = {name: getattr(args, name) for name in ("model", "run", "clients", "requests", "sequential", "max_tokens",
+                                                     "max_batch", "queue", "precision", "time_limit")}
+    if shared:
+        run_shared_prefix_bench(**common, prefix_tokens=args.prefix_tokens, suffix_tokens=args.suffix_tokens)
+    else:
+        run_serve_bench(**common, prompt_tokens=args.prompt_tokens)
     return 0
 
 
