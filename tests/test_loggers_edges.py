@@ -1,10 +1,15 @@
 """The loggers' edges that the shared four-logger run of tests/test_loggers.py does not reach, each held by a direct
 call of one logger (no training): a package that imports but is broken, a kept id or CSV missing on a resume, a
-TensorBoard folder that an earlier run wrote, the exact text and pictures TensorBoard is given. Each is read back
-with the logger's own reader (TensorBoard's event accumulator, the csv module) against hand-worked values."""
+TensorBoard folder that an earlier run wrote, the exact text and pictures TensorBoard is given, the W&B run of a user
+who has not logged in and the login that puts W&B online. Each is read back with the logger's own reader
+(TensorBoard's event accumulator, the csv module, wandb's reader of its run files) against hand-worked values."""
 
 import csv
 import io
+import json
+import socket
+import subprocess
+import sys
 
 import pytest
 from PIL import Image
@@ -139,3 +144,81 @@ def test_csv_resume_keeps_a_quoted_field_with_a_line_break_as_it_was(tmp_path):
     logger.finish(None)
     with open(path, newline="") as f:
         assert [(r["step"], r["kind"]) for r in csv.DictReader(f)] == [("3", "a\r\nnote")]
+
+
+# ---- Weights & Biases: a logger started directly, read back with wandb's own reader -------------------------------
+
+@pytest.fixture
+def wandb_home(tmp_path, monkeypatch):
+    """wandb kept on this machine for one test: its folders in tmp_path, no credentials, no ~/.netrc, WANDB_MODE
+    and WANDB_PROJECT unset (a test sets what it needs); a connection to anywhere but loopback fails the test."""
+    for name in ("WANDB_MODE", "WANDB_API_KEY", "WANDB_IDENTITY_TOKEN_FILE", "WANDB_BASE_URL", "WANDB_PROJECT"):
+        monkeypatch.delenv(name, raising=False)
+    for name in ("WANDB_CONFIG_DIR", "WANDB_CACHE_DIR", "WANDB_DATA_DIR", "WANDB_ARTIFACT_DIR"):
+        monkeypatch.setenv(name, str(tmp_path / name.lower()))
+    monkeypatch.setenv("NETRC", str(tmp_path / "netrc"))
+    connect = socket.socket.connect
+
+    def loopback_only(self, address):
+        host = address[0] if isinstance(address, tuple) else "unix"
+        assert host in ("unix", "localhost", "::1") or host.startswith("127."), f"connection to {address}"
+        return connect(self, address)
+
+    monkeypatch.setattr(socket.socket, "connect", loopback_only)
+    return tmp_path
+
+
+def wandb_records(path) -> list[dict]:
+    """The records of a .wandb file, read by wandb's own reader (`wandb leet inspect --json`)."""
+    out = subprocess.run([sys.executable, "-m", "wandb", "leet", "inspect", "--json", str(path)],
+                         capture_output=True, text=True, timeout=60, check=True).stdout
+    return [json.loads(line) for line in out.splitlines()]
+
+
+def test_a_wandb_run_of_a_user_not_logged_in_is_offline_resumable_and_charted_against_step(wandb_home, monkeypatch):
+    """WANDB_MODE unset and no login: an offline run (wandb's own default, online, would stop for an API key), in
+    the project WANDB_PROJECT names, with an id as long as wandb's own; its record marked to resume (`wandb sync`
+    and a resume continue that id); every metric charted against `step`, the loss curve at the step it is given;
+    training's own console lines left out of the run."""
+    from wandb.sdk.lib import runid
+
+    monkeypatch.setenv("WANDB_PROJECT", "tiny-models")
+    run, png = wandb_home / "run", wandb_home / "curve.png"
+    Image.new("RGB", (3, 2), (9, 8, 7)).save(png)
+    logger = loggers.Wandb()
+    logger.start(run, {"train": {"lr": 0.5}}, 0)
+    print("a line of training's own")
+    logger.log({"kind": "train", "step": 2, "loss": 1.5})
+    logger.media(png, None, 7)  # the curve of a run whose last step logged no row
+    logger.finish(None)
+    ident = (run / "logs" / "wandb.id").read_text()
+    assert len(ident) == len(runid.generate_id()) and set(ident) <= set("0123456789abcdefghijklmnopqrstuvwxyz")
+    [folder] = (run / "logs" / "wandb" / "wandb").glob("*-run-*")
+    assert folder.name.startswith("offline-run-") and folder.name.endswith(ident)
+    records = wandb_records(folder / f"run-{ident}.wandb")
+    [meta] = [r["run"] for r in records if r["type"] == "run"]
+    assert (meta["project"], meta["run_id"], meta.get("resume")) == ("tiny-models", ident, True)
+    metrics = [r["metric"] for r in records if r["type"] == "metric"]
+    assert [(m.get("name"), m.get("glob_name"), m.get("step_metric")) for m in metrics] == [
+        ("step", None, None), (None, "*", "step")]
+    items = [r["history"]["item"] for r in records if r["type"] == "history"]
+    shown = [(item["step"], sorted(k for k in item if not k.startswith(("_", "loss_curve.")))) for item in items]
+    assert shown == [(2, ["step", "train/loss"]), (7, ["step"])]
+    assert not [r for r in records if r["type"] in ("output", "output_raw")]
+    assert not (folder / "files" / "output.log").exists()
+
+
+def test_wandb_is_online_for_a_workload_identity_and_for_a_login_to_the_host_wandb_base_url_names(tmp_path,
+                                                                                                  monkeypatch):
+    for name in ("WANDB_MODE", "WANDB_API_KEY", "WANDB_IDENTITY_TOKEN_FILE", "WANDB_BASE_URL"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("NETRC", str(tmp_path / "netrc"))
+    monkeypatch.setenv("WANDB_IDENTITY_TOKEN_FILE", str(tmp_path / "token"))  # W&B's identity federation
+    assert loggers.wandb_mode() == "online"
+    monkeypatch.delenv("WANDB_IDENTITY_TOKEN_FILE")
+    (tmp_path / "netrc").write_text("machine wandb.example.com login user password secret\n")  # a W&B server's
+    assert loggers.wandb_mode() == "offline"  # the login is for another host than W&B's own
+    monkeypatch.setenv("WANDB_BASE_URL", "https://wandb.example.com:8443")
+    assert loggers.wandb_mode() == "online"
+    (tmp_path / "netrc").write_text("machine api.wandb.ai login user password secret\n")
+    assert loggers.wandb_mode() == "offline"  # a login to W&B's own host is not one to the server named
