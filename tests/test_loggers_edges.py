@@ -1,15 +1,20 @@
 """The loggers' edges that the shared four-logger run of tests/test_loggers.py does not reach, each held by a direct
 call of one logger (no training): a package that imports but is broken, a kept id or CSV missing on a resume, a
 TensorBoard folder that an earlier run wrote, the exact text and pictures TensorBoard is given, the W&B run of a user
-who has not logged in and the login that puts W&B online. Each is read back with the logger's own reader
-(TensorBoard's event accumulator, the csv module, wandb's reader of its run files) against hand-worked values."""
+who has not logged in and the login that puts W&B online, MLflow's store, run name, settings, experiment and resumed
+status, the media only where kept and drawn, the settings read only for a new run, a failed start marking the loggers
+started before it, and check_loggers' refusals. Each is read back with the logger's own reader (TensorBoard's event
+accumulator, the csv module, wandb's reader of its run files, MLflow's client) against hand-worked values."""
 
 import csv
 import io
 import json
+import os
 import socket
 import subprocess
 import sys
+import tempfile
+from pathlib import Path
 
 import pytest
 from PIL import Image
@@ -222,3 +227,152 @@ def test_wandb_is_online_for_a_workload_identity_and_for_a_login_to_the_host_wan
     assert loggers.wandb_mode() == "online"
     (tmp_path / "netrc").write_text("machine api.wandb.ai login user password secret\n")
     assert loggers.wandb_mode() == "offline"  # a login to W&B's own host is not one to the server named
+
+
+# ---- MLflow started directly, read back with MLflow's own client over the file store it wrote -------------------
+
+@pytest.fixture
+def mlflow_env(monkeypatch):
+    """MLflow kept local: its file store allowed, telemetry off, no tracking server from the environment."""
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    for name in ("MLFLOW_ALLOW_FILE_STORE", "MLFLOW_DISABLE_TELEMETRY", "DO_NOT_TRACK"):
+        monkeypatch.setenv(name, "true")
+
+
+def mlflow_client(run):
+    from mlflow.tracking import MlflowClient
+
+    return MlflowClient(tracking_uri=(run / "logs" / "mlruns").resolve().as_uri())
+
+
+def test_mlflow_makes_its_store_under_a_run_folder_not_there_yet_and_names_the_run_after_it(tmp_path, mlflow_env):
+    run = tmp_path / "new" / "tiny-run"
+    logger = loggers.Mlflow()
+    logger.start(run, {}, 0)
+    logger.finish(None)
+    [found] = mlflow_client(run).search_runs([mlflow_client(run).get_experiment_by_name("gptlab").experiment_id])
+    assert (found.info.run_id, found.info.run_name) == ((run / "logs" / "mlflow.id").read_text(), "tiny-run")
+
+
+def test_mlflow_gets_every_one_of_250_settings_in_calls_of_at_most_100(tmp_path, mlflow_env):
+    config = {"s": {f"k{i:03d}": i for i in range(250)}}  # 250 settings: three calls, the last of 50
+    logger = loggers.Mlflow()
+    logger.start(tmp_path, config, 0)
+    logger.finish(None)
+    params = mlflow_client(tmp_path).get_run(logger.ident).data.params
+    assert params == {f"s.k{i:03d}": str(i) for i in range(250)}
+
+
+def test_mlflow_puts_a_second_new_run_in_the_same_folder_into_the_same_gptlab_experiment(tmp_path, mlflow_env):
+    idents = []
+    for _ in range(2):  # a new run (resume_step 0) where an earlier one kept its store
+        logger = loggers.Mlflow()
+        logger.start(tmp_path, {}, 0)
+        logger.finish(None)
+        idents.append(logger.ident)
+    client = mlflow_client(tmp_path)
+    [experiment] = client.search_experiments()
+    assert experiment.name == "gptlab"
+    assert sorted(r.info.run_id for r in client.search_runs([experiment.experiment_id])) == sorted(idents)
+
+
+def test_a_resumed_mlflow_run_is_running_again_until_it_ends(tmp_path, mlflow_env):
+    first = loggers.Mlflow()
+    first.start(tmp_path, {}, 0)
+    first.finish(None)  # FINISHED, as a run that stopped at a checkpoint and is then resumed
+    resumed = loggers.Mlflow()
+    resumed.start(tmp_path, {}, 5)
+    client = mlflow_client(tmp_path)
+    assert (resumed.ident, client.get_run(first.ident).info.status) == (first.ident, "RUNNING")
+    resumed.finish(None)
+    assert client.get_run(first.ident).info.status == "FINISHED"
+
+
+def test_media_makes_no_sample_without_a_logger_that_keeps_it_and_sends_no_missing_picture(tmp_path, mlflow_env):
+    """The sample (64 tokens of generation) is made only for a logger that keeps media, once; a loss curve that
+    was not drawn is not sent, while the sample still is."""
+    made = []
+
+    def sample():
+        made.append(1)
+        return "to be"
+
+    loggers.Loggers([loggers.Csv()]).media(tmp_path / "loss.png", sample, 3)  # csv keeps no media
+    assert made == []
+    logger = loggers.Mlflow()
+    logger.start(tmp_path, {}, 0)
+    loggers.Loggers([logger]).media(tmp_path / "loss.png", sample, 3)  # no loss.png was drawn
+    logger.finish(None)
+    client = mlflow_client(tmp_path)
+    assert [a.path for a in client.list_artifacts(logger.ident)] == ["sample.txt"] and made == [1]
+    (tmp_path / "got").mkdir()
+    assert Path(client.download_artifacts(logger.ident, "sample.txt", str(tmp_path / "got"))).read_text() == "to be"
+
+
+# ---- open_loggers and check_loggers ----------------------------------------------------------------------------
+
+def write_config(run):
+    run.mkdir(parents=True, exist_ok=True)
+    (run / "config.json").write_text('{"model": {"n_layer": 2}, "train": {"lr": 0.5}}')
+    (run / "tokenizer.json").write_text("{}")
+
+
+def test_open_loggers_reads_the_settings_only_for_a_new_run_with_loggers(tmp_path):
+    """No config.json: no --log needs none, and a resume does not log the settings again, so neither reads it."""
+    assert loggers.open_loggers([], tmp_path, 0).loggers == []
+    with loggers.open_loggers(["csv"], tmp_path, 5) as started:
+        assert [type(lg) for lg in started.loggers] == [loggers.Csv]
+    with pytest.raises(GptlabError, match="is not a gptlab run"):
+        loggers.open_loggers(["csv"], tmp_path, 0)
+
+
+def test_a_logger_that_fails_to_start_marks_the_ones_started_before_it_failed(tmp_path, mlflow_env):
+    write_config(tmp_path)
+    (tmp_path / "logs" / "metrics.csv").mkdir(parents=True)  # the csv logger cannot write its file
+    with pytest.raises(GptlabError, match="metrics.csv: Is a directory"):
+        loggers.open_loggers(["mlflow", "csv"], tmp_path, 0)
+    client = mlflow_client(tmp_path)
+    run = client.get_run((tmp_path / "logs" / "mlflow.id").read_text())
+    assert (run.info.status, run.data.params) == ("FAILED", {"model.n_layer": "2", "train.lr": "0.5"})
+
+
+def test_a_csv_place_that_is_a_folder_is_refused_as_a_folder(tmp_path):
+    (tmp_path / "logs" / "metrics.csv").mkdir(parents=True)
+    with pytest.raises(GptlabError) as err:
+        loggers.check_loggers(["csv"], tmp_path)
+    assert str(err.value) == f"--log csv cannot write {tmp_path / 'logs' / 'metrics.csv'}: it is a folder"
+
+
+def test_a_folder_the_user_may_write_but_not_search_is_refused(tmp_path):
+    """A logger's folder with write but no search (x) permission cannot take files. Root passes every permission
+    check but search on a folder with no x bit at all, so the check runs in a child process as the user nobody
+    (uid 65534) when the tests run as root, on a folder under a fresh /tmp folder nobody can reach."""
+    loggers.TensorBoard.load()  # imported before the child starts: it only checks
+    with tempfile.TemporaryDirectory() as top:
+        run = Path(top) / "run"
+        folder = run / "logs" / "tensorboard"
+        folder.mkdir(parents=True)
+        os.chmod(top, 0o755)
+        if os.geteuid() == 0:
+            os.chown(folder, 65534, 65534)
+        os.chmod(folder, 0o600)  # its owner may write, not search
+        read, write = os.pipe()
+        child = os.fork()
+        if child == 0:  # pragma: no cover - the child reports through the pipe
+            os.close(read)
+            try:
+                if os.geteuid() == 0:
+                    os.setgid(65534)
+                    os.setuid(65534)
+                loggers.check_loggers(["tensorboard"], run)
+                message = "no refusal"
+            except BaseException as exc:  # noqa: BLE001 - reported whatever it is
+                message = str(exc)
+            os.write(write, message.encode())
+            os._exit(0)
+        os.close(write)
+        with os.fdopen(read, "rb") as f:
+            message = f.read().decode()
+        os.waitpid(child, 0)
+        os.chmod(folder, 0o700)
+    assert message == f"--log tensorboard cannot write {folder}: {folder} is not writable"
