@@ -161,6 +161,4 @@ def prefix_cache(mb: float):
     """The PrefixCache of a --prefix-cache-mb (None for 0)."""
     from gptlab.inference.prefix_cache import PrefixCache
 
-    if mb < 0:
-        raise GptlabError(f"--prefix-cache-mb must be >= 0, not {mb:g}; 0 turns the cache off")
-    return PrefixCache(int(mb * 2 ** 20)) if mb else None
+    return PrefixCache.of_mb(mb)

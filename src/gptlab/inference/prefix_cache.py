@@ -68,7 +68,15 @@ class PrefixCache:
         self._by_id: dict[int, _Block] = {}
         self._next_id = 1  # 0 is the root: the parent of every window's first chunk
         self._owner: tuple | None = None
+        self._held = 0  # bytes of the blocks held
         self._stats = CacheStats(budget_bytes=budget_bytes)
+
+    @classmethod
+    def of_mb(cls, mb: float) -> PrefixCache | None:
+        """The cache of a `--prefix-cache-mb` budget: None for 0 (no cache), GptlabError below 0."""
+        if mb < 0:
+            raise GptlabError(f"--prefix-cache-mb must be >= 0, not {mb:g}; 0 turns the cache off")
+        return cls(int(mb * 2 ** 20)) if mb else None
 
     def check(self, model: torch.nn.Module, dtype: torch.dtype) -> None:
         """Bind the cache to `model` and `dtype` on first use; GptlabError for any other later."""
@@ -80,8 +88,7 @@ class PrefixCache:
                               "give each model its own")
 
     def stats(self) -> CacheStats:
-        return CacheStats(**{**self._stats.__dict__, "bytes": sum(b.nbytes for b in self._blocks.values()),
-                             "blocks": len(self._blocks)})
+        return CacheStats(**{**self._stats.__dict__, "bytes": self._held, "blocks": len(self._blocks)})
 
     def lookup(self, tokens: Sequence[int], usable: int) -> list[_Block]:
         """The cached blocks of the longest run of whole chunks of `tokens` from its start, at most `usable`
@@ -126,6 +133,7 @@ class PrefixCache:
         self._next_id += 1
         self._blocks[block.key] = block
         self._by_id[block.id] = block
+        self._held += block.nbytes
         if parent:
             self._by_id[parent].children.add(block.id)
         return block
@@ -133,26 +141,23 @@ class PrefixCache:
     def _evict(self, room: int, keep: int) -> None:
         """Drop least recently used blocks (never `keep`, the parent of the block about to be added) until the
         rest take at most `room` bytes. A block's descendants go with it."""
-        held = sum(b.nbytes for b in self._blocks.values())
         for key in list(self._blocks):
-            if held <= room:
+            if self._held <= room:
                 return
             block = self._blocks.get(key)
-            if block is None or block.id == keep:
-                continue
-            held -= self._drop(block)
+            if block is not None and block.id != keep:
+                self._drop(block)
 
-    def _drop(self, block: _Block) -> int:
-        freed = block.nbytes
+    def _drop(self, block: _Block) -> None:
         for child in list(block.children):
             if child in self._by_id:
-                freed += self._drop(self._by_id[child])
+                self._drop(self._by_id[child])
         del self._blocks[block.key], self._by_id[block.id]
+        self._held -= block.nbytes
         parent = self._by_id.get(block.key[0])
         if parent is not None:
             parent.children.discard(block.id)
         self._stats.evictions += 1
-        return freed
 
     def _touch(self, chain: list[_Block]) -> None:
         """Mark a chain used, its last block first: a parent stays more recently used than its children, so

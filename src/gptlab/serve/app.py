@@ -54,8 +54,8 @@ def make_app(served: Served, limits: Limits, api_key: str | None = None) -> Fast
     """The app, with its scheduler started with the app and stopped (within limits.grace) with it: completions,
     the pages and every refusal (a route's, no such route 404, a wrong method 405, a bug 500) in OpenAI's error
     shape; every route but /health and / asks for `api_key` when one is set."""
-    prefix = PrefixCache(int(limits.prefix_cache_mb * 2 ** 20)) if limits.prefix_cache_mb else None
-    scheduler = Scheduler(served.model, served.tokenizer, limits.max_batch, limits.queue, prefix)
+    scheduler = Scheduler(served.model, served.tokenizer, limits.max_batch, limits.queue,
+                          PrefixCache.of_mb(limits.prefix_cache_mb))
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
