@@ -185,3 +185,17 @@ def test_bench_decode_labels_itself_the_kernels_step_alone(monkeypatch, capsys):
     assert capsys.readouterr().out.splitlines() == [
         "gptlab bench decode: the fused kernel's decode step alone (no prompt pass, no sampling, no engine loop; "
         "`gptlab bench generate` times the path `gptlab sample` runs)", "the rows"]
+
+
+def test_a_runs_rates_are_its_clocks_stamps_worked_out_by_hand():
+    """Two rows, a 4-token prompt, new positions stamped at 1.0, 1.5, 2.0 and 3.0 s after the call: time to first
+    token 1.0 s, prefill 2 x 4 / 1.0 = 8 tokens/s, decode the 3 positions after the first, 2 x 3 / (3.0 - 1.0) = 3
+    tokens/s (the first token's time is the prefill's, not the decode's)."""
+    from gptlab.bench.engines import GenResult
+    from gptlab.bench.timing import Clock
+
+    clock = Clock()
+    clock.start, clock.stamps, clock.ids = 10.0, [11.0, 11.5, 12.0, 13.0], [[1, 2], [3, 4], [5, 6], [7, 8]]
+    result = GenResult.of(clock, "gptlab", "fp32", 2, 4)
+    assert (result.ttft_s, result.prefill_tok_s, result.decode_tok_s) == (1.0, 8.0, 3.0)
+    assert result.ids == [[1, 3, 5, 7], [2, 4, 6, 8]]

@@ -7,7 +7,7 @@ import re
 import pytest
 from helpers import tiny_run
 
-from gptlab.bench.serve import percentile, shared_prompts
+from gptlab.bench.serve import Outcome, Phase, Side, _prefix_summary, percentile, shared_prompts
 from gptlab.cli import main
 
 TINY = ["--n-layer", "1", "--n-head", "2", "--n-embd", "16", "--block-size", "32", "--batch-size", "4",
@@ -74,10 +74,20 @@ def test_the_shared_prefix_scenario_times_both_servers_and_the_cached_one_serves
                      ("concurrent", "off"): ["3", "3", "3", "0", "0", "12", "0"]}
     assert "--prefix-cache-mb 512 and 0 (off)" in out and "the cache then held 1 block of 64 tokens" in out
     assert "every request was sent" in out and "errors (not 429): 0; 429s: 0" in out
-    assert re.search(r"time to first token, one request at a time \(median of 2 and 2\): [\d.]+ s with the prefix "
-                     r"cache, [\d.]+ s without: [\d.]+x faster; 64 of 72 prompt tokens served from the cache", out)
-    assert re.search(r"3 concurrent clients sharing the 64-token prefix: [\d.]+ tokens/s with the prefix cache, "
-                     r"[\d.]+ without: [\d.]+x$", out.strip())
+    ttft = re.search(r"time to first token, one request at a time \(median of 2 and 2\): ([\d.]+) s with the prefix "
+                     r"cache, ([\d.]+) s without: ([\d.]+)x faster; 64 of 72 prompt tokens served from the cache", out)
+    with_cache, without, ratio = map(float, ttft.groups())
+    assert quotient_of(ratio, without, with_cache, 0.0005)  # the one without over the one with, as printed
+    rates = re.search(r"3 concurrent clients sharing the 64-token prefix: ([\d.]+) tokens/s with the prefix cache, "
+                      r"([\d.]+) without: ([\d.]+)x$", out.strip())
+    with_cache, without, ratio = map(float, rates.groups())
+    assert quotient_of(ratio, with_cache, without, 0.05)
+
+
+def quotient_of(ratio: float, a: float, b: float, rounded: float) -> bool:
+    """Whether a printed ratio (2 decimals) is a / b for some a and b that print as these (rounded by +- rounded)."""
+    lo, hi = (a - rounded) / (b + rounded), (a + rounded) / max(b - rounded, 1e-12)
+    return lo - 0.005 <= ratio <= hi + 0.005
 
 
 def test_shared_prompts_share_the_prefix_and_differ_after_it():
@@ -93,3 +103,23 @@ def test_a_prefix_and_suffix_past_the_context_are_refused(long_run, capsys):
                  "--suffix-tokens", "9"]) == 2
     assert "--prefix-tokens + --suffix-tokens (120 + 9) must fit the model's context of 128 tokens" in \
         capsys.readouterr().err
+
+
+def test_the_shared_prefix_headline_is_worked_out_from_the_requests_as_by_hand():
+    """Four requests a side with known times: the median time to first token (nearest rank: the 2nd of 4) with the
+    cache 0.10 s, without 0.80 s, so 8.00x; the cached tokens' median is the 2nd of [0, 64, 64, 128]; 8 clients'
+    tokens/s 300 against 100: 3.00x."""
+    def side(cache, ttfts, cached, tokens):
+        alone = Phase("one at a time", 1, 1.0, [Outcome(200, 10, t, 1.0, "", c) for t, c in zip(ttfts, cached)])
+        together = Phase("concurrent", 8, 2.0, [Outcome(200, tokens // 4) for _ in range(4)])
+        return Side(cache, None, "", alone, together)
+    on = side("on", [0.3, 0.1, 0.05, 0.1], [128, 64, 0, 64], 600)
+    off = side("off", [0.9, 0.8, 0.8, 0.7], [0, 0, 0, 0], 200)
+    lines = _prefix_summary([on, off], 768, 64, 4)
+    assert lines[0] == "every request was sent" and lines[1] == "errors (not 429): 0; 429s: 0"
+    assert lines[2] == ("time to first token, one request at a time (median of 4 and 4): 0.100 s with the prefix cache, "
+                        "0.800 s without: 8.00x faster; 64 of 832 prompt tokens served from the cache (median)")
+    assert lines[3] == ("8 concurrent clients sharing the 768-token prefix: 300.0 tokens/s with the prefix cache, 100.0 "
+                        "without: 3.00x")
+    off.together.seconds = 0.0  # no concurrent request finished: no rate, and no ratio over it (not a division by 0)
+    assert _prefix_summary([on, off], 768, 64, 4)[3].endswith("300.0 tokens/s with the prefix cache, 0.0 without: n/a")
