@@ -24,7 +24,8 @@ from gptlab import compiled
 from gptlab.config import SampleConfig
 from gptlab.engine import generate_batch, generate_uncached
 from gptlab.inference import native
-from gptlab.inference.loading import prepare_for_inference
+from gptlab.inference.loading import bf16_storage_possible, prepare_for_inference
+from gptlab.inference.prefix_cache import prompt_pass
 from gptlab.inference.prepared import TorchStep
 from gptlab.inference.fused import FusedDecoder, fused_decoder
 from gptlab.inference.weights import move_to_huge_pages
@@ -83,6 +84,48 @@ def test_a_bf16_model_keeps_a_bf16_cache_only_where_the_fused_step_decodes():
     assert fast.fused and fast.cache_dtype == torch.bfloat16
     assert fast.new_kv_cache(2).k.dtype == torch.bfloat16
     assert prepare_for_inference(GPT(tiny_config()), "bf16", fused=False).cache_dtype == torch.float32
+
+
+def _prompt_logits(prepared, tokens, attend):
+    cache = prepared.new_kv_cache(1)
+    cache.attend = attend
+    with torch.inference_mode():
+        return prompt_pass(prepared.model, cache, tokens, None, "all")[0].float()
+
+
+@pytest.mark.device_path("bf16 native")
+@pytest.mark.skipif(not bf16_supported(torch.device("cpu")), reason="no native bf16 on this CPU")
+def test_a_bf16_models_prompts_attend_in_bf16_where_the_cpu_multiplies_it_natively_at_bf16s_own_error():
+    """Over its bf16 cache, a bf16 model's prompt pass attends in bf16 (no fp32 copies of the keys and values) where
+    the CPU has native bf16 products: its logits are no further from the fp32 model's than with fp32 attention
+    (1.5x that error + 1e-3), on an odd head size (15) and a prompt crossing chunks (77 tokens); fp32 elsewhere."""
+    torch.manual_seed(0)
+    model = GPT(tiny_config(n_layer=2, n_head=4, n_embd=60, vocab_size=97, block_size=80)).eval()
+    with torch.no_grad():
+        for p in model.parameters():  # away from the init: biases and LayerNorms moved
+            p.mul_(3.0) if p.dim() == 2 else p.add_(torch.randn_like(p) * 0.1)
+    plain = copy.deepcopy(model)
+    prepared = prepare_for_inference(model, "bf16")
+    assert prepared.attend == torch.bfloat16 and prepared.new_kv_cache(1).attend == torch.bfloat16
+    assert prepared.new_kv_cache(2).select_rows(torch.tensor([1])).attend == torch.bfloat16
+    tokens = torch.randint(0, 97, (77,)).tolist()
+    with torch.no_grad():
+        expected = plain(torch.tensor([tokens]))[0][0]
+    in_bf16, in_fp32 = _prompt_logits(prepared, tokens, torch.bfloat16), _prompt_logits(prepared, tokens, None)
+    assert not torch.equal(in_bf16, in_fp32)  # the setting is what decides
+    assert (in_bf16 - expected).abs().max() <= 1.5 * (in_fp32 - expected).abs().max() + 1e-3
+    for precision in ("fp32", "int8"):
+        assert prepare_for_inference(GPT(tiny_config()), precision).attend is None
+    assert prepare_for_inference(GPT(tiny_config()), "bf16", fused=False).attend is None  # an fp32 cache
+
+
+@pytest.mark.skipif(not bf16_storage_possible(torch.device("cpu")), reason="no g++ for the fused bf16 step")
+def test_without_native_bf16_products_a_bf16_models_prompts_attend_in_fp32(monkeypatch):
+    import gptlab.inference.loading as loading
+    monkeypatch.setattr(loading, "bf16_supported", lambda device: False)
+    prepared = prepare_for_inference(GPT(tiny_config()), "bf16")
+    assert prepared.cache_dtype == torch.bfloat16 and prepared.attend is None
+    assert prepared.new_kv_cache(1).attend is None
 
 
 def test_a_refused_step_raises_and_changes_nothing():

@@ -37,9 +37,10 @@ def trained_like(precision="fp32", seed=0):
 
 
 def run(model, prefix, requests, steps_between=2):
-    """Requests [(prompt, cfg, n)] joining one RunningBatch `steps_between` steps apart; every row's logits at every
-    step and its tokens, and each row's cached count, in join order."""
-    batch = RunningBatch(model, prefix)
+    """Requests [(prompt, cfg, n)] joining one RunningBatch `steps_between` steps apart (a new one on `prefix`, a
+    PrefixCache, or `prefix` itself, a RunningBatch); every row's logits at every step and its tokens, and each row's
+    cached count, in join order."""
+    batch = prefix if isinstance(prefix, RunningBatch) else RunningBatch(model, prefix)
     logits, tokens, cached, order = {}, {}, {}, []
     pending = list(requests)
     step = 0
@@ -219,3 +220,57 @@ def test_the_prompt_chunk_is_crossed_below_at_and_one_past_its_edges(length, reu
     off = run(model, PrefixCache(0), [(tokens[:length], cfg, 1)])
     assert on[0][2] == reused and off[0][2] == 0
     assert on[0][1] == off[0][1] and all(torch.equal(a, b) for a, b in zip(on[0][0], off[0][0]))
+
+
+def test_a_used_prompt_cache_keeps_the_blocks_it_holds_and_copies_only_those_it_lacks():
+    """copy_in: a one-row cache whose chunks hold blocks of an earlier prompt pass (kept or copied) is not copied
+    into again where it holds the block asked for; every other chunk gets its block's keys and values."""
+    model = trained_like().model
+    cache = PrefixCache(2 ** 20, chunk=CHUNK)
+    a = list(range(1, 14))  # chunks a0 a1 a2 (+1 token)
+    b = a[:4] + list(range(30, 39))  # a0, then chunks of its own: b1 b2
+    used, other = model.new_kv_cache(1), model.new_kv_cache(1)
+    with torch.no_grad():
+        prompt_pass(model, used, a, cache, "last")  # `used` holds a0 a1 a2
+        prompt_pass(model, other, b, cache, "last")  # keeps b1 b2
+    found = cache.lookup(b, 3)
+    assert [blk.key[1] for blk in found] == [tuple(b[0:4]), tuple(b[4:8]), tuple(b[8:12])]
+    used.k[:, :, :, :12] = 7.0  # a sentinel: only chunk 0 (a0, held) may keep it
+    used.v[:, :, :, :12] = 7.0
+    cache.copy_in(found, used)
+    assert (used.k[:, 0, :, :4] == 7.0).all() and (used.v[:, 0, :, :4] == 7.0).all()
+    for i in (1, 2):
+        assert torch.equal(used.k[:, 0, :, 4 * i:4 * i + 4], found[i].k)
+        assert torch.equal(used.v[:, 0, :, 4 * i:4 * i + 4], found[i].v)
+    fresh = model.new_kv_cache(1)  # a cache never through a prompt pass holds nothing: every block copied
+    cache.copy_in(found[:1], fresh)
+    assert torch.equal(fresh.k[:, 0, :, :4], found[0].k)
+
+
+def test_a_batch_reuses_its_prompt_cache_and_its_joins_equal_a_fresh_batchs():
+    """One RunningBatch serving requests one after another (its one-row prompt cache used again: a long prompt then
+    shorter ones over its old keys, shared chunks held, others not, prompt logits between) gives every step's logits
+    bit for bit as a fresh batch without the prefix cache does for each request alone; and it allocates one prompt
+    cache, not one a request."""
+    model = trained_like()
+    cfg = SampleConfig(max_new_tokens=3, temperature=0.8, seed=5)
+    prompts = [list(range(40, 65)) + SYSTEM, SYSTEM + [3, 4], SYSTEM[:6], [50, 51], SYSTEM + [3, 4, 60, 61, 62],
+               list(range(20, 37))]
+    allocated = []
+    new_kv_cache = InferenceModel.new_kv_cache
+    def counting(self, rows, max_len=None):
+        allocated.append((rows, max_len))
+        return new_kv_cache(self, rows, max_len)
+    batch = RunningBatch(model, PrefixCache(2 ** 20, chunk=CHUNK))
+    for i, prompt in enumerate(prompts):
+        if i == 3:
+            expected_logits = RunningBatch(model, PrefixCache(0, chunk=CHUNK)).prompt_logits(prompts[1])
+            assert torch.equal(batch.prompt_logits(prompts[1]), expected_logits)
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(InferenceModel, "new_kv_cache", counting)
+            (on,) = run(model, batch, [(prompt, cfg, 1)])
+        (off,) = run(model, PrefixCache(0, chunk=CHUNK), [(prompt, cfg, 1)])
+        assert on[1] == off[1] and all(torch.equal(a, b) for a, b in zip(on[0], off[0])), f"request {i}"
+    assert allocated.count((1, None)) == 1  # the first request's prompt cache, then only the decode's layouts
+    assert all(max_len < SHAPE["block_size"] for _, max_len in allocated[1:])
+    assert [c for c in (run(model, batch, [(p, cfg, 1)])[0][2] for p in prompts[1:3])] == [12, 4]

@@ -230,6 +230,7 @@ class RunningBatch:
         self._slots: dict[Row, int] = {}  # row -> its row in self.cache (a Row hashes by identity)
         self._joining: dict[Row, KVCache] = {}  # row -> its one-row prefill, not laid out yet
         self._moved = False  # rows left since the last layout
+        self._spare: KVCache | None = None  # a one-row cache for the next prompt pass (`_one_row`)
 
     @torch.inference_mode()
     def join(self, prompt: Sequence[int], cfg: SampleConfig, num_samples: int = 1,
@@ -241,7 +242,7 @@ class RunningBatch:
         check_prompts(self.model, [prompt], num_samples)
         window = list(prompt[-self.block_size:])
         need = min(self.block_size, len(window) + cfg.max_new_tokens)
-        cache = self.prepared.new_kv_cache(1, max_len=need)
+        cache = self._one_row()
         logits, hit = prompt_pass(self.model, cache, window, self.prefix_cache, "all" if prompt_logits else "last")
         last = logits[-1:].clone()  # (1, V)
         vocab = self.model.config.vocab_size
@@ -258,8 +259,17 @@ class RunningBatch:
         """Every position's logits (T, V) of `prompt` (at most block_size tokens) through the prompt pass, as `join`
         computes them with prompt_logits, without adding a row."""
         check_prompts(self.model, [prompt])
-        cache = self.prepared.new_kv_cache(1, max_len=len(prompt))
-        return prompt_pass(self.model, cache, list(prompt), self.prefix_cache, "all")[0]
+        cache = self._one_row()
+        logits = prompt_pass(self.model, cache, list(prompt), self.prefix_cache, "all")[0]
+        self._spare = cache
+        return logits
+
+    def _one_row(self) -> KVCache:
+        """A one-row cache of block_size positions for a prompt pass: the one kept from the last layout (its old
+        keys and values are never read: the prompt pass reads only what it wrote or copied), else a new one.
+        Reusing it spares a prompt the allocation, as long as a few prompt chunks' products on a CPU."""
+        cache, self._spare = self._spare, None
+        return cache if cache is not None else self.prepared.new_kv_cache(1)
 
     @torch.inference_mode()
     def sample(self) -> list[tuple[Row, int, torch.Tensor]]:
@@ -315,6 +325,8 @@ class RunningBatch:
                 cache.pos[i] = n
         self.cache = cache
         self._slots = {row: i for i, row in enumerate(rows)}
+        if self._joining:
+            self._spare = next(iter(self._joining.values()))  # copied out now: the next prompt pass may reuse it
         self._joining, self._moved = {}, False
 
     def _rebuild_row(self, row: int, window: list[int]) -> int:

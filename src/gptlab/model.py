@@ -26,6 +26,8 @@ class KVCache:
     tokens of row b go to positions pos[b], pos[b] + 1, ... The model advances `pos` by T after each forward;
     a caller that fed rows of different lengths (right-padded) sets `pos` to the true lengths afterwards.
     The cache's dtype is the precision keys and values are stored in: a bf16 model may keep an fp32 cache.
+    `attend` is the precision attention over the cache computes in: None for the cache's own, but fp32 on a CPU
+    (where bf16 attention is slower without native bf16 products); whoever prepares the model may set it.
     """
 
     def __init__(self, n_layer: int, batch_size: int, n_head: int, max_len: int, head_dim: int,
@@ -36,6 +38,7 @@ class KVCache:
         self.pos = torch.zeros(batch_size, dtype=torch.long, device=device)
         self.max_len = max_len
         self.step: CacheStep | None = None
+        self.attend: torch.dtype | None = None
 
     def repeat_rows(self, n: int) -> KVCache:
         """A cache of n * B rows, each row copied n times in a row: N samples share one prefill."""
@@ -47,7 +50,7 @@ class KVCache:
         out.k = self.k.index_select(1, rows)
         out.v = self.v.index_select(1, rows)
         out.pos = self.pos.index_select(0, rows)
-        out.max_len, out.step = self.max_len, None
+        out.max_len, out.step, out.attend = self.max_len, None, self.attend
         return out
 
     def replace_rows(self, rows: torch.Tensor, other: KVCache) -> None:
@@ -113,9 +116,7 @@ class CausalSelfAttention(nn.Module):
         mask, causal = None, True  # no cache: plain causal attention over these T positions
         if cache is not None:
             k, v, mask, causal = self._use_cache(cache, layer, k, v)
-            # attention runs in the cache's precision, but in fp32 over a bf16 cache on a CPU, where bf16 attention
-            # kernels are several times slower (docs/benchmarks.md)
-            dtype = torch.float32 if k.device.type == "cpu" else k.dtype
+            dtype = cache.attend or (torch.float32 if k.device.type == "cpu" else k.dtype)
             q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
         attend = self._naive if self._naive_is_faster(q) else self._sdpa
         y = attend(q, k, v, mask, causal).to(x.dtype)  # (B, H, T, D)

@@ -6,7 +6,8 @@ numbers whichever request computed them, and a `PrefixCache` can hand one reques
 
 `PrefixCache` keeps the keys and values of whole chunks, keyed by the exact tokens from the window's first one to the
 chunk's last (each block's key is its parent block and its own tokens: no hashing, no collisions), evicted least
-recently used under a budget of bytes. A hit copies the blocks into the row's cache and the prompt pass goes on
+recently used under a budget of bytes. A hit copies the blocks into the row's cache (but for those it holds from its
+last prompt pass: a running batch passes its prompts through one cache) and the prompt pass goes on
 from the first chunk not cached; the last token of a window is always computed (its logits are the next token's),
 so at most the whole chunks before it are reused. Only the prompt pass makes blocks: keys and values written by the
 decode step round differently, so a chat's next turn puts the last reply through the prompt pass again. Logits,
@@ -18,6 +19,7 @@ another precision.
 
 from __future__ import annotations
 
+import weakref
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -70,6 +72,9 @@ class PrefixCache:
         self._owner: tuple | None = None
         self._held = 0  # bytes of the blocks held
         self._stats = CacheStats(budget_bytes=budget_bytes)
+        # a one-row cache -> the ids of the blocks its chunks 0, 1, ... hold (the prompt pass's, copied or kept):
+        # a cache used again for a prompt pass skips copying a block it holds already
+        self._resident: weakref.WeakKeyDictionary[KVCache, list[int]] = weakref.WeakKeyDictionary()
 
     @classmethod
     def of_mb(cls, mb: float) -> PrefixCache | None:
@@ -106,9 +111,18 @@ class PrefixCache:
         self._touch(found)
         return found
 
+    def copy_in(self, found: Sequence[_Block], cache: KVCache) -> None:
+        """Put `found`'s blocks (a lookup's) in chunks 0, 1, ... of the one-row `cache`, but for those it holds."""
+        held = self._resident.get(cache, [])
+        for i, block in enumerate(found):
+            if i >= len(held) or held[i] != block.id:
+                cache.k[:, 0, :, i * self.chunk:(i + 1) * self.chunk] = block.k
+                cache.v[:, 0, :, i * self.chunk:(i + 1) * self.chunk] = block.v
+
     def insert(self, tokens: Sequence[int], cache: KVCache, row: int, start: int, end: int) -> None:
         """Keep chunks start..end-1 of `tokens` (whole chunks, computed by the prompt pass) from row `row` of
-        `cache`; chunks before `start` must be cached already (looked up just before)."""
+        `cache`; chunks before `start` must be cached already (looked up just before). The chunks of a one-row
+        `cache` are then known to hold the blocks kept (`copy_in`)."""
         chain, parent = [], 0
         for i in range(end):
             key = (parent, tuple(tokens[i * self.chunk:(i + 1) * self.chunk]))
@@ -123,6 +137,8 @@ class PrefixCache:
             chain.append(block)
             parent = block.id
         self._touch(chain)
+        if len(cache.pos) == 1:
+            self._resident[cache] = [block.id for block in chain]
 
     def _add(self, block: _Block, parent: int) -> _Block | None:
         if block.nbytes > self.budget:
@@ -168,17 +184,18 @@ class PrefixCache:
 
 def prompt_pass(model: torch.nn.Module, cache: KVCache, tokens: Sequence[int], prefix: PrefixCache | None,
                 logits: str = "last") -> tuple[torch.Tensor | None, int]:
-    """Fill row 0 of the empty one-row `cache` with `tokens` through the model's forward, PROMPT_CHUNK tokens at a
-    time, reusing `prefix`'s blocks of the whole chunks before the last token and keeping the chunks computed.
+    """Fill row 0 of the one-row `cache` with `tokens` through the model's forward, PROMPT_CHUNK tokens at a time,
+    reusing `prefix`'s blocks of the whole chunks before the last token and keeping the chunks computed. The cache
+    may have been through a prompt pass before: what it held is written over or never read (its position is set),
+    and blocks it holds already are not copied again (`PrefixCache.copy_in`).
     `logits`: "last" (the last position's (1, V)), "all" (every position's (T, V): no block is reused, so every
     position is computed; the chunks are still kept) or "none". Returns (logits, tokens served from the cache)."""
     chunk = prefix.chunk if prefix is not None else PROMPT_CHUNK
     T, device = len(tokens), cache.pos.device
     usable = 0 if logits == "all" else (T if logits == "none" else T - 1) // chunk
     found = prefix.lookup(tokens, usable) if prefix is not None and usable else []
-    for i, block in enumerate(found):
-        cache.k[:, 0, :, i * chunk:(i + 1) * chunk] = block.k
-        cache.v[:, 0, :, i * chunk:(i + 1) * chunk] = block.v
+    if found:
+        prefix.copy_in(found, cache)
     cache.pos[0] = len(found) * chunk
     outs = []
     for lo in range(len(found) * chunk, T, chunk):

@@ -48,6 +48,7 @@ class InferenceModel:
     decoder: Decoder  # a FusedDecoder over the model's weights, or TorchStep(model)
     cache_dtype: torch.dtype  # keys and values are stored in this (see `cache_dtype`)
     precision: str | None = None  # "fp32", "bf16" or "int8" as prepared; None for a model used as it is
+    attend: torch.dtype | None = None  # the precision attention over its caches computes in (KVCache.attend)
 
     @property
     def fused(self) -> bool:
@@ -60,7 +61,9 @@ class InferenceModel:
 
     def new_kv_cache(self, rows: int, max_len: int | None = None) -> KVCache:
         """An empty cache for `rows` rows, in this model's cache dtype, of `max_len` positions (block_size)."""
-        return self.model.new_kv_cache(rows, dtype=self.cache_dtype, max_len=max_len)
+        cache = self.model.new_kv_cache(rows, dtype=self.cache_dtype, max_len=max_len)
+        cache.attend = self.attend
+        return cache
 
     def decoder_for(self, cache: KVCache) -> Decoder:
         """The step that decodes over `cache`: this model's decoder where it reads that cache, else the torch step."""
