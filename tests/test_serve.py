@@ -409,6 +409,17 @@ def test_curl_streams_as_the_readme_shows(server):
     assert json.loads(events[-2])["usage"]["completion_tokens"] > 0
 
 
+def test_connections_send_each_streamed_chunk_at_once_nagles_algorithm_off(server):
+    """Every connection the server accepts has TCP_NODELAY set: with Nagle's algorithm on, a streamed token written
+    before the client acknowledged the chunk before waits for its delayed ACK (up to 40 ms on Linux)."""
+    host, port = server.url[7:].split(":")
+    with socket.create_connection((host, int(port))) as conn:
+        conn.sendall(f"GET /health HTTP/1.1\r\nHost: {host}\r\n\r\n".encode())
+        assert conn.recv(65536).startswith(b"HTTP/1.1 200")  # kept alive: the server still holds it
+        held = [c.transport.get_extra_info("socket") for c in server.server.server_state.connections]
+        assert held and all(s.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) for s in held)
+
+
 def free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
