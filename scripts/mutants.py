@@ -72,6 +72,8 @@ MODULES = {
     "sampling": _m("sampling", "test_sampling test_engine"),
     "textstream": _m("textstream", "test_textstream test_engine"),
     "engine": _m("engine", "test_engine test_running_batch test_sampling test_textstream test_fused test_serve_batching test_int8"),
+    # issue 44: the prompt pass and the exact prefix cache
+    "prefix_cache": _m("inference/prefix_cache", "test_prefix_cache test_serve_prefix test_running_batch test_engine"),
     "serve.api": _m("serve/api", "test_serve test_serve_api test_serve_batching test_serve_chat"),
     "serve.app": _m("serve/app", "test_serve test_serve_api test_serve_batching test_serve_chat test_serve_harness"),
     "serve.scheduler": _m("serve/scheduler", "test_serve test_serve_scheduler test_serve_batching test_serve_chat"),
