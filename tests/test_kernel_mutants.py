@@ -155,14 +155,15 @@ def test_a_broken_build_fails_the_parity_checks(build, name, tmp_path):
 # name -> the edits that change decode.cpp's layout, and what the refusal must say (both values, the struct named)
 ABI_MUTANTS = {
     "a field added to Step": ([("int R, max_len, n_threads, cache_bf16;",
-                                "int R, max_len, n_threads, cache_bf16, spare;")], r"struct Step is 112 bytes in .* but 104 bytes in gptlab's ctypes"),
+                                "int R, max_len, n_threads, cache_bf16; void* spare;")],
+                              r"struct Step is 128 bytes in .* but 120 bytes in gptlab's ctypes"),
     "two Layer fields swapped": ([("const void *c_attn_w, *attn_proj_w,", "const void *attn_proj_w, *c_attn_w,")],
                                  r"Layer.c_attn_w is at byte 8 in .* but at byte 0 in gptlab's ctypes"),
     "a field in Model's padding": ([("    float eps;\n", "    float eps;\n    int spare;\n"),
                                     ("F(Model, eps),", "F(Model, eps), F(Model, spare),")],
                                    r"struct Model has 18 fields in .* but 17 in gptlab's ctypes"),
-    "the layout version raised": ([("constexpr int LAYOUT_VERSION = 2;", "constexpr int LAYOUT_VERSION = 3;")],
-                                  r"layout version 3, gptlab passes version 2"),
+    "the layout version raised": ([("constexpr int LAYOUT_VERSION = 3;", "constexpr int LAYOUT_VERSION = 4;")],
+                                  r"layout version 4, gptlab passes version 3"),
     "no layout exported (an older source)": ([("GPTLAB_EXPORT_LAYOUT(LAYOUT_VERSION, FIELDS, SIZES)", "")],
                                              r"exports no struct layout"),
 }

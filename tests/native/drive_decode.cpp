@@ -80,7 +80,7 @@ int main(int argc, char** argv) {
     FILE* out = fopen(argv[2], "wb");
     if (!out) fail("cannot open OUT");
     for (int t = 0; t < steps; t++) {
-        Step s{R, steps, T, cache_bf16, ids.data() + (int64_t)t * R, pos.data(), k.data(), v.data(), x.data(), h.data(),
+        Step s{R, steps, T, cache_bf16, R, ids.data() + (int64_t)t * R, pos.data(), nullptr, k.data(), v.data(), x.data(), h.data(),
                qkv.data(), att.data(), fc.data(), logits.data(), scores.data()};
         if (gptlab_decode_step(&m, &s) != 0) fail("the step refused a row");
         fwrite(logits.data(), sizeof(float), logits.size(), out);

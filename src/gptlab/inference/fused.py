@@ -82,6 +82,7 @@ class FusedDecoder:
                             vector(t.ln_f.bias), layers, int8(model.lm_head, "scale"), int8(model.lm_head, "sums"))
         self._call, self._model_ref = lib.gptlab_decode_step, ctypes.byref(self._model)
         self._plan: _Plan | None = None  # the last step's
+        self._verify_plan: _Plan | None = None  # the last verify's
 
     def accepts(self, cache: KVCache) -> bool:
         """Whether `cache` has the layout the kernel reads: fp32 or bf16, contiguous, on the CPU."""
@@ -100,12 +101,33 @@ class FusedDecoder:
             self._check(cache, ids.numel())
             plan = self._plan = _Plan.make(self.config, cache, ids.numel(), threads)
         plan.ids.copy_(ids)
+        return self._run(plan, threads, cache.pos)
+
+    def verify(self, ids: torch.Tensor, pos: torch.Tensor, slot: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        """Step rows r = 0..R-1 (any number), each the token ids[r] at position pos[r] of cache row slot[r] ->
+        each one's next-token logits (R, V), valid until the next verify. Rows of one cache row at consecutive
+        positions are several tokens of one sequence in one step (a speculative proposal checked): each row sees
+        the keys and values of the rows before it, and each row's logits have the bits of a `step` that decoded
+        that token at that position (the same products, whatever the rows beside it). Writes the rows' keys and
+        values; cache.pos is left as it is (the caller sets it to what it keeps). ValueError, and nothing changed,
+        where `step` raises it, or for a slot outside the cache's rows."""
+        plan, threads, R = self._verify_plan, torch.get_num_threads(), ids.numel()
+        if plan is None or not plan.serves(cache, R, threads):
+            self._check(cache, cache.k.shape[1])
+            plan = self._verify_plan = _Plan.make(self.config, cache, R, threads, verify=True)
+        plan.ids.copy_(ids)
+        plan.pos.copy_(pos)
+        plan.slot.copy_(slot)
+        return self._run(plan, threads, pos)
+
+    def _run(self, plan: _Plan, threads: int, pos: torch.Tensor) -> torch.Tensor:
         plan.args.n_threads = threads
         status = self._call(self._model_ref, ctypes.byref(plan.args))
         if status != 0:  # the kernel checks every row before it touches memory
             r, c = status - 1, self.config
             raise ValueError(f"fused decode refused row {r}: token id {int(plan.ids[r])} (vocabulary {c.vocab_size}) "
-                             f"at position {int(cache.pos[r])} (cache {cache.max_len}, block_size {c.block_size})")
+                             f"at position {int(pos[r])} (cache {plan.args.max_len}, block_size {c.block_size}"
+                             f"{'' if plan.slot is None else f', row {int(plan.slot[r])} of {plan.args.cache_rows}'})")
         return plan.logits
 
     def _check(self, cache: KVCache, R: int) -> None:
@@ -173,6 +195,8 @@ class _Plan:
     threads: int  # the most threads the scratch serves
     args: Step
     scratch: tuple[torch.Tensor, ...]  # x, h, qkv, att, fc, and a row of scores per thread
+    pos: torch.Tensor | None = None  # a verify's: (R,) int64, each row's position, copied here (else cache.pos)
+    slot: torch.Tensor | None = None  # a verify's: (R,) int64, each row's cache row
 
     def serves(self, cache: KVCache, R: int, threads: int) -> bool:
         """Whether this plan's pointers are still those of `cache` (not reallocated since) for R rows."""
@@ -180,13 +204,17 @@ class _Plan:
         return same and self.ids.numel() == R and self.threads >= threads
 
     @classmethod
-    def make(cls, config, cache: KVCache, R: int, threads: int) -> _Plan:
+    def make(cls, config, cache: KVCache, R: int, threads: int, verify: bool = False) -> _Plan:
+        """A step's plan (row r is cache row r, at cache.pos[r]) or, with `verify`, a verify's (rows at the
+        positions and cache rows copied into its own `pos` and `slot`)."""
         C, V = config.n_embd, config.vocab_size
         ids, logits = torch.zeros(R, dtype=torch.int64), torch.empty(R, V)
+        pos, slot = (torch.zeros(R, dtype=torch.int64), torch.zeros(R, dtype=torch.int64)) if verify else (None, None)
         scratch = tuple(torch.empty(n) for n in (R * C, R * C, R * 3 * C, R * C, R * 4 * C, threads * cache.max_len))
-        args = Step(R, cache.max_len, threads, int(cache.k.dtype == torch.bfloat16), *(
-            _ptr(t) for t in (ids, cache.pos, cache.k, cache.v, *scratch[:5], logits, scratch[5])))
-        return cls((cache.k, cache.v, cache.pos), ids, logits, threads, args, scratch)
+        args = Step(R, cache.max_len, threads, int(cache.k.dtype == torch.bfloat16), cache.k.shape[1], *(
+            _ptr(t) for t in (ids, cache.pos if pos is None else pos, slot, cache.k, cache.v, *scratch[:5], logits,
+                              scratch[5])))
+        return cls((cache.k, cache.v, cache.pos), ids, logits, threads, args, scratch, pos, slot)
 
 
 def fused_decoder(model: torch.nn.Module, huge_pages: bool = True) -> FusedDecoder | None:

@@ -35,7 +35,7 @@ from gptlab.machine import ARM64, X86_64, cpu_flags, cpu_has
 log = logging.getLogger("gptlab")
 SOURCE = Path(__file__).parent / "csrc" / "decode.cpp"
 FLAGS = ["-O3", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]  # every build's; its target's flags follow
-LAYOUT_VERSION = 2  # decode.cpp's LAYOUT_VERSION: raise both with any change to the structs' fields or meaning
+LAYOUT_VERSION = 3  # decode.cpp's LAYOUT_VERSION: raise both with any change to the structs' fields or meaning
 _P = ctypes.c_void_p
 
 
@@ -64,8 +64,8 @@ class Model(ctypes.Structure):
 class Step(ctypes.Structure):
     """decode.cpp's `Step`: one call's rows, the KV cache and the scratch buffers."""
 
-    _fields_ = [(name, ctypes.c_int) for name in ("R", "max_len", "n_threads", "cache_bf16")] + [
-        (name, _P) for name in ("ids", "pos", "k", "v", "x", "h", "qkv", "att", "fc", "logits", "scores")]
+    _fields_ = [(name, ctypes.c_int) for name in ("R", "max_len", "n_threads", "cache_bf16", "cache_rows")] + [
+        (name, _P) for name in ("ids", "pos", "slot", "k", "v", "x", "h", "qkv", "att", "fc", "logits", "scores")]
 
 
 STRUCTS = (Layer, Model, Step)  # every struct passed across, by its C name

@@ -68,15 +68,19 @@ struct Model {
 
 struct Step {  // R rows, each one new token at its own position
     int R, max_len, n_threads, cache_bf16;
-    const int64_t* ids;  // (R,)
-    int64_t* pos;        // (R,): positions filled so far; the new token goes to pos[r], then pos[r] += 1
-    void *k, *v;         // caches, fp32 or bf16
+    int cache_rows;        // rows of the cache (R where each row has its own)
+    const int64_t* ids;    // (R,)
+    int64_t* pos;          // (R,): positions filled so far; the new token goes to pos[r], then pos[r] += 1
+    const int64_t* slot;   // (R,): the cache row row r reads and writes; NULL: row r's own. Rows sharing a cache row
+                           // at consecutive positions verify several tokens of one sequence in one step (each
+                           // sees the keys and values the rows before it store in this step: all are stored first)
+    void *k, *v;           // caches (n_layer, cache_rows, n_head, max_len, head_dim), fp32 or bf16
     float *x, *h, *qkv, *att, *fc, *logits, *scores;  // scratch (R*C, R*C, R*3C, R*C, R*4C), out (R*V), T*max_len
 };
 
 // ---- the ABI (gptlab/csrc/abi.h): Python (gptlab/inference/native.py) fills these structs with ctypes and checks,
 // before the first call, that this library's version, sizes and offsets are the ones it passes ----
-constexpr int LAYOUT_VERSION = 2;  // raise with any change to the structs above, here and in native.py
+constexpr int LAYOUT_VERSION = 3;  // raise with any change to the structs above, here and in native.py
 #define F(S, f) GPTLAB_FIELD(S, f)
 static const gptlab_abi::Field FIELDS[] = {
     F(Layer, c_attn_w), F(Layer, attn_proj_w), F(Layer, c_fc_w), F(Layer, mlp_proj_w), F(Layer, ln_1_w),
@@ -87,7 +91,8 @@ static const gptlab_abi::Field FIELDS[] = {
     F(Model, block_size), F(Model, weights), F(Model, gelu_tanh), F(Model, eps), F(Model, wte),
     F(Model, wpe), F(Model, lm_head), F(Model, ln_f_w), F(Model, ln_f_b), F(Model, layers), F(Model, lm_head_s),
     F(Model, lm_head_sum),
-    F(Step, R), F(Step, max_len), F(Step, n_threads), F(Step, cache_bf16), F(Step, ids), F(Step, pos), F(Step, k),
+    F(Step, R), F(Step, max_len), F(Step, n_threads), F(Step, cache_bf16), F(Step, cache_rows), F(Step, ids),
+    F(Step, pos), F(Step, slot), F(Step, k),
     F(Step, v), F(Step, x), F(Step, h), F(Step, qkv), F(Step, att), F(Step, fc), F(Step, logits), F(Step, scores),
 };
 #undef F
@@ -370,19 +375,39 @@ static inline void store(bf16* p, float x) {  // round to nearest even, as torch
     *p = (bf16)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
 }
 
-// softmax(q K^T / sqrt(D)) V over positions 0..pos of one row and head, after storing this step's k and v.
+// The cache row of step row r, and where head hh of layer l starts in it.
+static inline int64_t head_base(const Model& m, const Step& s, int l, int r, int hh) {
+    const int64_t row = s.slot ? s.slot[r] : r;
+    return ((((int64_t)l * s.cache_rows + row) * m.n_head + hh) * s.max_len) * m.head_dim;  // [l, row, hh, 0, 0]
+}
+
+// Store every row's new key and value of layer l at its position (before any row attends: a row may read the ones
+// stored by rows before it, in a step that verifies several positions of one sequence).
+template <typename CT>
+static void store_new(const Model& m, const Step& s, int l) {
+    const int C = m.n_embd, D = m.head_dim;
+#pragma omp for schedule(static)
+    for (int task = 0; task < s.R * m.n_head; task++) {
+        const int r = task / m.n_head, hh = task % m.n_head;
+        const float* qkv = s.qkv + (int64_t)r * 3 * C;
+        const float *k_new = qkv + C + hh * D, *v_new = qkv + 2 * C + hh * D;
+        const int64_t base = head_base(m, s, l, r, hh), p = s.pos[r];
+        CT *K = (CT*)s.k + base, *V = (CT*)s.v + base;
+        for (int d = 0; d < D; d++) { store(K + p * D + d, k_new[d]); store(V + p * D + d, v_new[d]); }
+    }
+}
+
+// softmax(q K^T / sqrt(D)) V over positions 0..pos of one row and head (its key and value stored: store_new).
 // DC = ceil(D / LANES) vectors hold q and the output in registers (D = 64 in every GPT-2: DC = 4 on AVX-512, 8 on
 // AVX2, 16 on NEON); n[c] is how many of vector c's lanes are in the head (the last may be partial).
 template <typename CT, int DC>
 static void attend(const Model& m, const Step& s, int l, int r, int hh, float* scores) {
     constexpr int L = simd::LANES;
-    const int C = m.n_embd, D = m.head_dim, H = m.n_head;
-    const float* qkv = s.qkv + (int64_t)r * 3 * C;
-    const float *q = qkv + hh * D, *k_new = qkv + C + hh * D, *v_new = qkv + 2 * C + hh * D;
-    int64_t base = ((((int64_t)l * s.R + r) * H + hh) * s.max_len) * D;  // [l, r, hh, 0, 0]
-    CT *K = (CT*)s.k + base, *V = (CT*)s.v + base;
-    int64_t p = s.pos[r];
-    for (int d = 0; d < D; d++) { store(K + p * D + d, k_new[d]); store(V + p * D + d, v_new[d]); }
+    const int C = m.n_embd, D = m.head_dim;
+    const float* q = s.qkv + (int64_t)r * 3 * C + hh * D;
+    const int64_t base = head_base(m, s, l, r, hh);
+    const CT *K = (const CT*)s.k + base, *V = (const CT*)s.v + base;
+    const int64_t p = s.pos[r];
     int n[DC];
     vf qv[DC], y[DC];
     const vf scale = simd::set1(1.0f / sqrtf((float)D));
@@ -487,7 +512,8 @@ extern "C" int gptlab_decode_step(const Model* mp, const Step* sp) {
     const Step& s = *sp;
     const int C = m.n_embd, R = s.R;
     for (int r = 0; r < R; r++)
-        if (s.pos[r] < 0 || s.pos[r] >= s.max_len || s.pos[r] >= m.block_size || s.ids[r] < 0 || s.ids[r] >= m.vocab_size)
+        if (s.pos[r] < 0 || s.pos[r] >= s.max_len || s.pos[r] >= m.block_size || s.ids[r] < 0 || s.ids[r] >= m.vocab_size
+            || (s.slot && (s.slot[r] < 0 || s.slot[r] >= s.cache_rows)) || (!s.slot && r >= s.cache_rows))
             return r + 1;  // the caller checks before calling; this guards memory, not the user
 #pragma omp parallel num_threads(s.n_threads)
     {
@@ -497,6 +523,7 @@ extern "C" int gptlab_decode_step(const Model* mp, const Step* sp) {
             layer_norm_rows(m, s.x, L.ln_1_w, L.ln_1_b, s.h, R);
             linear<STORE>(m, L.c_attn_w, L.c_attn_s, L.c_attn_sum, s.h, L.c_attn_b, s.qkv, R, 3 * C, C);
             float* scores = s.scores + (int64_t)omp_get_thread_num() * s.max_len;
+            if (s.cache_bf16) store_new<bf16>(m, s, l); else store_new<float>(m, s, l);  // (a barrier after)
 #pragma omp for schedule(static)
             for (int task = 0; task < R * m.n_head; task++) {
                 if (s.cache_bf16) attend_any<bf16>(m, s, l, task / m.n_head, task % m.n_head, scores);
