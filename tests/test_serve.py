@@ -411,7 +411,7 @@ def test_curl_streams_as_the_readme_shows(server):
 
 def test_connections_send_each_streamed_chunk_at_once_nagles_algorithm_off(server):
     """Every connection the server accepts has TCP_NODELAY set: with Nagle's algorithm on, a streamed token written
-    before the client acknowledged the chunk before waits for its delayed ACK (up to 40 ms on Linux)."""
+    before the client acknowledged the chunk before waits for its delayed ACK (tens of milliseconds on Linux)."""
     host, port = server.url[7:].split(":")
     with socket.create_connection((host, int(port))) as conn:
         conn.sendall(f"GET /health HTTP/1.1\r\nHost: {host}\r\n\r\n".encode())

@@ -21,6 +21,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from gptlab.cli import main
 from gptlab.config import ModelConfig
 from gptlab.engine import RunningBatch, one_thread
+from gptlab.errors import GptlabError
 from gptlab.inference.loading import prepare_for_inference
 from gptlab.inference.prefix_cache import PROMPT_CHUNK
 from gptlab.model import GPT
@@ -219,6 +220,48 @@ def test_two_hundred_mixed_requests_are_answered_byte_for_byte_alike_with_the_ca
     assert all(c % PROMPT_CHUNK == 0 for c in cached) and sum(cached) > 0.3 * sum(u["prompt_tokens"] for u in
                                                                                    on_usage)
     assert all(u["prompt_tokens_details"]["cached_tokens"] == 0 for u in off_usage)
+
+
+# ---- speculation through the server ------------------------------------------------------------------------------------------------
+
+def by_choice(raw):
+    """A response body as it is; a stream's events grouped by choice, each choice's in order (a row that drew
+    several tokens at once sends them together: the choices of n > 1 interleave otherwise)."""
+    if not raw.startswith(b"data:"):
+        return raw
+    groups = {}
+    for event in raw.split(b"\n\n"):
+        choice = re.search(rb'"index": ?(\d+)', event)
+        groups.setdefault(choice.group(1) if choice else b"", []).append(event)
+    return groups
+
+@pytest.mark.device_path("fused decode (native)")
+def test_a_server_that_speculates_answers_two_hundred_mixed_requests_byte_for_byte_as_one_that_does_not(fused_kernel):
+    """`gptlab serve --speculate auto` (and the default prefix cache) against `--speculate off --prefix-cache-mb 0`:
+    the 200 mixed requests above (shared prompts, conversations turn by turn, greedy and
+    seeded, n > 1, logprobs, echo, streams, concurrent rows), raw bodies alike; /metrics counts what was proposed
+    and kept."""
+    model = served("fp32")
+    assert model.model.fused
+    rng = random.Random(1)
+    systems = [words(rng, n) for n in SYSTEMS]
+    running = [start_server(make_app(model, Limits(speculate="auto"))),
+               start_server(make_app(model, Limits(prefix_cache_mb=0)))]
+    try:
+        on, _ = drive(running[0].url, plan(), systems)
+        off, _ = drive(running[1].url, plan(), systems)
+        assert len(on) == len(off) == 200
+        for i, (a, b) in enumerate(zip(on, off)):
+            assert by_choice(a) == by_choice(b), f"request {i}"
+        assert sum(a != b for a, b in zip(on, off)) <= sum(a.startswith(b"data:") for a in on)  # streams only
+        metrics = [scrape(r.url) for r in running]
+    finally:
+        for r in running:
+            r.stop()
+    proposed, kept = (metrics[0][f"gptlab_speculative_{n}_tokens_total"] for n in ("proposed", "kept"))
+    assert proposed > kept > 0 and metrics[1]["gptlab_speculative_proposed_tokens_total"] == 0
+    with pytest.raises(GptlabError, match="--speculate must be one of auto, off, not 'yes'"):
+        Limits(speculate="yes")
 
 
 def scrape(url):

@@ -190,6 +190,9 @@ def _check_reference(cfg: TrainConfig) -> None:
                           "CPU, one process); drop that setting or use --engine torch")
 
 
+SPECULATE = ("auto", "off")  # sampling's speculate: auto where the fused CPU step verifies exactly, or off
+
+
 @dataclass
 class SampleConfig:
     """How to sample. temperature 0 is greedy; top_k None (unset) and top_p 1 turn those filters off; generation
@@ -205,6 +208,9 @@ class SampleConfig:
     seed: int = setting(1337, "seed of the sampling, in [0, 2**63)")
     stop: list[str] = setting([], "stop when the generated text contains TEXT (repeatable; \\n, \\t, \\r and "
                                   "\\\\ are read as escapes)", metavar="TEXT")
+    speculate: str = setting("off", "propose tokens from n-grams already in the prompt and the output and check "
+                                    "them in one step: the same tokens, sooner where text repeats (auto: where the "
+                                    "fused CPU step runs; off)", choices=SPECULATE)
 
     def __post_init__(self) -> None:
         _check_types(self)
@@ -216,6 +222,7 @@ class SampleConfig:
         _check(0 < self.top_p <= 1, f"top_p must be in (0, 1], not {self.top_p}")
         _check(self.repetition_penalty > 0, f"repetition_penalty must be > 0, not {self.repetition_penalty}")
         _check(all(self.stop), "a stop string must not be empty (it would stop before the first token)")
+        _check(self.speculate in SPECULATE, f"speculate must be one of {', '.join(SPECULATE)}, not {self.speculate!r}")
 
 
 SHARD_TOKENS = 100_000_000  # token ids per token file, by default

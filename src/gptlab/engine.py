@@ -25,9 +25,10 @@ same window from scratch each step, so under greedy decoding the two give the sa
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn as nn
@@ -36,6 +37,7 @@ from gptlab.config import SEED_LIMIT, SampleConfig
 from gptlab.errors import GptlabError
 from gptlab.inference.prefix_cache import PrefixCache, prompt_pass
 from gptlab.inference.prepared import InferenceModel, as_inference
+from gptlab.inference.speculate import Lookup, Tally, propose, verify_proposals
 from gptlab.model import KVCache
 from gptlab.sampling import next_token
 
@@ -155,10 +157,16 @@ def generate_batch(model: InferenceModel | nn.Module, prompts: Sequence[Sequence
 
 
 def _decode_running(batch: RunningBatch, steps: int) -> Iterator[list[int]]:
+    """Position by position: a row that drew several tokens at once (speculation) waits with them for the others."""
+    rows = list(batch.rows)
+    ready: dict[Row, deque[int]] = {row: deque() for row in rows}
     for step in range(steps):
-        yield [token for _, token, _ in batch.sample()]
-        if step + 1 < steps:  # no logits needed after the last token
-            batch.advance()
+        if not all(ready.values()):
+            if step:  # (no logits are needed after the last token)
+                batch.advance()
+            for row, token, _ in batch.sample():
+                ready[row].append(token)
+        yield [ready[row].popleft() for row in rows]
 
 
 def generate(model: InferenceModel | nn.Module, prompt: Sequence[int], cfg: SampleConfig,
@@ -201,6 +209,9 @@ class Row:
     need: int  # cache positions this row can ever use
     cached: int = 0  # of its prompt's tokens, how many the prefix cache served
     prompt_logits: torch.Tensor | None = None  # (T, V), where join was asked for them
+    lookup: Lookup | None = None  # its proposals, where the batch speculates
+    drafts: list[int] = field(default_factory=list)  # the tokens proposed after its newest, checked by the last step
+    draft_logits: torch.Tensor | None = None  # (len(drafts), V): the logits after each of them
 
 
 class RunningBatch:
@@ -231,6 +242,7 @@ class RunningBatch:
         self._joining: dict[Row, KVCache] = {}  # row -> its one-row prefill, not laid out yet
         self._moved = False  # rows left since the last layout
         self._spare: KVCache | None = None  # a one-row cache for the next prompt pass (`_one_row`)
+        self.tally = Tally()  # tokens its rows proposed and kept (speculation)
 
     @torch.inference_mode()
     def join(self, prompt: Sequence[int], cfg: SampleConfig, num_samples: int = 1,
@@ -247,12 +259,17 @@ class RunningBatch:
         last = logits[-1:].clone()  # (1, V)
         vocab = self.model.config.vocab_size
         rows = [Row(list(window), RowSampler(cfg, row_seed(cfg.seed, i), window, vocab, self.device),
-                    cfg.max_new_tokens, last, len(window), need, hit) for i in range(num_samples)]
+                    cfg.max_new_tokens, last, len(window), need, hit, lookup=self._lookup(cfg, window))
+                for i in range(num_samples)]
         if prompt_logits and rows:
             rows[0].prompt_logits = logits
         self.rows += rows
         self._joining.update((row, cache) for row in rows)
         return rows
+
+    def _lookup(self, cfg: SampleConfig, window: list[int]) -> Lookup | None:
+        """A row's proposals where it speculates: cfg.speculate "auto" on the fused step (whose verify is exact)."""
+        return Lookup(window, self.tally) if cfg.speculate == "auto" and self.prepared.fused else None
 
     @torch.inference_mode()
     def prompt_logits(self, prompt: Sequence[int]) -> torch.Tensor:
@@ -273,14 +290,31 @@ class RunningBatch:
 
     @torch.inference_mode()
     def sample(self) -> list[tuple[Row, int, torch.Tensor]]:
-        """Draw every row's next token: (row, token id, the logits (1, V) it was drawn from), in row order."""
+        """Draw every row's next token: (row, token id, the logits (1, V) it was drawn from), in row order; a row
+        whose proposed tokens the last step checked draws on through them while it draws what was proposed, so it
+        may give several tokens, in order, each drawn as it would have been one step at a time."""
         out = []
         with one_thread():
-            tokens = [row.sampler.choose(row.logits) for row in self.rows]
-        for row, token in zip(self.rows, tokens):
-            out.append((row, token, row.logits))
+            for row in self.rows:
+                out += self._draw(row)
+        return out
+
+    def _draw(self, row: Row) -> list[tuple[Row, int, torch.Tensor]]:
+        logits, out, kept = row.logits, [], 0
+        while True:
+            token = row.sampler.choose(logits)
+            out.append((row, token, logits))
             row.left -= 1
             push(row.window, token, self.block_size, self.keep)
+            if kept == len(row.drafts) or token != row.drafts[kept] or row.left <= 0:
+                break
+            logits = row.draft_logits[kept:kept + 1]  # the proposal was drawn: its key and value are kept
+            kept += 1
+        if row.lookup is not None:
+            row.lookup.update(len(row.drafts), kept)
+            row.lookup.extend(token for _, token, _ in out)
+        row.filled += kept
+        row.drafts, row.draft_logits = [], None
         return out
 
     def leave(self, rows: Sequence[Row]) -> None:
@@ -303,6 +337,8 @@ class RunningBatch:
         for i, row in enumerate(self.rows):
             if row.filled >= len(row.window):
                 row.filled = self._rebuild_row(i, row.window)
+        if any(row.lookup is not None for row in self.rows) and propose(self.rows, self.cache):
+            return verify_proposals(self.prepared.decoder, self.rows, self.cache)
         ids = [row.window[-1] for row in self.rows]
         decoder = self.prepared.decoder_for(self.cache)
         # one copy of all rows' logits: the fused step's buffer is reused by the next step

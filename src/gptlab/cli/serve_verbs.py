@@ -18,6 +18,9 @@ LIMIT_FLAGS = {  # flag -> (Limits field, type, help); the defaults come from Li
     "--prefix-cache-mb": ("prefix_cache_mb", float, "keep prompts' keys and values (whole chunks) up to this many MB "
                           "and reuse them for prompts that start alike; answers are bit for bit the same; 0 turns "
                           "it off (default %(default)s)"),
+    "--speculate": ("speculate", str, "auto: propose tokens from n-grams already in the prompt and the output and "
+                    "check them in one step (the same answers, sooner where text repeats; on the fused CPU step); "
+                    "off (default %(default)s)"),
     "--grace": ("grace", float, "seconds in-flight requests get to finish after SIGTERM / Ctrl-C (default %(default)s)"),
 }
 

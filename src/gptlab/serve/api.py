@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gptlab.chat import check_messages
-from gptlab.config import PREFIX_CACHE_MB, SEED_LIMIT, SampleConfig
+from gptlab.config import PREFIX_CACHE_MB, SEED_LIMIT, SPECULATE, SampleConfig
 from gptlab.errors import GptlabError
 from gptlab.tokenizer import ROLES, chat_of
 
@@ -33,6 +33,7 @@ class Limits:
     grace: float = 10.0
     accept_any_model: bool = False  # any "model" is answered by the served one (clients that hard-code a name)
     prefix_cache_mb: float = PREFIX_CACHE_MB  # the exact prefix cache's budget (0: off)
+    speculate: str = "off"  # every request's SampleConfig.speculate
 
     def __post_init__(self) -> None:
         for name in ("max_tokens", "max_n", "max_body_bytes", "max_batch", "queue"):
@@ -43,6 +44,8 @@ class Limits:
             raise GptlabError(f"--max-prompt-tokens must be >= 0 (0: the context), not {self.max_prompt_tokens}")
         if not (math.isfinite(self.prefix_cache_mb) and self.prefix_cache_mb >= 0):
             raise GptlabError(f"--prefix-cache-mb must be >= 0 (0 turns the cache off), not {self.prefix_cache_mb}")
+        if self.speculate not in SPECULATE:
+            raise GptlabError(f"--speculate must be one of {', '.join(SPECULATE)}, not {self.speculate!r}")
         if not (math.isfinite(self.grace) and self.grace >= 0):
             raise GptlabError(f"--grace must be a number of seconds >= 0, not {self.grace}")
 
@@ -168,14 +171,14 @@ def parse_completion(body: Any, limits: Limits) -> CompletionRequest:
         raise _too_many(count, n, limits.max_batch)
     # left out: OpenAI's default of 16, or the server's --max-tokens where that is lower (0: nothing decoded)
     max_tokens = _integer(body, "max_tokens", min(16, limits.max_tokens), 0, limits.max_tokens)
-    cfg = sample_settings(body, max(1, max_tokens))
+    cfg = sample_settings(body, max(1, max_tokens), limits.speculate)
     return CompletionRequest(prompts, cfg, n, _integer(body, "logprobs", None, 0, 5), _flag(body, "echo"),
                              _flag(body, "stream"), prompt_ids=prompt_ids, max_tokens=max_tokens)
 
 
-def sample_settings(body: dict, max_new_tokens: int) -> SampleConfig:
+def sample_settings(body: dict, max_new_tokens: int, speculate: str = "off") -> SampleConfig:
     """The sampling fields completions and chat completions share, checked (ApiError 400 naming the first bad one);
-    a seed left out is drawn at random."""
+    a seed left out is drawn at random; `speculate` is the server's (--speculate)."""
     return SampleConfig(
         max_new_tokens=max_new_tokens,
         temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
@@ -184,7 +187,7 @@ def sample_settings(body: dict, max_new_tokens: int) -> SampleConfig:
         frequency_penalty=_number(body, "frequency_penalty", 0.0, -2.0, 2.0),
         presence_penalty=_number(body, "presence_penalty", 0.0, -2.0, 2.0),
         seed=_integer(body, "seed", secrets.randbelow(SEED_LIMIT), 0, SEED_LIMIT - 1),
-        stop=_strings(body, "stop", 4, allow_empty=False))
+        stop=_strings(body, "stop", 4, allow_empty=False), speculate=speculate)
 
 
 def _token_prompts(value: Any, most: int) -> list[list[int]] | None:
@@ -271,7 +274,7 @@ def parse_chat(body: Any, limits: Limits) -> CompletionRequest:
     options = body.get("stream_options")
     if options is not None and not (isinstance(options, dict) and stream):
         raise ApiError(400, "stream_options must be an object, and only with stream: true", "stream_options")
-    cfg = sample_settings(body, max_tokens)
+    cfg = sample_settings(body, max_tokens, limits.speculate)
     return CompletionRequest([], cfg, n, (top or 0) if logprobs else None, stream=stream, max_tokens=max_tokens,
                              messages=body.get("messages"), include_usage=_flag(options or {}, "include_usage"))
 

@@ -1,7 +1,7 @@
 """What /metrics reports, through prometheus_client: the scheduler's counts (requests by HTTP status, tokens,
-cancelled requests, the queue, the batch, the time to the first token) and the engine's prefix cache (bytes, budget,
-blocks, tokens looked up and served, evictions, the hit ratio), both read at each scrape, in a registry of the
-server's own."""
+cancelled requests, the queue, the batch, the time to the first token), the engine's prefix cache (bytes, budget,
+blocks, tokens looked up and served, evictions, the hit ratio) and its speculation (tokens proposed and kept), read
+at each scrape, in a registry of the server's own."""
 
 from __future__ import annotations
 
@@ -63,6 +63,11 @@ class _Exposition:
                                     "token.", buckets=list(zip(bounds, itertools.accumulate(m.ttft))),
                                     sum_value=m.ttft_sum)
         yield from self._prefix_cache()
+        tally = getattr(self.batch, "tally", None)
+        yield CounterMetricFamily("gptlab_speculative_proposed_tokens", "Tokens proposed by speculation (--speculate "
+                                  "auto) and checked.", tally.proposed if tally is not None else 0)
+        yield CounterMetricFamily("gptlab_speculative_kept_tokens", "Proposed tokens kept: each the token drawn.",
+                                  tally.kept if tally is not None else 0)
 
     def _prefix_cache(self) -> Iterator[Metric]:
         cache = getattr(self.batch, "prefix_cache", None)

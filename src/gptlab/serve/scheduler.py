@@ -249,11 +249,15 @@ class Scheduler:
     def _step(self) -> None:
         self.metrics.batch_rows = len(self.batch.rows)
         finished = []
-        for row, token, logits in self.batch.sample():
-            job = self._owner[row]
+        drawn = self.batch.sample()
+        last = {row: i for i, (row, _, _) in enumerate(drawn)}  # a row's last token now (of several: speculation)
+        for i, (row, token, logits) in enumerate(drawn):
+            job = self._owner.get(row)
+            if job is None:  # a row that drew several tokens at once and stopped (a stop string) before its last
+                continue
             choice, completion = job.rows[row]
             text = completion.push(token)
-            if row.left <= 0 and completion.finish_reason is None:
+            if row.left <= 0 and last[row] == i and completion.finish_reason is None:
                 text += completion.close("length")
             reason = {"eot": "stop"}.get(completion.finish_reason, completion.finish_reason)
             info = top_logprobs(logits, token, job.request.logprobs, self.tokenizer) \

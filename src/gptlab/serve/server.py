@@ -61,7 +61,7 @@ def listen(host: str, port: int) -> socket.socket:
     """A socket bound to host:port (0: a free port), before anything is loaded; GptlabError when it cannot be.
     Its protocol is named (TCP): asyncio turns Nagle's algorithm off (TCP_NODELAY) only on connections of a socket
     that names it, and with Nagle on, a streamed chunk written before the client acknowledged the one before waits
-    for that acknowledgement, up to the client's delayed-ACK timer (40 ms on Linux)."""
+    for that acknowledgement, up to the client's delayed-ACK timer (tens of milliseconds on Linux)."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

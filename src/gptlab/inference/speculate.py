@@ -1,0 +1,116 @@
+"""Prompt-lookup speculation: a row proposes the tokens that followed the last earlier occurrence of its newest
+n-gram (in its prompt and its output so far, no draft model), the fused step checks them all in one call
+(`FusedDecoder.verify`: each position's logits have the bits a one-token step would give), and the row keeps the
+proposals its own sampler draws, then the token it draws after them. Output is therefore exactly the output
+without speculation, greedy or seeded: each draw is the row's next draw from its own generator over the same logits.
+
+What a row proposes adapts to how it fares (`Lookup.update`): the proposal grows (to DRAFT_MAX) while every
+proposed token is kept, shrinks to one past what was kept otherwise, and a row whose proposals are all refused
+OFF_AFTER times in a row stops proposing. A proposal costs one more row of the step (its products and attention),
+nearly free at batch 1, where the step's time is the weights' reading.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from gptlab.model import KVCache
+
+NGRAM_MAX = 3  # the longest n-gram a row looks up (then shorter ones, down to NGRAM_MIN)
+NGRAM_MIN = 2  # single tokens repeat too often in open text to be worth checking
+DRAFT_START = 4  # tokens a row proposes at first
+DRAFT_MAX = 16  # the most it proposes at a time
+OFF_AFTER = 8  # proposals refused outright this many times in a row: the row stops proposing
+
+
+@dataclass
+class Tally:
+    """Tokens proposed and, of those, kept (drawn), over a batch's rows."""
+
+    proposed: int = 0
+    kept: int = 0
+
+
+class Lookup:
+    """One row's proposals: an index of the n-grams of its tokens so far (prompt and output) to where each last
+    occurred, and how many tokens it proposes now; what it proposes and keeps is also counted in `tally`."""
+
+    def __init__(self, tokens: Iterable[int] = (), tally: Tally | None = None):
+        self.tally = tally if tally is not None else Tally()
+        self.tokens: list[int] = []
+        self.index: dict[tuple[int, ...], int] = {}  # n-gram -> the position after its last occurrence
+        self.draft = DRAFT_START
+        self.refused = 0  # proposals refused outright in a row
+        self.on = True
+        self.proposed = self.kept = 0  # over the row's life
+        self.extend(tokens)
+
+    def extend(self, tokens: Iterable[int]) -> None:
+        """Append tokens; the n-grams ending before the newest token are indexed (the newest one's is the query)."""
+        for token in tokens:
+            self.tokens.append(token)
+            end = len(self.tokens) - 1  # index the n-grams ending at the token before this one
+            for n in range(NGRAM_MIN, NGRAM_MAX + 1):
+                if end >= n:
+                    self.index[tuple(self.tokens[end - n:end])] = end
+
+    def propose(self, limit: int) -> list[int]:
+        """min(the current draft, limit) tokens: those that followed the last earlier occurrence of the longest
+        n-gram the tokens end with, the text taken to repeat from there on (an occurrence p tokens back proposes
+        a period of p: a run of one token proposes that token again and again); [] where none occurred or the row
+        stopped proposing."""
+        if not self.on or limit <= 0:
+            return []
+        tokens = self.tokens
+        for n in range(NGRAM_MAX, NGRAM_MIN - 1, -1):
+            after = self.index.get(tuple(tokens[-n:])) if len(tokens) >= n else None
+            if after is not None:
+                period = len(tokens) - after
+                return [tokens[after + i % period] for i in range(min(self.draft, limit))]
+        return []
+
+    def update(self, proposed: int, kept: int) -> None:
+        """After a check of `proposed` tokens of which the first `kept` were drawn."""
+        if not proposed:
+            return
+        self.proposed += proposed
+        self.kept += kept
+        self.tally.proposed += proposed
+        self.tally.kept += kept
+        self.draft = min(2 * self.draft, DRAFT_MAX) if kept == proposed else max(1, kept + 1)
+        self.refused = self.refused + 1 if kept == 0 else 0
+        if self.refused >= OFF_AFTER:
+            self.on = False
+
+
+def propose(rows: Sequence[Any], cache: KVCache) -> bool:
+    """Each speculating row's proposal (`row.drafts`, at most row.left - 1 tokens, each at a position the cache
+    holds: the window cannot slide before the last token drawn), cache row i of rows[i] set to the positions it
+    fills (`row.filled`: kept proposals moved it on); whether any row proposes."""
+    cache.pos.copy_(torch.tensor([row.filled for row in rows]))
+    for row in rows:
+        if row.lookup is not None:
+            row.drafts = row.lookup.propose(min(row.left - 1, cache.max_len - 1 - row.filled))
+    return any(row.drafts for row in rows)
+
+
+def verify_proposals(decoder: Any, rows: Sequence[Any], cache: KVCache) -> None:
+    """One step (a FusedDecoder's verify) of every row's newest token and its proposed ones: each row's logits
+    (1, V) after its newest token, `draft_logits` after each proposed one; its newest token is filled."""
+    ids, pos, slot = [], [], []
+    for i, row in enumerate(rows):
+        ids += [row.window[-1], *row.drafts]
+        pos += range(row.filled, row.filled + 1 + len(row.drafts))
+        slot += [i] * (1 + len(row.drafts))
+    device = cache.k.device
+    logits = decoder.verify(*(torch.tensor(x, dtype=torch.long, device=device) for x in (ids, pos, slot)),
+                            cache).clone()  # the decoder's buffer is reused by its next step
+    start = 0
+    for row in rows:
+        row.logits, row.draft_logits = logits[start:start + 1], logits[start + 1:start + 1 + len(row.drafts)]
+        row.filled += 1
+        start += 1 + len(row.drafts)

@@ -1,0 +1,232 @@
+"""Prompt-lookup speculation (gptlab.inference.speculate, FusedDecoder.verify, RunningBatch): a step that checks
+several tokens of a row gives each position the bits a one-token step gives it, so a row that speculates draws,
+token by token, what it draws without speculating: the same tokens and the same logits, greedy or seeded, alone or
+beside other rows, in fp32, bf16 and int8; what a row proposes (the last earlier occurrence of its longest n-gram)
+and how its proposals adapt."""
+
+import random
+
+import pytest
+import torch
+from helpers import KERNEL_SHAPES, int8_model, tiny_config, trained_like
+
+from gptlab.config import SampleConfig
+from gptlab.engine import RunningBatch, generate_batch, one_thread
+from gptlab.errors import GptlabError
+from gptlab.inference.fused import FusedDecoder
+from gptlab.inference.native import has_int8_vnni
+from gptlab.inference.loading import prepare_for_inference
+from gptlab.inference.speculate import DRAFT_MAX, DRAFT_START, NGRAM_MAX, NGRAM_MIN, OFF_AFTER, Lookup
+from gptlab.model import GPT
+from gptlab.runtime import bf16_supported
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    with one_thread():
+        yield
+
+
+# ---- the verify step: each position's bits are a one-token step's ------------------------------------------------
+
+def _prefilled(model, rows, cache_dtype):
+    cache = model.new_kv_cache(rows, dtype=cache_dtype)
+    with torch.inference_mode():
+        model(torch.randint(0, model.config.vocab_size, (rows, 9)), kv_cache=cache)
+    cache.pos -= torch.tensor([0, 3, 1][:rows])  # rows at different positions
+    return cache
+
+
+def _copy(cache):
+    return cache.select_rows(torch.arange(len(cache.pos)))
+
+
+@pytest.mark.device_path("fused decode (native)")
+@pytest.mark.parametrize("kind", ["fp32", "bf16", "int8 fma", "int8 vnni"])
+@pytest.mark.parametrize("shape", KERNEL_SHAPES[:2] + KERNEL_SHAPES[3:], ids=["n_embd60", "n_embd75", "n_embd192"])
+def test_a_verify_step_gives_every_position_the_bits_of_one_token_steps(fused_kernel, kind, shape):
+    """Rows of 1, 4 and 2 tokens (one cache row each, at consecutive positions) in one verify: each position's
+    logits, keys and values are bit for bit those of one-token steps that fed the same tokens, all rows stepping
+    together (the one-token step gives a row the same bits whatever rows are beside it)."""
+    torch.manual_seed(0)
+    if kind.startswith("int8"):
+        model = int8_model(shape)
+        if kind == "int8 vnni" and not has_int8_vnni(fused_kernel):
+            pytest.skip("this CPU's build has no VNNI")
+        fused = FusedDecoder(model, fused_kernel, vnni=kind == "int8 vnni")
+    else:
+        if kind == "bf16" and not bf16_supported(torch.device("cpu")):
+            pytest.skip("no native bf16 on this CPU")
+        model = trained_like(shape, torch.bfloat16 if kind == "bf16" else torch.float32)
+        fused = FusedDecoder(model, fused_kernel)
+    cache_dtype = torch.bfloat16 if kind != "fp32" else torch.float32
+    before = _prefilled(model, 3, cache_dtype)
+    tokens = [torch.randint(0, shape["vocab_size"], (n,)).tolist() for n in (1, 4, 2)]
+    stepped, expected = _copy(before), {}
+    for t in range(4):  # one-token steps: every row steps; a row past its tokens feeds token 0 (not compared)
+        ids = torch.tensor([row[t] if t < len(row) else 0 for row in tokens])
+        start = stepped.pos.clone()
+        logits = fused.step(ids, stepped).clone()
+        for r, row in enumerate(tokens):
+            if t < len(row):
+                expected[(r, t)] = (logits[r], int(start[r]))
+    verified = _copy(before)
+    ids = torch.tensor([tok for row in tokens for tok in row])
+    pos = torch.tensor([int(before.pos[r]) + t for r, row in enumerate(tokens) for t in range(len(row))])
+    slot = torch.tensor([r for r, row in enumerate(tokens) for _ in row])
+    got = fused.verify(ids, pos, slot, verified)
+    assert torch.equal(verified.pos, before.pos)  # the caller sets what it keeps
+    i = 0
+    for r, row in enumerate(tokens):
+        for t in range(len(row)):
+            logits, p = expected[(r, t)]
+            assert torch.equal(got[i], logits), f"row {r}, token {t}"
+            assert torch.equal(verified.k[:, r, :, p], stepped.k[:, r, :, p])
+            assert torch.equal(verified.v[:, r, :, p], stepped.v[:, r, :, p])
+            i += 1
+
+
+@pytest.mark.device_path("fused decode (native)")
+def test_a_verify_outside_the_cache_is_refused_and_changes_nothing(fused_kernel):
+    model = trained_like(KERNEL_SHAPES[0])
+    fused = FusedDecoder(model, fused_kernel)
+    cache = _prefilled(model, 2, torch.float32)
+    before = [t.clone() for t in (cache.k, cache.v, cache.pos)]
+    for ids, pos, slot, message in (([1, 2], [9, 10], [0, 2], "row 2 of 2"), ([1, 2], [39, 40], [1, 1], "position 40"),
+                                    ([1, 101], [3, 4], [0, 0], "token id 101")):
+        with pytest.raises(ValueError, match=message):
+            fused.verify(torch.tensor(ids), torch.tensor(pos), torch.tensor(slot), cache)
+    assert all(torch.equal(a, b) for a, b in zip(before, (cache.k, cache.v, cache.pos)))
+
+
+# ---- the engine: the same tokens and logits with speculation as without ------------------------------------------
+
+SHAPE = dict(n_layer=2, n_head=4, n_embd=64, vocab_size=65, block_size=48)
+
+
+def engine_model(precision):
+    torch.manual_seed(0)
+    model = GPT(tiny_config(**SHAPE)).eval()
+    with torch.no_grad():
+        for p in model.parameters():  # away from the init, so that context matters
+            p.mul_(3.0) if p.dim() == 2 else p.add_(torch.randn_like(p) * 0.1)
+    return prepare_for_inference(model, precision)
+
+
+def repetitive_prompts(count, seed=0):
+    """Prompts a row can propose from: a few random phrases (from a small alphabet) repeated with changes, of 3 to
+    40 tokens; some prompts so long that the window slides while it generates."""
+    rng = random.Random(seed)
+    prompts = []
+    for _ in range(count):
+        phrase = [rng.randrange(8) for _ in range(rng.randrange(2, 7))]
+        prompt = []
+        while len(prompt) < rng.randrange(3, 41):
+            prompt += phrase if rng.random() < 0.8 else [rng.randrange(65)]
+        prompts.append(prompt[:40])
+    return prompts
+
+
+def decode(model, prompts, cfg, width):
+    """Each prompt's (token, logits) pairs, prompts joined `width` at a time into one RunningBatch, rows drawn until
+    done; and the proposals made and kept."""
+    out, made, kept = [], 0, 0
+    for i in range(0, len(prompts), width):
+        batch = RunningBatch(model)
+        rows = [row for p in prompts[i:i + width] for row in batch.join(p, cfg)]
+        got = {row: [] for row in rows}
+        while batch.rows:
+            for row, token, logits in batch.sample():
+                got[row].append((token, logits.clone()))
+            batch.advance()
+        out += [got[row] for row in rows]
+        made += sum(row.lookup.proposed for row in rows if row.lookup is not None)
+        kept += sum(row.lookup.kept for row in rows if row.lookup is not None)
+    return out, made, kept
+
+
+@pytest.mark.device_path("fused decode (native)")
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "int8"])
+def test_two_hundred_prompts_give_the_same_tokens_and_logits_with_speculation_and_without(fused_kernel, precision):
+    """200 prompts x greedy and seeded (top-k, top-p, a repetition penalty) x alone and 4 to a batch: every token and
+    the logits it was drawn from are bit for bit those without speculation; proposals were made and kept."""
+    if precision == "bf16" and not bf16_supported(torch.device("cpu")):
+        pytest.skip("no native bf16 on this CPU")
+    model = engine_model(precision)
+    assert model.fused
+    prompts = repetitive_prompts(200)
+    settings = [dict(temperature=0), dict(temperature=0.9, top_k=20, top_p=0.95, repetition_penalty=1.2, seed=7)]
+    for i, extra in enumerate(settings):
+        for width in (1, 4):
+            some = prompts[i * 100 + (width // 4) * 50:][:50]  # 50 prompts each: 200 in all
+            off, _, _ = decode(model, some, SampleConfig(max_new_tokens=24, **extra), width)
+            on, made, kept = decode(model, some, SampleConfig(max_new_tokens=24, speculate="auto", **extra), width)
+            for p, (a, b) in enumerate(zip(off, on)):
+                assert [t for t, _ in a] == [t for t, _ in b], f"{extra}, width {width}, prompt {p}"
+                assert all(torch.equal(x, y) for (_, x), (_, y) in zip(a, b)), f"{extra}, width {width}, prompt {p}"
+            assert made > 0 and kept > 0
+
+
+@pytest.mark.device_path("fused decode (native)")
+def test_generate_batch_yields_position_by_position_while_rows_run_ahead(fused_kernel):
+    """generate_batch yields one token of every row per position even when a row drew several at once."""
+    model = engine_model("fp32")
+    prompts = [[1, 2, 3, 4] * 6, [9, 30, 41], [5, 6] * 10]
+    for cfg in (SampleConfig(max_new_tokens=30, temperature=0), SampleConfig(max_new_tokens=30, seed=3)):
+        off = list(generate_batch(model, prompts, cfg, num_samples=2))
+        cfg.speculate = "auto"
+        on = list(generate_batch(model, prompts, cfg, num_samples=2))
+        assert on == off and len(on) == 30 and all(len(step) == 6 for step in on)
+
+
+def test_a_model_on_the_torch_step_does_not_speculate():
+    """Only the fused step's verify is exact: elsewhere "auto" proposes nothing (the same tokens, one at a time)."""
+    model = GPT(tiny_config(**SHAPE)).eval()
+    batch = RunningBatch(model)
+    (row,) = batch.join([1, 2, 3, 1, 2, 3, 1, 2], SampleConfig(max_new_tokens=5, temperature=0, speculate="auto"))
+    assert row.lookup is None
+    with pytest.raises(GptlabError, match="speculate must be one of auto, off, not 'on'"):
+        SampleConfig(speculate="on")
+
+
+# ---- what a row proposes -----------------------------------------------------------------------------------------
+
+def test_a_row_proposes_what_followed_the_last_earlier_occurrence_of_its_longest_ngram():
+    lookup = Lookup([7, 1, 2, 3, 9, 9, 4, 1, 2, 3, 5, 6, 0, 2, 3])
+    assert NGRAM_MAX == 3 and NGRAM_MIN == 2 and DRAFT_START == 4
+    # (0, 2, 3) never occurred; (2, 3) last occurred before 5, 6, 0: the latest occurrence, DRAFT_START at most
+    assert lookup.propose(10) == [5, 6, 0, 2]
+    assert lookup.propose(2) == [5, 6]  # the caller's limit
+    lookup.extend([8, 4, 1, 2, 3])  # (1, 2, 3) occurs twice before: the latest, then 5
+    assert lookup.propose(10)[:1] == [5]
+    lookup.extend([77])  # (3, 77) and 77 alone occurred nowhere (a single token is no n-gram to look up)
+    assert lookup.propose(10) == []
+    assert Lookup([4, 4, 4]).propose(10) == [4, 4, 4, 4]  # (4, 4) one token back: a period of one
+    assert Lookup([5, 1, 2, 3, 1, 2]).propose(3) == [3, 1, 2]  # (1, 2) three tokens back: a period of three
+    assert Lookup([1, 2]).propose(10) == []  # the newest n-gram itself is not an earlier occurrence
+
+
+def test_proposals_grow_while_kept_shrink_when_refused_and_stop_after_off_after_refusals():
+    lookup = Lookup()
+    assert lookup.draft == DRAFT_START
+    lookup.update(4, 4)
+    assert lookup.draft == 8
+    for _ in range(5):
+        lookup.update(lookup.draft, lookup.draft)
+    assert lookup.draft == DRAFT_MAX == 16
+    lookup.update(16, 3)
+    assert lookup.draft == 4  # one past what was kept
+    lookup.update(4, 0)
+    assert lookup.draft == 1 and lookup.refused == 1
+    lookup.update(0, 0)  # nothing proposed: nothing learnt
+    assert lookup.refused == 1 and (lookup.proposed, lookup.kept) == (4 + 8 + 4 * 16 + 16 + 4, 4 + 8 + 4 * 16 + 3)
+    lookup.update(1, 1)
+    assert lookup.refused == 0 and lookup.draft == 2
+    assert OFF_AFTER == 8
+    for i in range(OFF_AFTER):
+        assert lookup.on, i
+        lookup.update(1, 0)
+    assert not lookup.on and Lookup([1, 2, 1, 2]).propose(5) == [1, 2, 1, 2]
+    lookup.extend([1, 2, 1, 2])
+    assert lookup.propose(5) == []  # a row that stopped proposing proposes nothing
+
