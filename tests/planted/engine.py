@@ -55,7 +55,7 @@ PLANTED += [
             [("RowSampler(cfg, row_seed(cfg.seed, i), window, vocab, self.device)",
               "RowSampler(cfg, row_seed(cfg.seed, i), [], vocab, self.device)")],
             REFERENCE),
-    Planted("engine: RunningBatch slides its window one token early", ENGINE, "RunningBatch.sample",
+    Planted("engine: RunningBatch slides its window one token early", ENGINE, "RunningBatch._draw",
             [("push(row.window, token, self.block_size, self.keep)",
               "push(row.window, token, self.block_size - 1, self.keep)")],
             REFERENCE),
