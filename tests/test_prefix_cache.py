@@ -127,6 +127,8 @@ def test_keys_are_the_exact_tokens_from_the_windows_start():
     assert RunningBatch(model, cache).join(changed, cfg)[0].cached == 4
     shifted = [0] + list(range(1, 13))  # the same tokens one position later: nothing is reused
     assert RunningBatch(model, cache).join(shifted, cfg)[0].cached == 0
+    later = list(range(9, 14))  # the first prompt's third chunk at a window's start: not the root's, nothing reused
+    assert RunningBatch(model, cache).join(later, cfg)[0].cached == 0
 
 
 def test_prompt_logits_bypass_the_cache_and_are_the_rows_own():
@@ -274,3 +276,90 @@ def test_a_batch_reuses_its_prompt_cache_and_its_joins_equal_a_fresh_batchs():
     assert allocated.count((1, None)) == 1  # the first request's prompt cache, then only the decode's layouts
     assert all(max_len < SHAPE["block_size"] for _, max_len in allocated[1:])
     assert [c for c in (run(model, batch, [(p, cfg, 1)])[0][2] for p in prompts[1:3])] == [12, 4]
+
+
+BLOCK = 2 * SHAPE["n_layer"] * SHAPE["n_embd"] * CHUNK * 4  # keys and values of one chunk in fp32, in bytes
+
+
+def test_a_negative_budget_is_refused_in_mb_and_0_mb_is_no_cache():
+    """The one-line errors a user reads for a budget below 0 (PrefixCache's bytes shown in MB, --prefix-cache-mb's
+    as given); of_mb(0) is no cache at all, of_mb(mb) a budget of mb MiB."""
+    for budget, shown in ((-2 ** 20, "-1"), (-3 * 2 ** 19, "-1.5"), (-2 ** 30, "-1024")):
+        with pytest.raises(GptlabError) as err:
+            PrefixCache(budget)
+        assert str(err.value) == f"the prefix cache's budget must be >= 0 MB, not {shown}"
+    with pytest.raises(GptlabError) as err:
+        PrefixCache.of_mb(-1)
+    assert str(err.value) == "--prefix-cache-mb must be >= 0, not -1; 0 turns the cache off"
+    assert PrefixCache.of_mb(0) is None
+    assert PrefixCache.of_mb(1.5).budget == 3 * 2 ** 19 and PrefixCache.of_mb(1.5).chunk == PROMPT_CHUNK
+
+
+def test_a_block_exactly_as_large_as_the_budget_is_kept_and_the_next_one_takes_its_place():
+    model = trained_like().model
+    cache = PrefixCache(BLOCK, chunk=CHUNK)
+    cfg = SampleConfig(max_new_tokens=1)
+    a, b = [1, 2, 3, 4, 5], [6, 7, 8, 9, 10]  # one whole chunk and one token each
+    RunningBatch(model, cache).join(a, cfg)
+    assert cache.stats().bytes == BLOCK and cache.stats().blocks == 1
+    assert RunningBatch(model, cache).join(a, cfg)[0].cached == 4
+    RunningBatch(model, cache).join(b, cfg)  # a's block goes to make room
+    stats = cache.stats()
+    assert (stats.bytes, stats.blocks, stats.evictions) == (BLOCK, 1, 1)
+    assert RunningBatch(model, cache).join(b, cfg)[0].cached == 4
+    assert RunningBatch(model, cache).join(a, cfg)[0].cached == 0
+
+
+def test_a_chunk_cached_already_is_not_kept_twice():
+    """A prompt pass keeps only the chunks the cache lacks: the same prompt again (its last chunk whole, so not
+    reused but cached), or with its prompt logits (nothing reused), holds the same blocks and bytes."""
+    model = trained_like().model
+    cache = PrefixCache(2 ** 20, chunk=CHUNK)
+    cfg = SampleConfig(max_new_tokens=1)
+    prompt = list(range(1, 9))  # two whole chunks: the first reused, the second computed again (the last token's)
+    for prompt_logits in (False, False, True):
+        RunningBatch(model, cache).join(prompt, cfg, prompt_logits=prompt_logits)
+        stats = cache.stats()
+        assert (stats.bytes, stats.blocks, stats.evictions) == (2 * BLOCK, 2, 0)
+
+
+def test_a_prompt_pass_without_logits_reuses_every_whole_chunk():
+    """logits="none" (the rebuild of a slid window, whose last token is not in it) needs no token's logits: every
+    whole chunk is served from the cache, up to the last token, and the row's cache holds what it holds without
+    the cache."""
+    model = trained_like().model
+    prefix = PrefixCache(2 ** 20, chunk=CHUNK)
+    tokens = list(range(1, 13))  # three whole chunks
+    with torch.no_grad():
+        prompt_pass(model, model.new_kv_cache(1), tokens, prefix, "none")  # keeps all three
+        on, off = model.new_kv_cache(1), model.new_kv_cache(1)
+        assert prompt_pass(model, on, tokens, prefix, "none") == (None, 12)
+        assert prompt_pass(model, off, tokens, PrefixCache(0, chunk=CHUNK), "none") == (None, 0)
+        assert int(on.pos[0]) == int(off.pos[0]) == 12
+        assert torch.equal(on.k[:, :, :, :12], off.k[:, :, :, :12])
+        assert torch.equal(on.v[:, :, :, :12], off.v[:, :, :, :12])
+        assert prompt_pass(model, model.new_kv_cache(1), tokens, prefix, "last")[1] == 8  # its last token computed
+
+
+def test_the_lm_head_runs_only_where_logits_are_kept():
+    """The cost of a long prompt: the LM head (a (T, V) product) runs once for "last" (the default: the last
+    chunk's last position), never for "none" and on every chunk for "all"."""
+    model = trained_like().model
+    calls = []
+    hook = model.lm_head.register_forward_hook(lambda module, args, out: calls.append(tuple(out.shape)))
+    tokens = list(range(1, 14))  # four chunks, the last of one token
+    off = PrefixCache(0, chunk=CHUNK)  # chunks of CHUNK tokens, none kept
+    try:
+        with torch.no_grad():
+            last, _ = prompt_pass(model, model.new_kv_cache(1), tokens, off)
+            assert calls == [(1, 1, SHAPE["vocab_size"])]
+            explicit, _ = prompt_pass(model, model.new_kv_cache(1), tokens, off, "last")
+            assert torch.equal(last, explicit) and last.shape == (1, SHAPE["vocab_size"])
+            calls.clear()
+            assert prompt_pass(model, model.new_kv_cache(1), tokens, off, "none") == (None, 0)
+            assert calls == []
+            every, _ = prompt_pass(model, model.new_kv_cache(1), tokens, off, "all")
+            assert len(calls) == 4 and every.shape == (13, SHAPE["vocab_size"])
+            assert torch.equal(every[-1:], last)
+    finally:
+        hook.remove()

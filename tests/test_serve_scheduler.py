@@ -119,6 +119,7 @@ CACHE = {"gptlab_prefix_cache_bytes": "gauge", "gptlab_prefix_cache_budget_bytes
          "gptlab_prefix_cache_blocks": "gauge", "gptlab_prefix_cache_lookup_tokens": "counter",
          "gptlab_prefix_cache_hit_tokens": "counter", "gptlab_prefix_cache_evictions": "counter",
          "gptlab_prefix_cache_hit_ratio": "gauge"}
+SPECULATION = {"gptlab_speculative_proposed_tokens": "counter", "gptlab_speculative_kept_tokens": "counter"}
 
 
 def scraped(registry):
@@ -142,7 +143,8 @@ def test_metrics_are_prometheus_text_with_cumulative_buckets_counted_by_hand():
         metrics.observe_ttft(seconds)
     families, samples = scraped(metrics_registry(metrics, object()))  # a batch without a prefix cache
     assert {name: families[name] for name in FAMILIES} == FAMILIES
-    assert {name: families[name][0] for name in CACHE} == CACHE and len(families) == len(FAMILIES) + len(CACHE)
+    assert {name: families[name][0] for name in CACHE} == CACHE and len(families) == len(FAMILIES) + len(CACHE) + 2
+    assert {name: families[name][0] for name in SPECULATION} == SPECULATION
     buckets = dict(zip(["0.01", "0.025", "0.05", "0.1", "0.25", "0.5", "1.0", "2.5", "5.0", "10.0", "30.0", "+Inf"],
                        [1, 1, 1, 1, 1, 3, 3, 3, 3, 3, 3, 4]))
     assert samples.pop("gptlab_time_to_first_token_seconds_sum") == pytest.approx(0.01 + 0.3 + 0.3 + 31.0)
@@ -152,7 +154,18 @@ def test_metrics_are_prometheus_text_with_cumulative_buckets_counted_by_hand():
         "gptlab_requests_cancelled_total": 1, "gptlab_queue_depth": 2, "gptlab_batch_size": 3,
         **{f'gptlab_time_to_first_token_seconds_bucket{{le="{le}"}}': n for le, n in buckets.items()},
         "gptlab_time_to_first_token_seconds_count": 4,
-        **{name + "_total" * (kind == "counter"): 0 for name, kind in CACHE.items()}}  # no cache: all 0
+        **{name + "_total" * (kind == "counter"): 0 for name, kind in CACHE.items()},  # no cache: all 0
+        "gptlab_speculative_proposed_tokens_total": 0, "gptlab_speculative_kept_tokens_total": 0}
+
+
+def test_speculations_tally_is_read_at_each_scrape(make):
+    """What the batch's rows proposed and kept (RunningBatch.tally), read at each scrape."""
+    scheduler = make()
+    scheduler.batch.tally.proposed, scheduler.batch.tally.kept = 120, 45
+    got = {k: v for k, v in scraped(scheduler.registry)[1].items() if k.startswith("gptlab_speculative")}
+    assert got == {"gptlab_speculative_proposed_tokens_total": 120, "gptlab_speculative_kept_tokens_total": 45}
+    scheduler.batch.tally.kept = 46
+    assert scraped(scheduler.registry)[1]["gptlab_speculative_kept_tokens_total"] == 46
 
 
 class StandInCache:

@@ -230,3 +230,62 @@ def test_proposals_grow_while_kept_shrink_when_refused_and_stop_after_off_after_
     lookup.extend([1, 2, 1, 2])
     assert lookup.propose(5) == []  # a row that stopped proposing proposes nothing
 
+
+
+# ---- predicted outputs, through the official openai client -------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def predicting_server():
+    """`gptlab serve` (speculate off: a prediction alone turns proposals on) of a char GPT with the chat markers, on
+    the fused step."""
+    from gptlab.serve.api import Limits
+    from gptlab.serve.app import Served, make_app
+    from gptlab.serve.server import start_server
+    from gptlab.tokenizer import CharTokenizer, ChatTokenizer
+
+    tokenizer = ChatTokenizer(CharTokenizer("abcdefghij ."))
+    torch.manual_seed(0)
+    model = GPT(tiny_config(**{**SHAPE, "vocab_size": tokenizer.vocab_size, "block_size": 96})).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(3.0) if p.dim() == 2 else p.add_(torch.randn_like(p) * 0.1)
+        model.transformer.wte.weight[12:] = 0  # the markers' logits 0, below the likeliest letter's: answers go on
+    prepared = prepare_for_inference(model, "fp32")
+    if not prepared.fused:
+        pytest.skip("no fused step: predictions are proposals of the fused step's speculation")
+    running = start_server(make_app(Served("p", prepared, tokenizer, model.num_params(), lambda: model),
+                                    Limits(max_tokens=60)))
+    yield running
+    running.stop()
+
+
+@pytest.mark.device_path("fused decode (native)")
+def test_a_predicted_output_gives_the_same_answer_and_counts_its_tokens_as_openai_does(predicting_server):
+    """OpenAI's `prediction` in chat (the client's own parameter) and completions (its extra_body): the answer with
+    the true answer predicted, with a wrong prediction and with none is the same text; usage's
+    completion_tokens_details: the true prediction's tokens accepted, none rejected; the wrong one's rejected; no
+    details without a prediction; a malformed prediction is a 400 naming it."""
+    openai = pytest.importorskip("openai", reason="no openai client (pip install -e '.[test]')")
+    client = openai.OpenAI(base_url=predicting_server.url + "/v1", api_key="unused", max_retries=0)
+    messages = [{"role": "user", "content": "abc abc"}]
+    plain = client.chat.completions.create(model="p", messages=messages, seed=1, temperature=0.7, max_tokens=50)  # sampled: varied
+    answer = plain.choices[0].message.content
+    assert len(answer) > 10 and plain.usage.completion_tokens_details is None
+    true = client.chat.completions.create(model="p", messages=messages, seed=1, temperature=0.7, max_tokens=50,
+                                          prediction={"type": "content", "content": answer})
+    assert true.choices[0].message.content == answer
+    details = true.usage.completion_tokens_details
+    assert details.rejected_prediction_tokens == 0 and details.accepted_prediction_tokens >= len(answer) // 2
+    wrong = client.chat.completions.create(model="p", messages=messages, seed=1, temperature=0.7, max_tokens=50,
+                                           prediction={"type": "content", "content": [{"type": "text",
+                                                                                      "text": answer[::-1]}]})
+    assert wrong.choices[0].message.content == answer
+    assert wrong.usage.completion_tokens_details.rejected_prediction_tokens > 0
+    text = client.completions.create(model="p", prompt="abc abc abc", temperature=0, max_tokens=40).choices[0].text
+    again = client.completions.create(model="p", prompt="abc abc abc", temperature=0, max_tokens=40,
+                                      extra_body={"prediction": {"type": "content", "content": text}})
+    assert again.choices[0].text == text
+    assert again.usage.completion_tokens_details.accepted_prediction_tokens > 0
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(model="p", messages=messages, prediction={"type": "text", "content": "a"})
+    assert caught.value.body["param"] == "prediction" and "prediction must be" in caught.value.body["message"]

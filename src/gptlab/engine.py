@@ -37,7 +37,7 @@ from gptlab.config import SEED_LIMIT, SampleConfig
 from gptlab.errors import GptlabError
 from gptlab.inference.prefix_cache import PrefixCache, prompt_pass
 from gptlab.inference.prepared import InferenceModel, as_inference
-from gptlab.inference.speculate import Lookup, Tally, propose, verify_proposals
+from gptlab.inference.speculate import Lookup, Prediction, Tally, propose, verify_proposals
 from gptlab.model import KVCache
 from gptlab.sampling import next_token
 
@@ -245,11 +245,12 @@ class RunningBatch:
         self.tally = Tally()  # tokens its rows proposed and kept (speculation)
 
     @torch.inference_mode()
-    def join(self, prompt: Sequence[int], cfg: SampleConfig, num_samples: int = 1,
-             prompt_logits: bool = False) -> list[Row]:
+    def join(self, prompt: Sequence[int], cfg: SampleConfig, num_samples: int = 1, prompt_logits: bool = False,
+             prediction: Sequence[int] | None = None) -> list[Row]:
         """Put `prompt` (its last block_size tokens) through the prompt pass and add `num_samples` rows continuing
         it, sample i drawn with `row_seed(cfg.seed, i)`; they take part from the next `sample`. `prompt_logits`:
         every position's logits are computed (no block reused) and kept in the first row's `prompt_logits` (T, V).
+        `prediction`: the ids a client predicts the output to be, proposed first (speculation: the same output).
         Raises GptlabError for an empty prompt, ids outside the vocabulary or num_samples < 1."""
         check_prompts(self.model, [prompt], num_samples)
         window = list(prompt[-self.block_size:])
@@ -259,7 +260,7 @@ class RunningBatch:
         last = logits[-1:].clone()  # (1, V)
         vocab = self.model.config.vocab_size
         rows = [Row(list(window), RowSampler(cfg, row_seed(cfg.seed, i), window, vocab, self.device),
-                    cfg.max_new_tokens, last, len(window), need, hit, lookup=self._lookup(cfg, window))
+                    cfg.max_new_tokens, last, len(window), need, hit, lookup=self._lookup(cfg, window, prediction))
                 for i in range(num_samples)]
         if prompt_logits and rows:
             rows[0].prompt_logits = logits
@@ -267,9 +268,12 @@ class RunningBatch:
         self._joining.update((row, cache) for row in rows)
         return rows
 
-    def _lookup(self, cfg: SampleConfig, window: list[int]) -> Lookup | None:
-        """A row's proposals where it speculates: cfg.speculate "auto" on the fused step (whose verify is exact)."""
-        return Lookup(window, self.tally) if cfg.speculate == "auto" and self.prepared.fused else None
+    def _lookup(self, cfg: SampleConfig, window: list[int], prediction: Sequence[int] | None) -> Lookup | None:
+        """A row's proposals where it speculates (cfg.speculate "auto", or a prediction) on the fused step (whose
+        verify is exact)."""
+        if not self.prepared.fused or (cfg.speculate != "auto" and prediction is None):
+            return None
+        return Lookup(window, self.tally, Prediction(prediction) if prediction is not None else None)
 
     @torch.inference_mode()
     def prompt_logits(self, prompt: Sequence[int]) -> torch.Tensor:

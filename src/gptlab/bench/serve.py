@@ -131,7 +131,7 @@ async def _run_phase(url: str, phase: Phase, requests_each: int, body: dict | Ca
         phase.seconds = time.perf_counter() - start
 
 
-def _model(model: str | None, run: str | None, precision: str):
+def served_model(model: str | None, run: str | None, precision: str):
     """A Served: a run's model, or a GPT-2-124M-shaped one with random weights and GPT-2's tokenizer."""
     from gptlab.inference.loading import prepare_for_inference
     from gptlab.model import GPT
@@ -178,7 +178,7 @@ def run_serve_bench(*, model: str | None = "gpt2-124M", run: str | None = None, 
     set_threads()
     watch = LoadWatch()
     device = torch.device("cpu")
-    served = _model(model, run, resolve_precision(precision, device, bf16_storage_possible(device)))
+    served = served_model(model, run, resolve_precision(precision, device, bf16_storage_possible(device)))
     body = {"prompt": _prompt(served.tokenizer, prompt_tokens), "max_tokens": max_tokens, "temperature": 1.0,
             "stream": True}
     limits = Limits(max_tokens=max_tokens, max_batch=max_batch, queue=queue, grace=1.0)
@@ -290,7 +290,7 @@ def run_shared_prefix_bench(*, model: str | None = "gpt2-124M", run: str | None 
     set_threads()
     watch = LoadWatch()
     device = torch.device("cpu")
-    served = _model(model, run, resolve_precision(precision, device, bf16_storage_possible(device)))
+    served = served_model(model, run, resolve_precision(precision, device, bf16_storage_possible(device)))
     context = served.model.model.config.block_size
     if prefix_tokens + suffix_tokens > context:
         raise GptlabError(f"--prefix-tokens + --suffix-tokens ({prefix_tokens} + {suffix_tokens}) must fit the "

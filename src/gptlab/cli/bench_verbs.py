@@ -361,3 +361,25 @@ def add_bench(p: argparse.ArgumentParser) -> None:
     BENCHES.add_to(p)
 
 
+
+
+def add_bench_speculative(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", choices=("gpt2-124M",), default="gpt2-124M",
+                   help="a model with random weights in this shape, and GPT-2's tokenizer (default gpt2-124M)")
+    p.add_argument("--run", help="decode with this run instead of --model")
+    p.add_argument("--precision", choices=INFERENCE_PRECISIONS, default="auto",
+                   help="inference weights, as in `gptlab sample` (default auto)")
+    p.add_argument("--prompts", type=int, default=4, help="prompts per task (default 4)")
+    p.add_argument("--new-tokens", type=int, default=128, help="tokens generated per prompt (default 128)")
+
+
+@BENCHES("speculative", "batch-1 decoding with --speculate auto beside off (the path `gptlab sample` runs) on text "
+         "the model can copy from (a passage repeated, a passage edited) and on open text: tokens/s, the share of "
+         "proposed tokens kept, tokens per step, beside the bandwidth floor", add_bench_speculative)
+def bench_speculative(args: argparse.Namespace) -> int:
+    from gptlab.bench.speculative import run_speculative
+
+    at_least(args, prompts=1, new_tokens=2)
+    run_speculative(model=args.model, run=args.run, precision=args.precision, prompts=args.prompts,
+                    new_tokens=args.new_tokens)
+    return 0

@@ -35,42 +35,90 @@ class Tally:
     kept: int = 0
 
 
-class Lookup:
-    """One row's proposals: an index of the n-grams of its tokens so far (prompt and output) to where each last
-    occurred, and how many tokens it proposes now; what it proposes and keeps is also counted in `tally`."""
+class Prediction:
+    """A client's predicted output (OpenAI's `prediction`) as a row's proposals: its tokens from where the output
+    stands in it; after the output leaves it, from where the output's newest n-gram next occurs in it. `accepted`
+    and `rejected` count its tokens proposed and kept, and proposed and refused."""
 
-    def __init__(self, tokens: Iterable[int] = (), tally: Tally | None = None):
+    def __init__(self, ids: Sequence[int]):
+        self.ids = list(ids)
+        self.at: int | None = 0  # the output so far ends before ids[at]; None: it left the prediction
+        self.floor = 0  # where the output last stood in it: it is looked up again from there on
+        self.index: dict[tuple[int, ...], list[int]] = {}  # n-gram -> the positions after its occurrences
+        for n in range(NGRAM_MIN, NGRAM_MAX + 1):
+            for end in range(n, len(self.ids) + 1):
+                self.index.setdefault(tuple(self.ids[end - n:end]), []).append(end)
+        self.accepted = self.rejected = 0
+
+    def follow(self, token: int) -> None:
+        """The output's next token."""
+        if self.at is not None and self.at < len(self.ids) and self.ids[self.at] == token:
+            self.at = self.floor = self.at + 1
+        else:
+            self.at = None
+
+    def propose(self, tokens: Sequence[int], count: int) -> list[int]:
+        if self.at is None:
+            for n in range(NGRAM_MAX, NGRAM_MIN - 1, -1):
+                later = [p for p in self.index.get(tuple(tokens[-n:]), ()) if p >= self.floor]
+                if len(tokens) >= n and later:
+                    self.at = later[0]
+                    break
+        return [] if self.at is None else self.ids[self.at:self.at + count]
+
+
+class Lookup:
+    """One row's proposals: the `prediction` where the request gave one, else (or where it has none to give) an
+    index of the n-grams of its tokens so far (prompt and output) to where each last occurred; how many tokens it
+    proposes now; what it proposes and keeps is also counted in `tally`."""
+
+    def __init__(self, tokens: Iterable[int] = (), tally: Tally | None = None, prediction: Prediction | None = None):
         self.tally = tally if tally is not None else Tally()
+        self.prediction = prediction
         self.tokens: list[int] = []
         self.index: dict[tuple[int, ...], int] = {}  # n-gram -> the position after its last occurrence
         self.draft = DRAFT_START
         self.refused = 0  # proposals refused outright in a row
         self.on = True
         self.proposed = self.kept = 0  # over the row's life
-        self.extend(tokens)
+        self.predicted = False  # whether the last proposal came from the prediction
+        for token in tokens:
+            self._add(token)
+
+    def _add(self, token: int) -> None:
+        """Append a token; the n-grams ending before it are indexed (the newest one's is the query)."""
+        self.tokens.append(token)
+        end = len(self.tokens) - 1  # index the n-grams ending at the token before this one
+        for n in range(NGRAM_MIN, NGRAM_MAX + 1):
+            if end >= n:
+                self.index[tuple(self.tokens[end - n:end])] = end
 
     def extend(self, tokens: Iterable[int]) -> None:
-        """Append tokens; the n-grams ending before the newest token are indexed (the newest one's is the query)."""
+        """The row's output tokens, in order."""
         for token in tokens:
-            self.tokens.append(token)
-            end = len(self.tokens) - 1  # index the n-grams ending at the token before this one
-            for n in range(NGRAM_MIN, NGRAM_MAX + 1):
-                if end >= n:
-                    self.index[tuple(self.tokens[end - n:end])] = end
+            self._add(token)
+            if self.prediction is not None:
+                self.prediction.follow(token)
 
     def propose(self, limit: int) -> list[int]:
         """min(the current draft, limit) tokens: those that followed the last earlier occurrence of the longest
         n-gram the tokens end with, the text taken to repeat from there on (an occurrence p tokens back proposes
         a period of p: a run of one token proposes that token again and again); [] where none occurred or the row
         stopped proposing."""
+        self.predicted = False
         if not self.on or limit <= 0:
             return []
-        tokens = self.tokens
+        tokens, count = self.tokens, min(self.draft, limit)
+        if self.prediction is not None:
+            proposal = self.prediction.propose(tokens, count)
+            if proposal:
+                self.predicted = True
+                return proposal
         for n in range(NGRAM_MAX, NGRAM_MIN - 1, -1):
             after = self.index.get(tuple(tokens[-n:])) if len(tokens) >= n else None
             if after is not None:
                 period = len(tokens) - after
-                return [tokens[after + i % period] for i in range(min(self.draft, limit))]
+                return [tokens[after + i % period] for i in range(count)]
         return []
 
     def update(self, proposed: int, kept: int) -> None:
@@ -81,6 +129,9 @@ class Lookup:
         self.kept += kept
         self.tally.proposed += proposed
         self.tally.kept += kept
+        if self.predicted:
+            self.prediction.accepted += kept
+            self.prediction.rejected += proposed - kept
         self.draft = min(2 * self.draft, DRAFT_MAX) if kept == proposed else max(1, kept + 1)
         self.refused = self.refused + 1 if kept == 0 else 0
         if self.refused >= OFF_AFTER:

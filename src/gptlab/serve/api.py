@@ -79,6 +79,8 @@ class CompletionRequest:
     max_tokens: int = 16  # 0: nothing generated (with echo and logprobs: the prompt's logprobs alone)
     messages: list[dict[str, str]] | None = None  # a chat completion's conversation (chat_api.encode_chat)
     include_usage: bool = True  # a stream ends with a usage chunk (chat: only with stream_options.include_usage)
+    prediction: str | None = None  # OpenAI's predicted output: the text the answer is expected to be
+    prediction_ids: list[int] | None = None  # its ids, filled by `encode_prompts` / `encode_chat`
 
 
 UNSUPPORTED = {"best_of": (None, 1), "suffix": (None, ""), "logit_bias": (None, {})}
@@ -173,7 +175,8 @@ def parse_completion(body: Any, limits: Limits) -> CompletionRequest:
     max_tokens = _integer(body, "max_tokens", min(16, limits.max_tokens), 0, limits.max_tokens)
     cfg = sample_settings(body, max(1, max_tokens), limits.speculate)
     return CompletionRequest(prompts, cfg, n, _integer(body, "logprobs", None, 0, 5), _flag(body, "echo"),
-                             _flag(body, "stream"), prompt_ids=prompt_ids, max_tokens=max_tokens)
+                             _flag(body, "stream"), prompt_ids=prompt_ids, max_tokens=max_tokens,
+                             prediction=_prediction(body))
 
 
 def sample_settings(body: dict, max_new_tokens: int, speculate: str = "off") -> SampleConfig:
@@ -209,11 +212,36 @@ def _token_prompts(value: Any, most: int) -> list[list[int]] | None:
                         "non-empty lists of token ids, not a mix", "prompt")
 
 
+def _prediction(body: dict) -> str | None:
+    """OpenAI's `prediction` ({"type": "content", "content": text or a list of {"type": "text", "text": ...}}) as
+    its text; None where absent; ApiError 400 naming it where malformed."""
+    value = body.get("prediction")
+    if value is None:
+        return None
+    content = value.get("content") if isinstance(value, dict) and value.get("type") == "content" else None
+    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text" and
+                                         isinstance(p.get("text"), str) for p in content):
+        content = "".join(p["text"] for p in content)
+    if not isinstance(content, str):
+        raise ApiError(400, 'prediction must be {"type": "content", "content": TEXT} (TEXT a string or a list of '
+                            '{"type": "text", "text": ...} parts)', "prediction")
+    return content
+
+
+def _encode_prediction(request: CompletionRequest, tokenizer) -> None:
+    if request.prediction is not None:
+        try:
+            request.prediction_ids = tokenizer.encode(request.prediction)
+        except GptlabError as exc:
+            raise ApiError(400, str(exc), "prediction") from None
+
+
 def encode_prompts(request: CompletionRequest, tokenizer, context: int, limits: Limits) -> None:
     """Fill request.ids (and, for prompts sent as token ids, request.prompts with their text); ApiError 400 for text
     the tokenizer cannot encode, a token id outside the vocabulary, an empty prompt on a model with no start token,
     or a prompt longer than the context (or --max-prompt-tokens)."""
     most = min(context, limits.max_prompt_tokens or context)
+    _encode_prediction(request, tokenizer)
     if request.prompt_ids is not None:
         for ids in request.prompt_ids:
             outside = [i for i in ids if not 0 <= i < tokenizer.vocab_size]
@@ -276,7 +304,8 @@ def parse_chat(body: Any, limits: Limits) -> CompletionRequest:
         raise ApiError(400, "stream_options must be an object, and only with stream: true", "stream_options")
     cfg = sample_settings(body, max_tokens, limits.speculate)
     return CompletionRequest([], cfg, n, (top or 0) if logprobs else None, stream=stream, max_tokens=max_tokens,
-                             messages=body.get("messages"), include_usage=_flag(options or {}, "include_usage"))
+                             messages=body.get("messages"), include_usage=_flag(options or {}, "include_usage"),
+                             prediction=_prediction(body))
 
 
 def encode_chat(request: CompletionRequest, tokenizer, context: int, limits: Limits) -> None:
@@ -298,6 +327,7 @@ def encode_chat(request: CompletionRequest, tokenizer, context: int, limits: Lim
                        "context_length_exceeded")
     request.ids.append(ids)
     request.prompts.append(chat.decode(ids))
+    _encode_prediction(request, tokenizer)
 
 
 def _messages(messages: Any) -> list[dict[str, str]]:

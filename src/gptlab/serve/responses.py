@@ -37,9 +37,13 @@ def sse(data: dict) -> str:
 def usage(done: Done) -> dict[str, Any]:
     """OpenAI's usage object: each prompt counted once however many choices, and of its tokens those whose keys
     and values the prefix cache served (0 where none were)."""
-    return {"prompt_tokens": done.prompt_tokens, "completion_tokens": done.completion_tokens,
-            "total_tokens": done.prompt_tokens + done.completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": done.cached_tokens}}
+    out = {"prompt_tokens": done.prompt_tokens, "completion_tokens": done.completion_tokens,
+           "total_tokens": done.prompt_tokens + done.completion_tokens,
+           "prompt_tokens_details": {"cached_tokens": done.cached_tokens}}
+    if done.prediction is not None:  # a predicted output's tokens proposed and kept, proposed and refused
+        out["completion_tokens_details"] = {"accepted_prediction_tokens": done.prediction[0],
+                                            "rejected_prediction_tokens": done.prediction[1]}
+    return out
 
 
 def _failure(failed: Failed) -> dict[str, Any]:

@@ -59,6 +59,7 @@ class Done:
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int = 0
+    prediction: tuple[int, int] | None = None  # a predicted output's tokens accepted and rejected, where one was given
 
 
 @dataclass(frozen=True)
@@ -85,6 +86,8 @@ class Job:
     rows: dict[Row, tuple[int, Completion]] = field(default_factory=dict)  # its rows -> (choice index, text)
     generated: int = 0
     cached: int = 0
+    accepted: int = 0  # of a predicted output's tokens (its rows' Prediction), counted as each row finishes
+    rejected: int = 0
     first_token: float | None = None
 
     @property
@@ -223,7 +226,8 @@ class Scheduler:
                     job.emit(PromptLogprobs(p, prompt_logprobs(self.batch.prompt_logits(ids), ids, req.logprobs,
                                                                self.tokenizer)))
                 continue
-            rows = self.batch.join(ids, req.cfg, req.n, prompt_logits=echo)  # with them, no block is reused
+            rows = self.batch.join(ids, req.cfg, req.n, prompt_logits=echo,  # with them, no block is reused
+                                   prediction=req.prediction_ids)
             if echo:
                 job.emit(PromptLogprobs(p, prompt_logprobs(rows[0].prompt_logits, ids, req.logprobs,
                                                            self.tokenizer)))
@@ -271,11 +275,15 @@ class Scheduler:
             if reason is not None:
                 finished.append(row)
                 del job.rows[row], self._owner[row]
+                predicted = row.lookup.prediction if row.lookup is not None else None
+                if predicted is not None:
+                    job.accepted, job.rejected = job.accepted + predicted.accepted, job.rejected + predicted.rejected
         self.batch.leave(finished)
         for job in [j for j in self._jobs if not j.rows]:
             self._jobs.remove(job)
             prompt = sum(map(len, job.request.ids))
-            job.emit(Done(prompt, job.generated, job.cached))
+            predicted = (job.accepted, job.rejected) if job.request.prediction_ids is not None else None
+            job.emit(Done(prompt, job.generated, job.cached, predicted))
         self.batch.advance()
 
 
