@@ -45,7 +45,8 @@ def test_a_run_is_benched_end_to_end(tmp_path, capsys, fused_kernel):
     run = tiny_run(tmp_path, 10, TINY)
     lines = run_speculative(run=str(run), precision="fp32", prompts=2, new_tokens=12)
     out = capsys.readouterr().out
-    assert [line.split(":")[0] for line in lines] == ["repeat", "edit", "open"]
+    assert [line.split(":")[0] for line in lines] == ["repeat", "edit", "open", "predicted"]
+    assert "100% of" in lines[3]  # the true answer predicted: every proposed token kept
     assert "batch 1, 2 prompts a task" in out and int(re.search(r"of (\d+) proposed", lines[0]).group(1)) > 0 and "12 new tokens each" in out and "auto/floor" in out
 
 

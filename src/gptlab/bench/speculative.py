@@ -5,7 +5,9 @@ Tasks, each prompts from the bundled corpus (Tiny Shakespeare) through the model
 - "repeat": a passage, then "Once more:" and the passage's first line: the continuation that copies the passage
   is what a lookup proposes (greedy);
 - "edit": a passage, then the same passage with one word changed, cut after the change (greedy);
-- "open": a passage to continue, sampled (temperature 0.8, seeded): proposals are mostly refused.
+- "open": a passage to continue, sampled (temperature 0.8, seeded): proposals are mostly refused;
+- "predicted": the open task's prompts, each with its true answer as a predicted output (OpenAI's `prediction`),
+  speculation otherwise off: what a client that knows most of the answer (an edit of a file) gets.
 Per task: decode tokens/s without and with speculation (from the first token to the last, prompt pass left out,
 the same tokens either way: checked), their ratio, the share of proposed tokens kept, the tokens per step (per read
 of the weights), and the bandwidth floor's tokens/s (the weights' bytes a step over the memory's read rate,
@@ -30,7 +32,7 @@ from gptlab.engine import RunningBatch, _decode_running
 from gptlab.errors import GptlabError
 from gptlab.runtime import device_name, resolve_precision, set_threads
 
-TASKS = ("repeat", "edit", "open")
+TASKS = ("repeat", "edit", "open", "predicted")
 
 
 @dataclass
@@ -82,10 +84,11 @@ def encode(tokenizer, text: str) -> list[int]:
         return tokenizer.encode("".join(c for c in text if known[c]))
 
 
-def decode(model, prompt: list[int], cfg: SampleConfig) -> tuple[list[int], Decoded]:
+def decode(model, prompt: list[int], cfg: SampleConfig, prediction: list[int] | None = None
+           ) -> tuple[list[int], Decoded]:
     """One prompt decoded by generate_batch's loop; its ids and what it took from the first token on."""
     batch = RunningBatch(model)
-    batch.join(prompt, cfg)
+    batch.join(prompt, cfg, prediction=prediction)
     stamps, ids = [], []
     for step in _decode_running(batch, cfg.max_new_tokens):
         stamps.append(time.perf_counter())
@@ -99,12 +102,13 @@ def run_task(model, tokenizer, task: str, texts: list[str], new_tokens: int, see
     sides = {"off": Decoded(), "auto": Decoded()}
     for n, passage in enumerate(texts):
         prompt = encode(tokenizer, prompt_text(task, passage, rng))[-(context - new_tokens):]
-        greedy = task != "open"
-        outs = {}
-        for mode in (("off", "auto") if n % 2 == 0 else ("auto", "off")):
+        greedy, outs = task in ("repeat", "edit"), {}
+        modes = ("off", "auto") if n % 2 == 0 or task == "predicted" else ("auto", "off")
+        for mode in modes:  # (a prediction is the answer without it: that run first)
             cfg = SampleConfig(max_new_tokens=new_tokens, temperature=0 if greedy else 0.8, seed=seed + n,
-                               speculate=mode)
-            outs[mode], side = decode(model, prompt, cfg)
+                               speculate="off" if task == "predicted" else mode)
+            predicted = outs["off"] if task == "predicted" and mode == "auto" else None
+            outs[mode], side = decode(model, prompt, cfg, predicted)
             total = sides[mode]
             total.tokens, total.seconds = total.tokens + side.tokens, total.seconds + side.seconds
             total.proposed, total.kept = total.proposed + side.proposed, total.kept + side.kept
@@ -150,7 +154,7 @@ def run_speculative(*, model: str | None = "gpt2-124M", run: str | None = None, 
     lines_out = []
     for i, task in enumerate(TASKS):
         floor = read_bandwidth(device) / weights
-        sides = run_task(prepared, served.tokenizer, task, texts, new_tokens, seed + 100 * i)
+        sides = run_task(prepared, served.tokenizer, task, texts, new_tokens, seed + 100 * min(i, 2))
         row, line = summary(task, sides["off"], sides["auto"], floor)
         print(row)
         lines_out.append(line)
