@@ -71,7 +71,11 @@ def _m(sources: str, tests: str) -> Module:
 MODULES = {
     "sampling": _m("sampling", "test_sampling test_engine"),
     "textstream": _m("textstream", "test_textstream test_engine"),
-    "engine": _m("engine", "test_engine test_running_batch test_sampling test_textstream test_fused test_serve_batching test_int8"),
+    "engine": _m("engine", "test_engine test_running_batch test_sampling test_textstream test_fused test_serve_batching test_int8 "
+                 "test_prefix_cache test_speculative"),
+    # issue 45: speculation's proposals and its bench
+    "speculate": _m("inference/speculate", "test_speculative test_serve_scheduler"),
+    "bench.speculative": _m("bench/speculative", "test_bench_speculative"),
     # issue 44: the prompt pass and the exact prefix cache
     "prefix_cache": _m("inference/prefix_cache", "test_prefix_cache test_serve_prefix test_running_batch test_engine"),
     "serve.api": _m("serve/api", "test_serve test_serve_api test_serve_batching test_serve_chat"),

@@ -363,3 +363,45 @@ def test_the_lm_head_runs_only_where_logits_are_kept():
             assert torch.equal(every[-1:], last)
     finally:
         hook.remove()
+
+
+def test_prompt_logits_keep_their_new_chunk_under_the_cached_chunk_it_hangs_from():
+    """Prompt logits reuse no block but keep the chunks computed: a new block whose parent chunk is cached but least
+    recently used makes room by evicting another block, never its parent, and the budget holds; the prompt's
+    chunks are then all served, the evicted leaf's parent too."""
+    model = trained_like().model
+    cache = PrefixCache(3 * BLOCK, chunk=CHUNK)
+    cfg = SampleConfig(max_new_tokens=1)
+    c, d, b = [10, 11, 12, 13], [30, 31, 32, 33], list(range(20, 28))
+    RunningBatch(model, cache).join(c + [1], cfg)  # c: least recently used from here on
+    RunningBatch(model, cache).join(b + [1], cfg)  # two blocks more: the budget is full
+    (row,) = RunningBatch(model, cache).join(c + d + [1], cfg, prompt_logits=True)  # keeps d under c: b's leaf goes
+    assert torch.equal(row.prompt_logits, RunningBatch(model, PrefixCache(0, chunk=CHUNK)).prompt_logits(c + d + [1]))
+    stats = cache.stats()
+    assert (stats.bytes, stats.blocks, stats.evictions) == (3 * BLOCK, 3, 1)
+    assert RunningBatch(model, cache).join(c + d + [2], cfg)[0].cached == 8
+    assert RunningBatch(model, cache).join(b + [2], cfg)[0].cached == 4
+
+
+@pytest.mark.parametrize("blocks", [1, 2, 3])
+def test_a_budget_smaller_than_a_prompts_chunks_keeps_its_first_chunks_exactly_and_within_the_budget(blocks):
+    """A budget of 1, 2 or 3 blocks under prompts of 2 to 5 whole chunks, some sharing first chunks, one after
+    another through one batch: no error (a chain being kept never loses a block to its own later ones), the bytes
+    held never past the budget, each prompt keeps its first `blocks` chunks (the older prompts' blocks evicted to make
+    room), and every step's logits are those without the cache. Found as a KeyError / a budget exceeded: a block's
+    eviction to make room for the next block of the same prompt took the prompt's own earlier ones."""
+    model = trained_like().model
+    block = 2 * SHAPE["n_layer"] * SHAPE["n_embd"] * CHUNK * 4
+    cache = PrefixCache(blocks * block, chunk=CHUNK)
+    cfg = SampleConfig(max_new_tokens=3, temperature=0)
+    prompts = [list(range(1, 10)), list(range(1, 22)), list(range(1, 5)) + list(range(30, 43)), list(range(1, 18)),
+               list(range(1, 22))]
+    batch, off = RunningBatch(model, cache), RunningBatch(model, PrefixCache(0, chunk=CHUNK))
+    for i, prompt in enumerate(prompts):
+        (on_row,) = run(model, batch, [(prompt, cfg, 1)])
+        (off_row,) = run(model, off, [(prompt, cfg, 1)])
+        assert on_row[1] == off_row[1] and all(torch.equal(a, b) for a, b in zip(on_row[0], off_row[0])), i
+        stats = cache.stats()
+        assert stats.bytes <= stats.budget_bytes and stats.blocks == min(blocks, len(prompt) // CHUNK), i
+    # the last prompt (21 tokens: 5 whole chunks) kept its first `blocks` chunks; the same prompt again reuses them
+    assert run(model, batch, [(prompts[-1], cfg, 1)])[0][2] == CHUNK * blocks

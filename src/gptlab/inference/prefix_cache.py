@@ -22,7 +22,7 @@ from __future__ import annotations
 import weakref
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -51,7 +51,6 @@ class _Block:
     v: torch.Tensor
     key: tuple  # (parent block's id, this chunk's tokens)
     id: int
-    children: set[int] = field(default_factory=set)
 
     @property
     def nbytes(self) -> int:
@@ -67,7 +66,6 @@ class PrefixCache:
             raise GptlabError(f"the prefix cache's budget must be >= 0 MB, not {budget_bytes / 2 ** 20:g}")
         self.budget, self.chunk = budget_bytes, chunk
         self._blocks: OrderedDict[tuple, _Block] = OrderedDict()  # least recently used first
-        self._by_id: dict[int, _Block] = {}
         self._next_id = 1  # 0 is the root: the parent of every window's first chunk
         self._owner: tuple | None = None
         self._held = 0  # bytes of the blocks held
@@ -131,49 +129,40 @@ class PrefixCache:
                 lo, hi = i * self.chunk, (i + 1) * self.chunk
                 block = _Block(cache.k[:, row, :, lo:hi].clone(), cache.v[:, row, :, lo:hi].clone(), key,
                                self._next_id)
-                block = self._add(block, parent)
+                block = self._add(block, parent, chain)
             if block is None:
-                break  # evicted meanwhile, or over the budget: the rest has no parent to hang from
+                break  # over the budget with the chain kept: the rest has no parent to hang from
             chain.append(block)
             parent = block.id
         self._touch(chain)
         if len(cache.pos) == 1:
             self._resident[cache] = [block.id for block in chain]
 
-    def _add(self, block: _Block, parent: int) -> _Block | None:
-        if block.nbytes > self.budget:
+    def _add(self, block: _Block, parent: int, chain: list[_Block]) -> _Block | None:
+        """Keep `block` (whose parent is the last of `chain`, the blocks of its window before it), evicting least
+        recently used blocks outside the chain to make room; None, nothing evicted, where the chain and the block
+        do not fit the budget."""
+        if sum(b.nbytes for b in chain) + block.nbytes > self.budget:
             return None
-        self._evict(self.budget - block.nbytes, keep=parent)
-        if parent and parent not in self._by_id:
-            return None
+        self._evict(self.budget - block.nbytes, keep={b.id for b in chain})
         self._next_id += 1
         self._blocks[block.key] = block
-        self._by_id[block.id] = block
         self._held += block.nbytes
-        if parent:
-            self._by_id[parent].children.add(block.id)
         return block
 
-    def _evict(self, room: int, keep: int) -> None:
-        """Drop least recently used blocks (never `keep`, the parent of the block about to be added) until the
-        rest take at most `room` bytes. A block's descendants go with it."""
+    def _evict(self, room: int, keep: set[int]) -> None:
+        """Drop least recently used blocks, never those in `keep` (the chain a block is being added to), until the
+        rest take at most `room` bytes. A block is always used more recently than its descendants (`_touch`), so
+        they go before it; were one left behind, no lookup could reach it (its parent's id is never given again)
+        and it would go in its turn."""
         for key in list(self._blocks):
             if self._held <= room:
                 return
-            block = self._blocks.get(key)
-            if block is not None and block.id != keep:
-                self._drop(block)
-
-    def _drop(self, block: _Block) -> None:
-        for child in list(block.children):
-            if child in self._by_id:
-                self._drop(self._by_id[child])
-        del self._blocks[block.key], self._by_id[block.id]
-        self._held -= block.nbytes
-        parent = self._by_id.get(block.key[0])
-        if parent is not None:
-            parent.children.discard(block.id)
-        self._stats.evictions += 1
+            block = self._blocks[key]
+            if block.id not in keep:
+                del self._blocks[key]
+                self._held -= block.nbytes
+                self._stats.evictions += 1
 
     def _touch(self, chain: list[_Block]) -> None:
         """Mark a chain used, its last block first: a parent stays more recently used than its children, so
