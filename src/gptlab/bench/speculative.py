@@ -11,7 +11,8 @@ Tasks, each prompts from the bundled corpus (Tiny Shakespeare) through the model
 Per task: decode tokens/s without and with speculation (from the first token to the last, prompt pass left out,
 the same tokens either way: checked), their ratio, the share of proposed tokens kept, the tokens per step (per read
 of the weights), and the bandwidth floor's tokens/s (the weights' bytes a step over the memory's read rate,
-measured just before). What a model keeps depends on what it learnt: a random model's greedy text falls into loops
+measured just before: `memory_rate`). Where the weights fit the CPU's last-level cache, one token a step can run
+past that floor too: steps back to back find them there. What a model keeps depends on what it learnt: a random model's greedy text falls into loops
 a lookup predicts, a trained model copies what induction heads copy; the table names the model.
 """
 
@@ -25,7 +26,7 @@ import torch
 
 from gptlab.bench.engines import weight_bytes_per_token
 from gptlab.bench.serve import served_model
-from gptlab.bench.timing import LoadWatch, read_bandwidth
+from gptlab.bench.timing import LoadWatch, median, read_then
 from gptlab.config import SampleConfig
 from gptlab.data.corpus import bundled_source
 from gptlab.engine import RunningBatch, _decode_running
@@ -129,6 +130,17 @@ def summary(task: str, off: Decoded, auto: Decoded, floor: float) -> tuple[str, 
                  f"proposed tokens kept; {per_step:.2f} tokens a step; {auto.rate / floor:.2f}x the floor)")
 
 
+def memory_rate(megabytes: int = 512, reads: int = 3) -> float:
+    """The memory's read rate in bytes/s: the median of `reads` reads of one buffer, each after a read of another as
+    large (so that neither is left in the CPU's caches, which on some CPUs hold hundreds of MB)."""
+    a, b = (torch.ones(megabytes * (1 << 20) // 4) for _ in range(2))
+    rates = []
+    for _ in range(reads):
+        b.sum()
+        rates.append(read_then(a, lambda: None)[0])
+    return median(rates)
+
+
 def run_speculative(*, model: str | None = "gpt2-124M", run: str | None = None, precision: str = "auto",
                     prompts: int = 4, new_tokens: int = 128, lines: int = 6, seed: int = 0) -> list[str]:
     """The table and its summary lines (returned, the last: every task's ratio)."""
@@ -153,7 +165,7 @@ def run_speculative(*, model: str | None = "gpt2-124M", run: str | None = None, 
           f"{'floor tok/s':>12} {'auto/floor':>11}")
     lines_out = []
     for i, task in enumerate(TASKS):
-        floor = read_bandwidth(device) / weights
+        floor = memory_rate() / weights
         sides = run_task(prepared, served.tokenizer, task, texts, new_tokens, seed + 100 * min(i, 2))
         row, line = summary(task, sides["off"], sides["auto"], floor)
         print(row)
