@@ -283,9 +283,11 @@ def test_a_predicted_output_gives_the_same_answer_and_counts_its_tokens_as_opena
     assert wrong.usage.completion_tokens_details.rejected_prediction_tokens > 0
     text = client.completions.create(model="p", prompt="abc abc abc", temperature=0, max_tokens=40).choices[0].text
     again = client.completions.create(model="p", prompt="abc abc abc", temperature=0, max_tokens=40,
-                                      extra_body={"prediction": {"type": "content", "content": text}})
-    assert again.choices[0].text == text
+                                      extra_body={"prediction": {"type": "content", "content": [
+                                          {"type": "text", "text": text[:7]}, {"type": "text", "text": text[7:]}]}})
+    assert again.choices[0].text == text  # the parts joined as they are: the true answer, none of it refused
     assert again.usage.completion_tokens_details.accepted_prediction_tokens > 0
+    assert again.usage.completion_tokens_details.rejected_prediction_tokens == 0
     with pytest.raises(openai.BadRequestError) as caught:
         client.chat.completions.create(model="p", messages=messages, prediction={"type": "text", "content": "a"})
     assert caught.value.body["param"] == "prediction" and "prediction must be" in caught.value.body["message"]
