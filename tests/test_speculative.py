@@ -291,3 +291,22 @@ def test_a_predicted_output_gives_the_same_answer_and_counts_its_tokens_as_opena
     with pytest.raises(openai.BadRequestError) as caught:
         client.chat.completions.create(model="p", messages=messages, prediction={"type": "text", "content": "a"})
     assert caught.value.body["param"] == "prediction" and "prediction must be" in caught.value.body["message"]
+
+
+# ---- the command line ------------------------------------------------------------------------------------------
+
+@pytest.mark.device_path("fused decode (native)")
+def test_sample_prints_the_same_text_with_speculate_auto_and_off(tmp_path, capsys, fused_kernel):
+    """`gptlab sample --speculate auto` against `--speculate off` (the default): greedy and seeded, three samples,
+    precisions fp32 and int8: the same text; `--speculate on` refused in one line."""
+    from helpers import run_bad, run_ok, tiny_run
+
+    run = tiny_run(tmp_path, 10, ["--n-layer", "1", "--n-head", "2", "--n-embd", "16", "--block-size", "64",
+                                  "--batch-size", "4", "--eval-interval", "5", "--eval-batches", "2", "--quiet"])
+    capsys.readouterr()
+    for flags in (["--temperature", "0"], ["--seed", "5", "--num-samples", "3"]):
+        for precision in ("fp32", "int8"):
+            args = ["sample", "--run", str(run), "--prompt", "All:\nSpeak, speak.\n\nAll:", "--max-new-tokens", "50",
+                    "--precision", precision, *flags]
+            assert run_ok(capsys, *args, "--speculate", "auto") == run_ok(capsys, *args)
+    assert "--speculate" in run_bad(capsys, "sample", "--run", str(run), "--speculate", "on")
