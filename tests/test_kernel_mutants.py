@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from helpers import (BF16_TOLERANCE, FMA_TOLERANCE, FP32_TOLERANCE, INT8_SHAPES, KERNEL_SHAPES, VNNI_TOLERANCE,
-                     bf16_cache_errors, bf16_errors, fp32_error, int8_error)
+                     bf16_cache_errors, bf16_errors, fp32_error, int8_error, trained_like)
 from gptlab.inference import native
 
 pytestmark = [pytest.mark.device_path("fused decode (native)"), pytest.mark.usefixtures("fused_kernel")]
@@ -29,6 +29,14 @@ MUTANTS = {
     "attention's scores, four at a time, lose the fourth's tail of q": (
         [("            a3 = simd::fma(qv[c], simd::load(K + (j + 3) * D + L * c, n[c]), a3);\n", "")], "fp32"),
     "attention's sum over V drops the odd positions": ([("y[c] = y[c] + z[c];", "y[c] = y[c];")], "fp32"),
+    "a verify's rows all read and write cache row 0": ([("const int64_t row = s.slot ? s.slot[r] : r;",
+                                                           "const int64_t row = s.slot ? 0 : r;")], "verify"),
+    "a verify's rows attend before the rows before them store": (
+        [("            if (s.cache_bf16) store_new<bf16>(m, s, l); else store_new<float>(m, s, l);  // (a barrier after)\n",
+          ""),
+         ("            linear<ADD>(m, L.attn_proj_w,",
+          "            if (s.cache_bf16) store_new<bf16>(m, s, l); else store_new<float>(m, s, l);\n"
+          "            linear<ADD>(m, L.attn_proj_w,")], "verify"),
     "attention's head tail one short": ([("n[c] = left >= L ? L : left <= 0 ? 0 : left;",
                                           "n[c] = left >= L ? L : left <= 0 ? 0 : left - 1;")], "fp32"),
     "int8 FMA product of one row ignores the row scales": ([("scale = s ? s[n + i] : 1.0f;", "scale = 1.0f;")],
@@ -66,9 +74,40 @@ def int8_vnni_passes(lib) -> bool:
     return all(int8_error(shape, rows, lib, vnni=True) <= VNNI_TOLERANCE for shape in INT8_SHAPES for rows in (2, 8))
 
 
-# test_fused's and test_int8's parity checks, each over every shape there (stopping at the first that fails)
+def verify_passes(lib) -> bool:
+    """test_speculative's: rows of 1, 4 and 2 tokens (one cache row each) in one verify give each position the
+    logits, bit for bit, that one-token steps feeding the same tokens give (fp32, every shape)."""
+    import torch
+
+    from gptlab.inference.fused import FusedDecoder
+
+    for shape in KERNEL_SHAPES:
+        torch.manual_seed(0)
+        model = trained_like(shape)
+        fused = FusedDecoder(model, lib)
+        start = model.new_kv_cache(3)
+        with torch.inference_mode():
+            model(torch.randint(0, shape["vocab_size"], (3, 9)), kv_cache=start)
+        start.pos -= torch.tensor([0, 3, 1])
+        tokens = [torch.randint(0, shape["vocab_size"], (n,)).tolist() for n in (1, 4, 2)]
+        stepped, expected = start.select_rows(torch.arange(3)), {}
+        for t in range(4):
+            logits = fused.step(torch.tensor([row[t] if t < len(row) else 0 for row in tokens]), stepped).clone()
+            expected.update({(r, t): logits[r] for r, row in enumerate(tokens) if t < len(row)})
+        pos = [int(start.pos[r]) + t for r, row in enumerate(tokens) for t in range(len(row))]
+        got = fused.verify(torch.tensor([x for row in tokens for x in row]), torch.tensor(pos),
+                           torch.tensor([r for r, row in enumerate(tokens) for _ in row]),
+                           start.select_rows(torch.arange(3)))
+        keys = [(r, t) for r, row in enumerate(tokens) for t in range(len(row))]
+        if not all(torch.equal(got[i], expected[key]) for i, key in enumerate(keys)):
+            return False
+    return True
+
+
+# test_fused's, test_int8's and test_speculative's parity checks, each over every shape there (stopping at the first
+# that fails)
 CHECKS = {"fp32": fp32_passes, "bf16 weights": bf16_weights_pass, "bf16 cache": bf16_cache_passes,
-          "int8 fma": int8_fma_passes, "int8 vnni": int8_vnni_passes}
+          "int8 fma": int8_fma_passes, "int8 vnni": int8_vnni_passes, "verify": verify_passes}
 
 
 def runnable(check: str, lib=None) -> bool:
