@@ -310,3 +310,153 @@ def test_sample_prints_the_same_text_with_speculate_auto_and_off(tmp_path, capsy
                     "--precision", precision, *flags]
             assert run_ok(capsys, *args, "--speculate", "auto") == run_ok(capsys, *args)
     assert "--speculate" in run_bad(capsys, "sample", "--run", str(run), "--speculate", "on")
+
+
+# ---- a prediction's proposals, a row's counts, the batch's proposals ----------------------------------------------
+
+def _left(ids):
+    """A Prediction of `ids` whose output left it at once (its first token not ids[0]): it proposes by n-gram."""
+    from gptlab.inference.speculate import Prediction
+
+    prediction = Prediction(ids)
+    prediction.follow(-1)
+    assert prediction.at is None
+    return prediction
+
+
+def test_a_prediction_proposes_from_where_the_output_stands_in_it_and_after_it_left_from_its_ngrams():
+    """A prediction proposes its tokens from where the output stands in it (its start at first), `count` at most; a
+    token other than the next predicted one leaves it, and a predicted token does not bring it back: it proposes
+    again only right after an occurrence of the n-gram the tokens end with (the longest first, NGRAM_MAX down to
+    NGRAM_MIN, one of exactly the tokens there are, one ending just before its last token), at or after where the
+    output last stood in it, never before."""
+    from gptlab.inference.speculate import Prediction
+
+    prediction = Prediction([5, 6, 7, 8, 9])
+    assert prediction.propose([1, 2], 3) == [5, 6, 7] and prediction.propose([1, 2], 9) == [5, 6, 7, 8, 9]
+    prediction.follow(5)
+    assert prediction.propose([1, 2, 5], 3) == [6, 7, 8]
+    prediction.follow(0)  # not 6: the output left it
+    assert prediction.at is None and prediction.propose([1, 2, 5, 0], 3) == []  # (5, 0), (2, 5, 0) occur nowhere
+    prediction.follow(6)
+    assert prediction.at is None and prediction.propose([1, 2, 5, 0, 6], 3) == []
+    assert _left([5, 6, 7, 8, 9]).propose([0, 6, 7], 3) == [8, 9]  # (0, 6, 7) occurs nowhere, (6, 7) does
+    assert _left([5, 6, 7, 8, 9]).propose([0, 7, 8], 3) == [9]
+    assert _left([5, 6, 7, 8, 9]).propose([6, 7], 3) == [8, 9]  # the row's two tokens are the n-gram
+    assert _left([2, 3, 4, 1, 2, 3, 7, 8]).propose([0, 1, 2, 3], 2) == [7, 8]  # (1, 2, 3) before (2, 3)
+    prediction = Prediction([1, 2, 3, 1, 2, 4])
+    for token in (1, 2, 3):
+        prediction.follow(token)
+    prediction.follow(9)  # left where it stood after 3: (2, 3) is found there again
+    assert prediction.propose([5, 1, 2, 3, 9, 2, 3], 3) == [1, 2, 4]
+    prediction = Prediction([1, 2, 3, 1, 2, 4])
+    for token in (1, 2, 3, 1, 9):  # left after 3, 1: (1, 2) is found after that, not at the start
+        prediction.follow(token)
+    assert prediction.propose([5, 1, 2, 3, 1, 9, 1, 2], 3) == [4]
+
+
+def test_a_row_with_a_prediction_proposes_it_and_counts_its_tokens_kept_and_refused_over_the_row():
+    """A Lookup with a prediction proposes the prediction's tokens (not its own n-grams') from where its output
+    stands in the prediction, the output's tokens followed as they come (its first, drawn from the prompt's logits,
+    included); of the proposals that came from the prediction, the tokens kept are `accepted` and the refused
+    `rejected`, each summed over the row's checks."""
+    from gptlab.inference.speculate import Prediction
+
+    prediction = Prediction([5, 6, 7, 8, 9, 10])
+    lookup = Lookup([1, 2, 1, 2], prediction=prediction)  # its own n-grams would propose 1, 2, ...
+    lookup.extend([5])
+    assert lookup.propose(3) == [6, 7, 8] and lookup.predicted
+    lookup.update(3, 1)
+    lookup.extend([6, 0])  # 6 kept, then 0 drawn, not 7: the output left the prediction
+    assert (prediction.accepted, prediction.rejected) == (1, 2)
+    assert lookup.propose(3) == [] and not lookup.predicted
+    lookup.update(0, 0)
+    lookup.extend([7])
+    assert lookup.propose(3) == []
+    lookup.extend([8])  # (7, 8) occurs in the prediction: it proposes again from there
+    assert lookup.propose(3) == [9, 10] and lookup.predicted
+    lookup.update(2, 0)
+    assert (prediction.accepted, prediction.rejected) == (1, 4)
+
+
+def test_rows_sharing_a_tally_add_up_what_each_proposed_and_kept():
+    """A batch's Tally sums its rows' proposed and kept tokens over every check; each row counts its own."""
+    from gptlab.inference.speculate import Tally
+
+    tally = Tally()
+    a, b = Lookup([1, 2, 1, 2], tally), Lookup([3, 3, 3], tally)
+    a.update(4, 2)
+    b.update(3, 3)
+    a.update(2, 0)
+    assert (tally.proposed, tally.kept) == (9, 5)
+    assert (a.proposed, a.kept, b.proposed, b.kept) == (6, 2, 3, 3)
+
+
+def test_a_new_row_proposes_up_to_its_limit_and_stops_after_exactly_off_after_refusals():
+    """A limit of one proposes one token, of none nothing; a new row stops proposing after exactly OFF_AFTER
+    refusals in a row, not before."""
+    lookup = Lookup([4, 4, 4])
+    assert lookup.propose(1) == [4] and lookup.propose(0) == []
+    for i in range(OFF_AFTER):
+        assert lookup.on, i
+        proposal = lookup.propose(9)
+        assert proposal == [4] * (DRAFT_START if i == 0 else 1), i  # one past none kept
+        lookup.update(len(proposal), 0)
+    assert not lookup.on and lookup.propose(9) == []
+
+
+def test_asking_a_row_for_no_tokens_changes_nothing():
+    """propose(0) (a row at its last token, or at the end of its cache) is [] and leaves the row as it was: its
+    later proposals are those of a twin never asked, a prediction's too."""
+    from gptlab.inference.speculate import Prediction
+
+    rows = []
+    for asked in (False, True):
+        lookup = Lookup([7, 7], prediction=Prediction([1, 2, 3, 9, 1, 2, 3, 4, 5]))
+        lookup.extend([9, 1, 2])  # 9 is not 1: the output left the prediction; (9, 1, 2) occurs in it
+        if asked:
+            assert lookup.propose(0) == []
+        lookup.extend([3])
+        rows.append((lookup.propose(3), lookup.prediction.at, lookup.prediction.floor))
+    assert rows[0] == rows[1] and rows[0][0] == [9, 1, 2]
+
+
+def test_a_batch_proposes_within_each_rows_tokens_left_and_its_cache_and_sets_the_cache_to_rows_filled():
+    """`propose` (a step of the batch): each speculating row proposes at most row.left - 1 tokens (the token drawn
+    after them is its last) at positions up to the cache's last (max_len - 1); the cache's positions are set to each
+    row's `filled`; it answers whether any row proposes."""
+    from types import SimpleNamespace
+
+    from gptlab.inference.speculate import propose
+    from gptlab.model import KVCache
+
+    def row(left, filled, lookup=True):
+        return SimpleNamespace(lookup=Lookup([4, 4, 4]) if lookup else None, left=left, filled=filled, drafts=[])
+
+    cache = KVCache(1, 4, 1, 12, 2)
+    rows = [row(2, 3), row(3, 3), row(20, 8), row(20, 5, lookup=False)]  # limits 1, 2, 12 - 1 - 8 = 3; none
+    assert propose(rows, cache)
+    assert [r.drafts for r in rows] == [[4], [4, 4], [4, 4, 4], []]
+    assert cache.pos.tolist() == [3, 3, 8, 5]
+    rows = [row(1, 4), row(20, 11)]  # a last token is drawn alone; a row at the cache's last position proposes none
+    assert not propose(rows, KVCache(1, 2, 1, 12, 2)) and [r.drafts for r in rows] == [[], []]
+
+
+@pytest.mark.device_path("fused decode (native)")
+def test_after_a_verify_each_row_holds_the_logits_of_its_own_proposals(fused_kernel):
+    """Two rows, each with its true output predicted: after the step that checked their proposals, each row's
+    `logits` are those after its newest token and its `draft_logits` one row per proposed token (len(drafts), V),
+    its own, not the next row's: bit for bit the logits the tokens after them are drawn from without speculation."""
+    model = engine_model("fp32")
+    cfg = SampleConfig(max_new_tokens=8, temperature=0)
+    prompts = [[1, 2, 3, 4, 5], [9, 30, 41]]
+    plain, _, _ = decode(model, prompts, cfg, 2)
+    batch = RunningBatch(model)
+    rows = [row for p, out in zip(prompts, plain) for row in batch.join(p, cfg, prediction=[t for t, _ in out])]
+    assert [token for _, token, _ in batch.sample()] == [out[0][0] for out in plain]
+    batch.advance()
+    for row, out in zip(rows, plain):
+        assert row.drafts == [t for t, _ in out[1:1 + DRAFT_START]]
+        assert row.draft_logits.shape == (DRAFT_START, SHAPE["vocab_size"])
+        assert torch.equal(row.logits, out[1][1])
+        assert all(torch.equal(row.draft_logits[j:j + 1], out[2 + j][1]) for j in range(DRAFT_START))
