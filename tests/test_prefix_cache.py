@@ -405,3 +405,19 @@ def test_a_budget_smaller_than_a_prompts_chunks_keeps_its_first_chunks_exactly_a
         assert stats.bytes <= stats.budget_bytes and stats.blocks == min(blocks, len(prompt) // CHUNK), i
     # the last prompt (21 tokens: 5 whole chunks) kept its first `blocks` chunks; the same prompt again reuses them
     assert run(model, batch, [(prompts[-1], cfg, 1)])[0][2] == CHUNK * blocks
+
+
+def test_a_prompt_stopped_by_the_budget_still_marks_its_kept_chain_used_leaf_first():
+    """A budget of 4 blocks: a prompt of 3 chunks, then one sharing its first chunk and 5 chunks long, whose chain
+    stops at 4 blocks; an unrelated chunk then evicts one block: the chain's leaf (least recently used, as the kept
+    chain was marked used leaf first), not its first block, so the long prompt again reuses its first 3 chunks."""
+    model = trained_like().model
+    block = 2 * SHAPE["n_layer"] * SHAPE["n_embd"] * CHUNK * 4
+    cache = PrefixCache(4 * block, chunk=CHUNK)
+    cfg = SampleConfig(max_new_tokens=1)
+    a = list(range(1, 14))  # 3 whole chunks before its last token
+    c = a[:4] + list(range(30, 47))  # a's first chunk, then 4 of its own: 21 tokens, 5 whole chunks
+    for prompt in (a, c, [60, 61, 62, 63, 64]):
+        RunningBatch(model, cache).join(prompt, cfg)
+        assert cache.stats().bytes <= 4 * block
+    assert RunningBatch(model, cache).join(c, cfg)[0].cached == 3 * CHUNK

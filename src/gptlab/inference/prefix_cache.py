@@ -129,7 +129,7 @@ class PrefixCache:
                 lo, hi = i * self.chunk, (i + 1) * self.chunk
                 block = _Block(cache.k[:, row, :, lo:hi].clone(), cache.v[:, row, :, lo:hi].clone(), key,
                                self._next_id)
-                block = self._add(block, parent, chain)
+                block = self._add(block, chain)
             if block is None:
                 break  # over the budget with the chain kept: the rest has no parent to hang from
             chain.append(block)
@@ -138,7 +138,7 @@ class PrefixCache:
         if len(cache.pos) == 1:
             self._resident[cache] = [block.id for block in chain]
 
-    def _add(self, block: _Block, parent: int, chain: list[_Block]) -> _Block | None:
+    def _add(self, block: _Block, chain: list[_Block]) -> _Block | None:
         """Keep `block` (whose parent is the last of `chain`, the blocks of its window before it), evicting least
         recently used blocks outside the chain to make room; None, nothing evicted, where the chain and the block
         do not fit the budget."""
