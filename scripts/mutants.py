@@ -280,6 +280,16 @@ def forget_timeouts(folder: Path, module: Module) -> None:
         meta.write_text(json.dumps(data, indent=4))
 
 
+def refresh_native_sources(root: Path, folder: Path) -> None:
+    """Copy the C++ kernel's sources (src/gptlab/inference/csrc) into mutmut's copy of src/: mutmut refreshes the
+    Python files it copied, not these, and a kernel built from an older decode.cpp than native.py expects is refused
+    (its struct layout), failing every test that decodes with it: a module's stats run fails, its mutants look
+    killed."""
+    source, copy = root / "src" / "gptlab" / "inference" / "csrc", folder / "mutants" / "src" / "gptlab" / "inference"
+    if source.is_dir() and copy.is_dir():
+        shutil.copytree(source, copy / "csrc", dirs_exist_ok=True)
+
+
 def run_module(root: Path, name: str, module: Module, children: int, fresh: bool, retry_timeouts: bool = False,
                sample: int | None = None) -> int:
     """Generate, mark message mutants, run mutmut for one module; mutmut's exit status."""
@@ -294,6 +304,7 @@ def run_module(root: Path, name: str, module: Module, children: int, fresh: bool
     again = forget_for_new_tests(folder, module, fingerprint)
     (folder / "tests-fingerprint").write_text(fingerprint)  # an interrupted run resumes where it stopped
     subprocess.run([sys.executable, "-c", GENERATE], cwd=folder, env=env, check=True, stdout=subprocess.DEVNULL)
+    refresh_native_sources(root, folder)
     print(f"mutants: {name}: {mark_messages(folder, module)} message-only mutants marked skipped", flush=True)
     unsampled = mark_sample(folder, module, sample, again=again)
     if sample is not None:

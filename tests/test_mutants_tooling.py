@@ -278,3 +278,21 @@ def test_survivors_of_a_sample_are_tested_again_when_the_tests_change(tmp_path):
     after = json.loads(meta.read_text())["exit_code_by_key"]
     assert [k for k, c in after.items() if c is None] == sorted(again) and list(after.values()).count(1) == 4
     assert mutants.forget_for_new_tests(tmp_path, module, "old") == frozenset()  # the same tests: nothing again
+
+
+def test_the_kernels_sources_are_copied_into_mutmuts_copy_of_src(tmp_path):
+    """mutmut refreshes the Python files of its copy of src/, not the C++ kernel's: a decode.cpp of an older layout
+    beside a newer native.py fails every decoding test. The run copies the csrc files in (a new one and a changed
+    one), and leaves a folder with no copy of src/ yet alone."""
+    csrc = tmp_path / "repo" / "src" / "gptlab" / "inference" / "csrc"
+    csrc.mkdir(parents=True)
+    (csrc / "decode.cpp").write_text("constexpr int LAYOUT_VERSION = 3;")
+    (csrc / "simd.h").write_text("// new")
+    copy = tmp_path / "folder" / "mutants" / "src" / "gptlab" / "inference"
+    (copy / "csrc").mkdir(parents=True)
+    (copy / "csrc" / "decode.cpp").write_text("constexpr int LAYOUT_VERSION = 2;")
+    mutants.refresh_native_sources(tmp_path / "repo", tmp_path / "folder")
+    assert (copy / "csrc" / "decode.cpp").read_text() == "constexpr int LAYOUT_VERSION = 3;"
+    assert (copy / "csrc" / "simd.h").read_text() == "// new"
+    mutants.refresh_native_sources(tmp_path / "repo", tmp_path / "empty")  # nothing generated there yet
+    assert not (tmp_path / "empty").exists()
