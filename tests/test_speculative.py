@@ -460,3 +460,17 @@ def test_after_a_verify_each_row_holds_the_logits_of_its_own_proposals(fused_ker
         assert row.draft_logits.shape == (DRAFT_START, SHAPE["vocab_size"])
         assert torch.equal(row.logits, out[1][1])
         assert all(torch.equal(row.draft_logits[j:j + 1], out[2 + j][1]) for j in range(DRAFT_START))
+
+
+@pytest.mark.device_path("fused decode (native)")
+def test_a_batch_tallies_what_all_its_rows_proposed_and_kept(fused_kernel):
+    """RunningBatch.tally (what /metrics reads) is the sum over its rows, those that left included."""
+    model = engine_model("fp32")
+    batch = RunningBatch(model)
+    cfg = SampleConfig(max_new_tokens=20, temperature=0, speculate="auto")
+    rows = [row for p in repetitive_prompts(6) for row in batch.join(p, cfg)]
+    while batch.rows:
+        batch.sample()
+        batch.advance()
+    assert batch.tally.proposed == sum(r.lookup.proposed for r in rows) > 0
+    assert batch.tally.kept == sum(r.lookup.kept for r in rows) > 0
