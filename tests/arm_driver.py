@@ -79,11 +79,14 @@ def drive_input(model, ids: torch.Tensor) -> bytes:
     return b"".join(parts)
 
 
-def run_driver(driver: Path, cpu: str, model, ids: torch.Tensor, folder: Path) -> torch.Tensor:
-    """The logits (steps, R, V) of the driver's steps under qemu's `cpu`."""
+def run_driver(driver: Path, cpu: str, model, ids: torch.Tensor, folder: Path, verify: bool = False):
+    """The logits (steps, R, V) of the driver's steps under qemu's `cpu`; with `verify` (one row), also those
+    (steps, V) of one verify step of the same tokens: (steps' logits, verify's)."""
     (folder / "in.bin").write_bytes(drive_input(model, ids))
-    done = subprocess.run([QEMU, "-cpu", cpu, str(driver), str(folder / "in.bin"), str(folder / "out.bin")],
-                          capture_output=True, text=True, timeout=600)
+    done = subprocess.run([QEMU, "-cpu", cpu, str(driver), str(folder / "in.bin"), str(folder / "out.bin"),
+                           *(["verify"] if verify else [])], capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, f"{driver.name} under -cpu {cpu}: exit {done.returncode}: {done.stderr[-2000:]}"
     data = torch.frombuffer(bytearray((folder / "out.bin").read_bytes()), dtype=torch.float32)
-    return data.view(ids.shape[0], ids.shape[1], model.config.vocab_size)
+    V, stepped = model.config.vocab_size, ids.numel() * model.config.vocab_size
+    logits = data[:stepped].view(ids.shape[0], ids.shape[1], V)
+    return (logits, data[stepped:].view(ids.shape[0], V)) if verify else logits

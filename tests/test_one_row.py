@@ -113,7 +113,8 @@ def test_a_row_alone_gives_the_same_logits_as_beside_other_rows(lib, shape, weig
 def test_an_arm_row_alone_gives_the_same_logits_as_beside_other_rows(tmp_path):
     """The armv8-a build (NEON, 4 lanes; fp32, bf16 widened, int8 by FMAs) under qemu: every row starts at position
     0 in the driver, so the rows beside differ by their tokens. (armv8.2-a+dotprod compiles the same float products;
-    its int8 product, sdot, sums exact integers per row of x.)"""
+    its int8 product, sdot, sums exact integers per row of x.) And a row's tokens checked all at once in one verify
+    step (speculation's) give each position the bits its one-token steps gave."""
     driver = cross_build("armv8-a", tmp_path / "build")
     draw = torch.Generator().manual_seed(2)
     for shape in SHAPES:
@@ -123,5 +124,6 @@ def test_an_arm_row_alone_gives_the_same_logits_as_beside_other_rows(tmp_path):
             beside = run_driver(driver, "max", model, ids, tmp_path)
             three = run_driver(driver, "max", model, ids[:, :3].contiguous(), tmp_path)
             for at, got in ((0, three[:, 0]), (2, three[:, 2]), (4, beside[:, 4]), (8, beside[:, 8])):
-                alone = run_driver(driver, "max", model, ids[:, at:at + 1].contiguous(), tmp_path)[:, 0]
-                assert torch.equal(got, alone), f"C{shape['n_embd']}, {weights}: row {at} of {3 if at < 3 else 9}"
+                alone, verified = run_driver(driver, "max", model, ids[:, at:at + 1].contiguous(), tmp_path, True)
+                assert torch.equal(got, alone[:, 0]), f"C{shape['n_embd']}, {weights}: row {at} of {3 if at < 3 else 9}"
+                assert torch.equal(verified, alone[:, 0]), f"C{shape['n_embd']}, {weights}: row {at}'s verify"

@@ -3,12 +3,14 @@
 // be checked where no such CPU is at hand: tests/test_arm.py cross-compiles it for ARM64 (static) and runs it
 // under qemu-user, then compares the logits with the torch forward's.
 //
-//   drive_decode IN OUT
+//   drive_decode IN OUT [verify]
 // IN (little-endian, written by tests/test_arm.py): "GPTLABDRIVE1", then int32 n_layer, n_head, head_dim, n_embd,
 // vocab_size, block_size, weights, gelu_tanh, R, steps, cache_bf16; float32 eps; then the arrays, each an int64 byte
 // count (0: NULL) and its bytes: wte, wpe, lm_head, ln_f_w, ln_f_b, lm_head_s, lm_head_sum, then per layer the 20
 // of struct Layer in its order; then the ids, int64 (steps, R). Every row starts at position 0.
-// OUT: float32 logits (steps, R, vocab_size). Exit status 0, or 1 with a line on stderr.
+// OUT: float32 logits (steps, R, vocab_size); with `verify` (R must be 1), then the logits (steps, vocab_size) of
+// one verify step of all the row's tokens at once (steps step rows on cache row 0, at positions 0, 1, ...).
+// Exit status 0, or 1 with a line on stderr.
 #include "decode.cpp"
 
 #include <stdio.h>
@@ -38,7 +40,8 @@ static const void* read_array() {  // kept for the whole run: the model points i
 }
 
 int main(int argc, char** argv) {
-    if (argc != 3) fail("usage: drive_decode IN OUT");
+    const bool verify = argc == 4 && strcmp(argv[3], "verify") == 0;
+    if (argc != 3 && !verify) fail("usage: drive_decode IN OUT [verify]");
     in = fopen(argv[1], "rb");
     if (!in) fail("cannot open IN");
     char magic[12];
@@ -84,6 +87,19 @@ int main(int argc, char** argv) {
                qkv.data(), att.data(), fc.data(), logits.data(), scores.data()};
         if (gptlab_decode_step(&m, &s) != 0) fail("the step refused a row");
         fwrite(logits.data(), sizeof(float), logits.size(), out);
+    }
+    if (verify) {  // the same tokens again, all in one step, over a fresh cache
+        if (R != 1) fail("verify drives one row");
+        std::fill(k.begin(), k.end(), 0.0f);
+        std::fill(v.begin(), v.end(), 0.0f);
+        const size_t S = steps;
+        std::vector<float> vx(S * C), vh(S * C), vqkv(S * 3 * C), vatt(S * C), vfc(S * 4 * C), vlogits(S * m.vocab_size);
+        std::vector<int64_t> vpos(S), slot(S, 0);
+        for (size_t t = 0; t < S; t++) vpos[t] = (int64_t)t;
+        Step s{steps, steps, T, cache_bf16, 1, ids.data(), vpos.data(), slot.data(), k.data(), v.data(), vx.data(),
+               vh.data(), vqkv.data(), vatt.data(), vfc.data(), vlogits.data(), scores.data()};
+        if (gptlab_decode_step(&m, &s) != 0) fail("the verify refused a row");
+        fwrite(vlogits.data(), sizeof(float), vlogits.size(), out);
     }
     return fclose(out) == 0 ? 0 : 1;
 }
