@@ -435,11 +435,14 @@ def test_a_batch_proposes_within_each_rows_tokens_left_and_its_cache_and_sets_th
 
     cache = KVCache(1, 4, 1, 12, 2)
     rows = [row(2, 3), row(3, 3), row(20, 8), row(20, 5, lookup=False)]  # limits 1, 2, 12 - 1 - 8 = 3; none
-    assert propose(rows, cache)
+    def draft(row, limit):
+        return row.lookup.propose(limit) if row.lookup is not None else []
+
+    assert propose(rows, cache, draft)
     assert [r.drafts for r in rows] == [[4], [4, 4], [4, 4, 4], []]
     assert cache.pos.tolist() == [3, 3, 8, 5]
     rows = [row(1, 4), row(20, 11)]  # a last token is drawn alone; a row at the cache's last position proposes none
-    assert not propose(rows, KVCache(1, 2, 1, 12, 2)) and [r.drafts for r in rows] == [[], []]
+    assert not propose(rows, KVCache(1, 2, 1, 12, 2), draft) and [r.drafts for r in rows] == [[], []]
 
 
 @pytest.mark.device_path("fused decode (native)")

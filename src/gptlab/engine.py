@@ -27,70 +27,18 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn as nn
+from torch import nn
 
-from gptlab.config import SEED_LIMIT, SampleConfig
-from gptlab.errors import GptlabError
+from gptlab.config import SampleConfig
+from gptlab.inference.grammar import DeadEnd
 from gptlab.inference.prefix_cache import PrefixCache, prompt_pass
 from gptlab.inference.prepared import InferenceModel, as_inference
+from gptlab.inference.rows import RowSampler, Steer, check_prompts, one_thread, push, row_seed, window_keep
 from gptlab.inference.speculate import Lookup, Prediction, Tally, propose, verify_proposals
 from gptlab.model import KVCache
-from gptlab.sampling import next_token
-
-
-def window_keep(block_size: int) -> int:
-    """How many trailing tokens a row's window keeps when it slides."""
-    return max(1, block_size * 3 // 4)
-
-
-# ---- token ids ---------------------------------------------------------------------------------------------------
-
-def row_seed(seed: int, sample: int) -> int:
-    """The seed of sample `sample` (0, 1, ...) of a prompt drawn with `seed`: seed + sample, wrapped into [0, 2**63).
-    So sample i of n is exactly what one sample with seed + i gives, in `gptlab sample` and in the server alike."""
-    return (seed + sample) % SEED_LIMIT
-
-
-@contextmanager
-def one_thread() -> Iterator[None]:
-    """Draw tokens on one thread: a row's vector of V numbers gains nothing from a second, and where another
-    process keeps a core busy each parallel region waits for a descheduled thread (many times slower than one
-    thread at GPT-2's vocabulary)."""
-    threads = torch.get_num_threads()
-    if threads == 1:
-        yield
-        return
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
-
-
-class RowSampler:
-    """One row's sampling state: its settings, its own generator (seeded with `seed`) and, when a penalty is set,
-    its token counts (1, V), started from the row's window. Every row is drawn alone, from its own (1, V) logits,
-    so what a row draws never depends on which rows are beside it (the server's continuous batching)."""
-
-    def __init__(self, cfg: SampleConfig, seed: int, window: Sequence[int], vocab_size: int, device: torch.device):
-        self.cfg = cfg
-        self.generator = torch.Generator(device).manual_seed(seed)
-        self.counts = None
-        if cfg.repetition_penalty != 1.0 or cfg.frequency_penalty or cfg.presence_penalty:
-            self.counts = torch.zeros(1, vocab_size, dtype=torch.long, device=device)
-            ids = torch.tensor(window, dtype=torch.long, device=device)
-            self.counts[0].index_add_(0, ids, torch.ones_like(ids))
-
-    def choose(self, logits: torch.Tensor) -> int:
-        """The next id drawn from this row's next-token logits (1, V); counted for the penalties."""
-        i = int(next_token(logits, self.cfg, self.generator, self.counts))
-        if self.counts is not None:
-            self.counts[0, i] += 1
-        return i
 
 
 class Reference:
@@ -99,7 +47,7 @@ class Reference:
     prompt r // num_samples."""
 
     def __init__(self, model: InferenceModel | nn.Module, prompts: Sequence[Sequence[int]], cfg: SampleConfig,
-                 num_samples: int):
+                 num_samples: int, steer: Steer | None = None):
         model = self.model = as_inference(model).model
         check_prompts(model, prompts, num_samples)
         self.cfg = cfg
@@ -108,85 +56,80 @@ class Reference:
         self.keep = window_keep(self.block_size)
         self.windows = [list(p[-self.block_size:]) for p in prompts for _ in range(num_samples)]
         vocab = model.config.vocab_size
-        self.samplers = [RowSampler(cfg, row_seed(cfg.seed, r % num_samples), w, vocab, self.device)
+        self.samplers = [RowSampler(cfg, row_seed(cfg.seed, r % num_samples), w, vocab, self.device, steer)
                          for r, w in enumerate(self.windows)]
 
     def tensor(self, ids: Sequence) -> torch.Tensor:
         return torch.tensor(ids, dtype=torch.long, device=self.device)
 
-    def choose(self, logits: torch.Tensor) -> list[int]:
-        """Next ids (R) from last-position logits (R, V); appends them to the windows, sliding the full ones."""
+    def choose(self, logits: torch.Tensor) -> list[int | None]:
+        """Next ids (R) from last-position logits (R, V), None for a row whose grammar is complete; appends them to
+        the windows, sliding the full ones."""
         with one_thread():
-            ids = [s.choose(logits[r:r + 1]) for r, s in enumerate(self.samplers)]
+            ids = [None if s.finished else s.choose(logits[r:r + 1]) for r, s in enumerate(self.samplers)]
         for window, i in zip(self.windows, ids):
-            push(window, i, self.block_size, self.keep)
+            if i is not None:
+                push(window, i, self.block_size, self.keep)
         return ids
 
 
-def check_prompts(model: nn.Module, prompts: Sequence[Sequence[int]], num_samples: int = 1) -> None:
-    """GptlabError for no prompt, an empty one, an id outside the model's vocabulary, or num_samples < 1."""
-    if num_samples < 1:
-        raise GptlabError(f"num_samples must be >= 1, not {num_samples}")
-    if not prompts or any(len(p) == 0 for p in prompts):
-        raise GptlabError("the prompt is empty and this model has no start token; give a --prompt")
-    vocab = model.config.vocab_size
-    bad = next((i for p in prompts for i in p if not 0 <= i < vocab), None)
-    if bad is not None:
-        raise GptlabError(f"token id {bad} is outside the model's vocabulary of {vocab}; use the run's tokenizer")
-
-
-def push(window: list[int], token: int, block_size: int, keep: int) -> None:
-    """Append a new token to a row's window; a window past block_size slides to its last `keep` tokens."""
-    window.append(token)
-    if len(window) > block_size:
-        del window[:-keep]
-
-
 def generate_batch(model: InferenceModel | nn.Module, prompts: Sequence[Sequence[int]], cfg: SampleConfig,
-                   num_samples: int = 1, prefix_cache: PrefixCache | None = None) -> Iterator[list[int]]:
+                   num_samples: int = 1, prefix_cache: PrefixCache | None = None,
+                   steer: Steer | None = None) -> Iterator[list[int | None]]:
     """Yield, for each new position, the next token id of every row: len(prompts) * num_samples ids, prompt-major
-    (row r continues prompts[r // num_samples]), up to cfg.max_new_tokens positions. Decoded by a `RunningBatch`,
+    (row r continues prompts[r // num_samples]), up to cfg.max_new_tokens positions; with a grammar (`steer`), None
+    for a row whose grammar is complete (it has ended), and the positions stop once every row has ended. Decoded by a `RunningBatch`,
     the server's path: each prompt goes through the prompt pass alone (reusing `prefix_cache`'s blocks) and is
     shared by its samples, so every row gives bitwise what it gives alone or in the server beside any others.
     A prompt longer than the context keeps its last block_size tokens. Raises GptlabError (at the call, not at the
-    first token) for an empty prompt, ids outside the vocabulary, or num_samples < 1."""
+    first token) for an empty prompt, ids outside the vocabulary, or num_samples < 1; a row whose grammar allows no
+    token the model has raises DeadEnd (a GptlabError) when it gets there."""
     batch = RunningBatch(model, prefix_cache)
     for prompt in prompts:
-        batch.join(prompt, cfg, num_samples)
+        batch.join(prompt, cfg, num_samples, steer=steer)
     return _decode_running(batch, cfg.max_new_tokens)
 
 
-def _decode_running(batch: RunningBatch, steps: int) -> Iterator[list[int]]:
-    """Position by position: a row that drew several tokens at once (speculation) waits with them for the others."""
+def _decode_running(batch: RunningBatch, steps: int) -> Iterator[list[int | None]]:
+    """Position by position: a row that drew several tokens at once (speculation, a forced run) waits with them for
+    the others; a row whose grammar is complete gives None."""
     rows = list(batch.rows)
     ready: dict[Row, deque[int]] = {row: deque() for row in rows}
     for step in range(steps):
-        if not all(ready.values()):
+        if all(row.finish and not ready[row] for row in rows):
+            return
+        if not all(ready[row] or row.finish for row in rows):
             if step:  # (no logits are needed after the last token)
                 batch.advance()
             for row, token, _ in batch.sample():
                 ready[row].append(token)
-        yield [ready[row].popleft() for row in rows]
+            failed = next((row.error for row in rows if row.error), None)
+            if failed is not None:
+                raise DeadEnd(failed)
+        yield [ready[row].popleft() if ready[row] else None for row in rows]
 
 
 def generate(model: InferenceModel | nn.Module, prompt: Sequence[int], cfg: SampleConfig,
-             num_samples: int = 1, prefix_cache: PrefixCache | None = None) -> Iterator[list[int]]:
+             num_samples: int = 1, prefix_cache: PrefixCache | None = None,
+             steer: Steer | None = None) -> Iterator[list[int | None]]:
     """`generate_batch` for one prompt: yields the `num_samples` next ids of each new position."""
-    return generate_batch(model, [prompt], cfg, num_samples, prefix_cache)
+    return generate_batch(model, [prompt], cfg, num_samples, prefix_cache, steer)
 
 
 def generate_uncached(model: InferenceModel | nn.Module, prompts: Sequence[Sequence[int]], cfg: SampleConfig,
-                      num_samples: int = 1) -> Iterator[list[int]]:
+                      num_samples: int = 1, steer: Steer | None = None) -> Iterator[list[int | None]]:
     """The reference for `generate_batch` (same arguments, rows, window policy and yields): no cache, every step
     recomputes each row's whole window through the model's forward, rows of equal window length together, others
-    one by one (an InferenceModel's decoder is not used)."""
-    return _decode_uncached(Reference(model, prompts, cfg, num_samples))
+    one by one (an InferenceModel's decoder is not used); a grammar's forced tokens one position at a time."""
+    return _decode_uncached(Reference(model, prompts, cfg, num_samples, steer))
 
 
 @torch.inference_mode()
-def _decode_uncached(state: Reference) -> Iterator[list[int]]:
+def _decode_uncached(state: Reference) -> Iterator[list[int | None]]:
     model = state.model
     for _ in range(state.cfg.max_new_tokens):
+        if all(s.finished for s in state.samplers):
+            return
         if len({len(w) for w in state.windows}) == 1:
             logits, _ = model(state.tensor(state.windows), last_only=True)
         else:
@@ -212,6 +155,9 @@ class Row:
     lookup: Lookup | None = None  # its proposals, where the batch speculates
     drafts: list[int] = field(default_factory=list)  # the tokens proposed after its newest, checked by the last step
     draft_logits: torch.Tensor | None = None  # (len(drafts), V): the logits after each of them
+    forced_run: bool = False  # its drafts are its grammar's forced run (not a speculative proposal)
+    finish: str | None = None  # "stop" once its grammar is complete (it has ended, tokens left or not)
+    error: str | None = None  # why it ended where its grammar allowed no token the model has
 
 
 class RunningBatch:
@@ -243,15 +189,16 @@ class RunningBatch:
         self._moved = False  # rows left since the last layout
         self._spare: KVCache | None = None  # a one-row cache for the next prompt pass (`_one_row`)
         self.tally = Tally()  # tokens its rows proposed and kept (speculation)
+        self.forced_in_one_step = True  # a grammar's forced run fed in one step (False: one token a step)
 
     @torch.inference_mode()
     def join(self, prompt: Sequence[int], cfg: SampleConfig, num_samples: int = 1, prompt_logits: bool = False,
-             prediction: Sequence[int] | None = None) -> list[Row]:
+             prediction: Sequence[int] | None = None, steer: Steer | None = None) -> list[Row]:
         """Put `prompt` (its last block_size tokens) through the prompt pass and add `num_samples` rows continuing
         it, sample i drawn with `row_seed(cfg.seed, i)`; they take part from the next `sample`. `prompt_logits`:
         every position's logits are computed (no block reused) and kept in the first row's `prompt_logits` (T, V).
         `prediction`: the ids a client predicts the output to be, proposed first (speculation: the same output).
-        Raises GptlabError for an empty prompt, ids outside the vocabulary or num_samples < 1."""
+        `steer`: each row's logit_bias and grammar (each row its own Constraint). Raises GptlabError for an empty prompt, ids outside the vocabulary or num_samples < 1."""
         check_prompts(self.model, [prompt], num_samples)
         window = list(prompt[-self.block_size:])
         need = min(self.block_size, len(window) + cfg.max_new_tokens)
@@ -259,7 +206,7 @@ class RunningBatch:
         logits, hit = prompt_pass(self.model, cache, window, self.prefix_cache, "all" if prompt_logits else "last")
         last = logits[-1:].clone()  # (1, V)
         vocab = self.model.config.vocab_size
-        rows = [Row(list(window), RowSampler(cfg, row_seed(cfg.seed, i), window, vocab, self.device),
+        rows = [Row(list(window), RowSampler(cfg, row_seed(cfg.seed, i), window, vocab, self.device, steer),
                     cfg.max_new_tokens, last, len(window), need, hit, lookup=self._lookup(cfg, window, prediction))
                 for i in range(num_samples)]
         if prompt_logits and rows:
@@ -305,21 +252,37 @@ class RunningBatch:
 
     def _draw(self, row: Row) -> list[tuple[Row, int, torch.Tensor]]:
         logits, out, kept = row.logits, [], 0
-        while True:
-            token = row.sampler.choose(logits)
+        while row.left > 0:
+            try:
+                token = row.sampler.choose(logits)
+            except DeadEnd as exc:
+                row.error, row.left = str(exc), 0
+                break
             out.append((row, token, logits))
             row.left -= 1
             push(row.window, token, self.block_size, self.keep)
+            if row.sampler.finished:
+                row.finish, row.left = "stop", 0
             if kept == len(row.drafts) or token != row.drafts[kept] or row.left <= 0:
                 break
             logits = row.draft_logits[kept:kept + 1]  # the proposal was drawn: its key and value are kept
             kept += 1
         if row.lookup is not None:
-            row.lookup.update(len(row.drafts), kept)
+            row.lookup.update(0 if row.forced_run else len(row.drafts), kept)
             row.lookup.extend(token for _, token, _ in out)
         row.filled += kept
         row.drafts, row.draft_logits = [], None
         return out
+
+    def _proposal(self, row: Row, limit: int) -> list[int]:
+        """What a row proposes after its newest token: the rest of its grammar's forced run (fed in this one step
+        where `forced_in_one_step`), else its lookup's proposal, cut where its grammar would refuse it."""
+        c = row.sampler.constraint
+        row.forced_run = bool(c is not None and c.queue and self.forced_in_one_step and limit > 0)
+        if row.forced_run:
+            return list(c.queue)[:limit]
+        proposal = row.lookup.propose(limit) if row.lookup is not None else []
+        return proposal[:c.valid_prefix(proposal)] if c is not None else proposal
 
     def leave(self, rows: Sequence[Row]) -> None:
         """Drop `rows`; their cache rows are freed at the next `advance`."""
@@ -341,7 +304,8 @@ class RunningBatch:
         for i, row in enumerate(self.rows):
             if row.filled >= len(row.window):
                 row.filled = self._rebuild_row(i, row.window)
-        if any(row.lookup is not None for row in self.rows) and propose(self.rows, self.cache):
+        if self.prepared.fused and any(row.lookup is not None or row.sampler.constraint is not None
+                                       for row in self.rows) and propose(self.rows, self.cache, self._proposal):
             return verify_proposals(self.prepared.decoder, self.rows, self.cache)
         ids = [row.window[-1] for row in self.rows]
         decoder = self.prepared.decoder_for(self.cache)

@@ -46,15 +46,29 @@ def top_p_filter(logits: torch.Tensor, p: float) -> torch.Tensor:
     return logits.masked_fill(drop, float("-inf"))
 
 
+def add_bias(logits: torch.Tensor, bias: dict[int, float]) -> torch.Tensor:
+    """OpenAI's logit_bias: `bias[id]` added to that id's logit in every row (-100 all but bans it, 100 all but
+    forces it); a new tensor."""
+    ids = torch.tensor(list(bias), dtype=torch.long, device=logits.device)
+    values = torch.tensor(list(bias.values()), dtype=logits.dtype, device=logits.device)
+    return logits.index_add(-1, ids, values.expand(*logits.shape[:-1], -1))
+
+
 def next_token(logits: torch.Tensor, cfg: SampleConfig, generator: torch.Generator | None = None,
-               counts: torch.Tensor | None = None) -> torch.Tensor:
-    """Pick one token per row from logits (B, V): penalties, then temperature (0 = argmax, the lowest id among
-    equal maxima), top-k, top-p, then a draw from the softmax with `generator`: one uniform number per row, placed
-    in the cumulative distribution (torch.multinomial draws V exponentials per row, several times slower at GPT-2's
+               counts: torch.Tensor | None = None, bias: dict[int, float] | None = None,
+               allowed: torch.Tensor | None = None) -> torch.Tensor:
+    """Pick one token per row from logits (B, V): `bias` (logit_bias) added, penalties, the mask `allowed` (V,)
+    (a grammar's: -inf on the tokens it refuses), then temperature (0 = argmax, the lowest id among equal maxima),
+    top-k, top-p, then a draw from the softmax with `generator`: one uniform number per row, placed in the
+    cumulative distribution (torch.multinomial draws V exponentials per row, several times slower at GPT-2's
     vocabulary, and the server draws every row of every step). Returns ids (B,)."""
     logits = logits.float()
+    if bias:
+        logits = add_bias(logits, bias)
     if counts is not None:
         logits = apply_penalties(logits, counts, cfg.repetition_penalty, cfg.frequency_penalty, cfg.presence_penalty)
+    if allowed is not None:
+        logits = logits.masked_fill(~allowed, float("-inf"))
     if cfg.temperature == 0:
         return logits.argmax(dim=-1)
     logits = logits / cfg.temperature

@@ -13,6 +13,7 @@ from gptlab.config import SampleConfig
 from gptlab.engine import generate_batch
 from gptlab.inference.prefix_cache import PrefixCache
 from gptlab.inference.prepared import InferenceModel
+from gptlab.inference.rows import Steer
 from gptlab.tokenizer import StreamDecoder, Tokenizer
 
 
@@ -77,16 +78,18 @@ def _held_back(text: str, stops: Sequence[str]) -> int:
 class TextStream:
     """Generation as text. Iterating yields, per step, the newly released text of every row ("" when a row has
     nothing new or has finished) and stops once every row has finished; `completions` then holds each row's text,
-    ids and finish reason. Rows (and `prefix_cache`) are as in `generate_batch`."""
+    ids and finish reason. Rows (and `prefix_cache`, `steer`: logit_bias and a grammar) are as in `generate_batch`."""
 
     def __init__(self, model: InferenceModel | nn.Module, tokenizer: Tokenizer, prompts: Sequence[Sequence[int]],
-                 cfg: SampleConfig, num_samples: int = 1, prefix_cache: PrefixCache | None = None):
-        self._ids = generate_batch(model, prompts, cfg, num_samples, prefix_cache)
+                 cfg: SampleConfig, num_samples: int = 1, prefix_cache: PrefixCache | None = None,
+                 steer: Steer | None = None):
+        self._ids = generate_batch(model, prompts, cfg, num_samples, prefix_cache, steer)
         self.completions = [Completion(tokenizer, cfg.stop) for _ in range(len(prompts) * num_samples)]
 
     def __iter__(self) -> Iterator[list[str]]:
         for ids in self._ids:
-            yield [row.push(i) for row, i in zip(self.completions, ids)]
+            # None: the row's grammar is complete (it ends there, as a stop string ends a row)
+            yield [row.push(i) if i is not None else row.close("stop") for row, i in zip(self.completions, ids)]
             if all(row.finish_reason is not None for row in self.completions):
                 self._ids.close()
                 return

@@ -12,7 +12,7 @@ nearly free at batch 1, where the step's time is the weights' reading.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -138,14 +138,13 @@ class Lookup:
             self.on = False
 
 
-def propose(rows: Sequence[Any], cache: KVCache) -> bool:
-    """Each speculating row's proposal (`row.drafts`, at most row.left - 1 tokens, each at a position the cache
-    holds: the window cannot slide before the last token drawn), cache row i of rows[i] set to the positions it
-    fills (`row.filled`: kept proposals moved it on); whether any row proposes."""
+def propose(rows: Sequence[Any], cache: KVCache, draft: Callable[[Any, int], list[int]]) -> bool:
+    """Each row's proposal (`row.drafts`: `draft(row, limit)`, at most row.left - 1 tokens, each at a position the
+    cache holds: the window cannot slide before the last token drawn), cache row i of rows[i] set to the positions
+    it fills (`row.filled`: kept proposals moved it on); whether any row proposes."""
     cache.pos.copy_(torch.tensor([row.filled for row in rows]))
     for row in rows:
-        if row.lookup is not None:
-            row.drafts = row.lookup.propose(min(row.left - 1, cache.max_len - 1 - row.filled))
+        row.drafts = draft(row, min(row.left - 1, cache.max_len - 1 - row.filled))
     return any(row.drafts for row in rows)
 
 

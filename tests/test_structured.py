@@ -1,0 +1,279 @@
+"""Constrained generation (gptlab.inference.grammar, the engine's rows): every output of 60 JSON schemas, on a char
+model and on GPT-2's BPE, greedy and sampled, untrained, parses and validates with the `jsonschema` library; every
+token is one llguidance's own check allows at its step; a grammar's forced run fed in one step gives what one
+token a step gives; logit_bias, penalties, top-k and top-p obey the mask; rows with and without a grammar share a
+batch; bad schemas, missing characters and dead ends are refused in one line."""
+
+import json
+from pathlib import Path
+
+import jsonschema
+import llguidance
+import pytest
+import torch
+from helpers import trained_like
+
+from gptlab.config import SampleConfig
+from gptlab.engine import RunningBatch, generate_batch, generate_uncached, one_thread
+from gptlab.errors import GptlabError
+from gptlab.inference.grammar import DeadEnd, GrammarError, compile_grammar, lltokenizer
+from gptlab.inference.loading import prepare_for_inference
+from gptlab.inference.rows import Steer
+from gptlab.sampling import next_token
+from gptlab.tokenizer import CharTokenizer, GPT2Tokenizer
+
+SCHEMAS = json.loads((Path(__file__).parent / "data" / "schemas.json").read_text())
+PRINTABLE = [chr(c) for c in range(32, 127)]
+BUDGET = 200  # tokens a schema's output gets
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    with one_thread():
+        yield
+
+
+@pytest.fixture(scope="module")
+def gpt2():
+    return GPT2Tokenizer()
+
+
+@pytest.fixture(scope="module")
+def chars():
+    return CharTokenizer(PRINTABLE + ["\n"])
+
+
+def untrained(tokenizer, seed=0, block_size=256):
+    torch.manual_seed(seed)
+    return trained_like(dict(n_layer=2, n_head=2, n_embd=32, vocab_size=tokenizer.vocab_size, block_size=block_size,
+                             dropout=0.0), seed=seed)
+
+
+def outputs(model, tokenizer, prompt, cfg, steer, width=1):
+    """Each row's ids (None-free) of `prompt` decoded `width` samples at once, and whether it ended normally (its
+    grammar complete) before the budget."""
+    rows = list(zip(*generate_batch(model, [tokenizer.encode(prompt)], cfg, width, steer=steer)))
+    out = []
+    for r in range(width):
+        ids = [i for i in rows[r] if i is not None] if rows else []
+        out.append((ids, bool(rows) and rows[r][-1] is None or len(ids) < cfg.max_new_tokens))
+    return out
+
+
+def check_tokens(grammar, ids):
+    """llguidance's own check, token by token, on a fresh matcher: each token allowed where it came."""
+    matcher = llguidance.LLMatcher(grammar.tokenizer, grammar.text, log_level=0)
+    for n, token in enumerate(ids):
+        assert matcher.validate_tokens([token]) == 1, f"token {n} ({token}) refused by llguidance"
+        assert matcher.consume_token(token)
+    return matcher
+
+
+@pytest.mark.parametrize("kind", ["char", "bpe"])
+def test_sixty_schemas_give_json_that_validates_greedy_and_sampled_on_an_untrained_model(kind, gpt2, chars):
+    """The acceptance set: 60 schemas x greedy and sampled on an untrained model (its free output is noise): every
+    output that stops normally parses and validates with jsonschema, every token passes llguidance's check step by
+    step, and >= 99 % of those whose length the schema bounds stop normally within the budget (the truncated ones
+    counted and named; a JSON number's fraction is not bounded: those truncated are counted apart)."""
+    tokenizer = chars if kind == "char" else gpt2
+    model = prepare_for_inference(untrained(tokenizer), "fp32")
+    finished, truncated, unbounded = 0, [], 0
+    for n, schema in enumerate(SCHEMAS):
+        grammar = compile_grammar("json_schema", schema, tokenizer)
+        for cfg in (SampleConfig(max_new_tokens=BUDGET, temperature=0),
+                    SampleConfig(max_new_tokens=BUDGET, temperature=1.0, top_p=0.95, seed=n)):
+            ((ids, ended),) = outputs(model, tokenizer, "Answer: ", cfg, Steer(grammar=grammar))
+            matcher = check_tokens(grammar, ids)
+            if not ended and '"number"' in json.dumps(schema):  # a JSON number's fraction has no length limit
+                unbounded += 1
+                continue
+            if not ended:
+                truncated.append(schema["title"])
+                continue
+            assert matcher.is_accepting(), schema["title"]
+            jsonschema.validate(json.loads(tokenizer.decode(ids)), schema)
+            finished += 1
+    total = 2 * len(SCHEMAS) - unbounded
+    print(f"{kind}: {finished} of {total} bounded outputs stopped normally; truncated: {truncated}; numbers "
+          f"unbounded in length truncated: {unbounded}")
+    assert finished >= 0.99 * total, f"truncated at {BUDGET} tokens: {truncated}"
+    assert len(SCHEMAS) >= 50 and unbounded <= 6
+
+
+@pytest.mark.device_path("fused decode (native)")
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_a_forced_run_in_one_step_gives_what_one_token_a_step_gives(fused_kernel, precision, gpt2):
+    """Long fixed keys force runs of several tokens: fed to the fused step in one verify, every token and the logits
+    it came from are bit for bit those of one token a step, greedy and seeded, alone and beside other rows."""
+    from gptlab.runtime import bf16_supported
+
+    if precision == "bf16" and not bf16_supported(torch.device("cpu")):
+        pytest.skip("no native bf16 on this CPU")
+    schema = {"type": "object", "properties": {
+        "the_first_very_long_property_name": {"type": "integer", "minimum": 0, "maximum": 99},
+        "another_quite_long_property_name_here": {"enum": ["alpha_value", "beta_value"]},
+        "short": {"type": "string", "maxLength": 6}}, "additionalProperties": False,
+        "required": ["the_first_very_long_property_name", "another_quite_long_property_name_here", "short"]}
+    grammar = compile_grammar("json_schema", schema, gpt2)
+    model = prepare_for_inference(untrained(gpt2, 1), precision)
+    assert model.fused
+    for cfg in (SampleConfig(max_new_tokens=80, temperature=0), SampleConfig(max_new_tokens=80, temperature=0.8,
+                                                                              top_k=50, seed=5)):
+        got = {}
+        for one_step in (True, False):
+            batch = RunningBatch(model)
+            batch.forced_in_one_step = one_step
+            rows = [row for p in ("a", "b c", "d e f") for row in batch.join(gpt2.encode(p), cfg, 2,
+                                                                              steer=Steer(grammar=grammar))]
+            rows.append(batch.join(gpt2.encode("free"), cfg)[0])  # a row with no grammar beside them
+            seen, steps = {row: [] for row in rows}, 0
+            while batch.rows:
+                for row, token, logits in batch.sample():
+                    seen[row].append((token, logits.clone()))
+                batch.advance()
+                steps += any(row in batch.rows for row in rows[:-1])  # steps until the constrained rows end
+            got[one_step] = ([seen[row] for row in rows], steps)
+        (fast, fast_steps), (slow, slow_steps) = got[True], got[False]
+        for a, b in zip(fast, slow):
+            assert [t for t, _ in a] == [t for t, _ in b]
+            assert all(torch.equal(x, y) for (_, x), (_, y) in zip(a, b))
+        assert fast_steps < slow_steps  # the forced runs took fewer steps
+        for ids in fast[:-1]:
+            jsonschema.validate(json.loads(gpt2.decode([t for t, _ in ids])), schema)
+
+
+def test_the_torch_step_and_the_uncached_reference_give_the_same_constrained_output(chars):
+    """The plain model (the torch step: forced tokens one a step) and generate_uncached (no cache) agree, greedy, on
+    a regex and a Lark grammar; both end where the grammar is complete (None for a row that ended before another)."""
+    model = untrained(chars, 2)
+    for kind, source in (("regex", "[a-c]{2,4}-[0-9]{1,3}!"),
+                         ("lark", 'start: "(" item ("," item)? ")"\nitem: /[xyz]{1,3}/ | "nil"')):
+        grammar = compile_grammar(kind, source, chars)
+        cfg = SampleConfig(max_new_tokens=40, temperature=0)
+        prompts = [chars.encode("go: "), chars.encode("x")]
+        a = list(generate_batch(model, prompts, cfg, steer=Steer(grammar=grammar)))
+        b = list(generate_uncached(model, prompts, cfg, steer=Steer(grammar=grammar)))
+        assert a == b and len(a) < 40  # both ended where the grammar was complete, before the budget
+        for row in zip(*a):
+            text = chars.decode([i for i in row if i is not None])
+            assert check_tokens(grammar, chars.encode(text)).is_accepting(), text
+
+
+def test_sampling_settings_and_logit_bias_obey_the_mask():
+    """next_token with a mask: greedy takes the likeliest allowed token; temperature, top-k, top-p and penalties
+    never draw a refused one (2,000 draws each); logit_bias is added before the mask (a +100 on a refused token
+    does not let it through) and before the penalties."""
+    logits = torch.tensor([[5.0, 4.0, 3.0, 2.0, 1.0, 0.0]])
+    allowed = torch.tensor([False, True, False, True, True, False])
+    assert int(next_token(logits, SampleConfig(temperature=0), allowed=allowed)) == 1
+    assert int(next_token(logits, SampleConfig(temperature=0), bias={0: 100.0}, allowed=allowed)) == 1
+    assert int(next_token(logits, SampleConfig(temperature=0), bias={4: 100.0}, allowed=allowed)) == 4
+    assert int(next_token(logits, SampleConfig(temperature=0), bias={1: -100.0}, allowed=allowed)) == 3
+    counts = torch.tensor([[0, 3, 0, 0, 0, 0]])
+    cfg = SampleConfig(temperature=0, frequency_penalty=1.0)  # 4 - 3 = 1 < 2: token 3 wins
+    assert int(next_token(logits, cfg, counts=counts, allowed=allowed)) == 3
+    generator = torch.Generator().manual_seed(0)
+    for cfg in (SampleConfig(temperature=2.0), SampleConfig(temperature=1.0, top_k=2),
+                SampleConfig(temperature=1.0, top_p=0.5), SampleConfig(temperature=1.5, presence_penalty=2.0)):
+        drawn = {int(next_token(logits, cfg, generator, counts=counts, allowed=allowed)) for _ in range(2000)}
+        assert drawn <= {1, 3, 4} and len(drawn) >= 1
+    # top-k 2 over the allowed tokens: 1 and 3 (4 is third)
+    drawn = {int(next_token(logits, SampleConfig(temperature=1.0, top_k=2), generator, allowed=allowed))
+             for _ in range(500)}
+    assert drawn == {1, 3}
+
+
+def test_logit_bias_bans_and_forces_against_the_unbiased_logits(chars):
+    """-100 on the unbiased greedy choice: the next best; +100 on any token: that token, every step; the logits the
+    row reports are the model's own (unbiased)."""
+    model = prepare_for_inference(untrained(chars, 3), "fp32")
+    prompt = chars.encode("abc")
+    cfg = SampleConfig(max_new_tokens=6, temperature=0)
+    free = [row[0] for row in generate_batch(model, [prompt], cfg)]
+    batch = RunningBatch(model)
+    (row,) = batch.join(prompt, SampleConfig(max_new_tokens=1, temperature=0), steer=Steer(logit_bias={free[0]: -100}))
+    ((_, token, logits),) = batch.sample()
+    assert token == int(logits[0].topk(2).indices[1]) and token != free[0]
+    forced = chars.encode("Q")[0]
+    got = [row[0] for row in generate_batch(model, [prompt], cfg, steer=Steer(logit_bias={forced: 100}))]
+    assert got == [forced] * 6
+
+
+def test_rows_with_and_without_a_grammar_share_a_batch_and_the_free_row_is_unchanged(chars):
+    model = prepare_for_inference(untrained(chars, 4), "fp32")
+    grammar = compile_grammar("regex", "[0-9]{3}", chars)
+    cfg = SampleConfig(max_new_tokens=12, temperature=0.9, seed=11)
+    alone = [r[0] for r in generate_batch(model, [chars.encode("hello")], cfg)]
+    batch = RunningBatch(model)
+    (constrained,) = batch.join(chars.encode("n: "), cfg, steer=Steer(grammar=grammar))
+    (free,) = batch.join(chars.encode("hello"), cfg)
+    got = {constrained: [], free: []}
+    while batch.rows:
+        for row, token, _ in batch.sample():
+            got[row].append(token)
+        batch.advance()
+    assert got[free] == alone
+    assert len(got[constrained]) == 3 and chars.decode(got[constrained]).isdigit() and constrained.finish == "stop"
+
+
+def test_without_fast_forward_every_token_is_drawn_under_the_mask_and_still_valid(gpt2):
+    """fast_forward off (what the bench compares against): no forced run is taken, the model draws each token
+    under the mask (its own tokenization of the keys), and the output still validates."""
+    schema = {"type": "object", "properties": {"temperature_in_celsius": {"type": "integer", "minimum": -50,
+                                                                          "maximum": 60}},
+              "required": ["temperature_in_celsius"], "additionalProperties": False}
+    grammar = compile_grammar("json_schema", schema, gpt2)
+    model = prepare_for_inference(untrained(gpt2, 5), "fp32")
+    for ff in (True, False):
+        ((ids, ended),) = outputs(model, gpt2, "x", SampleConfig(max_new_tokens=60, temperature=0),
+                                  Steer(grammar=grammar, fast_forward=ff))
+        assert ended
+        jsonschema.validate(json.loads(gpt2.decode(ids)), schema)
+    constraint = grammar.start(fast_forward=False)
+    assert not constraint.queue and grammar.start().queue  # the run starts forced: {"temperature...
+
+
+def test_bad_schemas_and_grammars_are_refused_in_one_line_naming_what_is_wrong(chars):
+    for kind, source, words in (("json_schema", {"type": "bogus"}, "JSON schema is not valid"),
+                                ("json_schema", "{not json", "not JSON"),
+                                ("json_schema", [1, 2], "must be a JSON object"),
+                                ("regex", "x[0-9", "regex is not valid"),
+                                ("regex", "", "must be a non-empty string"),
+                                ("lark", "start: undefined_rule", "Lark grammar is not valid"),
+                                ("yaml", "x", "kind must be one of")):
+        with pytest.raises(GrammarError) as got:
+            compile_grammar(kind, source, chars)
+        assert words in str(got.value) and "\n" not in str(got.value), str(got.value)
+
+
+def test_a_schema_whose_characters_the_vocabulary_lacks_is_refused_naming_them():
+    """A char model trained on text without braces or digits: json_object needs { and }, an integer needs a digit,
+    a required key its letters, a regex its forced characters; an enum with one writable option is fine."""
+    letters = CharTokenizer(list("abcdefghij \":,"))
+    cases = [("json_object", None, ['"{"', '"}"']),
+             ("json_schema", {"type": "integer", "minimum": 0, "maximum": 9}, ["a digit"]),
+             ("json_schema", {"type": "object", "properties": {"xyz": {"type": "string"}}, "required": ["xyz"]},
+              ['"x"', '"y"', '"z"', '"{"', '"}"']),
+             ("regex", "QR[a-c]", ['"Q"', '"R"'])]
+    for kind, source, named in cases:
+        with pytest.raises(GrammarError) as got:
+            compile_grammar(kind, source, letters)
+        assert "vocabulary lacks" in str(got.value) and all(n in str(got.value) for n in named), str(got.value)
+    compile_grammar("json_schema", {"enum": ["zzz", "abc"]}, letters)  # "abc" is writable
+
+
+def test_a_row_whose_mask_becomes_empty_later_ends_with_a_clear_error():
+    """A grammar whose first characters the vocabulary has but whose later ones it lacks: the row gets there and
+    generation fails with DeadEnd (a GptlabError) naming what it needed."""
+    tokenizer = CharTokenizer(list("ab"))
+    grammar = compile_grammar("regex", "ab(a|b)Z", tokenizer)
+    model = prepare_for_inference(untrained(tokenizer, 6, block_size=32), "fp32")
+    with pytest.raises(DeadEnd) as got:
+        list(generate_batch(model, [[0]], SampleConfig(max_new_tokens=10, temperature=0), steer=Steer(grammar=grammar)))
+    assert "allows no token this model has" in str(got.value) and "'Z'" in str(got.value)
+    assert isinstance(got.value, GptlabError)
+
+
+def test_the_char_vocabulary_gets_an_end_id_past_its_ids_and_bpe_keeps_its_own(chars, gpt2):
+    assert lltokenizer(chars).eos_token == chars.vocab_size and lltokenizer(gpt2).eos_token == gpt2.eot_id
+    assert lltokenizer(gpt2) is lltokenizer(gpt2)  # made once per tokenizer
