@@ -219,7 +219,7 @@ def reference_continuation(plain, prompt, cfg) -> list[int]:
     return generated
 
 
-def chat_run(root, seed: int = 0, end_logit: float = 4.0):
+def chat_run(root, seed: int = 0, end_logit: float = 4.0, chars: str | None = None):
     """A run folder `root`/chat-run holding a random 1-layer model over a char vocabulary with the chat markers
     (ChatTokenizer), block_size 64, whose end-of-turn logit is raised by about `end_logit` (so that answers end by
     themselves, after ~10 tokens at temperature 1), as a run trained on conversations would be laid out."""
@@ -228,8 +228,8 @@ def chat_run(root, seed: int = 0, end_logit: float = 4.0):
     from gptlab.config import TrainConfig, to_dict
     from gptlab.tokenizer import CharTokenizer, ChatTokenizer
 
-    tokenizer = ChatTokenizer(CharTokenizer("abcdefghijklmnopqrstuvwxyz ABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789.,!?'\n"
-                                            "éü-+=:"))
+    tokenizer = ChatTokenizer(CharTokenizer(chars or "abcdefghijklmnopqrstuvwxyz ABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789"
+                                            ".,!?'\néü-+=:"))
     cfg = ModelConfig(vocab_size=tokenizer.vocab_size, block_size=64, n_layer=1, n_head=2, n_embd=32, dropout=0.0)
     torch.manual_seed(seed)
     model = GPT(cfg).eval()

@@ -92,8 +92,13 @@ def test_completion_ids_are_cmpl_and_96_random_bits():
 def test_the_envelope_is_openais():
     before = int(time.time())
     got = envelope("cmpl-1", "run")
-    assert got == {"id": "cmpl-1", "object": "text_completion", "created": got["created"], "model": "run"}
+    assert got == {"id": "cmpl-1", "object": "text_completion", "created": got["created"], "model": "run",
+                   "system_fingerprint": got["system_fingerprint"]}
     assert type(got["created"]) is int and before <= got["created"] <= time.time()
+    # system_fingerprint: the same for the same backend, another for another model (or another gptlab version)
+    assert re.fullmatch("fp_[0-9a-f]{12}", got["system_fingerprint"])
+    assert envelope("cmpl-2", "run")["system_fingerprint"] == got["system_fingerprint"]
+    assert envelope("cmpl-2", "other")["system_fingerprint"] != got["system_fingerprint"]
 
 
 # --- parse_completion -----------------------------------------------------------------------------------------
@@ -216,8 +221,7 @@ def test_stop_is_1_to_4_non_empty_strings():
 
 @pytest.mark.parametrize("body, param", [({}, "prompt"), ({"prompt": None, "model": "m"}, "prompt"),
                                          ({"prompt": "a", "best_of": 2}, "best_of"),
-                                         ({"prompt": "a", "suffix": "x"}, "suffix"),
-                                         ({"prompt": "a", "logit_bias": {"1": 5}}, "logit_bias")])
+                                         ({"prompt": "a", "suffix": "x"}, "suffix")])
 def test_a_missing_prompt_or_an_unsupported_field_is_named(body, param):  # (the model: check_model, below)
     assert refused(body).param == param
 

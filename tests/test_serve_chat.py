@@ -249,7 +249,7 @@ def test_a_conversation_over_the_context_is_400_and_one_at_the_context_is_answer
 
 
 @pytest.mark.parametrize("field, value", [("top_logprobs", 2), ("response_format", {"type": "json_object"}),
-                                          ("tools", [{"type": "function", "function": {"name": "f"}}]), ("n", 5),
+                                          ("tool_choice", "required"), ("n", 5),
                                           ("functions", [{"name": "f", "parameters": {}}])])
 def test_a_field_this_server_cannot_honour_is_400_naming_it(client, field, value):
     error = bad_request(lambda: client.chat.completions.create(model="chat-run", messages=HELLO, **{field: value}))

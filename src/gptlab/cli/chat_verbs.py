@@ -8,7 +8,15 @@ import argparse
 import sys
 from dataclasses import replace
 
-from gptlab.cli.common import add_config_flags, add_prefix_cache_flag, announce, command, prefix_cache
+from gptlab.cli.common import (
+    add_config_flags,
+    add_constraint_flags,
+    add_prefix_cache_flag,
+    announce,
+    command,
+    constraint,
+    prefix_cache,
+)
 from gptlab.cli.verbs import add_inference_flags, sample_config
 from gptlab.config import SEED_LIMIT, SampleConfig
 from gptlab.errors import GptlabError
@@ -38,13 +46,13 @@ def cmd_chat(args: argparse.Namespace) -> int:
 
     set_threads()
     sample_config(args)  # a bad sampling flag is refused before the model is loaded
-    found = []  # the run's chat tokenizer; a run without a template is refused before the model is prepared
+    found = []  # the run's chat tokenizer and the answers' constraint; refused before the model is prepared
     run = args.run or latest_run()
     ready = load_for_inference(run, resolve_device(args.device), args.precision,
-                               check=lambda tokenizer: found.append(chat_of(tokenizer)))
+                               check=lambda tokenizer: found.extend([chat_of(tokenizer), constraint(args, tokenizer)]))
     block_size = ready.model.config.block_size
     chat = Chat(ready.model, found[0], chat_config(args, block_size), block_size, args.system,
-                prefix_cache(args.prefix_cache_mb))
+                prefix_cache(args.prefix_cache_mb), steer=found[1])
     announce(ready)
     if sys.stdin.isatty():
         try:
@@ -72,8 +80,9 @@ class Chat:
     or the last /reset (answer n draws with cfg.seed + n - 1)."""
 
     def __init__(self, model, tokenizer, cfg: SampleConfig, block_size: int, system: str | None = None,
-                 prefix=None):
+                 prefix=None, steer=None):
         self.model, self.tokenizer, self.cfg = model, tokenizer, cfg
+        self.steer = steer  # every answer obeys its grammar (--json-schema, --regex, --grammar)
         self.prefix = prefix  # a PrefixCache kept between turns: the conversation so far is not computed again
         self.room = block_size - cfg.max_new_tokens  # prompt tokens that leave room for a whole answer
         self.system = system or None
@@ -146,7 +155,8 @@ class Chat:
         said, stopped = "", False
         _show(ANSWER)
         try:
-            stream = TextStream(self.model, self.tokenizer, [ids], cfg, prefix_cache=self.prefix)  # as `gptlab sample`
+            stream = TextStream(self.model, self.tokenizer, [ids], cfg, prefix_cache=self.prefix,  # as `gptlab sample`
+                                steer=self.steer)
             for pieces in stream:
                 _show(pieces[0])
                 said += pieces[0]
@@ -193,4 +203,5 @@ def add_chat(p: argparse.ArgumentParser) -> None:
     p.add_argument("--system", metavar="TEXT", help="start with this system message (change it with /system TEXT)")
     add_inference_flags(p)
     add_prefix_cache_flag(p)
+    add_constraint_flags(p)
     add_config_flags(p, SampleConfig, "sampling settings (each answer is a sample; see the seeds above)")

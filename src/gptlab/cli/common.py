@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from gptlab.config import DEVICES, PREFIX_CACHE_MB, field_help, field_types, parse_value
@@ -162,3 +163,34 @@ def prefix_cache(mb: float):
     from gptlab.inference.prefix_cache import PrefixCache
 
     return PrefixCache.of_mb(mb)
+
+
+def add_constraint_flags(p: argparse.ArgumentParser) -> None:
+    """--json-schema, --regex, --grammar: the output obeys a grammar (sample, chat)."""
+    group = p.add_argument_group("constrained output (one of)").add_mutually_exclusive_group()
+    group.add_argument("--json-schema", metavar="FILE", help="the output is JSON valid for this JSON schema (compact: "
+                       "no whitespace between tokens); it ends where the JSON is complete")
+    group.add_argument("--regex", metavar="R", help="the output matches this regular expression")
+    group.add_argument("--grammar", metavar="FILE", help="the output is a sentence of this Lark grammar (llguidance's "
+                       "dialect: `start: ...`, /regex/ terminals, %%json {...} for JSON)")
+
+
+def constraint(args: argparse.Namespace, tokenizer):
+    """The Steer of --json-schema / --regex / --grammar compiled for `tokenizer` (None where none is given);
+    GptlabError (one line) for a file that cannot be read or a schema or grammar that cannot be used."""
+    from gptlab.inference.grammar import compile_grammar
+    from gptlab.inference.rows import Steer
+
+    for flag, kind, is_file in (("json_schema", "json_schema", True), ("regex", "regex", False),
+                                ("grammar", "lark", True)):
+        value = getattr(args, flag, None)
+        if value is None:
+            continue
+        if is_file:
+            try:
+                value = Path(value).read_text(encoding="utf-8")
+            except (OSError, UnicodeDecodeError) as exc:
+                raise GptlabError(f"--{flag.replace('_', '-')}: cannot read {value}: "
+                                  f"{getattr(exc, 'strerror', None) or exc}") from None
+        return Steer(grammar=compile_grammar(kind, value, tokenizer))
+    return None

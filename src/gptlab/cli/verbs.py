@@ -5,9 +5,20 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
-from gptlab.cli.common import add_config_flags, add_device, announce, command, overrides, unescape
+from gptlab.cli.common import (
+    add_config_flags,
+    add_constraint_flags,
+    add_device,
+    announce,
+    command,
+    constraint,
+    overrides,
+    unescape,
+)
 from gptlab.cli.task_verbs import add_task_flags, eval_harness, eval_tasks
 from gptlab.config import (
     DEFAULT_PRESET,
@@ -169,13 +180,18 @@ def cmd_sample(args: argparse.Namespace) -> int:
     if args.num_samples < 1:  # before loading the model (the engine checks it too, for Python callers)
         raise GptlabError(f"--num-samples must be >= 1, not {args.num_samples}")
     prompt: list[int] = []  # read with the run's tokenizer before the model is prepared: a bad one is refused first
+    steer: list = []  # --json-schema / --regex / --grammar, compiled for the run's tokenizer (before the model, too)
+
+    def check(tokenizer) -> None:
+        prompt.extend(read_prompt(args, tokenizer))
+        steer.append(constraint(args, tokenizer))
+
     if args.engine == "reference":
-        ready = load_naive(args, prompt)
+        ready = load_naive(args, check)
     else:
-        ready = load_for_inference(args.run or latest_run(), resolve_device(args.device), args.precision,
-                                   check=lambda tokenizer: prompt.extend(read_prompt(args, tokenizer)))
+        ready = load_for_inference(args.run or latest_run(), resolve_device(args.device), args.precision, check=check)
     # the server's path (gptlab.serve), so the same seed and settings give the same text there
-    stream = TextStream(ready.model, ready.tokenizer, [prompt], cfg, args.num_samples)
+    stream = TextStream(ready.model, ready.tokenizer, [prompt], cfg, args.num_samples, steer=steer[0])
     announce(ready)
     echo = ready.tokenizer.decode(prompt) if args.echo_prompt else ""
     sys.stdout.write(echo)
@@ -198,7 +214,7 @@ def sample_config(args: argparse.Namespace, **defaults) -> SampleConfig:
     return build(SampleConfig, {}, {**defaults, **settings})
 
 
-def load_naive(args: argparse.Namespace, prompt: list[int]):
+def load_naive(args: argparse.Namespace, check: Callable[[Any], None]):
     """The run's model decoded by the naive C++ engine (fp32, CPU, no KV cache: each step recomputes the window),
     the prompt read first; what the engine cannot do is refused in one line before the model is loaded."""
     from gptlab.inference.loading import load_for_inference
@@ -211,8 +227,7 @@ def load_naive(args: argparse.Namespace, prompt: list[int]):
         raise GptlabError("the reference engine decodes in fp32 on the CPU: drop --precision and --device, or use "
                           "--engine torch")
     load_library()  # no compiler: refused in one line
-    ready = load_for_inference(args.run or latest_run(), "cpu", "fp32", decode=False,
-                               check=lambda tokenizer: prompt.extend(read_prompt(args, tokenizer)))
+    ready = load_for_inference(args.run or latest_run(), "cpu", "fp32", decode=False, check=check)
     if not is_gpt(ready.model.model):
         raise GptlabError("the reference engine implements the GPT, not the bigram; use --engine torch")
     naive_model(ready.model.model)  # the same object, computed by the engine from now on
@@ -242,6 +257,7 @@ def add_sample(p: argparse.ArgumentParser) -> None:
     p.add_argument("--engine", choices=ENGINES, default="torch",
                    help="torch (the KV-cached engine and its fast paths) or reference (the naive C++ engine: fp32, "
                         "no KV cache, every step recomputes the window) (default torch)")
+    add_constraint_flags(p)
     add_config_flags(p, SampleConfig, "sampling settings")
 
 

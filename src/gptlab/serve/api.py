@@ -81,9 +81,10 @@ class CompletionRequest:
     include_usage: bool = True  # a stream ends with a usage chunk (chat: only with stream_options.include_usage)
     prediction: str | None = None  # OpenAI's predicted output: the text the answer is expected to be
     prediction_ids: list[int] | None = None  # its ids, filled by `encode_prompts` / `encode_chat`
+    structure: Any = None  # its logit_bias, response_format and tools (serve.structured.Structure)
 
 
-UNSUPPORTED = {"best_of": (None, 1), "suffix": (None, ""), "logit_bias": (None, {})}
+UNSUPPORTED = {"best_of": (None, 1), "suffix": (None, "")}
 
 
 def _json(value: Any) -> str:
@@ -272,8 +273,7 @@ def _check_length(ids: list[int], most: int, context: int) -> None:
 # ---- chat completions --------------------------------------------------------------------------------------------
 
 # fields of OpenAI's chat API this server has no use for: refused where they would change the answer
-CHAT_UNSUPPORTED = {"tools": (None, []), "functions": (None, []), "logit_bias": (None, {}),
-                    "tool_choice": (None, "none"), "function_call": (None, "none")}
+CHAT_UNSUPPORTED = {"functions": (None, []), "function_call": (None, "none")}  # (tools: structured.py)
 MAX_TOP_LOGPROBS = 20  # OpenAI's
 
 
@@ -285,9 +285,6 @@ def parse_chat(body: Any, limits: Limits) -> CompletionRequest:
     for name, defaults in CHAT_UNSUPPORTED.items():
         if body.get(name) not in defaults:
             raise ApiError(400, f"{name} is not supported by this server", name)
-    response_format = body.get("response_format")
-    if response_format not in (None, {"type": "text"}):
-        raise ApiError(400, "response_format: only {\"type\": \"text\"} is supported by this server", "response_format")
     n = _integer(body, "n", 1, 1, limits.max_n)
     if n > limits.max_batch:  # it would never fit in the batch: refused, not queued for ever
         raise _too_many(1, n, limits.max_batch)

@@ -35,6 +35,7 @@ from gptlab.serve.api import (
 )
 from gptlab.serve.responses import answer, chat_response, chat_stream, completion_response, completion_stream
 from gptlab.serve.scheduler import Job, Scheduler
+from gptlab.serve.structured import compile_structure, parse_structure, tool_messages
 from gptlab.tokenizer import CHAT_TEMPLATE, EOT, ChatTokenizer, Tokenizer
 
 
@@ -120,7 +121,9 @@ def _add_completions(app: FastAPI, served: Served, limits: Limits, scheduler: Sc
     def prepare(body: Any) -> CompletionRequest:
         check_model(body, served.name, limits)
         req = parse_completion(body, limits)
+        req.structure = parse_structure(body, chat=False)
         encode_prompts(req, served.tokenizer, context, limits)
+        compile_structure(req.structure, served.tokenizer)
         return req
 
     @app.post("/v1/completions")
@@ -141,7 +144,11 @@ def _add_chat(app: FastAPI, served: Served, limits: Limits, scheduler: Scheduler
     def prepare(body: Any) -> CompletionRequest:
         check_model(body, served.name, limits)
         req = parse_chat(body, limits)
+        req.structure = structure = parse_structure(body, chat=True)
+        if structure.calls_tools:
+            req.messages = tool_messages(req.messages, structure.source[0])
         encode_chat(req, served.tokenizer, context, limits)
+        compile_structure(structure, served.tokenizer)
         return req
 
     @app.post("/v1/chat/completions")

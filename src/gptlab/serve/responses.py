@@ -7,6 +7,7 @@ well. Requests are checked in api.py; the routes are app.py's."""
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import secrets
 import time
@@ -16,8 +17,10 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
+from gptlab import __version__
 from gptlab.serve.api import ApiError
 from gptlab.serve.scheduler import Done, Event, Failed, Job, PromptLogprobs, Token
+from gptlab.serve.structured import parse_calls
 
 
 def completion_id(prefix: str = "cmpl-") -> str:
@@ -25,8 +28,14 @@ def completion_id(prefix: str = "cmpl-") -> str:
 
 
 def envelope(cid: str, model: str) -> dict[str, Any]:
-    """The fields every completion response and chunk starts with."""
-    return {"id": cid, "object": "text_completion", "created": int(time.time()), "model": model}
+    """The fields every completion response and chunk starts with (system_fingerprint: this gptlab's version and
+    the served model's name; it changes when either does)."""
+    return {"id": cid, "object": "text_completion", "created": int(time.time()), "model": model,
+            "system_fingerprint": fingerprint(model)}
+
+
+def fingerprint(model: str) -> str:
+    return "fp_" + hashlib.sha256(f"gptlab {__version__} {model}".encode()).hexdigest()[:12]
 
 
 def sse(data: dict) -> str:
@@ -181,12 +190,22 @@ async def chat_stream(job: Job, model: str, ends: frozenset[int]) -> AsyncIterat
     logprobs), a last empty delta with its finish reason; the usage where stream_options asked for it; then
     [DONE]. A client that leaves cancels the job."""
     cid, req = completion_id("chatcmpl-"), job.request
+    calling, held = may_call(job), [""] * job.size
     try:
         for c in range(job.size):
             yield _chunk(cid, model, c, {"role": "assistant"})
         while True:
             event = await job.events.get()
-            if isinstance(event, Token):
+            if isinstance(event, Token) and calling:  # held back until the answer shows whether it is a call
+                held[event.choice] += event.text
+                if event.finish_reason is not None:
+                    message = _message(held[event.choice], event.finish_reason, job)
+                    delta = {k: v for k, v in message["message"].items() if k != "role" and v is not None}
+                    for i, call in enumerate(delta.get("tool_calls", [])):
+                        call["index"] = i
+                    yield _chunk(cid, model, event.choice, delta)
+                    yield _chunk(cid, model, event.choice, {}, None, message["finish_reason"])
+            elif isinstance(event, Token):
                 c, text, token, info = event.choice, event.text, event.id, event.logprobs
                 entries = logprob_content(info, token, ends)
                 if text or entries:
@@ -206,6 +225,21 @@ async def chat_stream(job: Job, model: str, ends: frozenset[int]) -> AsyncIterat
         job.cancelled.set()  # finished, or the client left (the generator is closed): either way, free the rows
 
 
+def may_call(job: Job) -> bool:
+    """Whether the job's answers may be tool calls (tools given, tool_choice not "none")."""
+    structure = job.request.structure
+    return structure is not None and structure.calls_tools and structure.source[1] != "none"
+
+
+def _message(text: str, reason: str | None, job: Job) -> dict[str, Any]:
+    """A choice's message and finish reason: a tool call's (`tool_calls`, no content, "tool_calls") where the
+    answer is one, else the text's."""
+    calls = parse_calls(text) if may_call(job) and reason == "stop" else None
+    if calls is not None:
+        return {"message": {"role": "assistant", "content": None, "tool_calls": calls}, "finish_reason": "tool_calls"}
+    return {"message": {"role": "assistant", "content": text}, "finish_reason": reason}
+
+
 def chat_response(events: list[Event], job: Job, model: str, ends: frozenset[int]) -> dict[str, Any]:
     """The `chat.completion` object of a job's events (all of them, up to its `Done`)."""
     req = job.request
@@ -220,8 +254,7 @@ def chat_response(events: list[Event], job: Job, model: str, ends: frozenset[int
             reasons[c] = event.finish_reason or reasons[c]
         elif isinstance(event, Done):
             done = event
-    choices = [{"index": c, "message": {"role": "assistant", "content": texts[c]},
-                "logprobs": {"content": content[c]} if req.logprobs is not None else None,
-                "finish_reason": reasons[c]} for c in range(job.size)]
+    choices = [{"index": c, **_message(texts[c], reasons[c], job),
+                "logprobs": {"content": content[c]} if req.logprobs is not None else None} for c in range(job.size)]
     return {**envelope(completion_id("chatcmpl-"), model), "object": "chat.completion", "choices": choices,
             "usage": None if done is None else usage(done)}

@@ -227,7 +227,8 @@ class Scheduler:
                                                                self.tokenizer)))
                 continue
             rows = self.batch.join(ids, req.cfg, req.n, prompt_logits=echo,  # with them, no block is reused
-                                   prediction=req.prediction_ids)
+                                   prediction=req.prediction_ids,
+                                   steer=req.structure.steer() if req.structure is not None else None)
             if echo:
                 job.emit(PromptLogprobs(p, prompt_logprobs(rows[0].prompt_logits, ids, req.logprobs,
                                                            self.tokenizer)))
@@ -240,6 +241,17 @@ class Scheduler:
             job.emit(Done(prompt, 0))
             return
         self._jobs.append(job)
+
+    def _fail_dead_ends(self) -> None:
+        """A job with a row whose grammar allowed no token the model has ends with that row's error (its other
+        rows leave too: one answer, whole or failed)."""
+        for job in [j for j in self._jobs if any(row.error for row in j.rows)]:
+            error = next(row.error for row in job.rows if row.error)
+            job.emit(Failed(error))
+            self.batch.leave(list(job.rows))
+            for row in job.rows:
+                del self._owner[row]
+            self._jobs.remove(job)
 
     def _drop_cancelled(self) -> None:
         gone = [job for job in self._jobs if job.cancelled.is_set()]
@@ -262,7 +274,7 @@ class Scheduler:
             choice, completion = job.rows[row]
             text = completion.push(token)
             if row.left <= 0 and last[row] == i and completion.finish_reason is None:
-                text += completion.close("length")
+                text += completion.close("stop" if row.finish else "length")  # (a grammar complete: "stop")
             reason = {"eot": "stop"}.get(completion.finish_reason, completion.finish_reason)
             info = top_logprobs(logits, token, job.request.logprobs, self.tokenizer) \
                 if job.request.logprobs is not None else None
@@ -278,6 +290,7 @@ class Scheduler:
                 predicted = row.lookup.prediction if row.lookup is not None else None
                 if predicted is not None:
                     job.accepted, job.rejected = job.accepted + predicted.accepted, job.rejected + predicted.rejected
+        self._fail_dead_ends()
         self.batch.leave(finished)
         for job in [j for j in self._jobs if not j.rows]:
             self._jobs.remove(job)

@@ -1,0 +1,210 @@
+"""Output a program can rely on, through the official `openai` client against a live server on 127.0.0.1:
+response_format (a Pydantic model parsed by the client, json_object), logit_bias on both routes (checked against
+the unbiased logits), a tool-calling round trip (call, tool result, answer) under each tool_choice, streaming with
+usage under a schema, system_fingerprint; bad schemas and tools are 400s naming the field; `gptlab sample` and
+`gptlab chat`'s --json-schema / --regex / --grammar."""
+
+import json
+from typing import Literal
+
+import jsonschema
+import pytest
+import torch
+from helpers import run_bad, trained_like
+from pydantic import BaseModel, Field
+
+from gptlab.inference.loading import prepare_for_inference
+from gptlab.serve.api import Limits
+from gptlab.serve.app import Served, make_app
+from gptlab.serve.server import start_server
+from gptlab.tokenizer import CharTokenizer, ChatTokenizer
+
+openai = pytest.importorskip("openai", reason="no openai client (pip install -e '.[test]')")
+PRINTABLE = [chr(c) for c in range(32, 127)] + ["\n"]
+USER = [{"role": "user", "content": "Weather in Paris?"}]
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "today's weather in a city",
+                                            "parameters": {"type": "object", "properties": {
+                                                "city": {"type": "string", "maxLength": 10},
+                                                "unit": {"enum": ["C", "F"]}},
+                                                "required": ["city", "unit"], "additionalProperties": False}}}
+TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "properties": {"zone": {"type": "integer", "minimum": -12, "maximum": 12}},
+    "required": ["zone"], "additionalProperties": False}}}
+
+
+class Person(BaseModel):
+    name: str = Field(max_length=8)
+    age: int = Field(ge=0, le=120)
+    role: Literal["admin", "user"]
+
+
+@pytest.fixture(scope="module")
+def served():
+    tokenizer = ChatTokenizer(CharTokenizer(PRINTABLE))
+    torch.manual_seed(0)
+    model = trained_like(dict(n_layer=2, n_head=2, n_embd=32, vocab_size=tokenizer.vocab_size, block_size=1024,
+                              dropout=0.0))
+    served = Served("json-run", prepare_for_inference(model, "fp32"), tokenizer, model.num_params(), lambda: model)
+    running = start_server(make_app(served, Limits(max_tokens=200, max_batch=8)))
+    yield running, tokenizer, model
+    running.stop()
+
+
+@pytest.fixture(scope="module")
+def client(served):
+    return openai.OpenAI(base_url=served[0].url + "/v1", api_key="unused", max_retries=0)
+
+
+def bad_request(call):
+    with pytest.raises(openai.BadRequestError) as got:
+        call()
+    return got.value.body
+
+
+def test_a_pydantic_response_format_is_parsed_by_the_client(client):
+    for seed in range(3):
+        got = client.chat.completions.parse(model="json-run", messages=USER, response_format=Person, seed=seed,
+                                            temperature=1.0)
+        choice = got.choices[0]
+        assert choice.finish_reason == "stop" and isinstance(choice.message.parsed, Person), choice.message.content
+        assert got.system_fingerprint.startswith("fp_")
+
+
+def test_json_object_and_a_schema_on_the_completions_route_and_streamed_with_usage(client, served):
+    quote = str(served[1].encode('"')[0])
+    stopped = 0
+    for seed in range(4):  # json_object bounds nothing: a quote made likelier (logit_bias) ends strings sooner
+        got = client.chat.completions.create(model="json-run", messages=USER, response_format={"type": "json_object"},
+                                             temperature=1.0, max_tokens=200, seed=seed, logit_bias={quote: 4})
+        if got.choices[0].finish_reason == "stop":
+            assert isinstance(json.loads(got.choices[0].message.content), dict)
+            stopped += 1
+    assert stopped >= 2
+    schema = {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 99}, "minItems": 1,
+              "maxItems": 4}
+    text = client.completions.create(model="json-run", prompt="numbers: ", max_tokens=60, temperature=0.7, seed=1,
+                                     extra_body={"response_format": {"type": "json_schema", "json_schema": {
+                                         "name": "n", "schema": schema}}})
+    jsonschema.validate(json.loads(text.choices[0].text), schema)
+    chunks = list(client.chat.completions.create(
+        model="json-run", messages=USER, stream=True, stream_options={"include_usage": True}, temperature=0,
+        response_format={"type": "json_schema", "json_schema": {"name": "n", "schema": schema, "strict": True}}))
+    streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    jsonschema.validate(json.loads(streamed), schema)
+    assert chunks[-1].usage.completion_tokens == len(streamed)  # a char model: one token a character
+
+
+def test_logit_bias_bans_and_forces_on_both_routes_against_the_unbiased_logits(client, served):
+    free = client.completions.create(model="json-run", prompt="abc", max_tokens=1, temperature=0, logprobs=2)
+    best, second = list(free.choices[0].logprobs.top_logprobs[0])  # the two likeliest, unbiased
+    ids = {c: served[1].encode(c)[0] for c in PRINTABLE}
+    banned = client.completions.create(model="json-run", prompt="abc", max_tokens=1, temperature=0,
+                                       logit_bias={str(ids[best]): -100})
+    assert banned.choices[0].text == second
+    forced = client.chat.completions.create(model="json-run", messages=USER, max_tokens=5, temperature=1.0,
+                                            logit_bias={str(ids["Q"]): 100})
+    assert forced.choices[0].message.content == "QQQQQ"
+    for bad, words in (({"x": 1}, "keys must be token ids"), ({"5": 101}, "in [-100, 100]"),
+                       ({"99999": 1}, "outside the vocabulary")):
+        error = bad_request(lambda: client.completions.create(model="json-run", prompt="a", logit_bias=bad))
+        assert error["param"] == "logit_bias" and words in error["message"], error
+
+
+def test_a_tool_call_round_trip_under_each_tool_choice(client):
+    """required: a call of one of the tools, its arguments valid for that tool's parameters, finish_reason
+    tool_calls; a named function: that one; then the tool's result goes back and tool_choice none answers in text."""
+    tools = [WEATHER, TIME]
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in tools}
+    for seed in range(3):
+        got = client.chat.completions.create(model="json-run", messages=USER, tools=tools, tool_choice="required",
+                                             seed=seed, temperature=1.0)
+        choice = got.choices[0]
+        assert choice.finish_reason == "tool_calls" and choice.message.content is None
+        (call,) = choice.message.tool_calls
+        jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
+    named = client.chat.completions.create(model="json-run", messages=USER, tools=tools, temperature=1.0,
+                                           tool_choice={"type": "function", "function": {"name": "get_time"}})
+    (call,) = named.choices[0].message.tool_calls
+    assert call.function.name == "get_time" and call.id.startswith("call_")
+    follow = USER + [named.choices[0].message.model_dump(exclude_none=True),
+                     {"role": "tool", "tool_call_id": call.id, "content": "12:00"}]
+    final = client.chat.completions.create(model="json-run", messages=follow, tools=tools, tool_choice="none",
+                                           max_tokens=10, temperature=1.0)
+    assert final.choices[0].message.tool_calls is None and isinstance(final.choices[0].message.content, str)
+    streamed = list(client.chat.completions.create(model="json-run", messages=USER, tools=tools, stream=True,
+                                                   tool_choice="required", temperature=0))
+    deltas = [c.choices[0].delta for c in streamed if c.choices and c.choices[0].delta.tool_calls]
+    assert len(deltas) == 1 and streamed[-1].choices[0].finish_reason == "tool_calls"
+
+
+def test_bad_response_formats_and_tools_are_400_naming_the_field(client):
+    cases = [(dict(response_format={"type": "xml"}), "response_format"),
+             (dict(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "bogus"}}}),
+              "response_format"),
+             (dict(tools=[{"type": "function", "function": {"name": "bad name!"}}]), "tools"),
+             (dict(tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "nope"}}), "tool_choice"),
+             (dict(tools=[WEATHER], response_format={"type": "json_object"}), "response_format")]
+    for extra, param in cases:
+        error = bad_request(lambda: client.chat.completions.create(model="json-run", messages=USER, **extra))
+        assert error["param"] == param, (extra, error)
+
+
+def test_a_schema_the_vocabulary_cannot_write_is_400_naming_the_characters(tmp_path):
+    tokenizer = ChatTokenizer(CharTokenizer("abc :"))
+    model = trained_like(dict(n_layer=1, n_head=2, n_embd=16, vocab_size=tokenizer.vocab_size, block_size=64,
+                              dropout=0.0))
+    served = Served("letters", prepare_for_inference(model, "fp32"), tokenizer, model.num_params(), lambda: model)
+    running = start_server(make_app(served, Limits()))
+    try:
+        client = openai.OpenAI(base_url=running.url + "/v1", api_key="unused", max_retries=0)
+        error = bad_request(lambda: client.chat.completions.create(
+            model="letters", messages=[{"role": "user", "content": "a"}], response_format={"type": "json_object"}))
+        assert error["param"] == "response_format" and '"{", "}"' in error["message"], error
+    finally:
+        running.stop()
+
+
+def test_sample_and_chat_take_a_schema_a_regex_and_a_grammar(tmp_path, capsys):
+    from helpers import chat_run, run_ok
+
+    run = chat_run(tmp_path, chars="".join(PRINTABLE))
+    schema = tmp_path / "s.json"
+    schema.write_text(json.dumps({"type": "object", "properties": {"a": {"enum": ["x", "yz"]}}, "required": ["a"],
+                                  "additionalProperties": False}))
+    out = run_ok(capsys, "sample", "--run", str(run), "--prompt", "q", "--no-echo", "--json-schema", str(schema),
+                 "--max-new-tokens", "40", "--seed", "1")
+    assert json.loads(out.strip()) in ({"a": "x"}, {"a": "yz"})
+    out = run_ok(capsys, "sample", "--run", str(run), "--prompt", "q", "--no-echo", "--regex", "[0-9]{3}-[a-c]",
+                 "--max-new-tokens", "40")
+    assert len(out.strip()) == 5 and out.strip()[3] == "-"
+    grammar = tmp_path / "g.lark"
+    grammar.write_text('start: "yes" | "no"\n')
+    out = run_ok(capsys, "sample", "--run", str(run), "--prompt", "q", "--no-echo", "--grammar", str(grammar))
+    assert out.strip() in ("yes", "no")
+    schema.write_text("{oops")
+    assert "the JSON schema is not JSON" in run_bad(capsys, "sample", "--run", str(run), "--json-schema", str(schema))
+    assert "cannot read" in run_bad(capsys, "sample", "--run", str(run), "--grammar", str(tmp_path / "none.lark"))
+    assert "not allowed with argument" in run_bad(capsys, "sample", "--run", str(run), "--regex", "a", "--grammar",
+                                                  str(grammar))
+
+
+def test_chat_answers_obey_the_constraint(tmp_path, capsys):
+    """`gptlab chat --regex`: each answer of the conversation matches (the Chat the verb runs, fed two turns)."""
+    import re
+
+    from gptlab.checkpoint import load_run
+    from gptlab.cli.chat_verbs import Chat
+    from gptlab.config import SampleConfig
+    from gptlab.inference.grammar import compile_grammar
+    from gptlab.inference.rows import Steer
+    from helpers import chat_run
+
+    loaded = load_run(chat_run(tmp_path, chars="".join(PRINTABLE)))
+    steer = Steer(grammar=compile_grammar("regex", "(yes|no), [0-9]{2}", loaded.tokenizer))
+    chat = Chat(loaded.model.eval(), loaded.tokenizer, SampleConfig(max_new_tokens=20, temperature=1.0, seed=3), 64,
+                steer=steer)
+    for line in ("hi", "again"):
+        chat.turn(line)
+    answers = [m["content"] for m in chat.turns if m["role"] == "assistant"]
+    assert len(answers) == 2 and all(re.fullmatch("(yes|no), [0-9]{2}", a) for a in answers), answers
+    capsys.readouterr()
