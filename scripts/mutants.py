@@ -69,13 +69,18 @@ def _m(sources: str, tests: str) -> Module:
 # Each module's tests: the files that exercise it (mutmut then runs, per mutant, only the tests that reach the mutated
 # function). Keep each list to what is needed: the stats run goes through all of them once.
 MODULES = {
-    "sampling": _m("sampling", "test_sampling test_engine"),
+    "sampling": _m("sampling", "test_sampling test_engine test_structured"),
     "textstream": _m("textstream", "test_textstream test_engine"),
     "engine": _m("engine", "test_engine test_running_batch test_sampling test_textstream test_fused test_serve_batching test_int8 "
-                 "test_prefix_cache test_speculative"),
+                 "test_prefix_cache test_speculative test_structured"),
     # issue 45: speculation's proposals and its bench
     "speculate": _m("inference/speculate", "test_speculative test_serve_scheduler"),
     "bench.speculative": _m("bench/speculative", "test_bench_speculative"),
+    # issue 46: constrained generation, one row's state, the API's structured output and its bench
+    "grammar": _m("inference/grammar", "test_structured test_structured_api test_bench_constrained"),
+    "rows": _m("inference/rows", "test_engine test_sampling test_structured test_speculative"),
+    "serve.structured": _m("serve/structured", "test_structured_api test_serve_chat test_serve_api"),
+    "bench.constrained": _m("bench/constrained", "test_bench_constrained"),
     # issue 44: the prompt pass and the exact prefix cache
     "prefix_cache": _m("inference/prefix_cache", "test_prefix_cache test_serve_prefix test_running_batch test_engine"),
     "serve.api": _m("serve/api", "test_serve test_serve_api test_serve_batching test_serve_chat"),

@@ -250,7 +250,8 @@ def test_a_conversation_over_the_context_is_400_and_one_at_the_context_is_answer
 
 @pytest.mark.parametrize("field, value", [("top_logprobs", 2), ("response_format", {"type": "json_object"}),
                                           ("tool_choice", "required"), ("n", 5),
-                                          ("functions", [{"name": "f", "parameters": {}}])])
+                                          ("functions", [{"name": "f", "parameters": {}}]),
+                                          ("function_call", "auto")])
 def test_a_field_this_server_cannot_honour_is_400_naming_it(client, field, value):
     error = bad_request(lambda: client.chat.completions.create(model="chat-run", messages=HELLO, **{field: value}))
     assert error["param"] == field

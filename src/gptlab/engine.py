@@ -25,7 +25,10 @@ same window from scratch each step, so under greedy decoding the two give the sa
 
 from __future__ import annotations
 
+import os
+import time
 from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
@@ -39,6 +42,19 @@ from gptlab.inference.prepared import InferenceModel, as_inference
 from gptlab.inference.rows import RowSampler, Steer, check_prompts, one_thread, push, row_seed, window_keep
 from gptlab.inference.speculate import Lookup, Prediction, Tally, propose, verify_proposals
 from gptlab.model import KVCache
+
+
+_MASKER: ThreadPoolExecutor | None = None  # one worker thread computes grammar masks while the model runs a step
+OVERLAP_MASKS: bool | None = None  # None: where a core is spare (`overlap_masks`); True / False: always / never
+
+
+def overlap_masks() -> bool:
+    """Whether grammar masks are computed while the model runs a step: where the model's threads leave a core spare
+    (where they do not, the worker's core stalls the model's threads at every parallel region: measured slower than
+    computing the masks between steps)."""
+    if OVERLAP_MASKS is not None:
+        return OVERLAP_MASKS
+    return len(os.sched_getaffinity(0)) > torch.get_num_threads() if hasattr(os, "sched_getaffinity") else False
 
 
 class Reference:
@@ -190,6 +206,7 @@ class RunningBatch:
         self._spare: KVCache | None = None  # a one-row cache for the next prompt pass (`_one_row`)
         self.tally = Tally()  # tokens its rows proposed and kept (speculation)
         self.forced_in_one_step = True  # a grammar's forced run fed in one step (False: one token a step)
+        self.mask_waits: deque[float] = deque(maxlen=1 << 14)  # seconds the last steps waited for grammar masks
 
     @torch.inference_mode()
     def join(self, prompt: Sequence[int], cfg: SampleConfig, num_samples: int = 1, prompt_logits: bool = False,
@@ -274,6 +291,24 @@ class RunningBatch:
         row.drafts, row.draft_logits = [], None
         return out
 
+    def _prefetch_masks(self) -> Future | None:
+        """The constrained rows' next masks, computed on a worker thread while the model runs the step."""
+        constraints = [row.sampler.constraint for row in self.rows if row.sampler.constraint is not None]
+        if not constraints or not overlap_masks():
+            return None
+        global _MASKER
+        if _MASKER is None:
+            _MASKER = ThreadPoolExecutor(1, thread_name_prefix="gptlab-masks")
+        return _MASKER.submit(lambda: [c.prefetch() for c in constraints])
+
+    def _wait(self, masks: Future | None) -> None:
+        """Wait for the masks computed while the step ran; the seconds waited after the step are kept in
+        `mask_waits` (what the masks add to a step: `gptlab bench structured`)."""
+        if masks is not None:
+            start = time.perf_counter()
+            masks.result()
+            self.mask_waits.append(time.perf_counter() - start)
+
     def _proposal(self, row: Row, limit: int) -> list[int]:
         """What a row proposes after its newest token: the rest of its grammar's forced run (fed in this one step
         where `forced_in_one_step`), else its lookup's proposal, cut where its grammar would refuse it."""
@@ -306,11 +341,15 @@ class RunningBatch:
                 row.filled = self._rebuild_row(i, row.window)
         if self.prepared.fused and any(row.lookup is not None or row.sampler.constraint is not None
                                        for row in self.rows) and propose(self.rows, self.cache, self._proposal):
-            return verify_proposals(self.prepared.decoder, self.rows, self.cache)
+            masks = self._prefetch_masks()
+            verify_proposals(self.prepared.decoder, self.rows, self.cache)
+            return self._wait(masks)
         ids = [row.window[-1] for row in self.rows]
         decoder = self.prepared.decoder_for(self.cache)
+        masks = self._prefetch_masks()
         # one copy of all rows' logits: the fused step's buffer is reused by the next step
         logits = decoder.step(torch.tensor(ids, dtype=torch.long, device=self.device), self.cache).clone()
+        self._wait(masks)
         for i, row in enumerate(self.rows):
             row.logits = logits[i:i + 1]
             row.filled += 1

@@ -361,8 +361,6 @@ def add_bench(p: argparse.ArgumentParser) -> None:
     BENCHES.add_to(p)
 
 
-
-
 def add_bench_speculative(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", choices=("gpt2-124M",), default="gpt2-124M",
                    help="a model with random weights in this shape, and GPT-2's tokenizer (default gpt2-124M)")
@@ -382,4 +380,21 @@ def bench_speculative(args: argparse.Namespace) -> int:
     at_least(args, prompts=1, new_tokens=2)
     run_speculative(model=args.model, run=args.run, precision=args.precision, prompts=args.prompts,
                     new_tokens=args.new_tokens)
+    return 0
+
+
+def add_bench_structured(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--run", help="decode with this run instead of a GPT-2-124M-shaped model with random weights")
+    p.add_argument("--precision", choices=INFERENCE_PRECISIONS, default="auto", help="as in `gptlab sample`")
+    p.add_argument("--samples", type=int, default=8, help="seeded samples of each schema decoded each way (default 8)")
+
+
+@BENCHES("structured", "constrained decoding (JSON schemas) on the path `gptlab sample` runs: compile time, the "
+         "mask's time per step (mean, p99) and what it adds to a step, tokens/s with and without a constraint, "
+         "forced runs fed in one step vs drawn one by one", add_bench_structured)
+def bench_structured(args: argparse.Namespace) -> int:
+    from gptlab.bench.constrained import run_structured
+
+    at_least(args, samples=1)
+    run_structured(run=args.run, precision=args.precision, samples=args.samples)
     return 0

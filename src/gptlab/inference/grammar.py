@@ -29,7 +29,7 @@ import torch
 from gptlab.errors import GptlabError
 from gptlab.tokenizer import Tokenizer
 
-KINDS = ("json_schema", "json_object", "regex", "lark")
+GRAMMAR_KINDS = ("json_schema", "json_object", "regex", "lark")
 NAMES = {"json_schema": "JSON schema", "json_object": "JSON object", "regex": "regex", "lark": "Lark grammar"}
 JSON_OPTIONS = {"whitespace_flexible": False}  # "," and ":" with nothing around them
 DIGITS = "0123456789"
@@ -76,20 +76,29 @@ def _utf8(data: bytes) -> str | None:
 
 
 def lltokenizer(tokenizer: Tokenizer) -> llguidance.LLTokenizer:
-    """llguidance's tokenizer for `tokenizer`, made once (about 0.1 s at GPT-2's vocabulary) and kept on it. A
+    """llguidance's tokenizer for `tokenizer`, made once (its tables cost a moment at GPT-2's vocabulary) and kept on it. A
     tokenizer with no end id gets one past its vocabulary, which the model never gives: its rows end when the
     grammar is complete."""
+    return _made(tokenizer)[0]
+
+
+def _made(tokenizer: Tokenizer) -> tuple[llguidance.LLTokenizer, set[str]]:
+    """llguidance's tokenizer and the characters the vocabulary writes, made once and kept on the tokenizer."""
     made = getattr(tokenizer, "_lltokenizer", None)
     if made is None:
         vocab = _Vocabulary(tokenizer)
-        made = llguidance.LLTokenizer(llguidance.TokenizerWrapper(vocab), eos_token=vocab.special_token_ids)
+        have: set[str] = set()
+        for token in vocab.tokens:
+            if not token.startswith(b"\xff"):
+                have |= set(token.decode("utf-8", "ignore"))
+        made = llguidance.LLTokenizer(llguidance.TokenizerWrapper(vocab), eos_token=vocab.special_token_ids), have
         tokenizer._lltokenizer = made
     return made
 
 
 @dataclass(frozen=True)
 class Grammar:
-    """A compiled constraint for one tokenizer: its kind (KINDS), llguidance's grammar, the vocabulary's size.
+    """A compiled constraint for one tokenizer: its kind (GRAMMAR_KINDS), llguidance's grammar, the vocabulary's size.
     Made by `compile_grammar`, shared by every row it constrains."""
 
     kind: str
@@ -105,8 +114,8 @@ def compile_grammar(kind: str, source: Any, tokenizer: Tokenizer) -> Grammar:
     """`source` (a JSON schema as a dict or JSON text, None for json_object, a regex, a Lark grammar) compiled for
     `tokenizer`; GrammarError naming what is wrong with it, or the characters every output needs that the
     vocabulary lacks."""
-    if kind not in KINDS:
-        raise GrammarError(f"the constraint's kind must be one of {', '.join(KINDS)}, not {kind!r}")
+    if kind not in GRAMMAR_KINDS:
+        raise GrammarError(f"the constraint's kind must be one of {', '.join(GRAMMAR_KINDS)}, not {kind!r}")
     schema = _schema(source) if kind == "json_schema" else {"type": "object"} if kind == "json_object" else None
     if schema is not None:
         text = llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
@@ -144,10 +153,7 @@ def _one_line(message: str) -> str:
 def _check_vocabulary(grammar: Grammar, schema: dict | None, tokenizer: Tokenizer) -> None:
     """GrammarError when every output needs a character the vocabulary cannot write: the JSON schema's (its
     structure, required keys, digits of numbers, the words true/false/null), and any grammar's first token."""
-    have = set()
-    for token in _Vocabulary(tokenizer).tokens:
-        if not token.startswith(b"\xff"):
-            have |= set(token.decode("utf-8", "ignore"))
+    have = _made(tokenizer)[1]
     matcher = llguidance.LLMatcher(grammar.tokenizer, grammar.text, log_level=0)
     forced = matcher.compute_ff_bytes().decode("utf-8", "ignore")  # (asked first: an empty mask ends the matcher)
     missing = sorted((_needs(schema, have) if schema is not None else set()) - have | set(forced) - have)
@@ -201,10 +207,13 @@ def _needs_of_type(kind: Any, schema: dict, have: set[str]) -> set[str]:
     return set()
 
 
+def _bits(bitmask: bytes, vocab_size: int) -> np.ndarray:
+    """llguidance's mask (one bit per id, least significant first) as a bool array (vocab_size,)."""
+    return np.unpackbits(np.frombuffer(bitmask, dtype=np.uint8), bitorder="little")[:vocab_size].astype(bool)
+
+
 def _unpack(bitmask: bytes, vocab_size: int) -> torch.Tensor:
-    """llguidance's mask (one bit per id, least significant first) as a bool tensor (vocab_size,)."""
-    bits = np.unpackbits(np.frombuffer(bitmask, dtype=np.uint8), bitorder="little")[:vocab_size]
-    return torch.from_numpy(bits.astype(bool))
+    return torch.from_numpy(_bits(bitmask, vocab_size))
 
 
 # ---- one row's constraint ----------------------------------------------------------------------------------------
@@ -226,6 +235,8 @@ class Constraint:
         self.queue: deque[int] = deque()  # the rest of the forced run the row is in
         self.taken: list[int] = []  # the tokens consumed (a dead end replays them to name what was needed)
         self._mask: torch.Tensor | None = None
+        self._dead: DeadEnd | None = None
+        self._only: int | None = None  # the one token the mask allows, where it allows one
         self._refill()
 
     @property
@@ -234,11 +245,16 @@ class Constraint:
 
     def allowed(self) -> torch.Tensor:
         """The tokens the row may take next (vocab_size,) bool; DeadEnd where there are none."""
+        if self._dead is not None:
+            raise self._dead
         if self._mask is None:
             if self.matcher.is_error():
                 raise DeadEnd(f"the constraint failed: {_one_line(self.matcher.get_error())}")
-            self._mask = _unpack(self.matcher.compute_bitmask(), self.grammar.vocab_size)
-            if not self._mask.any():
+            bits = _bits(self.matcher.compute_bitmask(), self.grammar.vocab_size)
+            self._mask = torch.from_numpy(bits)
+            count = int(np.count_nonzero(bits))
+            self._only = int(np.flatnonzero(bits)[0]) if count == 1 else None
+            if not count:
                 replay = llguidance.LLMatcher(self.grammar.tokenizer, self.grammar.text, log_level=0)
                 replay.consume_tokens(self.taken)
                 text = _one_line(replay.compute_ff_bytes().decode("utf-8", "replace"))
@@ -246,14 +262,22 @@ class Constraint:
                               (f" (it needs {text!r})" if text else "") + "; use a model whose vocabulary writes it")
         return self._mask
 
+    def prefetch(self) -> None:
+        """Compute the next mask now (the engine calls it on a worker thread while the model runs: llguidance lets
+        go of the GIL); a dead end is raised when the row asks for the mask."""
+        if self.queue or self._mask is not None or self.finished:
+            return
+        try:
+            self.allowed()
+        except DeadEnd as exc:
+            self._dead = exc
+
     def forced(self) -> int | None:
         """The next token of the row's forced run, or the only token its mask allows; None where it draws."""
         if self.queue:
             return self.queue[0]
-        allowed = self.allowed()
-        if int(allowed.sum()) == 1:
-            return int(allowed.nonzero()[0, 0])
-        return None
+        self.allowed()
+        return self._only
 
     def consume(self, token: int) -> None:
         """The row took `token` (forced or drawn under the mask)."""

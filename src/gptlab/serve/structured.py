@@ -37,7 +37,7 @@ class Structure:
     """What a request's output must obey, checked but not yet compiled (compiling needs the tokenizer)."""
 
     logit_bias: dict[int, float] | None = None
-    kind: str | None = None  # a grammar.KINDS kind, or "tools"
+    kind: str | None = None  # a grammar.GRAMMAR_KINDS kind, or "tools"
     source: Any = None  # its schema, pattern or grammar; for tools, (functions, tool_choice)
     grammar: Grammar | None = None  # filled by `compile_structure`
 
