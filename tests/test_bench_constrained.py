@@ -29,9 +29,10 @@ def test_p99_and_a_ways_rate_are_worked_out_by_hand():
     assert p99([float(i) for i in range(100)]) == 99.0 and p99([float(i) for i in range(200)]) == 198.0
     assert p99([5.0]) == 5.0
     way = Way()
-    way.add([1, 2, 3, 4, 5], 2.0, [0.1])  # 4 tokens after the first in 2 s
+    way.add([1, 2, 3, 4, 5], 2.0, [0.5, 0.5], [0.1])  # 4 tokens after the first in 2 s
     way.add([7, 8], 1.0)
-    assert (way.tokens, way.seconds, way.waits) == (5, 3.0, [0.1]) and way.per_token == pytest.approx(0.6)
+    assert (way.tokens, way.seconds, way.draws, way.waits) == (5, 3.0, [0.5, 0.5], [0.1])
+    assert way.per_token == pytest.approx(0.6)
     assert Way().per_token == 0.0
 
 

@@ -1,4 +1,4 @@
-"""Constrained generation (gptlab.inference.grammar, the engine's rows): every output of 60 JSON schemas, on a char
+"""Constrained generation (gptlab.inference.grammar, the engine's rows): every output of 81 JSON schemas, on a char
 model and on GPT-2's BPE, greedy and sampled, untrained, parses and validates with the `jsonschema` library; every
 token is one llguidance's own check allows at its step; a grammar's forced run fed in one step gives what one
 token a step gives; logit_bias, penalties, top-k and top-p obey the mask; rows with and without a grammar share a
@@ -70,8 +70,8 @@ def check_tokens(grammar, ids):
 
 
 @pytest.mark.parametrize("kind", ["char", "bpe"])
-def test_sixty_schemas_give_json_that_validates_greedy_and_sampled_on_an_untrained_model(kind, gpt2, chars):
-    """The acceptance set: 60 schemas x greedy and sampled on an untrained model (its free output is noise): every
+def test_eighty_one_schemas_give_json_that_validates_greedy_and_sampled_on_an_untrained_model(kind, gpt2, chars):
+    """The acceptance set: 81 schemas x greedy and sampled on an untrained model (its free output is noise): every
     output that stops normally parses and validates with jsonschema, every token passes llguidance's check step by
     step, and >= 99 % of those whose length the schema bounds stop normally within the budget (the truncated ones
     counted and named; a JSON number's fraction is not bounded: those truncated are counted apart)."""
@@ -277,3 +277,27 @@ def test_a_row_whose_mask_becomes_empty_later_ends_with_a_clear_error():
 def test_the_char_vocabulary_gets_an_end_id_past_its_ids_and_bpe_keeps_its_own(chars, gpt2):
     assert lltokenizer(chars).eos_token == chars.vocab_size and lltokenizer(gpt2).eos_token == gpt2.eot_id
     assert lltokenizer(gpt2) is lltokenizer(gpt2)  # made once per tokenizer
+
+
+@pytest.mark.parametrize("precision", ["fp32"])
+def test_masks_computed_while_the_model_runs_or_between_steps_give_the_same_output(precision, gpt2, monkeypatch):
+    """The engine's worker thread (OVERLAP_MASKS, the default) against masks computed between steps: the same tokens,
+    greedy and seeded, in a batch of constrained and free rows; a dead end found on the worker is raised the same."""
+    import gptlab.engine as engine
+
+    grammar = compile_grammar("json_schema", SCHEMAS[0], gpt2)
+    model = prepare_for_inference(untrained(gpt2, 7), precision)
+    got = {}
+    for overlap in (True, False):
+        monkeypatch.setattr(engine, "OVERLAP_MASKS", overlap)
+        for cfg in (SampleConfig(max_new_tokens=50, temperature=0), SampleConfig(max_new_tokens=50, temperature=1.0,
+                                                                                  seed=9)):
+            rows = list(generate_batch(model, [gpt2.encode("a"), gpt2.encode("b c")], cfg, 2,
+                                       steer=Steer(grammar=grammar)))
+            got.setdefault(overlap, []).append(rows)
+        tokenizer = CharTokenizer(list("ab"))
+        late = compile_grammar("regex", "ab(a|b)Z", tokenizer)
+        with pytest.raises(DeadEnd, match="'Z'"):
+            list(generate_batch(prepare_for_inference(untrained(tokenizer, 6, block_size=32), precision), [[0]],
+                                SampleConfig(max_new_tokens=10, temperature=0), steer=Steer(grammar=late)))
+    assert got[True] == got[False]
