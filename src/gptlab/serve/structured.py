@@ -206,7 +206,7 @@ def _written_call(call: Any) -> str:
         arguments = json.loads(function.get("arguments") or "{}")
     except json.JSONDecodeError:
         raise ApiError(400, f"the arguments of the tool call {function['name']} are not JSON", "messages") from None
-    return CALL_OPEN + json.dumps({"name": function["name"], "arguments": arguments}) + CALL_CLOSE
+    return CALL_OPEN + json.dumps({"name": function["name"], "arguments": arguments}, separators=(",", ":")) + CALL_CLOSE
 
 
 def parse_calls(text: str) -> list[dict] | None:
