@@ -301,3 +301,27 @@ def test_masks_computed_while_the_model_runs_or_between_steps_give_the_same_outp
             list(generate_batch(prepare_for_inference(untrained(tokenizer, 6, block_size=32), precision), [[0]],
                                 SampleConfig(max_new_tokens=10, temperature=0), steer=Steer(grammar=late)))
     assert got[True] == got[False]
+
+
+def test_the_vocabulary_as_llguidance_reads_it(chars, gpt2):
+    """Special tokens are no text: end-of-text and a chat run's markers are llguidance's special (end) tokens, so no
+    JSON string may hold them; a char vocabulary's end is one past its ids; forced text with a character the
+    vocabulary lacks is written with the characters it has (llguidance asks gptlab's encoder)."""
+    from gptlab.tokenizer import ChatTokenizer
+
+    small = CharTokenizer(list("ab "))
+    lt = lltokenizer(small)
+    assert lt.tokenize_str("a{b") == small.encode("ab") and lt.tokenize_str("ab a") == small.encode("ab a")
+    assert lt.is_special_token(3) and lt.eos_tokens == [3] and not lt.is_special_token(0)
+    big = lltokenizer(gpt2)
+    assert big.is_special_token(gpt2.eot_id) and not any(big.is_special_token(i) for i in (0, 100, 50255))
+    assert big.decode_bytes([gpt2.eot_id]) == b"<|endoftext|>" and big.eos_tokens == [gpt2.eot_id]
+    string = compile_grammar("json_schema", {"type": "string", "maxLength": 5}, gpt2).start()
+    string.consume(gpt2.encode('"')[0])
+    allowed = string.allowed()
+    assert not allowed[gpt2.eot_id] and allowed[gpt2.encode("a")[0]]  # inside a string: text, not the end
+    chat = ChatTokenizer(CharTokenizer(list('ab {}":')))
+    lc = lltokenizer(chat)
+    markers = sorted(chat.special_ids.values())
+    assert [i for i in range(chat.vocab_size) if lc.is_special_token(i)] == markers and lc.eos_tokens == markers
+    assert lc.tokenize_str('{"a"}') == chat.encode('{"a"}')

@@ -208,3 +208,47 @@ def test_chat_answers_obey_the_constraint(tmp_path, capsys):
     answers = [m["content"] for m in chat.turns if m["role"] == "assistant"]
     assert len(answers) == 2 and all(re.fullmatch("(yes|no), [0-9]{2}", a) for a in answers), answers
     capsys.readouterr()
+
+
+def test_regex_and_grammar_extensions_and_the_fields_edges(client):
+    """vLLM's response_format extensions on the completions route; tools on the completions route, a tool message
+    whose content is not text, an assistant message with text and a call, and arguments that are not JSON."""
+    import re
+
+    got = client.completions.create(model="json-run", prompt="code: ", max_tokens=20, temperature=1.0, seed=2,
+                                    extra_body={"response_format": {"type": "regex", "regex": "[A-Z]{2}-[0-9]{3}"}})
+    assert re.fullmatch("[A-Z]{2}-[0-9]{3}", got.choices[0].text) and got.choices[0].finish_reason == "stop"
+    got = client.completions.create(model="json-run", prompt="ok? ", max_tokens=20, temperature=1.0, seed=2,
+                                    extra_body={"response_format": {"type": "grammar",
+                                                                    "grammar": 'start: "yes" | "no"'}})
+    assert got.choices[0].text in ("yes", "no")
+    error = bad_request(lambda: client.completions.create(model="json-run", prompt="a", extra_body={"tools": [WEATHER]}))
+    assert error["param"] == "tools" and "chat completions field" in error["message"]
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_weather",
+                                                             "arguments": '{"city": "Oslo", "unit": "C"}'}}
+    history = USER + [{"role": "assistant", "content": "Let me look.", "tool_calls": [call]},
+                      {"role": "tool", "tool_call_id": "call_1", "content": [{"type": "text", "text": "5 C"}]}]
+    final = client.chat.completions.create(model="json-run", messages=history, tools=[WEATHER], tool_choice="none",
+                                           max_tokens=5, temperature=1.0)
+    assert final.choices[0].message.tool_calls is None
+    broken = {**call, "function": {"name": "get_weather", "arguments": "{not json"}}
+    error = bad_request(lambda: client.chat.completions.create(
+        model="json-run", messages=USER + [{"role": "assistant", "content": None, "tool_calls": [broken]}],
+        tools=[WEATHER]))
+    assert error["param"] == "messages" and "not JSON" in error["message"]
+
+
+def test_a_text_answer_under_auto_streams_as_content(client, served):
+    """tool_choice auto on an untrained model: whichever it writes, the stream says it once complete (a call as one
+    tool_calls delta, a text as one content delta), with the finish reason that goes with it."""
+    for seed in range(4):
+        chunks = list(client.chat.completions.create(model="json-run", messages=USER, tools=[WEATHER], stream=True,
+                                                     temperature=1.0, seed=seed, max_tokens=40))
+        deltas = [c.choices[0].delta for c in chunks if c.choices and (c.choices[0].delta.content or
+                                                                        c.choices[0].delta.tool_calls)]
+        reason = chunks[-1].choices[0].finish_reason
+        assert len(deltas) == 1
+        if deltas[0].tool_calls:
+            assert reason == "tool_calls"
+        else:
+            assert reason in ("stop", "length") and not deltas[0].content.startswith("<")
