@@ -325,3 +325,31 @@ def test_the_vocabulary_as_llguidance_reads_it(chars, gpt2):
     markers = sorted(chat.special_ids.values())
     assert [i for i in range(chat.vocab_size) if lc.is_special_token(i)] == markers and lc.eos_tokens == markers
     assert lc.tokenize_str('{"a"}') == chat.encode('{"a"}')
+
+
+@pytest.mark.device_path("fused decode (native)")
+def test_speculation_under_a_grammar_proposes_only_what_the_grammar_allows_and_changes_nothing(fused_kernel, chars):
+    """speculate auto on constrained rows: each proposal the lookup makes is cut where the grammar would refuse it
+    (every proposal checked is one llguidance accepts after the row's tokens), proposals are made and kept, and the
+    tokens and logits are those without speculation."""
+    grammar = compile_grammar("regex", "(ab|ba|abc){3,40}", chars)
+    model = prepare_for_inference(untrained(chars, 8), "fp32")
+    prompt = chars.encode("abcabcabcabc abab")
+    got, proposed = {}, 0
+    for mode in ("off", "auto"):
+        batch = RunningBatch(model)
+        (row,) = batch.join(prompt, SampleConfig(max_new_tokens=60, temperature=0, speculate=mode),
+                            steer=Steer(grammar=grammar))
+        seen = []
+        while batch.rows:
+            seen += [(token, logits.clone()) for _, token, logits in batch.sample()]
+            batch.advance()
+            if row.drafts and not row.forced_run:
+                tokens = [t for t, _ in seen]
+                check = llguidance.LLMatcher(grammar.tokenizer, grammar.text, log_level=0)
+                assert check.consume_tokens(tokens) and check.validate_tokens(row.drafts) == len(row.drafts)
+                proposed += len(row.drafts)
+        got[mode] = seen
+    assert [t for t, _ in got["off"]] == [t for t, _ in got["auto"]]
+    assert all(torch.equal(a, b) for (_, a), (_, b) in zip(got["off"], got["auto"]))
+    assert proposed > 0
