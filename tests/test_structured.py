@@ -353,3 +353,39 @@ def test_speculation_under_a_grammar_proposes_only_what_the_grammar_allows_and_c
     assert [t for t, _ in got["off"]] == [t for t, _ in got["auto"]]
     assert all(torch.equal(a, b) for (_, a), (_, b) in zip(got["off"], got["auto"]))
     assert proposed > 0
+
+
+@pytest.mark.parametrize("schema, named", [
+    ({"enum": ["XYZ", "QQ"]}, ['"Q"']),  # no option writable: the one lacking fewest, named
+    ({"const": "QR"}, ['"Q"', '"R"']),
+    ({"anyOf": [{"const": "QQ"}, {"const": "RRR"}]}, ['"Q"']),  # no branch writable: the fewest lacked
+    ({"oneOf": [{"type": "integer", "minimum": 0, "maximum": 5}, {"const": "RRR"}]}, ["a digit"]),  # ties: the first
+    ({"type": ["integer", "null"], "minimum": 0, "maximum": 9}, ["a digit"]),  # "null" lacks "n", "u", "l": 3
+    ({"type": "boolean"}, ['"l"', '"s"']),  # false lacks fewer than true (t, r, u)
+    ({"type": "null"}, ['"n"', '"u"', '"l"']),
+    ({"type": "array", "items": {"const": "QQ"}, "minItems": 2, "maxItems": 3}, ['"Q"', '","']),
+    ({"type": "object", "properties": {"k": {"type": "object", "properties": {"zz": {"type": "string"}},
+                                              "required": ["zz"]}}, "required": ["k"]}, ['"z"']),
+    ({"type": "object", "properties": {"a": {"const": 1}, "b": {"const": 2}}, "required": ["a", "b"]}, ['","']),
+])
+def test_a_schema_no_instance_of_which_the_vocabulary_can_write_is_refused_naming_what_is_lacked(schema, named):
+    letters = CharTokenizer(list('abcdefghijk{}[]":é '))  # no digits, no comma, no Q R X Y Z n u l t r s
+    with pytest.raises(GrammarError) as got:
+        compile_grammar("json_schema", schema, letters)
+    message = str(got.value)
+    assert "vocabulary lacks" in message and all(n in message for n in named), message
+    if schema.get("enum"):
+        assert '"X"' not in message  # the option that lacks more is not the one named
+
+
+@pytest.mark.parametrize("schema", [
+    {"enum": ["QQ", "abc"]},  # one writable option
+    {"anyOf": [{"const": "QQ"}, {"type": "string"}]},  # one writable branch
+    {"type": ["integer", "string"]},  # a string can be written
+    {"enum": ["é"]},  # written as the character itself, not \\u00e9
+    {"enum": [{"a": "b"}]},  # written compactly: no space needed after ":"
+    {"type": "array", "items": {"type": "integer"}, "maxItems": 3},  # [] needs no digit
+    {"type": "object", "properties": {"n": {"type": "null"}}},  # an optional key needs nothing
+])
+def test_a_schema_with_a_writable_instance_is_accepted(schema):
+    compile_grammar("json_schema", schema, CharTokenizer(list('abcdefghijk{}[]":é')))  # no space, no comma

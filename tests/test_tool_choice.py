@@ -61,7 +61,7 @@ def served():
     model.eval()
     running = start_server(make_app(Served("tools", prepare_for_inference(model, "fp32"), tokenizer,
                                            model.num_params(), lambda: model), Limits(max_tokens=80)))
-    yield running, float(loss)
+    yield running, loss.item()
     running.stop()
 
 

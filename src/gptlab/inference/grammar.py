@@ -156,7 +156,7 @@ def _check_vocabulary(grammar: Grammar, schema: dict | None, tokenizer: Tokenize
     have = _made(tokenizer)[1]
     matcher = llguidance.LLMatcher(grammar.tokenizer, grammar.text, log_level=0)
     forced = matcher.compute_ff_bytes().decode("utf-8", "ignore")  # (asked first: an empty mask ends the matcher)
-    missing = sorted((_needs(schema, have) if schema is not None else set()) - have | set(forced) - have)
+    missing = sorted((_missing(schema, have) if schema is not None else set()) | set(forced) - have)
     if not missing and not matcher.is_accepting() and not _unpack(matcher.compute_bitmask(), grammar.vocab_size).any():
         missing = ["its first character"]
     if missing:
@@ -165,45 +165,52 @@ def _check_vocabulary(grammar: Grammar, schema: dict | None, tokenizer: Tokenize
                            f"vocabulary lacks: {shown}; use a model whose tokenizer writes them")
 
 
-def _needs(schema: Any, have: set[str]) -> set[str]:
-    """Characters every JSON instance of `schema` holds (a subset: what can be told from the schema alone)."""
+def _missing(schema: Any, have: set[str]) -> set[str]:
+    """Characters outside `have` that every JSON instance of `schema` holds (what the schema alone tells: its
+    structure, required keys, digits of numbers, the words true / false / null, the values of an enum or const);
+    where alternatives are given (enum, anyOf / oneOf, a list of types), nothing where one of them is writable,
+    else the fewest one of them lacks."""
     if not isinstance(schema, dict):
         return set()
     options = schema.get("enum", [schema["const"]] if "const" in schema else None)
     if isinstance(options, list) and options:
-        texts = [json.dumps(o, separators=(",", ":"), ensure_ascii=False) for o in options]
-        writable = [t for t in texts if set(t) <= have]
-        return set() if writable else set(min(texts, key=lambda t: len(set(t) - have)))
+        return _fewest([set(json.dumps(o, separators=(",", ":"), ensure_ascii=False)) - have for o in options])
     for key in ("anyOf", "oneOf"):
         if isinstance(schema.get(key), list) and schema[key]:
-            parts = [_needs(s, have) for s in schema[key]]
-            return set.intersection(*parts)
+            return _fewest([_missing(s, have) for s in schema[key]])
     kind = schema.get("type")
     if isinstance(kind, list):
-        return set.intersection(*[_needs({**schema, "type": k}, have) for k in kind]) if kind else set()
-    return _needs_of_type(kind, schema, have)
+        return _fewest([_missing({**schema, "type": k}, have) for k in kind])
+    return _missing_of_type(kind, schema, have)
 
 
-def _needs_of_type(kind: Any, schema: dict, have: set[str]) -> set[str]:
+def _fewest(alternatives: list[set[str]]) -> set[str]:
+    """Of alternatives' missing characters: none where one lacks none, else the smallest set."""
+    return min(alternatives, key=len) if alternatives else set()
+
+
+def _missing_of_type(kind: Any, schema: dict, have: set[str]) -> set[str]:
     if kind == "object":
         out = set("{}")
         required = [k for k in schema.get("required", []) if isinstance(k, str)]
+        properties = schema.get("properties", {})
         for key in required:
-            out |= {'"', ":"} | set(key) | _needs(schema.get("properties", {}).get(key), have)
-        return out | ({","} if len(required) > 1 else set())
+            out |= {'"', ":"} | set(key) | _missing(properties.get(key) if isinstance(properties, dict) else None,
+                                                  have)
+        return (out | ({","} if len(required) > 1 else set())) - have
     if kind == "array":
         out, least = set("[]"), schema.get("minItems", 0)
         if isinstance(least, int) and least > 0:
-            out |= _needs(schema.get("items"), have) | ({","} if least > 1 else set())
-        return out
+            out |= _missing(schema.get("items"), have) | ({","} if least > 1 else set())
+        return out - have
     if kind == "string":
-        return {'"'}
+        return {'"'} - have
     if kind in ("integer", "number"):
         return set() if have & set(DIGITS) else {"a digit"}
     if kind == "boolean":
-        return set() if set("true") <= have or set("false") <= have else set("true") - have
+        return _fewest([set("true") - have, set("false") - have])
     if kind == "null":
-        return set("null")
+        return set("null") - have
     return set()
 
 
