@@ -252,3 +252,39 @@ def test_a_text_answer_under_auto_streams_as_content(client, served):
             assert reason == "tool_calls"
         else:
             assert reason in ("stop", "length") and not deltas[0].content.startswith("<")
+
+
+def test_the_structured_fields_are_checked_at_their_edges():
+    """parse_structure / compile_structure without a server: logit_bias at -100 and 100 and past them, keys that
+    are not ids; function names of 64 characters and 65, a trailing newline; tool_choice's shapes; none compiles no
+    grammar; the bias's ids against the vocabulary (the last id and one past it)."""
+    from gptlab.serve.api import ApiError
+    from gptlab.serve.structured import compile_structure, parse_structure
+
+    def refused(body, chat=True):
+        with pytest.raises(ApiError) as got:
+            parse_structure(body, chat)
+        return got.value.param
+
+    assert parse_structure({"logit_bias": {"5": -100, "7": 100}}, False).logit_bias == {5: -100.0, 7: 100.0}
+    assert parse_structure({"logit_bias": {}}, False).logit_bias is None
+    for bad in ({"5": 100.5}, {"5": -101}, {"5": True}, {"-1": 3}, {"x": 1}, {"5": "1"}, [1]):
+        assert refused({"logit_bias": bad}, chat=False) == "logit_bias"
+    tool = {"type": "function", "function": {"name": "a" * 64}}
+    assert parse_structure({"tools": [tool]}, True).source[1] == "auto"
+    for name in ("a" * 65, "f\n", "", "sp ace", 3):
+        assert refused({"tools": [{"type": "function", "function": {"name": name}}]}) == "tools"
+    assert refused({"tools": [tool], "tool_choice": {"type": "function", "function": "a"}}) == "tool_choice"
+    assert refused({"tools": [tool], "tool_choice": "sometimes"}) == "tool_choice"
+    assert refused({"tools": [{"type": "function", "function": {"name": "f", "parameters": []}}]}) == "tools"
+    assert refused({"tools": [{"type": "code", "function": {"name": "f"}}]}) == "tools"
+    assert parse_structure({"tools": [], "tool_choice": "auto"}, True).kind is None
+    chars = ChatTokenizer(CharTokenizer(PRINTABLE))
+    none = parse_structure({"tools": [tool], "tool_choice": "none"}, True)
+    compile_structure(none, chars)
+    assert none.calls_tools and none.grammar is None and none.steer() is None
+    last = parse_structure({"logit_bias": {str(chars.vocab_size - 1): 1}}, False)
+    compile_structure(last, chars)
+    assert last.steer().logit_bias == {chars.vocab_size - 1: 1.0}
+    with pytest.raises(ApiError, match="outside the vocabulary"):
+        compile_structure(parse_structure({"logit_bias": {str(chars.vocab_size): 1}}, False), chars)

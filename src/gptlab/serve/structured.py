@@ -29,7 +29,7 @@ TOOLS_HEADER = "You may call these tools. To call one, answer <tool_call>{\"name
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
 RESULT_OPEN, RESULT_CLOSE = "<tool_response>", "</tool_response>"
 BIAS_LIMIT = 100.0  # OpenAI's: a bias in [-100, 100]
-NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")  # OpenAI's function names
+NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's function names
 
 
 @dataclass
@@ -118,7 +118,8 @@ def _tools(tools: Any, choice: Any) -> tuple[list[dict], Any] | None:
     names = [f["name"] for f in functions]
     choice = "auto" if choice is None else choice
     if isinstance(choice, dict):
-        name = (choice.get("function") or {}).get("name") if choice.get("type") == "function" else None
+        function = choice.get("function") if choice.get("type") == "function" else None
+        name = function.get("name") if isinstance(function, dict) else None
         if name not in names:
             raise ApiError(400, f"tool_choice names no tool of the request: {_json(choice)}", "tool_choice")
     elif choice not in ("auto", "none", "required"):
@@ -129,7 +130,7 @@ def _tools(tools: Any, choice: Any) -> tuple[list[dict], Any] | None:
 
 def _function(spec: dict) -> dict:
     name = spec.get("name")
-    if not isinstance(name, str) or not NAME.match(name):
+    if not isinstance(name, str) or not NAME.fullmatch(name):
         raise ApiError(400, f"a tool's function name must be 1 to 64 letters, digits, _ or -, not {_json(name)}",
                        "tools")
     parameters = spec.get("parameters", {"type": "object", "properties": {}})
