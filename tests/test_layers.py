@@ -22,7 +22,8 @@ MAY_IMPORT = {
     "training": {"errors", "config", "tokenizer", "rundir", "data", "model", "lora", "runtime", "peak", "optim",
                  "plots", "checkpoint", "distributed", "reference"},
     "hf": {"errors", "config", "tokenizer", "chat", "rundir", "model", "lora", "checkpoint"},
-    "inference": {"errors", "machine", "compiled", "config", "tokenizer", "model", "runtime", "checkpoint"},
+    # (sampling: a row's state chooses its tokens with it; it imports nothing but config)
+    "inference": {"errors", "machine", "compiled", "config", "tokenizer", "model", "runtime", "checkpoint", "sampling"},
     # the naive C++ engine: the equations beside the model, needing nothing after the optimizer's groups
     "reference": {"errors", "machine", "compiled", "config", "model", "optim"},
     "serve": {"errors", "config", "tokenizer", "chat", "checkpoint", "inference", "engine", "textstream", "inspect"},

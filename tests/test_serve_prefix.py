@@ -339,8 +339,8 @@ def chat(monkeypatch, capsys, run, lines, *flags):
 
     seen, real = [], JOIN
 
-    def join(self, prompt, cfg, num_samples=1, prompt_logits=False):  # wrapped, not replaced
-        rows = real(self, prompt, cfg, num_samples, prompt_logits)
+    def join(self, prompt, cfg, num_samples=1, prompt_logits=False, **more):  # wrapped, not replaced
+        rows = real(self, prompt, cfg, num_samples, prompt_logits, **more)
         seen.append((len(prompt), rows[0].cached))
         return rows
 
