@@ -233,6 +233,15 @@ def test_without_fast_forward_every_token_is_drawn_under_the_mask_and_still_vali
     assert not constraint.queue and grammar.start().queue  # the run starts forced: {"temperature...
 
 
+def test_a_bad_grammar_is_refused_with_llguidances_own_words_on_one_line(chars):
+    text = llguidance.LLMatcher.grammar_from_regex("x[0-9")
+    failed, messages = llguidance.LLMatcher.validate_grammar_with_warnings(text, lltokenizer(chars))
+    assert failed and "\n" in messages[0]  # llguidance's message spans lines
+    with pytest.raises(GrammarError) as got:
+        compile_grammar("regex", "x[0-9", chars)
+    assert str(got.value) == "the regex is not valid: " + " ".join(messages[0].split())
+
+
 def test_bad_schemas_and_grammars_are_refused_in_one_line_naming_what_is_wrong(chars):
     for kind, source, words in (("json_schema", {"type": "bogus"}, "JSON schema is not valid"),
                                 ("json_schema", "{not json", "not JSON"),
@@ -367,6 +376,11 @@ def test_speculation_under_a_grammar_proposes_only_what_the_grammar_allows_and_c
     ({"type": "object", "properties": {"k": {"type": "object", "properties": {"zz": {"type": "string"}},
                                               "required": ["zz"]}}, "required": ["k"]}, ['"z"']),
     ({"type": "object", "properties": {"a": {"const": 1}, "b": {"const": 2}}, "required": ["a", "b"]}, ['","']),
+    # a required key, and a required value, that only come after a free value (nothing forces them at the start)
+    ({"type": "object", "properties": {"a": {"type": "string"}, "zz": {"type": "string"}}, "required": ["a", "zz"],
+      "additionalProperties": False}, ['"z"']),
+    ({"type": "object", "properties": {"a": {"type": "string"}, "b": {"const": "QQ"}}, "required": ["a", "b"],
+      "additionalProperties": False}, ['"Q"']),
 ])
 def test_a_schema_no_instance_of_which_the_vocabulary_can_write_is_refused_naming_what_is_lacked(schema, named):
     letters = CharTokenizer(list('abcdefghijk{}[]":é '))  # no digits, no comma, no Q R X Y Z n u l t r s
