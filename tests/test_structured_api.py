@@ -160,6 +160,11 @@ def test_a_schema_the_vocabulary_cannot_write_is_400_naming_the_characters(tmp_p
         error = bad_request(lambda: client.chat.completions.create(
             model="letters", messages=[{"role": "user", "content": "a"}], response_format={"type": "json_object"}))
         assert error["param"] == "response_format" and '"{", "}"' in error["message"], error
+        tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}
+        for choice in ("required", "auto", "none"):  # the tools' system message cannot be written: refused
+            error = bad_request(lambda: client.chat.completions.create(
+                model="letters", messages=[{"role": "user", "content": "a"}], tools=[tool], tool_choice=choice))
+            assert error["param"] == "tools" and "cannot write tools" in error["message"], error
     finally:
         running.stop()
 

@@ -35,7 +35,7 @@ from gptlab.serve.api import (
 )
 from gptlab.serve.responses import answer, chat_response, chat_stream, completion_response, completion_stream
 from gptlab.serve.scheduler import Job, Scheduler
-from gptlab.serve.structured import compile_structure, parse_structure, tool_messages
+from gptlab.serve.structured import check_tools_writable, compile_structure, parse_structure, tool_messages
 from gptlab.tokenizer import CHAT_TEMPLATE, EOT, ChatTokenizer, Tokenizer
 
 
@@ -147,6 +147,7 @@ def _add_chat(app: FastAPI, served: Served, limits: Limits, scheduler: Scheduler
         req.structure = structure = parse_structure(body, chat=True)
         if structure.calls_tools:
             req.messages = tool_messages(req.messages, structure.source[0])
+            check_tools_writable(req.messages, served.tokenizer)
         encode_chat(req, served.tokenizer, context, limits)
         compile_structure(structure, served.tokenizer)
         return req

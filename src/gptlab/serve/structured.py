@@ -198,6 +198,15 @@ def tool_messages(messages: Any, functions: list[dict] | None) -> Any:
     return out
 
 
+def check_tools_writable(messages: list[dict], tokenizer: Any) -> None:
+    """ApiError 400 naming tools where the run's vocabulary cannot write the tools' system message (a char model
+    that never saw braces): its chat template has no way to write them."""
+    try:
+        tokenizer.encode(messages[0]["content"])
+    except GptlabError as exc:
+        raise ApiError(400, f"this run cannot write tools in its chat template: {exc}", "tools") from None
+
+
 def _written_call(call: Any) -> str:
     function = call.get("function") if isinstance(call, dict) else None
     if not isinstance(function, dict) or not isinstance(function.get("name"), str):
