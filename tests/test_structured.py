@@ -403,3 +403,24 @@ def test_a_schema_no_instance_of_which_the_vocabulary_can_write_is_refused_namin
 ])
 def test_a_schema_with_a_writable_instance_is_accepted(schema):
     compile_grammar("json_schema", schema, CharTokenizer(list('abcdefghijk{}[]":é')))  # no space, no comma
+
+
+def test_a_model_with_unused_vocabulary_rows_never_draws_them_under_a_grammar(chars):
+    """A model whose vocabulary is wider than its tokenizer's (unused rows, the widest logits there): the mask
+    refuses the ids past the tokenizer's, greedy and sampled."""
+    torch.manual_seed(0)
+    model = trained_like(dict(n_layer=1, n_head=2, n_embd=16, vocab_size=chars.vocab_size + 7, block_size=64,
+                              dropout=0.0))
+    with torch.no_grad():  # the unused rows: ten times the likeliest token's row (its logit is positive here)
+        logits, _ = model(torch.tensor([chars.encode("x")]))
+        best = int(logits[0, -1, :chars.vocab_size].argmax())
+        assert logits[0, -1, best] > 0
+        model.lm_head.weight[chars.vocab_size:] = 10 * model.lm_head.weight[best]
+    grammar = compile_grammar("regex", "[a-z]{5}", chars)
+    for cfg in (SampleConfig(max_new_tokens=8, temperature=0), SampleConfig(max_new_tokens=8, temperature=1.0,
+                                                                             seed=4)):
+        free = [r[0] for r in generate_batch(model, [chars.encode("x")], cfg)]
+        assert max(free) >= chars.vocab_size  # unconstrained, the unused rows win
+        ids = [r[0] for r in generate_batch(model, [chars.encode("x")], cfg, steer=Steer(grammar=grammar))]
+        ids = [i for i in ids if i is not None]
+        assert len(ids) == 5 and chars.decode(ids).isalpha()

@@ -69,7 +69,7 @@ class RowSampler:
         i = c.forced() if c is not None else None
         if i is None:
             i = int(next_token(logits, self.cfg, self.generator, self.counts, self.bias,
-                               c.allowed() if c is not None else None))
+                               _widened(c.allowed(), logits.size(-1)) if c is not None else None))
         if c is not None:
             c.consume(i)
         if self.counts is not None:
@@ -80,6 +80,12 @@ class RowSampler:
     def finished(self) -> bool:
         """Whether its grammar is complete (the row ends: nothing more may follow)."""
         return self.constraint is not None and self.constraint.finished
+
+
+def _widened(allowed: torch.Tensor, width: int) -> torch.Tensor:
+    """A grammar's mask (the tokenizer's ids) over a model's logits: ids past the tokenizer's (a model whose
+    vocabulary has unused rows) are refused."""
+    return allowed if allowed.numel() >= width else torch.nn.functional.pad(allowed, (0, width - allowed.numel()))
 
 
 @dataclass(frozen=True)
