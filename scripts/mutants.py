@@ -77,7 +77,7 @@ MODULES = {
     "speculate": _m("inference/speculate", "test_speculative test_serve_scheduler"),
     "bench.speculative": _m("bench/speculative", "test_bench_speculative"),
     # issue 46: constrained generation, one row's state, the API's structured output and its bench
-    # (grammar: test_structured reaches every function; the server's tests add minutes a mutant and no kill)
+    # (grammar: test_structured reaches every function of it; the server's tests would add minutes a mutant)
     "grammar": _m("inference/grammar", "test_structured test_bench_constrained"),
     "rows": _m("inference/rows", "test_sampling test_structured test_engine"),
     "serve.structured": _m("serve/structured", "test_structured_api test_tool_choice"),
