@@ -279,8 +279,61 @@ def test_a_row_whose_mask_becomes_empty_later_ends_with_a_clear_error():
     model = prepare_for_inference(untrained(tokenizer, 6, block_size=32), "fp32")
     with pytest.raises(DeadEnd) as got:
         list(generate_batch(model, [[0]], SampleConfig(max_new_tokens=10, temperature=0), steer=Steer(grammar=grammar)))
-    assert "allows no token this model has" in str(got.value) and "'Z'" in str(got.value)
+    assert str(got.value) == ("the constraint allows no token this model has next (it needs 'Z'); use a model "
+                              "whose vocabulary writes it")
     assert isinstance(got.value, GptlabError)
+    choice = compile_grammar("regex", "ab(c|d)", tokenizer)  # nothing forced where it ends: no text to name
+    with pytest.raises(DeadEnd) as got:
+        list(generate_batch(model, [[0]], SampleConfig(max_new_tokens=10, temperature=0), steer=Steer(grammar=choice)))
+    assert str(got.value) == "the constraint allows no token this model has next; use a model whose vocabulary writes it"
+
+
+def test_a_token_the_grammar_refuses_ends_the_constraint_with_llguidances_reason(chars):
+    """A caller that consumes a token the mask refuses: DeadEnd naming the token and llguidance's reason; the
+    constraint stays failed, and says so with the same reason when asked for its mask."""
+    constraint = compile_grammar("regex", "[0-9]+", chars).start()
+    bad = chars.encode("x")[0]
+    with pytest.raises(DeadEnd) as refused:
+        constraint.consume(bad)
+    reason = " ".join(constraint.matcher.get_error().split())
+    assert reason and str(refused.value) == f"the constraint refused token {bad}: {reason}"
+    with pytest.raises(DeadEnd) as failed:
+        constraint.allowed()
+    assert str(failed.value) == f"the constraint failed: {reason}"
+
+
+def test_a_token_the_mask_forces_is_taken_without_a_draw(chars):
+    """fast_forward off, sampled: where the mask allows one token (the Q of (x|y)Q(x|y)) the row takes it without
+    using a random number, so its generator has drawn once per free choice: twice."""
+    grammar = compile_grammar("regex", "(x|y)Q(x|y)", chars)
+    model = prepare_for_inference(untrained(chars, 9), "fp32")
+    batch = RunningBatch(model)
+    (row,) = batch.join(chars.encode("go"), SampleConfig(max_new_tokens=10, temperature=1.0, seed=5),
+                        steer=Steer(grammar=grammar, fast_forward=False))
+    tokens = []
+    while batch.rows:
+        tokens += [t for _, t, _ in batch.sample()]
+        batch.advance()
+    assert chars.decode(tokens)[1] == "Q" and len(tokens) == 3
+    twice = torch.Generator().manual_seed(5)
+    for _ in range(2):
+        torch.rand(1, 1, generator=twice)
+    assert torch.equal(row.sampler.generator.get_state(), twice.get_state())
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_the_next_mask_is_ready_after_a_step_where_it_is_computed_while_the_model_runs(overlap, chars, monkeypatch):
+    import gptlab.engine as engine
+
+    monkeypatch.setattr(engine, "OVERLAP_MASKS", overlap)
+    model = prepare_for_inference(untrained(chars, 10), "fp32")
+    batch = RunningBatch(model)
+    (row,) = batch.join(chars.encode("go"), SampleConfig(max_new_tokens=6, temperature=0),
+                        steer=Steer(grammar=compile_grammar("regex", "[a-z]{6}", chars), fast_forward=False))
+    batch.sample()
+    assert not row.sampler.constraint.mask_ready  # the token drawn moved it on
+    batch.advance()
+    assert row.sampler.constraint.mask_ready is overlap and len(batch.mask_waits) == (1 if overlap else 0)
 
 
 def test_the_char_vocabulary_gets_an_end_id_past_its_ids_and_bpe_keeps_its_own(chars, gpt2):

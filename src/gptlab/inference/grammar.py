@@ -269,6 +269,11 @@ class Constraint:
                               (f" (it needs {text!r})" if text else "") + "; use a model whose vocabulary writes it")
         return self._mask
 
+    @property
+    def mask_ready(self) -> bool:
+        """Whether the next mask is computed (by `prefetch` during a step, or by a row that asked for it)."""
+        return self._mask is not None
+
     def prefetch(self) -> None:
         """Compute the next mask now (the engine calls it on a worker thread while the model runs: llguidance lets
         go of the GIL); a dead end is raised when the row asks for the mask."""
