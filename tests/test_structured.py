@@ -417,6 +417,51 @@ def test_speculation_under_a_grammar_proposes_only_what_the_grammar_allows_and_c
     assert proposed > 0
 
 
+def after_a_free_value(schema, required=("a", "b")):
+    """`schema` as property b, after a free string a: nothing forces its characters at the start."""
+    return {"type": "object", "properties": {"a": {"type": "string"}, "b": schema}, "required": list(required),
+            "additionalProperties": False}
+
+
+@pytest.mark.parametrize("schema, named", [
+    (after_a_free_value({"type": "array", "items": {"const": "QQ"}, "minItems": 1, "maxItems": 3}), ['"Q"']),
+    (after_a_free_value({"type": "array", "items": {"type": "integer"}, "minItems": 1}), ["a digit"]),
+    (after_a_free_value({"type": "number", "minimum": 0, "maximum": 1}), ["a digit"]),
+    (after_a_free_value({"type": "boolean"}), ['"l"', '"s"']),
+    (after_a_free_value({"type": "null"}), ['"n"', '"u"', '"l"']),
+    (after_a_free_value({"const": "QQ"}, required=["b"]), ['"Q"']),
+])
+def test_what_comes_after_a_free_value_is_checked_too(schema, named):
+    """The same checks where no forced text reaches them (the first value is free): the schema alone tells."""
+    letters = CharTokenizer(list('abcdefghijk{}[]":,é '))
+    with pytest.raises(GrammarError) as got:
+        compile_grammar("json_schema", schema, letters)
+    assert all(n in str(got.value) for n in named), str(got.value)
+
+
+@pytest.mark.parametrize("schema", [
+    after_a_free_value({"type": "array", "items": {"type": "integer"}, "maxItems": 2}),  # [] needs no digit
+    after_a_free_value({"type": "array", "items": {"const": "a"}, "minItems": 2, "maxItems": 2}),  # ["a","a"]
+    after_a_free_value({"type": "object", "properties": {"q": {"type": "integer"}}}),  # {} writable
+    {"type": "object", "properties": {"a": {"type": "string"}, "b": {"type": "string"}}, "required": ["a"]},
+])
+def test_what_comes_after_a_free_value_and_can_be_written_is_accepted(schema):
+    compile_grammar("json_schema", schema, CharTokenizer(list('abcdefghijk{}[]":,é ')))
+
+
+def test_a_comma_between_two_required_values_is_named_where_the_vocabulary_lacks_it():
+    no_comma = CharTokenizer(list('abcdefghijk{}[]":é '))
+    with pytest.raises(GrammarError, match='","'):
+        compile_grammar("json_schema", after_a_free_value({"type": "string"}), no_comma)
+    with pytest.raises(GrammarError, match='","'):  # two items, after a free value
+        compile_grammar("json_schema", after_a_free_value({"type": "array", "items": {"type": "string"},
+                                                            "minItems": 2}, required=["b"]), no_comma)
+    compile_grammar("json_schema", after_a_free_value({"type": "array", "items": {"type": "string"}, "minItems": 1},
+                                                      required=["b"]), no_comma)  # one item: no comma
+    with pytest.raises(GrammarError, match="its first character"):  # nothing forced, nothing writable first
+        compile_grammar("regex", "(Q|R)a", no_comma)
+
+
 @pytest.mark.parametrize("schema, named", [
     ({"enum": ["XYZ", "QQ"]}, ['"Q"']),  # no option writable: the one lacking fewest, named
     ({"const": "QR"}, ['"Q"', '"R"']),
