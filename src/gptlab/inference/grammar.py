@@ -235,7 +235,7 @@ class Constraint:
     grammar is complete and allows nothing more. `fast_forward` False: the grammar's forced runs are not taken (the
     row draws every token under the mask; only a mask of one token forces it)."""
 
-    def __init__(self, grammar: Grammar, fast_forward: bool = True):
+    def __init__(self, grammar: Grammar, fast_forward: bool):
         self.grammar = grammar
         self.matcher = llguidance.LLMatcher(grammar.tokenizer, grammar.text, log_level=0)
         self.fast_forward = fast_forward
