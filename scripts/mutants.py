@@ -79,7 +79,8 @@ MODULES = {
     # issue 46: constrained generation, one row's state, the API's structured output and its bench
     # (grammar: test_structured reaches every function of it; the server's tests would add minutes a mutant)
     "grammar": _m("inference/grammar", "test_structured test_bench_constrained"),
-    "rows": _m("inference/rows", "test_sampling test_structured test_engine"),
+    "rows": _m("inference/rows", "test_engine test_running_batch test_sampling test_textstream test_serve_batching "
+               "test_speculative test_structured"),
     "serve.structured": _m("serve/structured", "test_structured_api test_tool_choice"),
     "bench.constrained": _m("bench/constrained", "test_bench_constrained"),
     # issue 44: the prompt pass and the exact prefix cache
