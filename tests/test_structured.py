@@ -286,6 +286,11 @@ def test_a_row_whose_mask_becomes_empty_later_ends_with_a_clear_error():
     with pytest.raises(DeadEnd) as got:
         list(generate_batch(model, [[0]], SampleConfig(max_new_tokens=10, temperature=0), steer=Steer(grammar=choice)))
     assert str(got.value) == "the constraint allows no token this model has next; use a model whose vocabulary writes it"
+    accents = compile_grammar("regex", "ab(é|è)", tokenizer)  # forced: the first byte of either, half a character
+    with pytest.raises(DeadEnd) as got:
+        list(generate_batch(model, [[0]], SampleConfig(max_new_tokens=10, temperature=0), steer=Steer(grammar=accents)))
+    assert str(got.value) == ("the constraint allows no token this model has next (it needs '\ufffd'); use a model "
+                              "whose vocabulary writes it")
 
 
 def test_a_token_the_grammar_refuses_ends_the_constraint_with_llguidances_reason(chars):
