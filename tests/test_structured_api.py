@@ -293,3 +293,36 @@ def test_the_structured_fields_are_checked_at_their_edges():
     assert last.steer().logit_bias == {chars.vocab_size - 1: 1.0}
     with pytest.raises(ApiError, match="outside the vocabulary"):
         compile_structure(parse_structure({"logit_bias": {str(chars.vocab_size): 1}}, False), chars)
+
+
+def test_tool_calls_and_results_are_written_in_the_conversation_as_the_guide_says():
+    """tool_messages, worked out by hand: the tools' system message first, an assistant's calls after its text, a
+    tool's result as a user message; arguments left out are {}; a malformed call is a 400 naming messages."""
+    from gptlab.serve.api import ApiError
+    from gptlab.serve.structured import TOOLS_HEADER, parse_calls, tool_messages
+
+    functions = [{"name": "f", "description": "", "parameters": {"type": "object"}}]
+    calls = [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": '{"x": 1}'}},
+             {"id": "c2", "type": "function", "function": {"name": "g"}}]
+    got = tool_messages([{"role": "user", "content": "hi"},
+                         {"role": "assistant", "content": "Sure.", "tool_calls": calls},
+                         {"role": "tool", "tool_call_id": "c1", "content": "42"},
+                         {"role": "tool", "tool_call_id": "c2", "content": {"ok": True}}], functions)
+    assert got == [
+        {"role": "system", "content": TOOLS_HEADER + '[{"name":"f","description":"","parameters":{"type":"object"}}]'},
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": 'Sure.<tool_call>{"name":"f","arguments":{"x":1}}</tool_call>'
+                                         '<tool_call>{"name":"g","arguments":{}}</tool_call>'},
+        {"role": "user", "content": "<tool_response>42</tool_response>"},
+        {"role": "user", "content": '<tool_response>{"ok": true}</tool_response>'}]
+    assert tool_messages([{"role": "user", "content": "hi"}], None) == [{"role": "user", "content": "hi"}]
+    assert tool_messages("not a list", functions) == "not a list"  # left for the template's own check
+    for bad in ({"function": "f"}, {"function": {"arguments": "{}"}}, "call", {"function": {"name": 3}}):
+        with pytest.raises(ApiError) as refused:
+            tool_messages([{"role": "assistant", "content": None, "tool_calls": [bad]}], functions)
+        assert refused.value.param == "messages" and refused.value.status == 400
+        assert refused.value.message.startswith("an assistant message's tool_calls must be")
+    (call,) = parse_calls('<tool_call>{"name":"f","arguments":{"x":[1,2]}}</tool_call>')
+    assert call["type"] == "function" and call["function"] == {"name": "f", "arguments": '{"x": [1, 2]}'}
+    assert parse_calls("plain text") is None and parse_calls("<tool_call>{oops</tool_call>") is None
+    assert parse_calls('<tool_call>{"name":"f","arguments":{}}') is None  # not closed: not a call
