@@ -527,3 +527,22 @@ def test_a_model_with_unused_vocabulary_rows_never_draws_them_under_a_grammar(ch
         ids = [r[0] for r in generate_batch(model, [chars.encode("x")], cfg, steer=Steer(grammar=grammar))]
         ids = [i for i in ids if i is not None]
         assert len(ids) == 5 and chars.decode(ids).isalpha()
+
+
+def test_where_only_an_end_token_is_left_but_the_grammar_is_not_complete_it_is_a_dead_end_not_an_end():
+    """llguidance allows the end tokens where nothing can follow, so that generation stops: for a vocabulary with end
+    tokens (a chat run's markers) that is a dead end, not a complete output: refused at the start, an error later;
+    where the grammar is complete or may end, the end tokens are allowed as they are."""
+    from gptlab.tokenizer import ChatTokenizer
+
+    chat = ChatTokenizer(CharTokenizer(list("ab")))
+    with pytest.raises(GrammarError, match="its first character"):
+        compile_grammar("regex", "(Q|R)a", chat)
+    model = prepare_for_inference(untrained(chat, 11, block_size=32), "fp32")
+    later = compile_grammar("regex", "ab(é|è)", chat)
+    with pytest.raises(DeadEnd, match="allows no token this model has next"):
+        list(generate_batch(model, [[0]], SampleConfig(max_new_tokens=10, temperature=0), steer=Steer(grammar=later)))
+    may_end = compile_grammar("regex", "a(b)?", chat).start()
+    may_end.consume(chat.encode("a")[0])
+    allowed = may_end.allowed()
+    assert allowed[chat.encode("b")[0]] and all(allowed[i] for i in chat.special_ids.values())

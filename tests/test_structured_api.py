@@ -161,6 +161,12 @@ def test_a_schema_the_vocabulary_cannot_write_is_400_naming_the_characters(tmp_p
             model="letters", messages=[{"role": "user", "content": "a"}], response_format={"type": "json_object"}))
         assert error["param"] == "response_format" and '"{", "}"' in error["message"], error
         tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}
+        with pytest.raises(openai.InternalServerError) as failed:  # writable at first, a dead end after "ab"
+            client.completions.create(model="letters", prompt="a", max_tokens=8, temperature=0,
+                                      extra_body={"response_format": {"type": "regex", "regex": "ab(é|è)"}})
+        assert "the constraint allows no token this model has next" in str(failed.value)
+        after = client.completions.create(model="letters", prompt="a", max_tokens=3, temperature=0)
+        assert after.choices[0].finish_reason == "length"  # the server goes on serving
         for choice in ("required", "auto", "none"):  # the tools' system message cannot be written: refused
             error = bad_request(lambda: client.chat.completions.create(
                 model="letters", messages=[{"role": "user", "content": "a"}], tools=[tool], tool_choice=choice))

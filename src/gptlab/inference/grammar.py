@@ -105,6 +105,7 @@ class Grammar:
     text: str
     tokenizer: Any  # llguidance.LLTokenizer
     vocab_size: int
+    ends: tuple[int, ...] = ()  # the tokenizer's end ids (end-of-text, a chat turn's end and markers)
 
     def start(self, fast_forward: bool = True) -> Constraint:
         return Constraint(self, fast_forward)
@@ -128,7 +129,7 @@ def compile_grammar(kind: str, source: Any, tokenizer: Tokenizer) -> Grammar:
     failed, messages = llguidance.LLMatcher.validate_grammar_with_warnings(text, lltok)
     if failed:
         raise GrammarError(f"the {NAMES[kind]} is not valid: {_one_line(messages[0])}")
-    grammar = Grammar(kind, text, lltok, tokenizer.vocab_size)
+    grammar = Grammar(kind, text, lltok, tokenizer.vocab_size, tuple(sorted(tokenizer.end_ids)))
     _check_vocabulary(grammar, schema, tokenizer)
     return grammar
 
@@ -157,7 +158,8 @@ def _check_vocabulary(grammar: Grammar, schema: dict | None, tokenizer: Tokenize
     matcher = llguidance.LLMatcher(grammar.tokenizer, grammar.text, log_level=0)
     forced = matcher.compute_ff_bytes().decode("utf-8", "ignore")  # (asked first: an empty mask ends the matcher)
     missing = sorted((_missing(schema, have) if schema is not None else set()) | set(forced) - have)
-    if not missing and not matcher.is_accepting() and not _unpack(matcher.compute_bitmask(), grammar.vocab_size).any():
+    bits = _bits(matcher.compute_bitmask(), grammar.vocab_size)
+    if not missing and _stuck(bits, int(np.count_nonzero(bits)), matcher, grammar.ends):
         missing = ["its first character"]
     if missing:
         shown = ", ".join(json.dumps(c) if len(c) == 1 else c for c in missing)
@@ -214,13 +216,15 @@ def _missing_of_type(kind: Any, schema: dict, have: set[str]) -> set[str]:
     return set()
 
 
+def _stuck(bits: np.ndarray, count: int, matcher: llguidance.LLMatcher, ends: tuple[int, ...]) -> bool:
+    """Whether a mask leaves the row nowhere to go: no token at all, or only end tokens where the grammar is not
+    complete (llguidance allows the end where nothing else can follow, so that generation stops)."""
+    return not count or (count == int(bits[list(ends)].sum()) and not matcher.is_accepting())
+
+
 def _bits(bitmask: bytes, vocab_size: int) -> np.ndarray:
     """llguidance's mask (one bit per id, least significant first) as a bool array (vocab_size,)."""
     return np.unpackbits(np.frombuffer(bitmask, dtype=np.uint8), bitorder="little")[:vocab_size].astype(bool)
-
-
-def _unpack(bitmask: bytes, vocab_size: int) -> torch.Tensor:
-    return torch.from_numpy(_bits(bitmask, vocab_size))
 
 
 # ---- one row's constraint ----------------------------------------------------------------------------------------
@@ -261,7 +265,7 @@ class Constraint:
             self._mask = torch.from_numpy(bits)
             count = int(np.count_nonzero(bits))
             self._only = int(np.flatnonzero(bits)[0]) if count == 1 else None
-            if not count:
+            if _stuck(bits, count, self.matcher, self.grammar.ends):
                 replay = llguidance.LLMatcher(self.grammar.tokenizer, self.grammar.text, log_level=0)
                 replay.consume_tokens(self.taken)
                 text = _one_line(replay.compute_ff_bytes().decode("utf-8", "replace"))

@@ -273,7 +273,7 @@ class Scheduler:
                 continue
             choice, completion = job.rows[row]
             text = completion.push(token)
-            if row.left <= 0 and last[row] == i and completion.finish_reason is None:
+            if row.left <= 0 and last[row] == i and completion.finish_reason is None and not row.error:
                 text += completion.close("stop" if row.finish else "length")  # (a grammar complete: "stop")
             reason = {"eot": "stop"}.get(completion.finish_reason, completion.finish_reason)
             info = top_logprobs(logits, token, job.request.logprobs, self.tokenizer) \
