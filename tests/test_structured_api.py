@@ -135,6 +135,8 @@ def test_a_tool_call_round_trip_under_each_tool_choice(client):
                                                    tool_choice="required", temperature=0))
     deltas = [c.choices[0].delta for c in streamed if c.choices and c.choices[0].delta.tool_calls]
     assert len(deltas) == 1 and streamed[-1].choices[0].finish_reason == "tool_calls"
+    (call,) = deltas[0].tool_calls
+    assert call.index == 0 and call.id.startswith("call_") and call.function.name in schemas
 
 
 def test_bad_response_formats_and_tools_are_400_naming_the_field(client):
@@ -156,7 +158,7 @@ def test_a_schema_the_vocabulary_cannot_write_is_400_naming_the_characters(tmp_p
     served = Served("letters", prepare_for_inference(model, "fp32"), tokenizer, model.num_params(), lambda: model)
     running = start_server(make_app(served, Limits()))
     try:
-        client = openai.OpenAI(base_url=running.url + "/v1", api_key="unused", max_retries=0)
+        client = openai.OpenAI(base_url=running.url + "/v1", api_key="unused", max_retries=0, timeout=60)
         error = bad_request(lambda: client.chat.completions.create(
             model="letters", messages=[{"role": "user", "content": "a"}], response_format={"type": "json_object"}))
         assert error["param"] == "response_format" and '"{", "}"' in error["message"], error
