@@ -285,7 +285,8 @@ def test_a_row_whose_mask_becomes_empty_later_ends_with_a_clear_error():
     choice = compile_grammar("regex", "ab(c|d)", tokenizer)  # nothing forced where it ends: no text to name
     with pytest.raises(DeadEnd) as got:
         list(generate_batch(model, [[0]], SampleConfig(max_new_tokens=10, temperature=0), steer=Steer(grammar=choice)))
-    assert str(got.value) == "the constraint allows no token this model has next; use a model whose vocabulary writes it"
+    assert str(got.value) == ("the constraint allows no token this model has next; use a model whose vocabulary "
+                              "writes it")
     accents = compile_grammar("regex", "ab(é|è)", tokenizer)  # forced: the first byte of either, half a character
     with pytest.raises(DeadEnd) as got:
         list(generate_batch(model, [[0]], SampleConfig(max_new_tokens=10, temperature=0), steer=Steer(grammar=accents)))

@@ -5,6 +5,7 @@ usage under a schema, system_fingerprint; bad schemas and tools are 400s naming 
 `gptlab chat`'s --json-schema / --regex / --grammar."""
 
 import json
+import re
 from typing import Literal
 
 import jsonschema
@@ -203,8 +204,6 @@ def test_sample_and_chat_take_a_schema_a_regex_and_a_grammar(tmp_path, capsys):
 
 def test_chat_answers_obey_the_constraint(tmp_path, capsys):
     """`gptlab chat --regex`: each answer of the conversation matches (the Chat the verb runs, fed two turns)."""
-    import re
-
     from gptlab.checkpoint import load_run
     from gptlab.cli.chat_verbs import Chat
     from gptlab.config import SampleConfig
@@ -226,7 +225,6 @@ def test_chat_answers_obey_the_constraint(tmp_path, capsys):
 def test_regex_and_grammar_extensions_and_the_fields_edges(client):
     """vLLM's response_format extensions on the completions route; tools on the completions route, a tool message
     whose content is not text, an assistant message with text and a call, and arguments that are not JSON."""
-    import re
 
     got = client.completions.create(model="json-run", prompt="code: ", max_tokens=20, temperature=1.0, seed=2,
                                     extra_body={"response_format": {"type": "regex", "regex": "[A-Z]{2}-[0-9]{3}"}})
@@ -235,7 +233,8 @@ def test_regex_and_grammar_extensions_and_the_fields_edges(client):
                                     extra_body={"response_format": {"type": "grammar",
                                                                     "grammar": 'start: "yes" | "no"'}})
     assert got.choices[0].text in ("yes", "no")
-    error = bad_request(lambda: client.completions.create(model="json-run", prompt="a", extra_body={"tools": [WEATHER]}))
+    error = bad_request(lambda: client.completions.create(model="json-run", prompt="a",
+                                                          extra_body={"tools": [WEATHER]}))
     assert error["param"] == "tools" and "chat completions field" in error["message"]
     call = {"id": "call_1", "type": "function", "function": {"name": "get_weather",
                                                              "arguments": '{"city": "Oslo", "unit": "C"}'}}
@@ -334,3 +333,5 @@ def test_tool_calls_and_results_are_written_in_the_conversation_as_the_guide_say
     assert call["type"] == "function" and call["function"] == {"name": "f", "arguments": '{"x": [1, 2]}'}
     assert parse_calls("plain text") is None and parse_calls("<tool_call>{oops</tool_call>") is None
     assert parse_calls('<tool_call>{"name":"f","arguments":{}}') is None  # not closed: not a call
+    assert parse_calls('<toolXcall>{"name":"f","arguments":{}}</tool_call>') is None  # not opened either
+    assert re.fullmatch("call_[0-9a-f]{24}", call["id"])  # OpenAI's ids: call_ and 24 characters
