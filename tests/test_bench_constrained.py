@@ -1,11 +1,13 @@
 """`gptlab bench structured` (gptlab.bench.constrained): its arithmetic worked out by hand, the mask's replay, and a
 run end to end on a tiny model over GPT-2's vocabulary (every schema compiled, decoded three ways, reported)."""
 
+import statistics
+
 import pytest
 import torch
 from helpers import run_bad, trained_like
 
-from gptlab.bench.constrained import NEW_TOKENS, SCHEMAS, Way, mask_times, p99, run_schema, run_structured
+from gptlab.bench.constrained import BENCH_PROMPT, NEW_TOKENS, SCHEMAS, Way, mask_times, p99, run_schema, run_structured
 from gptlab.errors import GptlabError
 from gptlab.inference.grammar import compile_grammar
 from gptlab.inference.loading import prepare_for_inference
@@ -58,3 +60,40 @@ def test_a_context_too_short_for_the_bench_is_refused(gpt2, capsys):
     with pytest.raises(GptlabError, match="too short"):
         run_structured(served=tiny(gpt2, NEW_TOKENS), samples=1)  # the prompt and NEW_TOKENS need one more
     assert "--samples must be >= 1" in run_bad(capsys, "bench", "structured", "--samples", "0")
+
+
+def test_each_way_decodes_what_it_says_and_its_times_fit_in_the_run(gpt2):
+    """run_schema's ways, from what they did (no speed asserted): the drawn way decodes what generate_batch gives
+    with fast-forward off, seeded at temperature 1, one token a step and no wait; the overlap way the same tokens,
+    one wait a step after the first; fast-forward takes fewer steps than tokens; every time it reports lies between
+    0 and the run's own wall time."""
+    import time
+
+    from gptlab.config import SampleConfig
+    from gptlab.engine import generate_batch
+    from gptlab.inference.rows import Steer
+
+    served = tiny(gpt2, NEW_TOKENS + 32)
+    start = time.perf_counter()
+    r = run_schema(served.model, gpt2, "long keys", 2)
+    wall = time.perf_counter() - start
+    grammar = compile_grammar("json_schema", SCHEMAS["long keys"], gpt2)
+    cfg = SampleConfig(max_new_tokens=NEW_TOKENS, temperature=1.0, seed=0)
+    expected = [row[0] for row in generate_batch(served.model, [gpt2.encode(BENCH_PROMPT)], cfg,
+                                                 steer=Steer(grammar=grammar, fast_forward=False))]
+    assert r["first"] == [i for i in expected if i is not None]
+    ways = r["ways"]
+    assert len(ways["drawn"].draws) == ways["drawn"].tokens + 2 and ways["drawn"].waits == []
+    assert ways["overlap"].tokens == ways["drawn"].tokens and len(ways["overlap"].waits) == ways["drawn"].tokens
+    assert len(ways["ff"].draws) < ways["ff"].tokens + 2  # several tokens in some steps
+    assert ways["free"].tokens == ways["drawn"].tokens
+    for key in ("compile", "mask mean", "mask p99", "step"):
+        assert 0 < r[key] < wall, key
+    for key in ("added mean", "added p99", "overlap mean", "overlap p99"):
+        assert -wall < r[key] < wall, key
+    assert all(0 < d < wall for way in ways.values() for d in way.draws)
+    base = statistics.median(ways["free"].draws)  # the arithmetic, by the standard library's median and mean
+    assert r["added mean"] == pytest.approx(statistics.mean(ways["drawn"].draws) - base)
+    assert r["overlap mean"] == pytest.approx(statistics.mean(ways["overlap"].draws) - base +
+                                              statistics.mean(ways["overlap"].waits))
+    assert r["step"] == pytest.approx(ways["free"].seconds / ways["free"].tokens)

@@ -127,7 +127,7 @@ def run_schema(model, tokenizer, name: str, samples: int) -> dict[str, float]:
         grammar = compile_grammar("json_schema", SCHEMAS[name], tokenizer)
         compiles.append(time.perf_counter() - start)
     prompt = tokenizer.encode(BENCH_PROMPT)
-    ways, masks = {"ff": Way(), "drawn": Way(), "overlap": Way(), "free": Way()}, []
+    ways, masks, first = {"ff": Way(), "drawn": Way(), "overlap": Way(), "free": Way()}, [], []
     for seed in range(samples):
         cfg = SampleConfig(max_new_tokens=NEW_TOKENS, temperature=1.0, seed=seed)
         ways["ff"].add(*timed_decode(model, prompt, cfg, Steer(grammar=grammar)))
@@ -138,6 +138,7 @@ def run_schema(model, tokenizer, name: str, samples: int) -> dict[str, float]:
             finally:
                 engine.OVERLAP_MASKS = default
             ways[way].add(ids, *timed)
+        first = first if seed else ids
         masks += mask_times(grammar, ids)
         ways["free"].add(*timed_decode(model, prompt, SampleConfig(max_new_tokens=len(ids), temperature=1.0,
                                                                    seed=seed), None))
@@ -150,7 +151,7 @@ def run_schema(model, tokenizer, name: str, samples: int) -> dict[str, float]:
             "overlap mean": sum(overlap) / len(overlap) + sum(waits) / len(waits),
             "overlap p99": p99(overlap) + p99(waits), "ff rate": 1 / ways["ff"].per_token,
             "drawn rate": 1 / ways["drawn"].per_token, "overlap rate": 1 / ways["overlap"].per_token,
-            "free rate": 1 / step, "tokens": ways["drawn"].tokens}
+            "free rate": 1 / step, "tokens": ways["drawn"].tokens, "ways": ways, "first": first}
 
 
 def run_structured(*, run: str | None = None, precision: str = "auto", samples: int = 8, served=None) -> list[str]:
