@@ -335,3 +335,49 @@ def test_tool_calls_and_results_are_written_in_the_conversation_as_the_guide_say
     assert parse_calls('<tool_call>{"name":"f","arguments":{}}') is None  # not closed: not a call
     assert parse_calls('<toolXcall>{"name":"f","arguments":{}}</tool_call>') is None  # not opened either
     assert re.fullmatch("call_[0-9a-f]{24}", call["id"])  # OpenAI's ids: call_ and 24 characters
+
+
+def test_refusals_are_400s_quoting_what_was_refused_and_every_tool_may_be_called():
+    """Each refusal of the structured fields is a 400 whose message quotes the refused value; a call of any of the
+    tools (not only the first) is a sentence of the tools' grammar, a named one's only of its own; a function with
+    no parameters takes an object; a description reaches the conversation; a schema llguidance refuses in a tool's
+    parameters names tools."""
+    from gptlab.inference.grammar import compile_grammar
+    from gptlab.serve.api import ApiError
+    from gptlab.serve.structured import compile_structure, parse_structure, tool_grammar, tool_messages
+
+    def refused(body, chat=True):
+        with pytest.raises(ApiError) as got:
+            parse_structure(body, chat)
+        assert got.value.status == 400 and isinstance(got.value.message, str), got.value.message
+        return got.value.message
+
+    tool = {"type": "function", "function": {"name": "f"}}
+    assert '"sometimes"' in refused({"tools": [tool], "tool_choice": "sometimes"})
+    assert '"nope"' in refused({"tools": [tool], "tool_choice": {"type": "function", "function": {"name": "nope"}}})
+    assert '"bad name"' in refused({"tools": [{"type": "function", "function": {"name": "bad name"}}]})
+    assert "tool f" in refused({"tools": [{"type": "function", "function": {"name": "f", "parameters": 3}}]})
+    assert "tools must be a list" in refused({"tools": [{"type": "code"}]})
+    assert '"required"' in refused({"tool_choice": "required"})
+    chars = ChatTokenizer(CharTokenizer(PRINTABLE))
+    with pytest.raises(ApiError) as got:
+        compile_structure(parse_structure({"logit_bias": {str(chars.vocab_size): 1}}, False), chars)
+    assert got.value.message == (f"logit_bias token id {chars.vocab_size} is outside the vocabulary (0 to "
+                                 f"{chars.vocab_size - 1})")
+    bogus = parse_structure({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "bogus"}}}], "tool_choice": "required"}, True)
+    with pytest.raises(ApiError) as got:
+        compile_structure(bogus, chars)
+    assert got.value.param == "tools" and "not valid" in got.value.message
+    functions = [{"name": "one", "description": "the first", "parameters": {"type": "object"}},
+                 {"name": "two", "description": "", "parameters": {"type": "object", "properties": {}}}]
+    assert '"description":"the first"' in tool_messages([], functions)[0]["content"]
+    for choice, accepted in (("required", {"one", "two"}), ({"type": "function", "function": {"name": "two"}},
+                                                             {"two"})):
+        grammar = compile_grammar("lark", tool_grammar(functions, choice), chars)
+        for name in ("one", "two"):
+            matcher = grammar.start().matcher
+            ids = chars.encode(f'<tool_call>{{"name":"{name}","arguments":{{}}}}</tool_call>')
+            assert (matcher.validate_tokens(ids) == len(ids)) is (name in accepted), (choice, name)
+    bare = parse_structure({"tools": [{"type": "function", "function": {"name": "f"}}]}, True).source[0][0]
+    assert bare["parameters"] == {"type": "object", "properties": {}} and bare["description"] == ""

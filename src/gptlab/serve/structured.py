@@ -121,10 +121,11 @@ def _tools(tools: Any, choice: Any) -> tuple[list[dict], Any] | None:
         function = choice.get("function") if choice.get("type") == "function" else None
         name = function.get("name") if isinstance(function, dict) else None
         if name not in names:
-            raise ApiError(400, f"tool_choice names no tool of the request: {_json(choice)}", "tool_choice")
+            raise ApiError(400, f"tool_choice names {_json(name)}, which is none of the request's tools "
+                                f"({', '.join(names)})", "tool_choice")
     elif choice not in ("auto", "none", "required"):
         raise ApiError(400, 'tool_choice must be "auto", "none", "required" or {"type": "function", "function": '
-                            '{"name": ...}}', "tool_choice")
+                            f'{{"name": ...}}}}, not {_json(choice)}', "tool_choice")
     return functions, choice
 
 
