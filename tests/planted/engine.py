@@ -4,6 +4,7 @@ from planted import Planted
 
 SAMPLING = "src/gptlab/sampling.py"
 ENGINE = "src/gptlab/engine.py"
+ROWS = "src/gptlab/inference/rows.py"
 PREFIX = "src/gptlab/inference/prefix_cache.py"
 TEXTSTREAM = "src/gptlab/textstream.py"
 T_SAMPLING = "tests/test_sampling.py"
@@ -48,12 +49,12 @@ SEEDS = f"{T_ENGINE}::test_each_sample_of_each_prompt_is_that_prompt_alone_with_
 
 PLANTED += [
     Planted("engine: sample i of prompt 2+ seeded by its row, not its sample", ENGINE, "RunningBatch.join",
-            [("RowSampler(cfg, row_seed(cfg.seed, i), window, vocab, self.device)",
-              "RowSampler(cfg, row_seed(cfg.seed, len(self.rows) + i), window, vocab, self.device)")],
+            [("RowSampler(cfg, row_seed(cfg.seed, i), window, vocab, self.device, steer)",
+              "RowSampler(cfg, row_seed(cfg.seed, len(self.rows) + i), window, vocab, self.device, steer)")],
             SEEDS),
     Planted("engine: RunningBatch ignores the prompt in penalties", ENGINE, "RunningBatch.join",
-            [("RowSampler(cfg, row_seed(cfg.seed, i), window, vocab, self.device)",
-              "RowSampler(cfg, row_seed(cfg.seed, i), [], vocab, self.device)")],
+            [("RowSampler(cfg, row_seed(cfg.seed, i), window, vocab, self.device, steer)",
+              "RowSampler(cfg, row_seed(cfg.seed, i), [], vocab, self.device, steer)")],
             REFERENCE),
     Planted("engine: RunningBatch slides its window one token early", ENGINE, "RunningBatch._draw",
             [("push(row.window, token, self.block_size, self.keep)",
@@ -69,13 +70,13 @@ PLANTED += [
             [("push(window, i, self.block_size, self.keep)", "push(window, i, self.block_size - 1, self.keep)")],
             [GREEDY, RAGGED]),
     Planted("engine: the reference ignores the prompt in penalties", ENGINE, "Reference.__init__",
-            [("RowSampler(cfg, row_seed(cfg.seed, r % num_samples), w, vocab, self.device)",
-              "RowSampler(cfg, row_seed(cfg.seed, r % num_samples), [], vocab, self.device)")],
+            [("RowSampler(cfg, row_seed(cfg.seed, r % num_samples), w, vocab, self.device, steer)",
+              "RowSampler(cfg, row_seed(cfg.seed, r % num_samples), [], vocab, self.device, steer)")],
             f"{T_ENGINE}::test_the_uncached_reference_decodes_what_the_plain_loop_decodes_with_penalties"),
-    Planted("engine: generated tokens not counted for the penalties", ENGINE, "RowSampler.choose",
+    Planted("engine: generated tokens not counted for the penalties", ROWS, "RowSampler.choose",
             [("            self.counts[0, i] += 1\n", "            pass\n")],
             [RAGGED, REFERENCE]),
-    Planted("engine: the window keeps half of block_size, not 3/4", ENGINE, "window_keep",
+    Planted("engine: the window keeps half of block_size, not 3/4", ROWS, "window_keep",
             [("return max(1, block_size * 3 // 4)", "return max(1, block_size // 2)")],
             [GREEDY, REFERENCE]),
     Planted("engine: a prefix cache hit reuses the chunk that holds the prompt's last token", PREFIX, "prompt_pass",
