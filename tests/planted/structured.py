@@ -37,7 +37,7 @@ PLANTED = [
     Planted("grammar: an array's items not checked", GRAMMAR, "_missing_of_type",
             [('out |= _missing(schema.get("items"), have) | ({","} if least > 1 else set())',
               'out |= _missing(schema.get("items"), have)')],
-            [LACKS, AFTER]),
+            [LACKS, AFTER, f"{T}::test_a_comma_between_two_required_values_is_named_where_the_vocabulary_lacks_it"]),
     Planted("rows: the mask not widened to a model with unused vocabulary rows", ROWS, "_widened",
             [("return allowed if allowed.numel() >= width else torch.nn.functional.pad(allowed, "
               "(0, width - allowed.numel()))",
@@ -47,7 +47,8 @@ PLANTED = [
             [('"finish_reason": "tool_calls"}', '"finish_reason": "stop"}')], ROUND_TRIP),
     Planted("responses: tool_choice none read as a call", RESPONSES, "may_call",
             [('return structure is not None and structure.calls_tools and structure.source[1] != "none"',
-              "return structure is not None and structure.calls_tools")], ROUND_TRIP),
+              "return structure is not None and structure.calls_tools")],
+            [ROUND_TRIP, "tests/test_tool_choice.py::test_required_calls_on_a_greeting_and_none_answers_a_weather_question_in_text"]),
     Planted("responses: a streamed call's delta without its index", RESPONSES, "chat_stream",
             [('                        call["index"] = i\n', "                        pass\n")], ROUND_TRIP),
     Planted("scheduler: a complete grammar's end reported as length", SCHEDULER, "Scheduler._step",
