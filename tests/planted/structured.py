@@ -15,6 +15,7 @@ LACKS = f"{T}::test_a_schema_no_instance_of_which_the_vocabulary_can_write_is_re
 AFTER = f"{T}::test_what_comes_after_a_free_value_is_checked_too"
 ROUND_TRIP = f"{API}::test_a_tool_call_round_trip_under_each_tool_choice"
 CANNOT = f"{API}::test_a_schema_the_vocabulary_cannot_write_is_400_naming_the_characters"
+TOOL_CHOICE = "tests/test_tool_choice.py::test_required_calls_on_a_greeting_and_none_answers_a_weather_question_in_text"
 
 PLANTED = [
     Planted("grammar: proposals not cut where the grammar refuses them", GRAMMAR, "Constraint.valid_prefix",
@@ -48,7 +49,7 @@ PLANTED = [
     Planted("responses: tool_choice none read as a call", RESPONSES, "may_call",
             [('return structure is not None and structure.calls_tools and structure.source[1] != "none"',
               "return structure is not None and structure.calls_tools")],
-            [ROUND_TRIP, "tests/test_tool_choice.py::test_required_calls_on_a_greeting_and_none_answers_a_weather_question_in_text"]),
+            [ROUND_TRIP, TOOL_CHOICE]),
     Planted("responses: a streamed call's delta without its index", RESPONSES, "chat_stream",
             [('                        call["index"] = i\n', "                        pass\n")], ROUND_TRIP),
     Planted("scheduler: a complete grammar's end reported as length", SCHEDULER, "Scheduler._step",
