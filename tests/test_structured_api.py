@@ -381,3 +381,30 @@ def test_refusals_are_400s_quoting_what_was_refused_and_every_tool_may_be_called
             assert (matcher.validate_tokens(ids) == len(ids)) is (name in accepted), (choice, name)
     bare = parse_structure({"tools": [{"type": "function", "function": {"name": "f"}}]}, True).source[0][0]
     assert bare["parameters"] == {"type": "object", "properties": {}} and bare["description"] == ""
+
+
+def test_response_format_and_logit_bias_shapes_at_their_edges():
+    """{"type": "text"} is the default (no grammar); a response_format that is not an object, a json_schema without
+    its schema, an extension without its text; a logit_bias that is not an object: each a 400 naming the field and
+    quoting what it got; a description given reaches the function."""
+    from gptlab.serve.api import ApiError
+    from gptlab.serve.structured import parse_structure
+
+    assert parse_structure({"response_format": {"type": "text"}}, True).kind is None
+    assert parse_structure({"response_format": None}, True).kind is None
+    for bad in ("json", {"type": "json_schema"}, {"type": "json_schema", "json_schema": "s"},
+                {"type": "json_schema", "json_schema": {"name": "n"}}, {"type": "regex"},
+                {"type": "grammar", "grammar": 3},
+                {"type": "text", "extra": 1}, {"kind": "text"}):
+        with pytest.raises(ApiError) as got:
+            parse_structure({"response_format": bad}, True)
+        assert (got.value.status, got.value.param) == (400, "response_format") and got.value.message, bad
+    with pytest.raises(ApiError) as got:
+        parse_structure({"logit_bias": [["5", 1]]}, False)
+    assert (got.value.status, got.value.param) == (400, "logit_bias")
+    for bias, quoted in (({"x1": 1}, '"x1"'), ({"5": "big"}, '"big"')):
+        with pytest.raises(ApiError) as got:
+            parse_structure({"logit_bias": bias}, False)
+        assert quoted in got.value.message and got.value.status == 400
+    described = {"type": "function", "function": {"name": "f", "description": "does f"}}
+    assert parse_structure({"tools": [described]}, True).source[0][0]["description"] == "does f"
