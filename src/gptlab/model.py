@@ -8,6 +8,7 @@ H heads, D head_dim = C / H, V vocabulary. Its dropout and the chunked training 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import NamedTuple, TypeGuard
 
 import torch
@@ -17,6 +18,11 @@ import torch.utils.checkpoint
 
 from gptlab.config import ModelConfig
 from gptlab.ops import Dropout, chunked_loss
+
+# A hook point: (TransformerLens's name of an activation, the activation) -> the activation the forward goes on with.
+# None (the default everywhere) costs nothing: no hook work, the fused attention kernel. With a tap, attention and the
+# LayerNorms run written out, so that their scores, patterns and scales exist to be seen (inspect/hooks.py).
+Tap = Callable[[str, torch.Tensor], torch.Tensor]
 
 
 class KVCache:
@@ -107,9 +113,13 @@ class CausalSelfAttention(nn.Module):
         self.attn_dropout = Dropout(config.dropout)
         self.resid_dropout = Dropout(config.dropout)
 
-    def forward(self, x: torch.Tensor, cache: KVCache | None = None, layer: int = 0) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cache: KVCache | None = None, layer: int = 0,
+                tap: Tap | None = None) -> torch.Tensor:
         B, T, C = x.shape
         q, k, v = self.c_attn(x).split(C, dim=2)
+        if tap is not None:  # heads split, (B, T, H, D), as TransformerLens shows them
+            q, k, v = (tap(f"attn.hook_{n}", t.reshape(B, T, self.n_head, self.head_dim)).reshape(B, T, C)
+                       for n, t in zip("qkv", (q, k, v)))
         q = q.view(B, T, self.n_head, self.head_dim).transpose(1, 2)  # (B, H, T, D)
         k = k.view(B, T, self.n_head, self.head_dim).transpose(1, 2)  # (B, H, T, D)
         v = v.view(B, T, self.n_head, self.head_dim).transpose(1, 2)  # (B, H, T, D)
@@ -118,9 +128,13 @@ class CausalSelfAttention(nn.Module):
             k, v, mask, causal = self._use_cache(cache, layer, k, v)
             dtype = cache.attend or (torch.float32 if k.device.type == "cpu" else k.dtype)
             q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
-        attend = self._naive if self._naive_is_faster(q) else self._sdpa
-        y = attend(q, k, v, mask, causal).to(x.dtype)  # (B, H, T, D)
-        y = y.transpose(1, 2).contiguous().view(B, T, C)  # (B, T, C): heads side by side again
+        if tap is not None:
+            y = self._naive(q, k, v, mask, causal, tap).to(x.dtype)
+            y = tap("attn.hook_z", y.transpose(1, 2)).reshape(B, T, C)
+        else:
+            attend = self._naive if self._naive_is_faster(q) else self._sdpa
+            y = attend(q, k, v, mask, causal).to(x.dtype)  # (B, H, T, D)
+            y = y.transpose(1, 2).contiguous().view(B, T, C)  # (B, T, C): heads side by side again
         return self.resid_dropout(self.c_proj(y))
 
     def _use_cache(self, cache: KVCache, layer: int, k: torch.Tensor,
@@ -154,7 +168,7 @@ class CausalSelfAttention(nn.Module):
         return bf16 or (self.training and self.dropout > 0)
 
     def _naive(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
-               causal: bool) -> torch.Tensor:
+               causal: bool, tap: Tap | None = None) -> torch.Tensor:
         """The equation written out, the reference every fast path is tested against."""
         T, S = q.size(-2), k.size(-2)
         att = (q * (1.0 / math.sqrt(self.head_dim))) @ k.transpose(-2, -1)  # (B, H, T, S); scaling q: fewer numbers
@@ -164,8 +178,10 @@ class CausalSelfAttention(nn.Module):
             # + 0 where visible, + -inf where not: the same numbers as masked_fill, but its backward is free (add's
             # is the identity; the softmax's gradient is already 0 where hidden), one pass over att fewer each way
             att = att + torch.zeros(mask.shape, dtype=att.dtype, device=att.device).masked_fill_(~mask, float("-inf"))
-        att = self.attn_dropout(F.softmax(att, dim=-1))
-        return att @ v  # (B, H, T, D)
+        if tap is None:
+            return self.attn_dropout(F.softmax(att, dim=-1)) @ v  # (B, H, T, D)
+        att = tap("attn.hook_pattern", F.softmax(tap("attn.hook_attn_scores", att), dim=-1))
+        return self.attn_dropout(att) @ v
 
     def _sdpa(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
               causal: bool) -> torch.Tensor:
@@ -184,8 +200,20 @@ class MLP(nn.Module):
         self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd, bias=config.bias)
         self.dropout = Dropout(config.dropout)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.dropout(self.c_proj(self.gelu(self.c_fc(x))))
+    def forward(self, x: torch.Tensor, tap: Tap | None = None) -> torch.Tensor:
+        if tap is None:
+            return self.dropout(self.c_proj(self.gelu(self.c_fc(x))))
+        return self.dropout(self.c_proj(tap("mlp.hook_post", self.gelu(tap("mlp.hook_pre", self.c_fc(x))))))
+
+
+def layer_norm(ln: nn.LayerNorm, x: torch.Tensor, tap: Tap | None, name: str) -> torch.Tensor:
+    """ln(x); with a tap, written out: the scale sqrt(var + eps) at NAME.hook_scale, (x - mean) / scale at
+    NAME.hook_normalized (before the weight and bias, as TransformerLens's unfolded LayerNorm)."""
+    if tap is None:
+        return ln(x)
+    x = x - x.mean(-1, keepdim=True)
+    x = tap(f"{name}.hook_normalized", x / tap(f"{name}.hook_scale", (x.pow(2).mean(-1, keepdim=True) + ln.eps).sqrt()))
+    return x * ln.weight + ln.bias if ln.bias is not None else x * ln.weight
 
 
 class Block(nn.Module):
@@ -198,9 +226,16 @@ class Block(nn.Module):
         self.ln_2 = nn.LayerNorm(config.n_embd, eps=config.layer_norm_eps, bias=config.bias)
         self.mlp = MLP(config)
 
-    def forward(self, x: torch.Tensor, cache: KVCache | None = None, layer: int = 0) -> torch.Tensor:
-        x = x + self.attn(self.ln_1(x), cache, layer)
-        return x + self.mlp(self.ln_2(x))
+    def forward(self, x: torch.Tensor, cache: KVCache | None = None, layer: int = 0,
+                tap: Tap | None = None) -> torch.Tensor:
+        if tap is None:
+            x = x + self.attn(self.ln_1(x), cache, layer)
+            return x + self.mlp(self.ln_2(x))
+        at = lambda name, t: tap(f"blocks.{layer}.{name}", t)  # this block's names
+        x = at("hook_resid_pre", x)
+        attn = self.attn(layer_norm(self.ln_1, x, at, "ln1"), cache, layer, at)
+        x = at("hook_resid_mid", x + at("hook_attn_out", attn))
+        return at("hook_resid_post", x + at("hook_mlp_out", self.mlp(layer_norm(self.ln_2, x, at, "ln2"), at)))
 
 
 def _loss(logits: torch.Tensor, targets: torch.Tensor | None) -> torch.Tensor | None:
@@ -246,11 +281,13 @@ class GPT(nn.Module):
             nn.init.zeros_(module.bias)
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, kv_cache: KVCache | None = None,
-                last_only: bool = False, head: bool = True) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+                last_only: bool = False, head: bool = True,
+                tap: Tap | None = None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """idx (B, T) token ids -> logits (B, T, V) (or (B, 1, V) with last_only) and the mean cross-entropy
         against targets (B, T) when given (-1 targets are ignored); with loss_chunk set, a forward that records
         gradients returns the loss alone (logits None). With a cache, idx continues each row at kv_cache.pos, and
-        pos advances by T; head=False (with a cache) only fills the cache: no logits, (None, None)."""
+        pos advances by T; head=False (with a cache) only fills the cache: no logits, (None, None). `tap` sees (and
+        may replace) every activation by its TransformerLens name."""
         B, T = idx.shape
         if kv_cache is None:
             assert T <= self.config.block_size, f"sequence of {T} tokens > block_size {self.config.block_size}"
@@ -259,18 +296,21 @@ class GPT(nn.Module):
             step = kv_cache.begin(T)
             assert step.end <= self.config.block_size, "position beyond block_size: slide the window"
             pos = kv_cache.pos[:, None] + torch.arange(T, device=idx.device)  # (B, T)
-        x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))  # (B, T, C)
+        tok, where = self.transformer.wte(idx), self.transformer.wpe(pos)  # (B, T, C), (T, C) or (B, T, C)
+        if tap is not None:
+            tok, where = tap("hook_embed", tok), tap("hook_pos_embed", where.expand(B, T, -1))
+        x = self.transformer.drop(tok + where)  # (B, T, C)
         recompute = self.checkpoint_blocks and self.training and torch.is_grad_enabled() and kv_cache is None
         for layer, block in enumerate(self.transformer.h):
             if recompute:
                 x = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False, preserve_rng_state=True)
             else:
-                x = block(x, kv_cache, layer)
+                x = block(x, kv_cache, layer, tap)
         if kv_cache is not None:
             kv_cache.pos += T
             if not head:
                 return None, None
-        x = self.transformer.ln_f(x)
+        x = layer_norm(self.transformer.ln_f, x, tap, "ln_final")
         if last_only:
             x = x[:, -1:]
         if self.loss_chunk and targets is not None and torch.is_grad_enabled() and not last_only:
