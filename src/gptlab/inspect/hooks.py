@@ -65,6 +65,8 @@ class ActivationCache(dict):
     `cache["blocks.0.attn.hook_pattern"]`, `cache["resid_pre", 1]`, `cache["scale"]` (the final LayerNorm's)."""
 
     def __getitem__(self, key: str | tuple) -> torch.Tensor:
+        if isinstance(key, str) and not super().__contains__(canonical(key)) and "." not in key:
+            key = (key.removeprefix("hook_"),)  # "scale", "embed": a short name outside the blocks
         if isinstance(key, tuple):
             short, *layer = key
             matches = [n for n in self if n.endswith(f"hook_{short}")
