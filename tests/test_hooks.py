@@ -7,7 +7,7 @@ import warnings
 
 import pytest
 import torch
-from helpers import HF_SHAPES, hf_folder, perturbed, tiny_config
+from helpers import HF_SHAPES, hf_folder, perturbed, tiny_config, torch_ops_on_one_thread
 
 from gptlab.errors import GptlabError
 from gptlab.hf.gpt2_folders import load_hf_model, to_hf_tensors
@@ -57,6 +57,14 @@ def worst(a: torch.Tensor, b: torch.Tensor, name: str = "") -> float:
         return 0.0
     return float((a[finite] - b[finite]).abs().max() / a[finite].abs().max().clamp_min(1e-30))
 
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny models on one torch thread: on a loaded machine threads wait for one another far longer than these
+    forwards compute (TransformerLens's patching runs hundreds of them)."""
+    with torch_ops_on_one_thread():
+        yield
 
 @pytest.fixture(scope="module")
 def odd():
