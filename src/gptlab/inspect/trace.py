@@ -1,14 +1,13 @@
-"""Tracing: the GPT's forward written out once more, over the model's own weights, keeping what it computes.
+"""Tracing: the GPT's own forward run with its hook points open (hooks.py), keeping what it computes.
 
-The model's forward (model.py) stays as it is, fast paths and all: tracing never hooks into it, so a training step
-runs the same code and gives the same result whether or not anything is traced. Here the attention is the
-equation itself, softmax(QK^T / sqrt(D) + mask) V, so the probabilities are exact (no dropout: a trace is an
-inference). Letters as in model.py: B batch, T positions, C channels, H heads, D head_dim, V vocabulary, L layers.
+With no hook the model's forward keeps its fast paths; a trace taps it, so the attention is the equation itself,
+softmax(QK^T / sqrt(D) + mask) V, written out in model.py, and the probabilities are exact (eval mode, no dropout:
+a trace is an inference). Letters as in model.py: B batch, T positions, C channels, H heads, D head_dim, V
+vocabulary, L layers.
 """
 
 from __future__ import annotations
 
-import math
 import unicodedata
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -19,7 +18,8 @@ import torch.nn.functional as F
 from gptlab.config import SampleConfig
 from gptlab.engine import generate
 from gptlab.errors import GptlabError
-from gptlab.model import GPT, is_gpt
+from gptlab.inspect.hooks import Hooked
+from gptlab.model import GPT, is_gpt, layer_norm
 from gptlab.plots import escape
 from gptlab.tokenizer import Tokenizer
 
@@ -64,31 +64,14 @@ def check_length(model: GPT, n_tokens: int, what: str = "the prompt", fix: str =
         raise GptlabError(f"{what} is {n_tokens} tokens but the model's context is {model.config.block_size}; {fix}")
 
 
-def _attention(block: torch.nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Block's attention on the normed stream x (B, T, C): (what it adds to the stream, probabilities (B, H, T, T))."""
-    attn = block.attn
-    B, T, C = x.shape
-    q, k, v = attn.c_attn(x).split(C, dim=2)
-    q = q.view(B, T, attn.n_head, attn.head_dim).transpose(1, 2)  # (B, H, T, D)
-    k = k.view(B, T, attn.n_head, attn.head_dim).transpose(1, 2)  # (B, H, T, D)
-    v = v.view(B, T, attn.n_head, attn.head_dim).transpose(1, 2)  # (B, H, T, D)
-    scores = (q * (1.0 / math.sqrt(attn.head_dim))) @ k.transpose(-2, -1)  # (B, H, T, T)
-    future = torch.ones(T, T, dtype=torch.bool, device=x.device).triu(1)  # key j hidden from query i iff j > i
-    probs = F.softmax(scores.masked_fill(future, float("-inf")), dim=-1)  # exp(-inf) = 0: exactly 0 above
-    y = (probs @ v).transpose(1, 2).contiguous().view(B, T, C)  # (B, T, C): heads side by side again
-    return attn.c_proj(y), probs
-
-
-def _mlp(block: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
-    mlp = block.mlp
-    return mlp.c_proj(mlp.gelu(mlp.c_fc(x)))  # C -> 4C -> C, no dropout
+TRACED = ("hook_resid_pre", "hook_resid_mid", "hook_attn_out", "hook_mlp_out", "attn.hook_pattern", "hook_resid_post")
 
 
 @torch.no_grad()
 def trace(model: torch.nn.Module, ids: torch.Tensor | Sequence[int]) -> Trace:
     """Run `model` (a GPT) on ids (B, T) or one sequence, keeping every layer's attention probabilities and the
-    residual stream; returns a Trace. Raises GptlabError for a model without attention (bigram), an empty input
-    or one longer than the context."""
+    residual stream (read at the model's own hook points); returns a Trace. Raises GptlabError for a model without
+    attention (bigram), an empty input or one longer than the context."""
     gpt = check_traceable(model)
     device = gpt.transformer.wte.weight.device
     ids = torch.as_tensor(ids, dtype=torch.long, device=device)
@@ -96,21 +79,13 @@ def trace(model: torch.nn.Module, ids: torch.Tensor | Sequence[int]) -> Trace:
     check_length(gpt, ids.size(1))
     if ids.numel() and not 0 <= int(ids.min()) <= int(ids.max()) < gpt.config.vocab_size:
         raise GptlabError(f"token ids must be in [0, {gpt.config.vocab_size}): use the run's tokenizer")
-    pos = torch.arange(ids.size(1), device=device)  # (T,)
-    x = gpt.transformer.wte(ids) + gpt.transformer.wpe(pos)  # (B, T, C)
-    out = Trace(ids, [x], [], [], [], [], torch.empty(0))
-    for block in gpt.transformer.h:
-        added, probs = _attention(block, block.ln_1(x))
-        x = x + added
-        out.attn_out.append(added)
-        out.attention.append(probs)
-        out.after_attention.append(x)
-        added = _mlp(block, block.ln_2(x))
-        x = x + added
-        out.mlp_out.append(added)
-        out.residual.append(x)
-    out.logits = gpt.lm_head(gpt.transformer.ln_f(x))  # (B, T, V)
-    return out
+    logits, cache = Hooked(gpt).run_with_cache(ids, lambda name: name.endswith(TRACED))
+    layers = range(gpt.config.n_layer)
+
+    def each(point: str) -> list[torch.Tensor]:
+        return [cache[f"blocks.{i}.{point}"] for i in layers]
+    return Trace(ids, each("hook_resid_pre") + each("hook_resid_post")[-1:], each("hook_resid_mid"),
+                 each("hook_attn_out"), each("hook_mlp_out"), each("attn.hook_pattern"), logits)
 
 
 @torch.no_grad()
@@ -118,7 +93,8 @@ def logit_lens(model: torch.nn.Module, tr: Trace) -> torch.Tensor:
     """The logit lens: ln_f and the LM head applied to the residual stream at every depth. Returns logits
     (L + 1, B, T, V): row 0 reads the embeddings, row l the stream after block l; row L equals tr.logits."""
     gpt = check_traceable(model)
-    return torch.stack([gpt.lm_head(gpt.transformer.ln_f(x)) for x in tr.residual])
+    same = lambda name, t: t  # (the written-out final LayerNorm, as the traced forward ran it)
+    return torch.stack([gpt.lm_head(layer_norm(gpt.transformer.ln_f, x, same, "ln_final")) for x in tr.residual])
 
 
 def trace_generation(model: torch.nn.Module, prompt: Sequence[int], cfg: SampleConfig) -> Trace:
