@@ -83,6 +83,11 @@ MODULES = {
                "test_speculative test_structured"),
     "serve.structured": _m("serve/structured", "test_structured_api test_tool_choice"),
     "bench.constrained": _m("bench/constrained", "test_bench_constrained"),
+    # issue 47: hook points by TransformerLens's names, patching, head detectors, their pictures and benches
+    "hooks": _m("model inspect/hooks inspect/lens", "test_hooks test_model test_engine test_activation_checkpointing"),
+    "patching": _m("inspect/patching inspect/circuit", "test_patching test_inspect_patch"),
+    "heads": _m("heads inspect/heatmaps", "test_heads test_inspect_patch"),
+    "bench.interp": _m("bench/interp", "test_inspect_patch"),
     # issue 44: the prompt pass and the exact prefix cache
     "prefix_cache": _m("inference/prefix_cache", "test_prefix_cache test_serve_prefix test_running_batch test_engine"),
     "serve.api": _m("serve/api", "test_serve test_serve_api test_serve_batching test_serve_chat"),
