@@ -291,6 +291,9 @@ def test_the_structured_fields_are_checked_at_their_edges():
     assert refused({"tools": [{"type": "function", "function": {"name": "f", "parameters": []}}]}) == "tools"
     assert refused({"tools": [{"type": "code", "function": {"name": "f"}}]}) == "tools"
     assert parse_structure({"tools": [], "tool_choice": "auto"}, True).kind is None
+    assert parse_structure({"tool_choice": "none"}, True).kind is None  # "none" needs no tools, "required" does
+    assert refused({"tool_choice": "required"}) == "tool_choice"
+    assert refused({"tools": [tool], "tool_choice": {"function": {"name": "a" * 64}}}) == "tool_choice"  # no type
     chars = ChatTokenizer(CharTokenizer(PRINTABLE))
     none = parse_structure({"tools": [tool], "tool_choice": "none"}, True)
     compile_structure(none, chars)
@@ -355,6 +358,9 @@ def test_refusals_are_400s_quoting_what_was_refused_and_every_tool_may_be_called
     tool = {"type": "function", "function": {"name": "f"}}
     assert '"sometimes"' in refused({"tools": [tool], "tool_choice": "sometimes"})
     assert '"nope"' in refused({"tools": [tool], "tool_choice": {"type": "function", "function": {"name": "nope"}}})
+    g = {"type": "function", "function": {"name": "g"}}
+    assert "none of the request's tools (f, g)" in refused({"tools": [tool, g], "tool_choice": {
+        "type": "function", "function": {"name": "nope"}}})
     assert '"bad name"' in refused({"tools": [{"type": "function", "function": {"name": "bad name"}}]})
     assert "tool f" in refused({"tools": [{"type": "function", "function": {"name": "f", "parameters": 3}}]})
     assert "tools must be a list" in refused({"tools": [{"type": "code"}]})
