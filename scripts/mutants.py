@@ -84,7 +84,8 @@ MODULES = {
     "serve.structured": _m("serve/structured", "test_structured_api test_tool_choice"),
     "bench.constrained": _m("bench/constrained", "test_bench_constrained"),
     # issue 47: hook points by TransformerLens's names, patching, head detectors, their pictures and benches
-    "hooks": _m("model inspect/hooks inspect/lens", "test_hooks test_model test_engine test_activation_checkpointing"),
+    "hooks": _m("model inspect/hooks inspect/lens", "test_hooks test_patching test_model test_engine "
+                "test_activation_checkpointing"),
     "patching": _m("inspect/patching inspect/circuit", "test_patching test_inspect_patch"),
     "heads": _m("heads inspect/heatmaps", "test_heads test_inspect_patch"),
     "bench.interp": _m("bench/interp", "test_inspect_patch"),

@@ -396,3 +396,12 @@ def torch_ops_on_one_thread():
         torch.set_num_threads(1)
         yield
     torch.set_num_threads(before)
+
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_torch_thread():
+    """Imported into a test module: its tiny models on one torch thread for the module's duration (see
+    torch_ops_on_one_thread; TransformerLens's patching alone runs hundreds of tiny forwards)."""
+    with torch_ops_on_one_thread():
+        yield

@@ -7,7 +7,7 @@ import warnings
 
 import pytest
 import torch
-from helpers import HF_SHAPES, hf_folder, perturbed, tiny_config, torch_ops_on_one_thread
+from helpers import HF_SHAPES, hf_folder, one_torch_thread, perturbed, tiny_config  # noqa: F401  (autouse fixture)
 
 from gptlab.errors import GptlabError
 from gptlab.hf.gpt2_folders import load_hf_model, to_hf_tensors
@@ -58,13 +58,6 @@ def worst(a: torch.Tensor, b: torch.Tensor, name: str = "") -> float:
     return float((a[finite] - b[finite]).abs().max() / a[finite].abs().max().clamp_min(1e-30))
 
 
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models on one torch thread: on a loaded machine threads wait for one another far longer than these
-    forwards compute (TransformerLens's patching runs hundreds of them)."""
-    with torch_ops_on_one_thread():
-        yield
 
 @pytest.fixture(scope="module")
 def odd():
@@ -273,3 +266,49 @@ def test_the_exported_hooked_transformer_is_transformer_lens_s_own_conversion(sh
     assert torch.equal(theirs, ours)
     assert all(torch.equal(their_cache[n], cache[n]) for n in their_cache)
     assert isinstance(ActivationCache(), dict) and worst(model(ids)[0], ours) <= TOL
+
+
+def test_sampled_generation_draws_as_documented_and_the_default_is_greedy(odd):
+    """Sampled: one torch.multinomial draw a row a step over softmax(logits / temperature), from a generator seeded
+    `seed`, worked out here with the plain forward; the defaults: greedy, seed 0."""
+    prompt = torch.tensor([[4, 8, 15], [16, 2, 11]])
+    hooked = Hooked(odd)
+    ids, _ = hooked.generate_with_cache(prompt, 6, names_filter="hook_embed", temperature=0.7, seed=11)
+    g, out = torch.Generator().manual_seed(11), prompt
+    for _ in range(6):
+        last = odd(out)[0][:, -1].float()
+        out = torch.cat([out, torch.multinomial(torch.softmax(last / 0.7, -1), 1, generator=g)], 1)
+    assert torch.equal(ids, out)
+    greedy = hooked.generate_with_cache(prompt, 6, names_filter="hook_embed")[0]
+    assert not torch.equal(ids, greedy)  # the draws are not the argmax here, so a greedy slip would show
+    assert torch.equal(greedy[:, 3:], torch.stack([hooked.generate_with_cache(greedy[:, :t], 1)[0][:, -1]
+                                                   for t in range(3, 9)], 1))
+    hot = hooked.generate_with_cache(prompt, 6, names_filter="hook_embed", temperature=0.7)[0]
+    assert torch.equal(hot, hooked.generate_with_cache(prompt, 6, names_filter="hook_embed", temperature=0.7,
+                                                       seed=0)[0])
+
+
+def test_generation_to_the_context_s_last_position_one_step_or_none(odd):
+    ids, cache = Hooked(odd).generate_with_cache(torch.tensor([[1, 2]]), 17)  # 2 + 17 = block_size 19
+    assert ids.shape == (1, 19) and cache["blocks.0.hook_resid_pre"].shape == (1, 18, 15)
+    ids, cache = Hooked(odd).generate_with_cache(torch.tensor([[1, 2]]), 1)
+    assert ids.shape == (1, 3) and cache["pattern", 1].shape == (1, 3, 2, 2)
+    ids, cache = Hooked(odd).generate_with_cache(torch.tensor([[1, 2]]), 0)
+    assert torch.equal(ids, torch.tensor([[1, 2]])) and len(cache) == 0
+
+
+class Raising:
+    def __call__(self, t, hook):
+        raise RuntimeError("nope")
+
+
+def test_a_callable_without_a_name_is_named_by_its_type_and_a_name_far_from_any_gets_the_pattern(odd):
+    with pytest.raises(HookError, match=r"the hook Raising on hook_embed raised RuntimeError: nope"):
+        Hooked(odd).run_with_hooks(torch.tensor([[1]]), fwd_hooks=[("hook_embed", Raising())])
+    with pytest.raises(HookError, match=r"no hook point named 'zzz' in this model: names look like blocks.0.attn"):
+        Hooked(odd).run_with_hooks(torch.tensor([[1]]), fwd_hooks=[("zzz", Raising())])
+    _, cache = Hooked(odd).run_with_cache(torch.tensor([[1, 2]]))
+    assert cache["hook_scale"] is cache["ln_final.hook_scale"] and (1, 2) not in cache
+    last = Hooked(odd).run_with_hooks(torch.tensor([[1, 2, 3]]), fwd_hooks=[("hook_embed", lambda t, h: None)],
+                                      last_only=True)
+    assert last.shape == (1, 1, 23) and worst(odd(torch.tensor([[1, 2, 3]]))[0][:, -1:], last) <= TOL

@@ -8,7 +8,7 @@ import warnings
 import pytest
 import torch
 
-from helpers import perturbed
+from helpers import one_torch_thread, perturbed  # noqa: F401  (one_torch_thread: autouse)
 from gptlab.config import ModelConfig
 from gptlab.errors import GptlabError
 from gptlab.inspect import patching
@@ -55,18 +55,9 @@ def transformer_lens_copy(model: GPT):
     return tl.eval()
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models on one torch thread: on a loaded machine threads wait for one another far longer than these
-    forwards compute."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
 
 @pytest.fixture(scope="module")
-def setup(one_thread):
+def setup(one_torch_thread):
     """A perturbed random GPT, its TransformerLens copy, and a clean / corrupted pair of 7 tokens."""
     torch.manual_seed(0)
     model = perturbed(GPT(ModelConfig(**SHAPE))).eval()
