@@ -13,7 +13,8 @@ from gptlab.inspect.trace import Trace, pairwise_cosine, token_label
 from gptlab.plots import drawable, pyplot
 
 
-def _save(fig, out: str | Path) -> Path:
+def save_png(fig, out: str | Path) -> Path:
+    """The figure written to `out` (its folder made), closed; returns the path."""
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=100, bbox_inches="tight")
@@ -55,7 +56,7 @@ def attention_png(tr: Trace, labels: Sequence[str], out: str | Path, layer: int 
             _label_axes(ax, labels, x=r == len(layers) - 1, y=c == 0, size=size)
     fig.suptitle("attention: row = query token, column = key token it reads (colour = probability)", fontsize=10, y=1.0)
     fig.tight_layout()
-    return _save(fig, out)
+    return save_png(fig, out)
 
 
 def lens_top(lens: torch.Tensor, top: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
@@ -102,7 +103,7 @@ def lens_png(lens: torch.Tensor, labels: Sequence[str], tokenizer, out: str | Pa
     fig.colorbar(image, ax=ax, fraction=0.03, label="probability of the final prediction")
     ax.set_title("logit lens: ln_f + lm_head on the residual stream after each block (text: top-1 at that depth)",
                  fontsize=10)
-    return _save(fig, out)
+    return save_png(fig, out)
 
 
 def depth_names(n_layer: int) -> list[str]:
@@ -150,7 +151,7 @@ def embeddings_png(reps: torch.Tensor, word: str, contexts: Sequence[str], out: 
         sub.set_yticks([])
     legend = "\n".join(f"{n + 1}: {c[:70]!r}" for n, c in enumerate(contexts[:10]))
     fig.text(0.01, -0.02, "PCA per depth; contexts\n" + drawable(legend), fontsize=7, va="top")
-    return _save(fig, out)
+    return save_png(fig, out)
 
 
 def similarity_table(reps: torch.Tensor) -> str:
