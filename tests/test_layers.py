@@ -19,8 +19,8 @@ STAGES = ("data", "training", "distributed", "hf")  # packages that are a stage'
 MAY_IMPORT = {
     "data": {"errors", "machine", "config", "tokenizer", "chat", "rundir"},  # text -> token files -> batches: no model
     "distributed": {"errors", "machine", "config", "model", "runtime", "rundir", "sharded", "checkpoint"},
-    "training": {"errors", "config", "tokenizer", "rundir", "data", "model", "lora", "runtime", "peak", "optim",
-                 "plots", "checkpoint", "distributed", "reference"},
+    "training": {"errors", "config", "tokenizer", "rundir", "data", "model", "heads", "lora", "runtime", "peak",
+                 "optim", "plots", "checkpoint", "distributed", "reference"},
     "hf": {"errors", "config", "tokenizer", "chat", "rundir", "model", "lora", "checkpoint"},
     # (sampling: a row's state chooses its tokens with it; it imports nothing but config)
     "inference": {"errors", "machine", "compiled", "config", "tokenizer", "model", "runtime", "checkpoint", "sampling"},

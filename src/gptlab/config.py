@@ -27,6 +27,7 @@ ENGINES = ("torch", "reference")  # train's and sample's --engine
 # the layers LoRA may adapt, by GPT-2's module names; "c_proj" is attention's and the MLP's (as in PEFT)
 LORA_TARGETS = ("c_attn", "c_proj", "c_fc", "attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")
 LOGGERS = ("tensorboard", "csv", "wandb", "mlflow")  # train's --log (gptlab.training.loggers)
+PROBES = ("none", "induction")  # train's --probe (gptlab.heads)
 
 
 SEED_LIMIT = 1 << 63
@@ -123,6 +124,9 @@ class TrainConfig:
     log: list[str] = setting([], "also log the metrics.jsonl rows, the settings and the loss curve to NAME under "
                                  "RUN/logs: tensorboard, csv, wandb (offline unless logged in) or mlflow (a local "
                                  "store); repeatable, or NAME,NAME", LOGGERS, metavar="NAME")
+    probe: str = setting("none", "at each evaluation, also record into metrics.jsonl: induction (every attention "
+                                 "head's induction score on random tokens repeated, drawn beside the loss in "
+                                 "loss.png) or none", PROBES)
 
     def __post_init__(self) -> None:
         _check_types(self)
@@ -151,6 +155,7 @@ class TrainConfig:
         _check(not (self.optimizer == "muon" and self.fsdp), "optimizer muon orthogonalises whole matrices, which "
                "FSDP splits across processes; use --optimizer adamw with --fsdp")
         _check_choice("engine", self.engine, ENGINES)
+        _check_choice("probe", self.probe, PROBES)
         self._check_lora()
         self.log = list(dict.fromkeys(name for entry in self.log for name in entry.split(",") if name))
         for name in self.log:
@@ -184,7 +189,8 @@ def _check_reference(cfg: TrainConfig) -> None:
     """The settings the reference engine does not implement, each refused in one line that says so."""
     unsupported = {"optimizer muon": cfg.optimizer == "muon", f"precision {cfg.precision}": cfg.precision == "bf16",
                    "compile": cfg.compile, "fsdp": cfg.fsdp, f"device {cfg.device}": cfg.device in ("cuda", "mps"),
-                   "activation checkpointing": cfg.activation_checkpointing, "loss_chunk": cfg.loss_chunk > 0}
+                   "activation checkpointing": cfg.activation_checkpointing, "loss_chunk": cfg.loss_chunk > 0,
+                   f"probe {cfg.probe}": cfg.probe != "none"}
     for name, given in unsupported.items():
         _check(not given, f"the reference engine does not implement {name} (it trains with AdamW in fp32 on the "
                           "CPU, one process); drop that setting or use --engine torch")

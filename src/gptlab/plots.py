@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import functools
 import json
+import re
 from pathlib import Path
 
 from gptlab.errors import GptlabError
 
 PICTURE_SUFFIXES = (".png", ".svg", ".pdf", ".jpg")  # formats matplotlib writes with no extra software
 NATS_PER_TOKEN, BITS_PER_BYTE = "nats / token", "bits / byte"  # the units of a validation curve
+# train --probe induction's keys in an evaluation row: each head's induction score, and a uniform pattern's
+HEAD_KEY, CHANCE_KEY = re.compile(r"induction/(L\d+H\d+)"), "induction/chance"
 
 
 def read_metrics(path: str | Path) -> list[dict]:
@@ -75,14 +78,17 @@ def _save(fig, out_png: str | Path) -> Path:
 
 
 def plot_loss(metrics_path: str | Path, out_png: str | Path, title: str = "") -> Path | None:
-    """Train loss per logged step and the estimated train/val loss at each evaluation, as a PNG."""
+    """Train loss per logged step and the estimated train/val loss at each evaluation, as a PNG; where the
+    evaluations carry each head's induction score (train --probe induction), those curves in another panel beside it."""
     plt = pyplot()
     rows = read_metrics(metrics_path)
     steps = [r for r in rows if r.get("kind") == "train"]
     evals = [r for r in rows if r.get("kind") == "eval"]
     if not steps and not evals:
         return None
-    fig, ax = plt.subplots(figsize=(8, 4.5), dpi=120)
+    heads = head_curves(evals)
+    fig, axes = plt.subplots(1, 2 if heads else 1, figsize=(13 if heads else 8, 4.5), dpi=120, squeeze=False)
+    ax = axes[0][0]
     if steps:
         ax.plot([r["step"] for r in steps], [r["loss"] for r in steps], lw=0.8, alpha=0.5, label="train (batch)")
     if evals:
@@ -93,7 +99,40 @@ def plot_loss(metrics_path: str | Path, out_png: str | Path, title: str = "") ->
     ax.set_title(drawable(title or "loss"))
     ax.grid(alpha=0.3)
     ax.legend()
+    if heads:
+        _draw_heads(axes[0][1], heads, [(r["step"], r[CHANCE_KEY]) for r in evals if CHANCE_KEY in r])
     return _save(fig, out_png)
+
+
+def head_curves(evals: list[dict]) -> dict[str, tuple[list[int], list[float]]]:
+    """{"L1H0": (steps, induction scores), ...}: each head's curve over the evaluation rows that carry it."""
+    curves: dict[str, tuple[list[int], list[float]]] = {}
+    for row in evals:
+        for key, value in row.items():
+            match = HEAD_KEY.fullmatch(key)
+            if match:
+                steps, scores = curves.setdefault(match.group(1), ([], []))
+                steps.append(row["step"])
+                scores.append(value)
+    return curves
+
+
+def _draw_heads(ax, heads: dict[str, tuple[list[int], list[float]]], chance: list[tuple[int, float]]) -> None:
+    """Every head's induction score over steps, thin; the head that ends highest drawn bold and named."""
+    best = max(heads, key=lambda name: heads[name][1][-1])
+    for name, (steps, scores) in heads.items():
+        if name != best:
+            ax.plot(steps, scores, lw=0.8, alpha=0.4, color="grey")
+    ax.plot(*heads[best], "o-", lw=2, color="C3", label=f"{best} (best)")
+    if chance:
+        ax.plot([s for s, _ in chance], [c for _, c in chance], "--", color="black", lw=0.8,
+                label="chance (uniform attention)")
+    ax.set_ylim(0, 1)
+    ax.set_xlabel("step")
+    ax.set_ylabel("induction score")
+    ax.set_title(f"induction score of each of {len(heads)} heads")
+    ax.grid(alpha=0.3)
+    ax.legend()
 
 
 def continued_clock(rows: list[dict]) -> list[tuple[dict, float]]:

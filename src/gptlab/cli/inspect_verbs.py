@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from gptlab.cli.bench_verbs import BENCHES
 from gptlab.cli.common import Subcommands, announce, at_least, command, unescape
 from gptlab.config import PRESETS, ModelConfig, SampleConfig, build, get_preset
 from gptlab.errors import GptlabError
@@ -151,6 +152,108 @@ def inspect_model(args: argparse.Namespace) -> int:
         announce(loaded)
         model = loaded.model
     print(anatomy_table(model))
+    return 0
+
+
+# the sweeps inspect/patching.py runs (PATCH_KINDS) and inspect/circuit.py's default, named here so that parsing
+# never imports torch (tests/test_inspect_patch.py holds the two lists equal)
+PATCH_SWEEPS = ("resid_pre", "attn_out", "mlp_out", "head_out", "head_out_by_pos")
+DEFAULT_PATCH_SWEEPS = PATCH_SWEEPS[:4]
+LENS_BENCH_MODELS = ("gpt2-124M", "tiny")  # bench/interp.py's MODELS
+
+
+def add_inspect_patch(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--run", help="run folder (default: the most recent under runs/)")
+    p.add_argument("--out", help="folder the pictures and the page are written to (default: RUN/inspect)")
+    p.add_argument("--clean", required=True, metavar="TEXT", help="the prompt the model gets right (\\n, \\t "
+                   "read as escapes)")
+    p.add_argument("--corrupt", required=True, metavar="TEXT", help="the same prompt with what matters changed: "
+                   "as many tokens as --clean")
+    p.add_argument("--answer", required=True, metavar="TOKEN", help="the clean prompt's next token (one token)")
+    p.add_argument("--wrong", required=True, metavar="TOKEN", help="the token the corrupted prompt points to")
+    p.add_argument("--sweep", action="append", choices=PATCH_SWEEPS, metavar="SWEEP",
+                   help=f"what to patch (repeat; default: {', '.join(DEFAULT_PATCH_SWEEPS)}); one of "
+                        f"{', '.join(PATCH_SWEEPS)}")
+    p.add_argument("--attribution", action="store_true", help="also attribution patching (the gradient "
+                   "estimate, one backward) beside each sweep")
+
+
+@inspector("patch", "activation patching of a clean / corrupted prompt pair: which activations carry the answer "
+           "(tables, heat maps PNG, an HTML page) and the direct logit attribution", add_inspect_patch)
+def inspect_patch(args: argparse.Namespace) -> int:
+    from gptlab.inspect.circuit import study
+    from gptlab.inspect.heatmaps import logit_png, logit_table, patch_html, patch_png, patch_table
+
+    loaded, out = inspect_load(args)
+    found = study(loaded.model, loaded.tokenizer, unescape(args.clean), unescape(args.corrupt),
+                  unescape(args.answer), unescape(args.wrong), args.sweep or DEFAULT_PATCH_SWEEPS,
+                  args.attribution)
+    announce(loaded)
+    first = found.activation[0]
+    print(f"logit difference {args.answer!r} - {args.wrong!r}: clean {first.clean:.4f}, corrupted {first.corrupt:.4f}")
+    for result in found.activation + found.attribution:
+        print("\n" + patch_table(result, found.tokens))
+    print("\n" + logit_table(found.parts))
+    print(patch_png(found.activation, found.tokens, out / "patch.png", f"patching {args.answer!r} vs {args.wrong!r}"))
+    if found.attribution:
+        print(patch_png(found.attribution, found.tokens, out / "attribution.png", "attribution patching"))
+    print(logit_png(found.parts, out / "logit-attribution.png"))
+    print(patch_html(found.activation + found.attribution, found.parts, found.tokens, out / "patch.html",
+                     f"patching: {args.clean} / {args.corrupt}"))
+    return 0
+
+
+def add_inspect_heads(p: argparse.ArgumentParser) -> None:
+    add_inspect_run(p, prompt=False)
+    p.add_argument("--half", type=int, help="random tokens in the probe, then the same again (default: half the "
+                   "context, at most 32)")
+    p.add_argument("--batch", type=int, default=8, help="probe rows averaged over (default 8)")
+    p.add_argument("--seed", type=int, default=0, help="the probe's random tokens (default 0)")
+
+
+@inspector("heads", "head detectors: every head's previous-token, duplicate-token and induction score on repeated "
+           "random tokens (table + PNG)", add_inspect_heads)
+def inspect_heads(args: argparse.Namespace) -> int:
+    from gptlab.heads import head_scores
+    from gptlab.inspect.heatmaps import heads_png, heads_table
+
+    at_least(args, batch=1)
+    loaded, out = inspect_load(args)
+    special = [t for t in (getattr(loaded.tokenizer, "eot_id", None),) if t is not None]
+    scores = head_scores(loaded.model, loaded.tokenizer.vocab_size, args.half, args.batch, args.seed, special)
+    announce(loaded)
+    print(heads_table(scores))
+    print(heads_png(scores, out / "heads.png"))
+    return 0
+
+
+def add_bench_lens(p: argparse.ArgumentParser, tokens: int, rounds: int) -> None:
+    p.add_argument("--model", choices=LENS_BENCH_MODELS, default="gpt2-124M", help="a model of this shape with random "
+                   "weights (default gpt2-124M)")
+    p.add_argument("--run", help="this run's model instead of --model")
+    p.add_argument("--tokens", type=int, default=tokens, help=f"prompt length in tokens (default {tokens})")
+    p.add_argument("--rounds", type=int, default=rounds, help=f"timed rounds, in alternation (default {rounds})")
+
+
+@BENCHES("hooks", "gptlab's hook points beside TransformerLens: every hook's worst difference, and the forward with "
+         "no hook, with none attached, caching every activation, and TransformerLens's, timed in alternation",
+         lambda p: add_bench_lens(p, 64, 15))
+def bench_hooks(args: argparse.Namespace) -> int:
+    from gptlab.bench.interp import run_hooks
+
+    at_least(args, tokens=2, rounds=1)
+    run_hooks(args.model, args.run, args.tokens, args.rounds)
+    return 0
+
+
+@BENCHES("patching", "activation patching (layer x position, layer x position x head) beside TransformerLens's on "
+         "one prompt pair: results compared, then timed in alternation; attribution patching beside",
+         lambda p: add_bench_lens(p, 12, 3))
+def bench_patching(args: argparse.Namespace) -> int:
+    from gptlab.bench.interp import run_patching
+
+    at_least(args, tokens=4, rounds=1)
+    run_patching(args.model, args.run, args.tokens, args.rounds)
     return 0
 
 

@@ -24,6 +24,7 @@ from gptlab.data.batches import Dataset, load_dataset
 from gptlab.distributed import processes
 from gptlab.distributed.processes import Parallel
 from gptlab.errors import GptlabError
+from gptlab.heads import check_probe, induction_metrics
 from gptlab.optim import lr_at, make_optimizer
 from gptlab.peak import Speed, cached_speed
 from gptlab.plots import plot_loss
@@ -79,6 +80,7 @@ def train(data_dir: str | Path, run_dir: str | Path, model_cfg: ModelConfig, cfg
     precision = "fp32" if reference else resolve_precision(cfg.precision, device)
     check_engine(cfg, model_cfg, parallel.world_size)
     check_checkpointing(cfg, model_cfg)
+    check_probe(cfg.probe, model_cfg.arch)
     configure_matmul(device, precision)
     parallel.check_batch(cfg.batch_size)
     dataset = load_dataset(data_dir)
@@ -333,11 +335,19 @@ class Trainer:
         self.val_loss = losses["val"]
         self.record({"kind": "eval", "step": self.progress.step, "train_loss": losses["train"],
                      "val_loss": self.val_loss, "elapsed_s": round(time.perf_counter() - self.clock.start, 3),
-                     "train_s": round(self.clock.train_seconds, 3)})  # training steps alone, this session
+                     "train_s": round(self.clock.train_seconds, 3),  # training steps alone, this session
+                     **self.probe()})
         if self.parallel.is_main:
             bar.write(f"step {self.progress.step}: train loss {losses['train']:.4f}, val loss {self.val_loss:.4f}")
         self.save(best=self.val_loss < self.progress.best_val_loss)
         self.clock.tick, self.clock.tick_step = time.perf_counter(), self.progress.step
+
+    def probe(self) -> dict[str, float]:
+        """--probe induction: every head's induction score (heads.py), in the run's precision; none without it."""
+        if self.cfg.probe != "induction":
+            return {}
+        with autocast(self.ctx.device, self.ctx.precision):
+            return induction_metrics(self.eager, self.cfg.seed)
 
     def interrupted(self, signum: int, bar: tqdm) -> None:
         """Write a checkpoint of the step just finished (unless evaluation just did) and stop."""
