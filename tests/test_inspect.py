@@ -207,8 +207,8 @@ def test_token_labels_show_whitespace_and_bpe_pieces():
 
 def drawn_texts(monkeypatch) -> list[list[str]]:
     """Every text each picture drawn from now on holds (tick labels, cells, titles), one list per picture."""
-    drawn, save = [], pictures._save
-    monkeypatch.setattr(pictures, "_save", lambda fig, out: drawn.append(
+    drawn, save = [], pictures.save_png
+    monkeypatch.setattr(pictures, "save_png", lambda fig, out: drawn.append(
         [t.get_text() for t in fig.findobj(matplotlib.text.Text) if t.get_text()]) or save(fig, out))
     return drawn
 

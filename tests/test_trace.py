@@ -23,7 +23,6 @@ from gptlab.inspect.pictures import (
     similarity_table,
 )
 from gptlab.inspect.trace import (
-    _attention,
     find_word,
     pairwise_cosine,
     token_label,
@@ -200,7 +199,9 @@ def test_the_causal_mask_is_made_on_the_streams_device():
     with torch.device("meta"):
         model = GPT(ModelConfig(vocab_size=50, block_size=16, n_layer=1, n_head=2, n_embd=32, dropout=0.0))
         x = torch.randn(2, 5, 32)
-    added, probs = _attention(model.transformer.h[0], x)
+    seen = {}
+    added = model.transformer.h[0].attn(x, tap=lambda name, t: seen.setdefault(name, t))  # the traced path
+    probs = seen["attn.hook_pattern"]
     assert added.device.type == probs.device.type == "meta" and probs.shape == (2, 2, 5, 5)
 
 
@@ -270,7 +271,7 @@ def test_the_lens_top_is_one_token_unless_asked():
 def figures(monkeypatch):
     """Every figure a picture function draws from now on, kept open to be read (and closed at the end)."""
     drawn = []
-    monkeypatch.setattr(pictures, "_save", lambda fig, out: drawn.append(fig) or Path(out))
+    monkeypatch.setattr(pictures, "save_png", lambda fig, out: drawn.append(fig) or Path(out))
     yield drawn
     for fig in drawn:
         pyplot().close(fig)
@@ -374,7 +375,7 @@ def test_a_picture_is_written_into_new_folders_at_100_dpi_cropped_and_closed(tmp
     ax.imshow([[0, 1], [1, 0]], aspect="auto")
     ax.set_axis_off()  # the image fills the figure, nothing beyond it
     with matplotlib.rc_context({"savefig.dpi": 72}):  # a matplotlibrc's resolution does not apply
-        out = pictures._save(full, tmp_path / "a" / "b" / "full.png")
+        out = pictures.save_png(full, tmp_path / "a" / "b" / "full.png")
     assert out == tmp_path / "a" / "b" / "full.png" and not plt.fignum_exists(full.number)
     assert plt.fignum_exists(later.number)
     plt.close(later)
@@ -382,7 +383,7 @@ def test_a_picture_is_written_into_new_folders_at_100_dpi_cropped_and_closed(tmp
     assert abs(w - (300 + 20)) <= 1 and abs(h - (200 + 20)) <= 1  # 3×2 inches at 100 dpi, 0.1 inch padding
     small = plt.figure(figsize=(4, 4))
     small.text(0.5, 0.5, "x")
-    out = pictures._save(small, tmp_path / "a" / "b" / "small.png")  # the folder already there
+    out = pictures.save_png(small, tmp_path / "a" / "b" / "small.png")  # the folder already there
     assert max(Image.open(out).size) < 100  # cropped to what is drawn, not 400×400
 
 

@@ -83,7 +83,7 @@ PLANTED = [
     Planted("finetune: a negative --loss-chunk accepted", "src/gptlab/config.py", "TrainConfig.__post_init__",
             [("_check(self.loss_chunk >= 0,", "_check(self.loss_chunk >= -5,")], C),
     Planted("finetune: --loss-chunk accepted by the reference engine", "src/gptlab/config.py", "_check_reference",
-            [('"loss_chunk": cfg.loss_chunk > 0}', '"loss_chunk": False}')], C),
+            [('"loss_chunk": cfg.loss_chunk > 0,', '"loss_chunk": False,')], C),
     Planted("finetune: the memory check counts a bf16 run's frozen matrices at 4 bytes", "src/gptlab/training/preflight.py",
             "check_memory", [('if adapters and precision == "bf16" else 0', "if False else 0")],
             "tests/test_lora.py::test_the_memory_check_counts_the_frozen_base_at_its_own_bytes"),
