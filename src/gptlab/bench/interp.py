@@ -62,16 +62,20 @@ def parity(model: GPT, lens, ids: torch.Tensor) -> list[tuple[str, float]]:
     return rows
 
 
-def alternate(fns: dict[str, Callable[[], object]], rounds: int) -> dict[str, list[float]]:
-    """Each fn timed once a round, in turn, for `rounds` rounds after one warm-up call each."""
-    for fn in fns.values():
+def alternate(fns: dict[str, Callable[[], object]], rounds: int, warmup: bool = True,
+              kept: dict[str, object] | None = None) -> dict[str, list[float]]:
+    """Each fn timed once a round, in turn, for `rounds` rounds (after one warm-up call each with `warmup`); each
+    fn's last result goes into `kept` when given."""
+    for fn in fns.values() if warmup else ():
         fn()
     times: dict[str, list[float]] = {name: [] for name in fns}
     for _ in range(rounds):
         for name, fn in fns.items():
             start = time.perf_counter()
-            fn()
+            result = fn()
             times[name].append(time.perf_counter() - start)
+            if kept is not None:
+                kept[name] = result
     return times
 
 
@@ -132,13 +136,15 @@ def run_patching(model_name: str = "gpt2-124M", run: str | None = None, tokens: 
           f"{torch.get_num_threads()} threads")
     print(f"\n{'sweep':<18} {'cells':>6} {'worst diff':>10} {'gptlab s (low .. high)':>26} "
           f"{'TransformerLens s (low .. high)':>32} {'speed-up':>8} {'attribution s':>14}")
-    for kind in TL_SWEEPS:
-        ours = activation_patch(model, clean, corrupt, metric, kind).values
-        theirs = _tl_sweep(lens, kind, clean, corrupt, metric)
-        diff = float((ours - theirs).abs().max() / theirs.abs().max().clamp_min(1e-30))
-        times = alternate({"ours": lambda: activation_patch(model, clean, corrupt, metric, kind),
+    for kind in TL_SWEEPS:  # TransformerLens's first sweep warms it up: no call of its own (minutes at 124M)
+        activation_patch(model, clean, corrupt, metric, kind)
+        kept: dict[str, object] = {}
+        times = alternate({"ours": lambda: activation_patch(model, clean, corrupt, metric, kind).values,
                            "theirs": lambda: _tl_sweep(lens, kind, clean, corrupt, metric),
-                           "attribution": lambda: attribution_patch(model, clean, corrupt, metric, kind)}, rounds)
+                           "attribution": lambda: attribution_patch(model, clean, corrupt, metric, kind)}, rounds,
+                          warmup=False, kept=kept)
+        ours, theirs = kept["ours"], kept["theirs"]
+        diff = float((ours - theirs).abs().max() / theirs.abs().max().clamp_min(1e-30))
         cells = ours.numel()
         print(f"{kind:<18} {cells:>6} {diff:>10.1e} {spread(times['ours'], 1):>26} "
               f"{spread(times['theirs'], 1):>32} {median(times['theirs']) / median(times['ours']):7.1f}x "
