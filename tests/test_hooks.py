@@ -11,7 +11,7 @@ from helpers import HF_SHAPES, hf_folder, one_torch_thread, perturbed, tiny_conf
 
 from gptlab.errors import GptlabError
 from gptlab.hf.gpt2_folders import load_hf_model, to_hf_tensors
-from gptlab.inspect.hooks import ActivationCache, Hooked, HookError, hook_names
+from gptlab.inspect.hooks import Hooked, HookError, hook_names
 from gptlab.inspect.lens import hooked_transformer
 from gptlab.model import GPT, Bigram
 
@@ -82,9 +82,10 @@ def parity_rows(model: GPT, ids: torch.Tensor) -> list[tuple[str, float]]:
     return [*rows, ("logits", worst(theirs, ours))]
 
 
-@pytest.mark.parametrize("which", ["odd sizes, off init", "transformers GPT-2, imported"])
+@pytest.mark.parametrize("which", ["odd sizes, off init", "transformers GPT-2, imported", "no biases, tanh GELU"])
 def test_every_hook_tensor_and_the_logits_match_transformer_lens(odd, imported, which):
-    model = odd if which.startswith("odd") else imported
+    model = {"odd": odd, "transformers": imported}.get(which.split()[0]) or perturbed(GPT(tiny_config(
+        **{**ODD, "bias": False, "activation": "gelu_tanh", "n_head": 5}))).eval()  # LayerNorms without a bias
     ids = torch.randint(0, model.config.vocab_size, (2, 11), generator=torch.Generator().manual_seed(5))
     rows = parity_rows(model, ids)
     print(f"\n{which}: {'hook':<36} worst difference (relative)")
@@ -265,7 +266,7 @@ def test_the_exported_hooked_transformer_is_transformer_lens_s_own_conversion(sh
     ours, cache = exported.run_with_cache(ids)
     assert torch.equal(theirs, ours)
     assert all(torch.equal(their_cache[n], cache[n]) for n in their_cache)
-    assert isinstance(ActivationCache(), dict) and worst(model(ids)[0], ours) <= TOL
+    assert worst(model(ids)[0], ours) <= TOL
 
 
 def test_sampled_generation_draws_as_documented_and_the_default_is_greedy(odd):

@@ -147,3 +147,23 @@ def test_the_command_line_s_lists_are_the_library_s():
     assert inspect_verbs.PATCH_SWEEPS == tuple(PATCH_KINDS)
     assert inspect_verbs.DEFAULT_PATCH_SWEEPS == DEFAULT_SWEEPS
     assert inspect_verbs.LENS_BENCH_MODELS == tuple(MODELS)
+
+
+def test_prompts_of_exactly_the_context_are_patched(run, capsys, tmp_path):
+    text = run_ok(capsys, "inspect", "patch", "--run", str(run), "--out", str(tmp_path), "--clean", "e" * 32,
+                  "--corrupt", "a" + "e" * 31, "--answer", "e", "--wrong", "a", "--sweep", "mlp_out")
+    rows = [line for line in text.split("MLP output of each block")[1].split("\n\n")[1].splitlines()
+            if line.startswith("L")]
+    assert len(rows) == 2 and all(len(r.split()) == 1 + 32 for r in rows)
+
+
+def test_a_sweep_the_library_lacks_or_none_is_one_line_listing_them():
+    from gptlab.errors import GptlabError
+    from gptlab.inspect.circuit import check_sweeps
+
+    with pytest.raises(GptlabError, match=r"^unknown sweep bogus: choose from resid_pre, attn_out, mlp_out, head_out, "
+                                          r"head_out_by_pos$"):
+        check_sweeps(["resid_pre", "bogus"])
+    with pytest.raises(GptlabError, match=r"^unknown sweep \(none\)"):
+        check_sweeps([])
+    assert check_sweeps(["mlp_out", "resid_pre", "mlp_out"]) == ["mlp_out", "resid_pre"]

@@ -281,3 +281,20 @@ def test_bad_input_is_refused_with_one_clear_line(setup):
         activation_patch(model, clean, corrupt, lambda logits: logits[0, -1])
     with pytest.raises(GptlabError, match="position 7 is outside the prompt of 7 tokens"):
         direct_logit_attribution(model, clean, ANSWER, WRONG, pos=7)
+
+
+def test_a_prompt_of_the_whole_context_is_patched_and_one_past_it_or_an_id_at_the_vocabulary_size_refused(setup):
+    """The edges of the checks: block_size (19) tokens patch like any prompt (the clean run patched in everywhere at
+    layer 0 is the clean run, by hand); 20 tokens, or an id equal to the vocabulary's size, are refused."""
+    model = setup[0]
+    g = torch.Generator().manual_seed(9)
+    clean, corrupt = (torch.randint(0, 23, (1, 19), generator=g) for _ in range(2))
+    corrupt[0, :18] = clean[0, :18]  # the prompts differ at the last position only
+    metric = logit_diff(ANSWER, WRONG)
+    result = activation_patch(model, clean, corrupt, metric, "resid_pre")
+    assert result.values.shape == (3, 19)
+    assert float(result.values[0, 18]) == pytest.approx(result.clean, abs=1e-5)
+    with pytest.raises(GptlabError, match="20 tokens, more than the context of 19"):
+        activation_patch(model, torch.zeros(1, 20, dtype=torch.long), torch.zeros(1, 20, dtype=torch.long), metric)
+    with pytest.raises(GptlabError, match=r"outside the vocabulary \[0, 23\)"):
+        activation_patch(model, torch.full((1, 4), 23), torch.zeros(1, 4, dtype=torch.long), metric)

@@ -179,7 +179,7 @@ class Hooked:
 
         def keep(t: torch.Tensor, hook: HookPoint) -> None:
             if wanted(hook.name):
-                dict.__setitem__(cache, hook.name, t.detach())
+                cache[hook.name] = t.detach()
         logits = self.forward(ids, extra=keep, **kwargs)
         return logits, cache
 
@@ -216,9 +216,9 @@ def _joined(steps: list[ActivationCache], length: int) -> ActivationCache:
         if name.endswith(BY_QUERY):
             fill = float("-inf") if name.endswith("scores") else 0.0
             parts = [torch.nn.functional.pad(p, (0, length - p.size(-1)), value=fill) for p in parts]
-            dict.__setitem__(joined, name, torch.cat(parts, 2))
+            joined[name] = torch.cat(parts, 2)
         else:
-            dict.__setitem__(joined, name, torch.cat(parts, 1))
+            joined[name] = torch.cat(parts, 1)
     return joined
 
 
