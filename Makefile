@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 TORCH := torch==2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: run test setup browser bigram clean mutants planted flaky
+.PHONY: run test setup browser bigram clean mutants planted flaky peers
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -52,6 +52,21 @@ $(VENV)/.mutants-installed: $(STAMP) pyproject.toml
 
 mutants: $(VENV)/.mutants-installed
 	nice -n 10 $(BIN)/python scripts/mutants.py $(MODULE)
+
+# llama.cpp as a peer (not part of make test; .ci/run runs it after make test): llama-cpp-python built from source
+# (its build time printed; no pip cache, so the flags below always apply), then the peer tests and the peer bench.
+# On CPUs with AMX the build leaves out ggml's AMX kernels: they fault (SIGILL at tilezero) in llama.cpp's build
+# this pins, the bug of llama.cpp's open pull request #26954; llama.cpp then uses its AVX-512 VNNI kernels.
+PEER_FLAGS := $(shell grep -qw amx_tile /proc/cpuinfo 2>/dev/null && echo "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16")
+$(VENV)/.peers-installed: $(STAMP) pyproject.toml
+	@start=$$(date +%s); CMAKE_ARGS="$(if $(PEER_FLAGS),-DCMAKE_C_FLAGS='$(PEER_FLAGS)' -DCMAKE_CXX_FLAGS='$(PEER_FLAGS)')" \
+	  $(BIN)/pip install --quiet --disable-pip-version-check --no-cache-dir -e '.[peers]' && \
+	  echo "make: llama-cpp-python built and installed in $$(( $$(date +%s) - start )) s"
+	touch $@
+
+peers: $(VENV)/.peers-installed
+	$(BIN)/python -m pytest -q -p no:randomly tests/test_llamacpp.py tests/test_bench_llamacpp.py
+	$(BIN)/gptlab bench generate --peer llama.cpp --new-tokens 64 --rounds 3
 
 # The catalogue of hand-planted bugs (tests/planted): each made in a copy of src/ and run against its tests.
 planted: $(STAMP)

@@ -405,3 +405,18 @@ def one_torch_thread():
     torch_ops_on_one_thread; TransformerLens's patching alone runs hundreds of tiny forwards)."""
     with torch_ops_on_one_thread():
         yield
+
+
+# ---- GGUF: a run holding a given model, for the llama.cpp bridge's tests ----------------------------------------
+
+GGUF_TEXT = "First Citizen:\nBefore we proceed — café naïve, 3.14 don't\tstop\\ 日本\n" * 3
+
+
+def model_run(path, model: GPT, tokenizer):
+    """A run at `path` whose one checkpoint holds `model` (as `gptlab import` writes one), with `tokenizer`."""
+    from gptlab import rundir
+    from gptlab.config import TrainConfig, to_dict
+    from gptlab.hf.gpt2_folders import write_imported_run
+
+    write_imported_run(path, model, TrainConfig(), tokenizer, {}, rundir.TrainingState(to_dict(model.config)))
+    return path

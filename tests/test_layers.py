@@ -12,7 +12,8 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "src" / "gptlab"
 HF_USERS = {"cli.verbs", "runs"}  # --init-from and import / export are the only ways into hf/ (gpt2_folders, hf_tokenizer)
-STAGES = ("data", "training", "distributed", "hf")  # packages that are a stage's modules side by side: a bare __init__
+BRIDGES = ("hf.", "ggml.")  # the interchange formats: Hugging Face's, and llama.cpp's GGUF (which reuses hf/'s pieces)
+STAGES = ("data", "training", "distributed", "hf", "ggml")  # packages that are a stage's modules side by side: a bare __init__
 
 # A room is a top-level module or a package with everything inside it. What each of these packages may import
 # besides itself: the rooms before it, as the code has them.
@@ -22,6 +23,8 @@ MAY_IMPORT = {
     "training": {"errors", "config", "tokenizer", "rundir", "data", "model", "heads", "lora", "runtime", "peak",
                  "optim", "plots", "checkpoint", "distributed", "reference"},
     "hf": {"errors", "config", "tokenizer", "chat", "rundir", "model", "lora", "checkpoint"},
+    # GGUF: hf/'s tokenizer pieces and import writer; the GELU check reads the run's data and samples with the engine
+    "ggml": {"errors", "config", "tokenizer", "chat", "rundir", "model", "lora", "checkpoint", "hf", "data", "engine"},
     # (sampling: a row's state chooses its tokens with it; it imports nothing but config)
     "inference": {"errors", "machine", "compiled", "config", "tokenizer", "model", "runtime", "checkpoint", "sampling"},
     # the naive C++ engine: the equations beside the model, needing nothing after the optimizer's groups
@@ -32,7 +35,8 @@ MAY_IMPORT = {
 IMPORTED_ONLY_BY = {
     "training": {"runs", "bench"},  # nothing below the loop imports it
     "distributed": {"training", "runs", "cli"},
-    "hf": {"runs", "cli", "bench"},
+    "hf": {"runs", "cli", "bench", "ggml"},
+    "ggml": {"cli", "bench"},
     "inspect": {"serve", "cli", "bench"},
     "serve": {"cli", "bench"},
     "bench": {"cli"},
@@ -114,12 +118,14 @@ def test_model_py_is_the_architecture_alone():
             assert ours or name.split(".")[0] in outside, f"{module} imports {name}"
 
 
-def test_the_core_never_imports_the_bench_wing_the_cli_or_hf():
+def test_the_core_never_imports_the_bench_wing_the_cli_or_the_bridges():
     for name, deps in graph().items():
         if name in ("cli", "__main__") or name.startswith(("cli.", "bench")):
             continue
         assert not any(d == "cli" or d.startswith(("cli.", "bench")) for d in deps), f"{name} imports {deps}"
-        if name not in HF_USERS and not name.startswith("hf."):
+        assert name.startswith("ggml.") or not any(d == "ggml" or d.startswith("ggml.") for d in deps), \
+            f"{name} imports {deps}"
+        if name not in HF_USERS and not name.startswith(BRIDGES):
             assert not any(d == "hf" or d.startswith("hf.") for d in deps), f"{name} imports {deps}"
 
 

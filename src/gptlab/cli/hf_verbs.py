@@ -1,5 +1,6 @@
-"""The Hugging Face verbs: import (a GPT-2 folder, or a PEFT LoRA adapter, into a run) and export (a run as a GPT-2
-folder transformers loads, merged or not, or a LoRA run's adapters in PEFT's format)."""
+"""The interchange verbs: import (a Hugging Face GPT-2 folder, a PEFT LoRA adapter, or a GPT-2 GGUF file, into a run)
+and export (a run as a GPT-2 folder transformers loads, merged or not, a LoRA run's adapters in PEFT's format, or a
+GGUF file llama.cpp runs)."""
 
 from __future__ import annotations
 
@@ -12,13 +13,15 @@ from gptlab.errors import GptlabError
 
 # ---- import / export --------------------------------------------------------------------------------------------
 
-@command("import", "turn a local Hugging Face GPT-2 folder (or a PEFT LoRA adapter) into a gptlab run (nothing is "
-                   "downloaded)")
+@command("import", "turn a local Hugging Face GPT-2 folder, a PEFT LoRA adapter or a GPT-2 GGUF file into a gptlab "
+                   "run (nothing is downloaded)")
 def cmd_import(args: argparse.Namespace) -> int:
     from gptlab.runs import RUNS
 
     kind, path = _import_source(args.source)
     run = Path(args.run) if args.run else RUNS / Path(path).resolve().name
+    if kind == "gguf":
+        return _import_gguf(path, run, args)
     if kind == "peft":
         from gptlab.hf.peft import import_peft
 
@@ -40,26 +43,45 @@ def cmd_import(args: argparse.Namespace) -> int:
     return 0
 
 
+def _import_gguf(path: str, run: Path, args: argparse.Namespace) -> int:
+    from gptlab.ggml.gguf_in import import_gguf
+
+    if args.base:
+        raise GptlabError("--base is for `gptlab import peft DIR --base RUN`; a GGUF file is a whole model")
+    run = run.with_suffix("") if run.suffix == ".gguf" else run
+    model = import_gguf(path, run)
+    c = model.config
+    print(f"imported {path} into {run}: {model.num_params():,} parameters, {c.n_layer} layers x {c.n_head} heads x "
+          f"{c.n_embd} wide, context {c.block_size}, vocabulary {c.vocab_size:,}, GELU {c.activation}")
+    print(f"sample it: gptlab sample --run {run}; fine-tune it: gptlab train --init-from {run} --data DATA")
+    return 0
+
+
 def _import_source(source: list[str]) -> tuple[str, str]:
-    """("hf" or "peft", the folder) from `import [hf|peft] FOLDER`."""
+    """("hf", "peft" or "gguf", the folder or file) from `import [hf|peft|gguf] PATH`."""
     if len(source) == 1:
-        return "hf", source[0]
-    if len(source) == 2 and source[0] in ("hf", "peft"):
+        return ("gguf" if source[0].endswith(".gguf") else "hf"), source[0]
+    if len(source) == 2 and source[0] in ("hf", "peft", "gguf"):
         return source[0], source[1]
-    raise GptlabError(f"import takes [hf|peft] FOLDER, not {' '.join(source)}")
+    raise GptlabError(f"import takes [hf|peft|gguf] PATH, not {' '.join(source)}")
 
 
 def add_import(p: argparse.ArgumentParser) -> None:
-    p.add_argument("source", nargs="+", metavar="[hf|peft] FOLDER", help="a Hugging Face GPT-2 folder (config.json "
-                   "+ model.safetensors or pytorch_model.bin), or `peft` and a PEFT LoRA adapter folder "
-                   "(adapter_config.json + adapter_model.safetensors)")
+    p.add_argument("source", nargs="+", metavar="[hf|peft|gguf] PATH", help="a Hugging Face GPT-2 folder "
+                   "(config.json + model.safetensors or pytorch_model.bin), `peft` and a PEFT LoRA adapter folder "
+                   "(adapter_config.json + adapter_model.safetensors), or `gguf` and a GPT-2 GGUF file (F32, F16, "
+                   "BF16 or Q8_0 tensors)")
     p.add_argument("--run", help="run folder to create (default: runs/ + the folder's name)")
     p.add_argument("--base", help="peft: the gptlab run of the model the adapter was trained on")
 
 
-@command("export", "write a run's model as a Hugging Face GPT-2 folder that transformers loads, or a LoRA run's "
-                   "adapters in PEFT's format")
+@command("export", "write a run's model as a Hugging Face GPT-2 folder that transformers loads, a LoRA run's "
+                   "adapters in PEFT's format, or a GGUF file llama.cpp runs")
 def cmd_export(args: argparse.Namespace) -> int:
+    if args.format != "gguf" and (args.outtype or args.approximate_gelu):
+        raise GptlabError("--outtype and --approximate-gelu are for --format gguf")
+    if args.format == "gguf":
+        return _export_gguf(args)
     if args.format == "peft":
         from gptlab.hf.peft import export_peft
 
@@ -81,12 +103,34 @@ def cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
+def _export_gguf(args: argparse.Namespace) -> int:
+    from gptlab.ggml.gguf_out import export_gguf
+
+    if args.merge:
+        raise GptlabError("--format gguf always writes a LoRA run with its adapters merged in; drop --merge")
+    done = export_gguf(args.run_dir, args.out, args.outtype or "f32", args.approximate_gelu, args.overwrite)
+    kinds = ", ".join(f"{n} {kind.upper()}" for kind, n in sorted(done.types.items()))
+    print(f"exported {args.run_dir} to {done.path}: {done.bytes / 1e6:,.1f} MB, tensors {kinds}")
+    if done.kl is not None:
+        print(f"GELU: the run's exact GELU becomes llama.cpp's tanh form: mean KL divergence {done.kl:.3g} nats per "
+              f"token, the most likely token unchanged at {done.agree:.2%} of positions ({done.kl_text})")
+    print(f"run it: llama-cli -m {done.path} -p TEXT (or llama_cpp.Llama({str(done.path)!r})); bring it back: "
+          f"gptlab import gguf {done.path} --run RUN")
+    return 0
+
+
 def add_export(p: argparse.ArgumentParser) -> None:
     p.add_argument("run_dir", help="the run to export (its best checkpoint, else its latest)")
-    p.add_argument("--format", choices=("hf", "peft"), default="hf", help="hf: Hugging Face GPT-2 (default); peft: "
-                   "a LoRA run's adapters as PEFT writes them")
+    p.add_argument("--format", choices=("hf", "peft", "gguf"), default="hf", help="hf: Hugging Face GPT-2 "
+                   "(default); peft: a LoRA run's adapters as PEFT writes them; gguf: one GGUF file for llama.cpp "
+                   "(ollama, LM Studio, llamafile)")
+    p.add_argument("--outtype", choices=("f32", "bf16", "q8_0"), help="gguf: the matrices' type (default f32; "
+                   "q8_0: blocks of 32 int8 weights with an fp16 scale, as llama.cpp quantizes)")
+    p.add_argument("--approximate-gelu", action="store_true", help="gguf of a run trained with the exact GELU: "
+                   "export it although llama.cpp computes GELU's tanh form, and report the KL divergence that costs")
     p.add_argument("--merge", action="store_true", help="hf of a LoRA run: its adapters merged into the base")
     p.add_argument("--out", required=True, help="folder to write: new, empty, or an earlier export (created if "
-                   "needed; an earlier export's files are replaced)")
+                   "needed; an earlier export's files are replaced); gguf: the .gguf file to write")
     p.add_argument("--overwrite", action="store_true", help="write into --out although it holds files gptlab did "
-                   "not export there (those of the export's names are replaced, the rest stay)")
+                   "not export there (those of the export's names are replaced, the rest stay); gguf: replace the "
+                   "file")
