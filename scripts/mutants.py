@@ -89,6 +89,10 @@ MODULES = {
     "patching": _m("inspect/patching inspect/circuit", "test_patching test_inspect_patch"),
     "heads": _m("heads inspect/heatmaps", "test_heads test_inspect_patch"),
     "bench.interp": _m("bench/interp", "test_inspect_patch"),
+    # issue 48: GGUF out and in, llama.cpp as a peer
+    "ggml": _m("ggml/vocab ggml/gguf_out ggml/gguf_in ggml/gelu", "test_gguf"),
+    "ggml.peer": _m("ggml/peer", "test_llamacpp"),
+    "bench.llamacpp": _m("bench/llamacpp", "test_bench_llamacpp"),
     # issue 44: the prompt pass and the exact prefix cache
     "prefix_cache": _m("inference/prefix_cache", "test_prefix_cache test_serve_prefix test_running_batch test_engine"),
     "serve.api": _m("serve/api", "test_serve test_serve_api test_serve_batching test_serve_chat"),
