@@ -2,8 +2,8 @@
 help)` over a function that turns its flags into typed values, calls one library function and prints the result;
 its flags come from the function `add_NAME` beside it, in the same module: verbs.py (prepare, train, sample, eval,
 runs, compare, info), chat_verbs.py (chat), hf_verbs.py (import, export), inspect_verbs.py (inspect), serve_verbs.py
-(serve) and bench_verbs.py (bench); common.py holds the registry and the flags generated from config.py, and this
-module `main`. Policy lives in the library (runs.py: presets, overrides,
+(serve), bench_verbs.py (bench) and generate_verbs.py (bench generate); common.py holds the registry and the flags
+generated from config.py, and this module `main`. Policy lives in the library (runs.py: presets, overrides,
 resumes, run folders; evaluate.py: scoring), so a Python caller gets what a command does.
 
 Flags for model, training and sampling settings are generated from the dataclasses in config.py, with their help
@@ -33,6 +33,7 @@ def make_parser():
     from gptlab import __version__
     from gptlab.cli import (
         bench_verbs,  # noqa: F401
+        generate_verbs,  # noqa: F401
         inspect_verbs,  # noqa: F401
         reference_verbs,  # noqa: F401
         serve_verbs,  # noqa: F401

@@ -178,36 +178,6 @@ def bench_chat(args: argparse.Namespace) -> int:
     return 0
 
 
-def add_bench_generate(p: argparse.ArgumentParser) -> None:
-    add_device(p)
-    p.add_argument("--new-tokens", type=int, default=256, help="tokens generated per row (default 256)")
-    p.add_argument("--prompt-tokens", type=int, default=16, help="prompt length per row (default 16)")
-    p.add_argument("--char-tokens", type=int, default=1000, help="tokens for the char model (0: skip it; default "
-                   "1000)")
-    p.add_argument("--repeats", type=int, default=1, help="runs per variant; the fastest is kept (default 1)")
-    p.add_argument("--no-uncached", dest="uncached", action="store_false", help="skip the slow no-cache runs")
-    p.add_argument("--no-transformers", dest="transformers", action="store_false",
-                   help="skip transformers' generate even when it is installed")
-    p.add_argument("--quality", metavar="RUN", help="also compare int8 with bf16 on this trained run: validation "
-                   "perplexity and greedy agreement on validation prompts")
-    p.add_argument("--quality-prompts", type=int, default=8, metavar="N", help="validation prompts of the greedy "
-                   "comparison of --quality (default 8)")
-
-
-@BENCHES("generate", "KV-cache generation on the path `gptlab sample` runs (generate_batch over a RunningBatch) "
-         "on a GPT-2-124M-shaped model and a char model: prefill, decode, time to first token, fp32, bf16 and int8, "
-         "beside no cache, transformers' generate and the memory-bandwidth floor", add_bench_generate)
-def bench_generate(args: argparse.Namespace) -> int:
-    from gptlab.bench.generate import run_generate
-
-    at_least(args, new_tokens=1, prompt_tokens=1, repeats=1, char_tokens=0, quality_prompts=1)
-    run_generate(device=args.device, new_tokens=args.new_tokens, prompt_tokens=args.prompt_tokens,
-                 char_tokens=args.char_tokens, repeats=args.repeats, uncached=args.uncached,
-                 with_transformers=args.transformers, quality_run=args.quality,
-                 quality_prompts=args.quality_prompts)
-    return 0
-
-
 def add_bench_decode(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rounds", type=int, default=60, help="floor reads and decode steps per case (default 60)")
     p.add_argument("--pages", choices=("2M", "4K", "both"), default="2M",
