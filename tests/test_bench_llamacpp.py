@@ -3,12 +3,13 @@ engines compute the same fp32 model (logits and greedy ids), llama.cpp's bytes r
 tensors without the position table, and the CLI's flags reach the bench (timings themselves are never asserted)."""
 
 import re
+import shutil
 
 import numpy as np
 import pytest
 import torch
 
-from helpers import model_run, run_bad
+from helpers import TINY as TINY_FLAGS, model_run, run_bad, tiny_run
 from gptlab.bench import llamacpp
 from gptlab.config import ModelConfig
 from gptlab.errors import GptlabError
@@ -98,7 +99,7 @@ def test_the_cli_refuses_zero_rounds_and_passes_its_flags(capsys, monkeypatch):
     monkeypatch.setattr(llamacpp, "run_peer_generate", lambda **kw: seen.append(kw) or [])
     assert main(["bench", "generate", "--peer", "llama.cpp", "--rounds", "3", "--new-tokens", "20",
                  "--prompt-tokens", "4"]) == 0
-    assert seen == [{"new_tokens": 20, "prompt_tokens": 4, "rounds": 3}]
+    assert seen == [{"new_tokens": 20, "prompt_tokens": 4, "rounds": 3, "quality_run": None}]
 
 
 def test_without_llama_cpp_the_bench_says_how_to_install_it(monkeypatch):
@@ -113,3 +114,20 @@ def test_lengths_past_the_context_are_refused_before_anything_runs():
         llamacpp.run_peer_generate(config=ModelConfig(**TINY), prompt_tokens=60, new_tokens=8)
     with pytest.raises(GptlabError, match="a prompt of 65 tokens exceeds"):
         llamacpp.run_peer_generate(config=ModelConfig(**TINY), prompt_tokens=8, new_tokens=8, prefill_tokens=65)
+
+
+def test_quality_puts_each_export_of_a_trained_run_beside_gptlabs_fp32(tmp_path, capsys):
+    """--quality RUN with --peer: F32 differs from gptlab's fp32 by llama.cpp's rounding alone, Q8_0 by more; an
+    exact-GELU run is exported with the tanh form and says what that costs; a run whose data is gone is refused."""
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    run = tiny_run(tmp_path / "a", 40, [*TINY_FLAGS, "--activation", "gelu_tanh"])
+    line = llamacpp.peer_quality(str(run), threads=1)[0]
+    kls = {k: float(v) for k, v in re.findall(r"(F32|BF16|Q8_0) mean KL ([0-9.e+-]+)", line)}
+    assert set(kls) == {"F32", "BF16", "Q8_0"} and kls["F32"] < 1e-5 and kls["F32"] < kls["Q8_0"]
+    assert "validation text" in line and "exact GELU" not in line
+    exact = tiny_run(tmp_path / "b", 5, TINY_FLAGS)
+    assert "the run's exact GELU exported as the tanh form" in llamacpp.peer_quality(str(exact), threads=1)[0]
+    shutil.rmtree(tmp_path / "b" / "data")
+    with pytest.raises(GptlabError, match="needs the run's validation text"):
+        llamacpp.peer_quality(str(exact))

@@ -174,6 +174,10 @@ def test_rwkv_escapes_worked_out_by_hand():
     assert unescape_token("\\\\") == b"\\" and unescape_token("\\x1f") == b"\x1f" and unescape_token("é") == "é".encode()
     for ch in map(chr, [*range(0x80), 0xE9, 0x65E5, 0x1F600]):
         assert unescape_token(escape_char(ch)) == ch.encode()
+    # several escapes in one token, as llama.cpp's unescaping reads them; a backslash at the end is dropped there
+    assert unescape_token("ab\\x41c\\nd\\\\e\\tz\\r\\x7f") == b"abAc\nd\\e\tz\r\x7f"
+    assert unescape_token("é\\x1f日\\q") == "é".encode() + b"\x1f" + "日".encode() + b"q"
+    assert unescape_token("end\\") == b"end" and unescape_token("") == b""
 
 
 def test_a_foreign_vocabulary_without_gptlabs_key():

@@ -270,9 +270,46 @@ def header(config: ModelConfig, threads: int, prompt_tokens: int, new_tokens: in
           "llama.cpp with its defaults (fp16 KV cache)")
 
 
+def peer_quality(run: str, threads: int = THREADS) -> list[str]:
+    """A trained run's GGUF exports (F32, BF16, Q8_0) run by llama.cpp with its defaults, beside gptlab's fp32 on
+    the run's validation text (ggml.gelu's windows): the mean KL(gptlab fp32 || llama.cpp) per position and how
+    often the most likely token agrees, the measure llama.cpp publishes for its quantizations. An exact-GELU run is
+    exported with the tanh form, and that approximation's own divergence is shown beside."""
+    from gptlab.bench.quality import kl_divergence
+    from gptlab.checkpoint import load_run
+    from gptlab.ggml.gelu import validation_windows
+
+    loaded = load_run(run)
+    windows = validation_windows(run, loaded, loaded.model_cfg.block_size)
+    if windows is None:
+        raise GptlabError(f"--quality {run}: its data folder is gone or was prepared again; the comparison needs "
+                          "the run's validation text")
+    with torch.no_grad():
+        ours = [loaded.model(torch.tensor([w]))[0][0] for w in windows]
+    parts, gelu = [], ""
+    with tempfile.TemporaryDirectory() as folder:
+        for outtype in ("f32", "bf16", "q8_0"):
+            done = export_gguf(run, Path(folder) / f"{outtype}.gguf", outtype, approximate_gelu=True)
+            if done.kl is not None:
+                gelu = f"; the run's exact GELU exported as the tanh form: mean KL {done.kl:.2e} of its own"
+            with peer.LlamaCpp(done.path, loaded.model_cfg.block_size, threads=threads) as llm:
+                theirs = []
+                for w in windows:
+                    llm.clear()
+                    theirs.append(torch.from_numpy(llm.decode(w, all_logits=True)))
+            kl = torch.cat([kl_divergence(o, t) for o, t in zip(ours, theirs)]).mean().item()
+            agree = torch.cat([o.argmax(-1) == t.argmax(-1) for o, t in zip(ours, theirs)]).double().mean().item()
+            parts.append(f"{GGUF_NAMES[outtype]} mean KL {kl:.2e}, top token agrees {agree:.1%}")
+    positions = sum(len(w) for w in windows)
+    return [f"quality: {run} in llama.cpp beside gptlab fp32 on {positions:,} positions of its validation text: "
+            + "; ".join(parts) + gelu]
+
+
 def run_peer_generate(*, config: ModelConfig | None = None, prompt_tokens: int = 16, new_tokens: int = 128,
-                      prefill_tokens: int = 512, rounds: int = 7, threads: int = THREADS) -> list[str]:
-    """Time every pair, print the header, the table and the ratio lines with their goals; return the lines."""
+                      prefill_tokens: int = 512, rounds: int = 7, threads: int = THREADS,
+                      quality_run: str | None = None) -> list[str]:
+    """Time every pair, print the header, the table and the ratio lines with their goals (and with `quality_run`,
+    peer_quality's line); return the lines."""
     if not peer.available():
         raise GptlabError(f"llama.cpp is not installed; {peer.PEER_INSTALL}")
     set_threads()
@@ -297,6 +334,8 @@ def run_peer_generate(*, config: ModelConfig | None = None, prompt_tokens: int =
     print_table(pairs)
     lines = [decode_line(p) for p in pairs] + [prefill_line(p, prefill_tokens) for p in pairs]
     lines.append(parity_line(pairs, difference, prompt_tokens))
+    if quality_run:
+        lines += peer_quality(quality_run, threads)
     print(watch.stop().report())
     print("\n".join(lines))
     return lines

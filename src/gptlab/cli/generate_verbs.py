@@ -20,7 +20,8 @@ def add_bench_generate(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-transformers", dest="transformers", action="store_false",
                    help="skip transformers' generate even when it is installed")
     p.add_argument("--quality", metavar="RUN", help="also compare int8 with bf16 on this trained run: validation "
-                   "perplexity and greedy agreement on validation prompts")
+                   "perplexity and greedy agreement on validation prompts; with --peer: its GGUF exports in "
+                   "llama.cpp beside gptlab's fp32 (mean KL divergence, top-token agreement)")
     p.add_argument("--quality-prompts", type=int, default=8, metavar="N", help="validation prompts of the greedy "
                    "comparison of --quality (default 8)")
     p.add_argument("--peer", choices=("llama.cpp",), help="instead: gptlab's batch-1 decode and prompt processing "
@@ -40,7 +41,8 @@ def bench_generate(args: argparse.Namespace) -> int:
     if args.peer:
         from gptlab.bench.llamacpp import run_peer_generate
 
-        run_peer_generate(new_tokens=args.new_tokens, prompt_tokens=args.prompt_tokens, rounds=args.rounds)
+        run_peer_generate(new_tokens=args.new_tokens, prompt_tokens=args.prompt_tokens, rounds=args.rounds,
+                          quality_run=args.quality)
         return 0
     run_generate(device=args.device, new_tokens=args.new_tokens, prompt_tokens=args.prompt_tokens,
                  char_tokens=args.char_tokens, repeats=args.repeats, uncached=args.uncached,

@@ -52,20 +52,18 @@ def escape_char(ch: str) -> str:
 
 
 def unescape_token(text: str) -> bytes:
-    """The bytes of a "rwkv" token, as llama.cpp unescapes it."""
-    out, i, raw = bytearray(), 0, text.encode("utf-8")
+    """The bytes of a "rwkv" token, as llama.cpp unescapes it (a backslash ending the token is dropped)."""
+    out, raw, i = bytearray(), text.encode("utf-8"), 0
     while i < len(raw):
-        if raw[i:i + 1] == b"\\" and i + 1 < len(raw):
-            nxt = raw[i + 1:i + 2]
-            if nxt == b"x":
-                out.append(int(raw[i + 2:i + 4], 16))
-                i += 4
-                continue
-            out += {b"n": b"\n", b"t": b"\t", b"r": b"\r"}.get(nxt, nxt)
+        if raw[i] != ord("\\"):
+            out.append(raw[i])
+            i += 1
+        elif raw[i + 1:i + 2] == b"x":
+            out.append(int(raw[i + 2:i + 4], 16))
+            i += 4
+        else:
+            out += {b"n": b"\n", b"t": b"\t", b"r": b"\r"}.get(raw[i + 1:i + 2], raw[i + 1:i + 2])
             i += 2
-            continue
-        out.append(raw[i])
-        i += 1
     return bytes(out)
 
 
