@@ -13,6 +13,7 @@ import torch
 
 from helpers import GGUF_TEXT, TINY, model_run, perturbed, run_bad, run_ok, tiny_config, tiny_run, tree
 from gptlab import checkpoint as ck
+from gptlab import rundir
 from gptlab.checkpoint import load_run
 from gptlab.errors import GptlabError
 from gptlab.ggml.gguf_in import READ_TYPES, import_gguf, read_gguf
@@ -181,20 +182,32 @@ def test_rwkv_escapes_worked_out_by_hand():
 
 
 def test_a_foreign_vocabulary_without_gptlabs_key():
-    """A GGUF someone else wrote: GPT-2's own vocabulary, a byte-level BPE, a char vocabulary; others refused."""
+    """A GGUF someone else wrote: GPT-2's own vocabulary, a byte-level BPE (its special tokens special), a char
+    vocabulary: each the very tokenizer it came from; anything else refused in one line."""
     for tokenizer, kind in ((GPT2Tokenizer(), "gpt2"), (BPETokenizer.train([GGUF_TEXT * 5], 300), "bpe"),
                             (CHARS, "char")):
         vocab = to_vocab(tokenizer)
         vocab.gptlab = None
         back = from_vocab(vocab)
-        assert back.kind == kind and back.encode(GGUF_TEXT) == tokenizer.encode(GGUF_TEXT)
+        assert back.kind == kind and back.to_dict() == tokenizer.to_dict()
+        assert back.decode(back.encode(GGUF_TEXT)) == GGUF_TEXT
+    bpe = to_vocab(BPETokenizer.train([GGUF_TEXT * 5], 300))
+    bpe.gptlab = None
+    bpe.tokens[0], bpe.types[0] = "<|a token|>", CONTROL  # a control token may hold any character
+    assert from_vocab(bpe).encode("x<|a token|>", allow_special=True)[-1] == 0
+    for odd in ("a b", "日"):  # a normal token outside GPT-2's byte alphabet
+        bad = to_vocab(BPETokenizer.train([GGUF_TEXT * 5], 300))
+        bad.gptlab, bad.tokens[-1] = None, odd
+        with pytest.raises(GptlabError, match=f"token {odd!r} is not in GPT-2's byte alphabet"):
+            from_vocab(bad)
     vocab = to_vocab(CHARS)
     vocab.gptlab, vocab.model = None, "llama"
     with pytest.raises(GptlabError, match="kind 'llama'"):
         from_vocab(vocab)
-    vocab.model, vocab.tokens = "rwkv", vocab.tokens[::-1]
-    with pytest.raises(GptlabError, match="sorted order"):
-        from_vocab(vocab)
+    for tokens in (vocab.tokens[::-1], ["a", "bc"], ["a", "\\xff"], []):  # unsorted, two characters, no UTF-8
+        vocab.model, vocab.tokens = "rwkv", tokens
+        with pytest.raises(GptlabError, match="sorted order"):
+            from_vocab(vocab)
 
 
 def test_exact_gelu_is_refused_or_approximated_with_its_kl(tmp_path, capsys):
@@ -234,6 +247,9 @@ def test_cli_export_import_sample(tmp_path, capsys, shapes):
     assert "Q8_0" in out and "llama" in out
     out = run_ok(capsys, "import", "gguf", str(tmp_path / "m.gguf"), "--run", str(tmp_path / "back"))
     assert "GELU gelu_tanh" in out
+    source = str((tmp_path / "m.gguf").resolve())  # where the weights came from, in the run and its checkpoint
+    assert rundir.read_run_config(tmp_path / "back")["imported_from"] == source
+    assert load_run(tmp_path / "back").state.imported_from == source
     run_ok(capsys, "sample", "--run", str(tmp_path / "back"), "--max-new-tokens", "5", "--prompt", "First")
     out = run_ok(capsys, "import", str(tmp_path / "m.gguf"), "--run", str(tmp_path / "back2"))  # by its suffix
     assert "imported" in out
@@ -336,3 +352,84 @@ def test_the_gelu_kl_of_a_trained_run_is_measured_on_its_validation_text(tmp_pat
         q = torch.log_softmax(model(x)[0], -1)
     assert done.kl == pytest.approx((p.exp() * (p - q)).sum(-1).mean().item(), rel=1e-6)
     assert done.agree == pytest.approx((p.argmax(-1) == q.argmax(-1)).double().mean().item())
+
+
+def test_the_validation_windows_and_when_there_are_none(monkeypatch, tmp_path):
+    """Windows spread evenly from the split's start to its end (starts worked out by hand); a split one token
+    shorter than a window, or of another tokenizer, or a run without a data folder: none."""
+    import types
+
+    import gptlab.data.batches
+    from gptlab.ggml import gelu
+
+    run = model_run(tmp_path / "run", GPT(tiny_config(vocab_size=CHARS.vocab_size)), CHARS)
+    loaded = load_run(run)
+    assert gelu.validation_windows(run, loaded, 16) is None  # an imported run has no data folder
+    rundir_config = tmp_path / "run" / "config.json"
+    import json
+
+    config = json.loads(rundir_config.read_text())
+    rundir_config.write_text(json.dumps({**config, "data": str(tmp_path / "data")}))
+    for length, tokenizer, want in ((86, CHARS, [0, 10, 20, 30, 40, 50, 60, 70]), (156, CHARS, [0] * 8),
+                                    (155, CHARS, None), (86, GPT2Tokenizer(), None)):
+        val = np.arange(156)  # 156 ids: windows of 86 start at 0, 10, ..., 70
+        fake = types.SimpleNamespace(val=val, tokenizer=tokenizer)
+        monkeypatch.setattr(gptlab.data.batches, "load_dataset", lambda folder: fake)
+        got = gelu.validation_windows(run, loaded, length if length != 155 else 157)
+        if want is None:
+            assert got is None
+        else:
+            assert got == [list(range(s, s + length)) for s in want]
+    monkeypatch.setattr(gptlab.data.batches, "load_dataset", lambda folder: (_ for _ in ()).throw(
+        GptlabError("gone")))
+    assert gelu.validation_windows(run, loaded, 16) is None
+
+
+def test_the_text_the_model_writes_when_its_data_is_gone(tmp_path):
+    """KL_WINDOWS windows of `length` ids, each from the end-of-text id (id 0 for a vocabulary without one), drawn
+    at temperature 1 with seed KL_SEED: what the engine draws with those settings."""
+    from gptlab.config import SampleConfig
+    from gptlab.engine import generate_batch
+    from gptlab.ggml.gelu import KL_SEED, KL_WINDOWS, sampled_windows
+
+    for tokenizer in (CHARS, GPT2Tokenizer()):
+        torch.manual_seed(0)
+        model = GPT(tiny_config(vocab_size=tokenizer.vocab_size)).eval()
+        loaded = load_run(model_run(tmp_path / tokenizer.kind, model, tokenizer))
+        first = 0 if tokenizer.eot_id is None else 50256
+        windows = sampled_windows(loaded, 12)
+        cfg = SampleConfig(max_new_tokens=11, temperature=1.0, seed=KL_SEED)
+        drawn = list(zip(*generate_batch(loaded.model, [[first]], cfg, num_samples=KL_WINDOWS)))
+        assert windows == [[first, *row] for row in drawn] and len(windows) == KL_WINDOWS
+        assert all(len(w) == 12 for w in windows) and len({tuple(w) for w in windows}) > 1
+
+
+def test_a_tensor_of_another_shape_is_refused_naming_the_file(tmp_path, shapes):
+    """A file whose tensor does not fit its own hyperparameters: one line naming the file and the tensor."""
+    from gptlab.ggml.gguf_in import load_gguf_model
+
+    path = gguf_file(tmp_path / "m.gguf", shapes["48-wide-3-heads"], CHARS)
+    reader = gguf.GGUFReader(path)
+    w = gguf.GGUFWriter(tmp_path / "odd.gguf", "gpt2")
+    for name, f in reader.fields.items():
+        if name.startswith(("gpt2.", "tokenizer.", "gptlab.")) and name != "gpt2.block_count":
+            kind = f.types[0]
+            if kind == gguf.GGUFValueType.ARRAY:
+                w.add_array(name, f.contents())
+            elif kind == gguf.GGUFValueType.STRING:
+                w.add_string(name, f.contents())
+            elif kind == gguf.GGUFValueType.FLOAT32:
+                w.add_float32(name, f.contents())
+            else:
+                w.add_uint32(name, f.contents())
+    w.add_uint32("gpt2.block_count", 2)
+    for t in reader.tensors:
+        data = np.asarray(t.data)
+        w.add_tensor(t.name, data[:, :-1].copy() if t.name == "blk.1.ffn_up.weight" else data)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(GptlabError) as error:
+        load_gguf_model(tmp_path / "odd.gguf")
+    assert str(tmp_path / "odd.gguf") in str(error.value) and "mlp.c_fc.weight" in str(error.value)

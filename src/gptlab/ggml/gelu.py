@@ -34,20 +34,21 @@ def validation_windows(run_dir: str | Path, loaded: LoadedRun, length: int) -> l
         data = load_dataset(folder) if folder else None
     except GptlabError:
         return None
-    if data is None or data.tokenizer.to_dict() != loaded.tokenizer.to_dict() or len(data.val) < length + 1:
+    if data is None or data.tokenizer.to_dict() != loaded.tokenizer.to_dict() or len(data.val) < length:
         return None
     starts = np.linspace(0, len(data.val) - length, KL_WINDOWS).astype(int)
     return [np.asarray(data.val[int(s):int(s) + length]).astype(np.int64).tolist() for s in starts]
 
 
 def sampled_windows(loaded: LoadedRun, length: int) -> list[list[int]]:
-    """KL_WINDOWS windows of `length` ids the model writes itself (temperature 1, seeded), each from one token."""
+    """KL_WINDOWS windows of `length` ids the model writes itself: samples of one prompt (temperature 1, seeded),
+    the end-of-text id (id 0 without one)."""
     from gptlab.engine import generate_batch
 
     first = loaded.tokenizer.eot_id if loaded.tokenizer.eot_id is not None else 0
     cfg = SampleConfig(max_new_tokens=length - 1, temperature=1.0, seed=KL_SEED)
     rows = [[first] for _ in range(KL_WINDOWS)]
-    for ids in generate_batch(loaded.model, [[first]] * KL_WINDOWS, cfg):
+    for ids in generate_batch(loaded.model, [[first]], cfg, num_samples=KL_WINDOWS):
         for row, i in zip(rows, ids):
             row.append(int(i))
     return rows
