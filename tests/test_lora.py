@@ -325,7 +325,7 @@ def test_bad_exports_and_imports_are_one_line_and_write_nothing(at, capsys, tmp_
         (["import", "peft", "lo-peft3", "--base", "tiny-hf", "--run", "runs/x"], "--base tiny-hf is not a gptlab run"),
         (["import", "tiny-hf", "--base", "runs/base", "--run", "runs/x"], "--base is for `gptlab import peft DIR "
                                                                           "--base RUN`"),
-        (["import", "lora", "tiny-hf", "--run", "runs/x"], "import takes [hf|peft] FOLDER, not lora tiny-hf"),
+        (["import", "lora", "tiny-hf", "--run", "runs/x"], "import takes [hf|peft|gguf] PATH, not lora tiny-hf"),
     ]
     for argv, words in cases:
         assert words in run_bad(capsys, *argv), argv
