@@ -293,7 +293,7 @@ def test_bad_files_get_one_line_and_nothing_written(tmp_path, capsys, shapes):
     assert struct.unpack_from("<I", bad_type, offset)[0] == first.tensor_type.value
     struct.pack_into("<I", bad_type, offset, 250)
     (tmp_path / "type.gguf").write_bytes(bytes(bad_type))
-    cases["type.gguf"] = (tmp_path / "type.gguf", "truncated or damaged")
+    cases["type.gguf"] = (tmp_path / "type.gguf", "250) is not a valid GGMLQuantizationType); gptlab imports F32, F16")
     for name, (path, message) in cases.items():
         before = tree(tmp_path)
         line = run_bad(capsys, "import", "gguf", str(path), "--run", str(tmp_path / "r" / name))
@@ -404,32 +404,178 @@ def test_the_text_the_model_writes_when_its_data_is_gone(tmp_path):
         assert all(len(w) == 12 for w in windows) and len({tuple(w) for w in windows}) > 1
 
 
+def rewritten(path, out, drop=(), keys=None, tensors=None):
+    """A copy of the GGUF file at `path` as another program might have written it: the keys in `drop` (prefixes)
+    left out, `keys` ({name: (value, gguf.GGUFValueType)}) set, `tensors` ({name: array or None}) replaced, added
+    or (None) left out."""
+    reader = gguf.GGUFReader(path)
+    keys, tensors = keys or {}, dict(tensors or {})
+    w = gguf.GGUFWriter(out, "gpt2")
+    add = {gguf.GGUFValueType.STRING: w.add_string, gguf.GGUFValueType.FLOAT32: w.add_float32,
+           gguf.GGUFValueType.UINT32: w.add_uint32, gguf.GGUFValueType.BOOL: w.add_bool,
+           gguf.GGUFValueType.ARRAY: w.add_array}
+    for name, f in reader.fields.items():
+        if name.startswith(("GGUF.", "general.architecture")) or name.startswith(tuple(drop)) or name in keys:
+            continue
+        add[f.types[0]](name, f.contents())
+    for name, (value, kind) in keys.items():
+        add[kind](name, value)
+    for t in reader.tensors:
+        data = tensors.pop(t.name, np.asarray(t.data))
+        if data is not None:
+            w.add_tensor(t.name, data, raw_dtype=t.tensor_type if data.dtype == np.uint8 else None)
+    for name, data in tensors.items():
+        w.add_tensor(name, data)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return out
+
+
 def test_a_tensor_of_another_shape_is_refused_naming_the_file(tmp_path, shapes):
     """A file whose tensor does not fit its own hyperparameters: one line naming the file and the tensor."""
     from gptlab.ggml.gguf_in import load_gguf_model
 
     path = gguf_file(tmp_path / "m.gguf", shapes["48-wide-3-heads"], CHARS)
-    reader = gguf.GGUFReader(path)
-    w = gguf.GGUFWriter(tmp_path / "odd.gguf", "gpt2")
-    for name, f in reader.fields.items():
-        if name.startswith(("gpt2.", "tokenizer.", "gptlab.")) and name != "gpt2.block_count":
-            kind = f.types[0]
-            if kind == gguf.GGUFValueType.ARRAY:
-                w.add_array(name, f.contents())
-            elif kind == gguf.GGUFValueType.STRING:
-                w.add_string(name, f.contents())
-            elif kind == gguf.GGUFValueType.FLOAT32:
-                w.add_float32(name, f.contents())
-            else:
-                w.add_uint32(name, f.contents())
-    w.add_uint32("gpt2.block_count", 2)
-    for t in reader.tensors:
-        data = np.asarray(t.data)
-        w.add_tensor(t.name, data[:, :-1].copy() if t.name == "blk.1.ffn_up.weight" else data)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    up = np.asarray(gguf.GGUFReader(path).get_tensor(0).data)  # any tensor's array, only for its dtype
+    wide = np.zeros((4 * 48, 47), dtype=up.dtype)
+    rewritten(path, tmp_path / "odd.gguf", tensors={"blk.1.ffn_up.weight": wide})
     with pytest.raises(GptlabError) as error:
         load_gguf_model(tmp_path / "odd.gguf")
     assert str(tmp_path / "odd.gguf") in str(error.value) and "mlp.c_fc.weight" in str(error.value)
+
+
+def test_a_gguf_another_program_wrote(tmp_path, capsys):
+    """Without gptlab's keys (as llama.cpp's converter writes GPT-2): biases on, GELU's tanh form, the tokenizer from
+    the file's tokens, types and merges, end of text from its eos id; an output.weight equal to token_embd is the
+    tied head (dropped), another one refused; the imported model computes the logits of the model exported."""
+    from gptlab.ggml.gguf_in import load_gguf_model
+
+    torch.manual_seed(0)
+    tokenizer = BPETokenizer.train([GGUF_TEXT * 5], 300)
+    model = perturbed(GPT(tiny_config(vocab_size=tokenizer.vocab_size, n_embd=64, bias=False,
+                                      activation="gelu_tanh"))).eval()
+    path = gguf_file(tmp_path / "m.gguf", model, tokenizer)
+    embd = next(np.asarray(t.data) for t in gguf.GGUFReader(path).tensors if t.name == "token_embd.weight")
+    foreign = rewritten(path, tmp_path / "f.gguf", drop=("gptlab.",), tensors={"output.weight": embd.copy()})
+    back, back_tokenizer = load_gguf_model(foreign)
+    c = back.config
+    assert (c.bias, c.activation, c.dropout, c.vocab_size, c.n_embd, c.n_head, c.n_layer, c.block_size) == \
+        (True, "gelu_tanh", 0.0, tokenizer.vocab_size, 64, 2, 2, 16)
+    assert back_tokenizer.to_dict() == tokenizer.to_dict() and back_tokenizer.eot_id == tokenizer.eot_id
+    x = torch.tensor([tokenizer.encode(GGUF_TEXT)[:16]])
+    with torch.no_grad():
+        assert torch.equal(back(x)[0], model(x)[0])  # zero biases added: the same sums, the same bits
+    untied = rewritten(path, tmp_path / "u.gguf", drop=("gptlab.",), tensors={"output.weight": embd * 2})
+    line = run_bad(capsys, "import", "gguf", str(untied), "--run", str(tmp_path / "r"))
+    assert f"{untied} has an output.weight that is not tied to token_embd" in line
+    # gptlab's key says no biases, a bias that is not zero says otherwise: an edited file
+    bias = np.ones(64, np.float32)
+    edited = rewritten(path, tmp_path / "e.gguf", tensors={"blk.0.attn_output.bias": bias})
+    line = run_bad(capsys, "import", "gguf", str(edited), "--run", str(tmp_path / "r"))
+    assert "transformer.h.0.attn.c_proj.bias is not zero, but gptlab.model says the model has no biases" in line
+    assert not (tmp_path / "r").exists()
+
+
+def test_hyperparameters_that_do_not_fit_are_refused(tmp_path, capsys, shapes):
+    path = gguf_file(tmp_path / "m.gguf", shapes["48-wide-3-heads"], CHARS)
+    U32, F32 = gguf.GGUFValueType.UINT32, gguf.GGUFValueType.FLOAT32
+    for name, change, message in (
+            ("ffn", {"keys": {"gpt2.feed_forward_length": (100, U32)}},
+             "a feed-forward width of 100; gptlab's MLP is always 4 x n_embd (192) wide"),
+            ("noffn", {"drop": ("gpt2.feed_forward_length",)}, None),  # absent: 4 x n_embd, as llama.cpp reads it
+            ("heads", {"drop": ("gpt2.attention.head_count",)},
+             "lacks GPT-2's hyperparameters (context_length, embedding_length, block_count, attention.head_count)"),
+            ("eps", {"keys": {"gpt2.attention.layer_norm_epsilon": (1e-3, F32)}},
+             "gptlab.model does not describe its own hyperparameters"),
+            ("ctx", {"keys": {"gpt2.context_length": (8, U32)}},
+             "gptlab.model does not describe its own hyperparameters")):
+        odd = rewritten(path, tmp_path / f"{name}.gguf", **change)
+        if message is None:
+            assert read_gguf(odd)[0].n_embd == 48
+            continue
+        line = run_bad(capsys, "import", "gguf", str(odd), "--run", str(tmp_path / name))
+        assert message in line and str(odd) in line, line
+        assert not (tmp_path / name).exists()
+
+
+def test_the_vocabulary_keys_as_written(tmp_path, shapes):
+    """tokenizer.ggml.* read back from the file: the kind, GPT-2's pre-tokenizer and merges for a byte-level BPE
+    (none for a char vocabulary), end of text as bos and eos, no BOS added, a chat tokenizer's template; gptlab's
+    own tokenizer file as UTF-8 JSON (its characters written as themselves); general.name the run's folder."""
+    field = lambda reader, key: None if reader.get_field(key) is None else reader.get_field(key).contents()  # noqa
+    model = shapes["48-wide-3-heads"]
+    char = gguf.GGUFReader(gguf_file(tmp_path / "char.gguf", model, CHARS))
+    assert (field(char, "tokenizer.ggml.model"), field(char, "tokenizer.ggml.pre"),
+            field(char, "tokenizer.ggml.merges"), field(char, "tokenizer.ggml.eos_token_id"),
+            field(char, "tokenizer.ggml.add_bos_token"), field(char, "tokenizer.chat_template")) == \
+        ("rwkv", None, None, None, False, None)
+    assert "é" in field(char, GPTLAB_KEY) and field(char, "general.name") == "char-run"
+    gpt2_model = perturbed(GPT(tiny_config(vocab_size=50257 + 4, n_embd=32, activation="gelu_tanh")))
+    chat = gguf.GGUFReader(gguf_file(tmp_path / "chat.gguf", gpt2_model, ChatTokenizer(GPT2Tokenizer())))
+    assert (field(chat, "tokenizer.ggml.model"), field(chat, "tokenizer.ggml.pre"),
+            len(field(chat, "tokenizer.ggml.merges")), field(chat, "tokenizer.ggml.bos_token_id"),
+            field(chat, "tokenizer.ggml.eos_token_id"), field(chat, "tokenizer.ggml.add_bos_token")) == \
+        ("gpt2", "gpt-2", 50000, 50256, 50256, False)
+    assert field(chat, "tokenizer.chat_template").startswith("{%- for message in messages -%}")
+    assert field(chat, "tokenizer.ggml.token_type")[-5:] == [CONTROL] * 5  # <|endoftext|> and the four markers
+
+
+def test_the_tensor_types_counted_and_a_failed_write_leaves_nothing(tmp_path, shapes, monkeypatch):
+    """48 wide, 2 layers, q8_0: the four matrices of 48-wide rows (qkv, proj, up; and the token table) fall back to
+    F16, ffn_down's 192-wide rows quantize, the rest is F32 (vectors and the position table), counted by hand. A
+    write that fails (the disk, an interrupt) leaves no file and no temp file."""
+    run = model_run(tmp_path / "run", shapes["48-wide-3-heads"], CHARS)
+    done = export_gguf(run, tmp_path / "m.gguf", "q8_0")
+    assert done.types == {"f16": 1 + 2 * 3, "q8_0": 2, "f32": 1 + 2 + 2 * 8}
+    assert done.bytes == (tmp_path / "m.gguf").stat().st_size
+    import errno
+
+    for failure, expected in ((OSError(errno.ENOSPC, "No space left on device"), GptlabError),
+                              (KeyboardInterrupt(), KeyboardInterrupt)):
+        for step in ("add_name", "write_tensors_to_file"):  # before the file exists, and while it is written
+            def fail(*args, failure=failure, **kwargs):
+                raise failure
+
+            with monkeypatch.context() as m:
+                m.setattr(gguf.GGUFWriter, step, fail)
+                with pytest.raises(expected) as error:
+                    export_gguf(run, tmp_path / "n.gguf", "q8_0")
+            if expected is GptlabError:
+                assert str(error.value) == f"cannot write {tmp_path / 'n.gguf'}: No space left on device; check " \
+                                           "free space and permissions"
+            assert sorted(p.name for p in tmp_path.iterdir()) == ["m.gguf", "run"], step
+
+
+def test_bad_names_and_runs(tmp_path):
+    from gptlab.ggml.gguf_in import gptlab_name
+    from gptlab.ggml.gguf_out import gguf_name
+    from gptlab.model import Bigram
+
+    assert gguf_name("transformer.h.11.mlp.c_proj.bias") == "blk.11.ffn_down.bias"
+    assert gptlab_name("blk.11.ffn_down.bias") == "transformer.h.11.mlp.c_proj.bias"
+    for name in ("transformer.h.0.attn.bias", "transformer.x.0.ln_1.weight", "transformer.h.0.mlp.weight"):
+        with pytest.raises(AssertionError, match=f"no GGUF name for {name}"):
+            gguf_name(name)
+    for name in ("blk.x.attn_qkv.weight", "zzz.0.attn_qkv.weight", "blk.0.attn_qkv.weight.x", "blk.0.ffn_gate.weight",
+                 "output.bias"):
+        with pytest.raises(GptlabError, match=f"holds a tensor '{name}' that GPT-2 does not have"):
+            gptlab_name(name)
+    bigram = model_run(tmp_path / "bigram", Bigram(tiny_config(arch="bigram", vocab_size=CHARS.vocab_size)), CHARS)
+    with pytest.raises(GptlabError, match="holds a bigram model; only GPT models"):
+        export_gguf(bigram, tmp_path / "b.gguf")
+    run = model_run(tmp_path / "run", GPT(tiny_config(vocab_size=CHARS.vocab_size, activation="gelu_tanh")), CHARS)
+    with pytest.raises(GptlabError, match="--outtype q4_0: choose one of f32, bf16, q8_0"):
+        export_gguf(run, tmp_path / "q.gguf", "q4_0")
+    export_gguf(run, tmp_path / "m.gguf")
+    with pytest.raises(GptlabError, match="exists; give another --out, or pass --overwrite"):
+        export_gguf(run, tmp_path / "m.gguf")  # the default: an existing file stays
+    vocab = to_vocab(BPETokenizer.train([GGUF_TEXT * 5], 300))
+    vocab.gptlab, vocab.merges = None, vocab.merges[:-1]  # the last merge made the last token: drop both, ...
+    vocab.tokens[-1] = vocab.tokens[-2]  # ... and give the last id a token the vocabulary has already
+    with pytest.raises(GptlabError, match=f"has {len(vocab.tokens)} tokens, its tokenizer {len(vocab.tokens) - 1}"):
+        from_vocab(vocab)
+    vocab.merges = [*vocab.merges, "zz qq"]  # a merge of tokens it lacks
+    with pytest.raises(GptlabError, match="BPE cannot be built from its tokens and merges .*; the file is damaged"):
+        from_vocab(vocab)

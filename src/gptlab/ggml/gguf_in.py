@@ -44,6 +44,9 @@ def open_reader(path: Path) -> Any:
         return gguf.GGUFReader(path)
     except Exception as exc:  # the reader fails in many ways on a cut or damaged file
         reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        if "GGMLQuantizationType" in reason:  # a type id this gguf package does not know
+            raise GptlabError(f"{path} holds a tensor of a type the gguf package does not know ({reason}); gptlab "
+                              f"imports {', '.join(READ_TYPES)}") from None
         raise GptlabError(f"{path} cannot be read ({reason}); it is truncated or damaged") from None
 
 
@@ -104,9 +107,8 @@ def read_tensor(tensor: Any, path: Path) -> np.ndarray:
     if kind not in READ_TYPES:
         raise GptlabError(f"{path}: tensor {tensor.name} is {kind}; gptlab imports {', '.join(READ_TYPES)} "
                           "(requantize it with llama.cpp's llama-quantize to Q8_0, or convert to F16)")
-    shape = tuple(int(n) for n in reversed(tensor.shape.tolist()))
-    values = gguf.quants.dequantize(np.asarray(tensor.data), tensor.tensor_type)
-    return np.asarray(values, dtype=np.float32).reshape(shape)
+    # the reader's arrays are in numpy's order already (ggml's dimensions reversed), quantized ones as bytes per row
+    return gguf.quants.dequantize(np.asarray(tensor.data), tensor.tensor_type).astype(np.float32, copy=False)
 
 
 def file_tensors(reader: Any, path: Path, cfg: ModelConfig) -> dict[str, torch.Tensor]:

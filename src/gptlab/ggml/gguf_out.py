@@ -54,11 +54,8 @@ def gguf_name(name: str) -> str:
 def gguf_tensors(model: GPT, vocab_size: int) -> dict[str, np.ndarray]:
     """The model's weights under llama.cpp's names, fp32, `token_embd` cut to the tokenizer's `vocab_size` rows and
     a zero bias beside every matrix and LayerNorm that has none (llama.cpp's GPT-2 requires them)."""
-    out = {}
-    for name, tensor in ck.model_tensors(model).items():
-        if name == "lm_head.weight":
-            continue  # tied to wte: llama.cpp's GPT-2 reads token_embd when output.weight is absent
-        out[gguf_name(name)] = tensor.detach().float().cpu().numpy()
+    # model_tensors stores the tied head once, as wte: llama.cpp's GPT-2 reads token_embd when output.weight is absent
+    out = {gguf_name(name): t.detach().float().cpu().numpy() for name, t in ck.model_tensors(model).items()}
     out["token_embd.weight"] = np.ascontiguousarray(out["token_embd.weight"][:vocab_size])
     for name in list(out):
         bias = name.removesuffix(".weight") + ".bias"
@@ -156,9 +153,9 @@ class GGUFExport:
     kl_text: str = ""  # what the KL was measured on
 
 
-def check_out(out: Path, run_dir: str | Path, overwrite: bool) -> None:
-    """GptlabError when `out` cannot take the file: a folder, inside a run or data folder, or an existing file
-    without `overwrite`."""
+def check_out(out: Path, overwrite: bool) -> None:
+    """GptlabError when `out` cannot take the file: a folder, a folder that does not exist, a name not ending in
+    .gguf, or an existing file without `overwrite`."""
     if out.is_dir():
         raise GptlabError(f"--out {out} is a folder; --format gguf writes one file: give its name (e.g. model.gguf)")
     if out.exists() and not overwrite:
@@ -170,14 +167,14 @@ def check_out(out: Path, run_dir: str | Path, overwrite: bool) -> None:
 
 
 def export_gguf(run_dir: str | Path, out: str | Path, outtype: str = "f32", approximate_gelu: bool = False,
-                overwrite: bool = False, which: str = "best") -> GGUFExport:
+                overwrite: bool = False) -> GGUFExport:
     """Write the run's model (its best checkpoint, else its latest; a LoRA run's with its adapters merged) as a
     GGUF file of `outtype`. Raises GptlabError on bad input, before anything is written."""
     out = Path(out)
     if outtype not in OUTTYPES:
         raise GptlabError(f"--outtype {outtype}: choose one of {', '.join(OUTTYPES)}")
-    check_out(out, run_dir, overwrite)
-    loaded = ck.load_run(run_dir, which)
+    check_out(out, overwrite)
+    loaded = ck.load_run(run_dir)
     if not is_gpt(loaded.model):
         raise GptlabError(f"{run_dir} holds a {loaded.model_cfg.arch} model; only GPT models have llama.cpp's GPT-2 "
                           "form")

@@ -109,7 +109,11 @@ def _byte_level_tokenizer(vocab: Vocab) -> Tokenizer:
         raise GptlabError(f"the GGUF vocabulary's token {odd!r} is not in GPT-2's byte alphabet; gptlab imports "
                           "byte-level BPE vocabularies (tokenizer.ggml.model gpt2)")
     merges = [tuple(m.split(" ", 1)) for m in vocab.merges]
-    hf = HFTokenizer(models.BPE(vocab={t: i for i, t in enumerate(vocab.tokens)}, merges=merges))
+    try:
+        hf = HFTokenizer(models.BPE(vocab={t: i for i, t in enumerate(vocab.tokens)}, merges=merges))
+    except Exception as exc:  # tokenizers refuses merges of tokens the vocabulary lacks, and more
+        raise GptlabError(f"the GGUF file's BPE cannot be built from its tokens and merges ({exc}); the file is "
+                          "damaged") from None
     hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     hf.decoder = decoders.ByteLevel()
     hf.add_special_tokens([AddedToken(t, special=True) for t in specials])
