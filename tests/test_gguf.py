@@ -20,7 +20,7 @@ from gptlab.ggml.gguf_in import READ_TYPES, import_gguf, read_gguf
 from gptlab.ggml.gguf_out import OUTTYPES, Q8_BLOCK, export_gguf, tensor_type
 from gptlab.ggml.vocab import CONTROL, GPTLAB_KEY, NORMAL, escape_char, from_vocab, to_vocab, unescape_token
 from gptlab.model import GPT
-from gptlab.tokenizer import BPETokenizer, CharTokenizer, ChatTokenizer, GPT2Tokenizer
+from gptlab.tokenizer import BPETokenizer, CharTokenizer, ChatTokenizer, GPT2Tokenizer, Tokenizer
 
 Q = gguf.GGMLQuantizationType
 CHARS = CharTokenizer(GGUF_TEXT + "\r\x01\x7f")
@@ -162,11 +162,18 @@ def test_vocabularies_as_llama_cpp_reads_them():
     assert char.model == "rwkv" and char.eot_id is None and char.merges == []
     assert [unescape_token(t).decode() for t in char.tokens] == CHARS.chars
     chat = to_vocab(ChatTokenizer(CHARS))
+    assert chat.tokens[:-4] == char.tokens and chat.types[:-4] == char.types  # the base's tokens, then the markers
     assert chat.tokens[-4:] == ["<|system|>", "<|user|>", "<|assistant|>", "<|end|>"]
     assert chat.types[-4:] == [CONTROL] * 4 and chat.chat_template
     for tokenizer in (GPT2Tokenizer(), CHARS, ChatTokenizer(GPT2Tokenizer()),
                       BPETokenizer.train([GGUF_TEXT * 5], 300)):
         assert from_vocab(to_vocab(tokenizer)).to_dict() == tokenizer.to_dict()
+
+    class Words(Tokenizer):
+        kind = "words"
+
+    with pytest.raises(GptlabError, match="a words tokenizer has no GGUF form in this gptlab"):
+        to_vocab(Words())
 
 
 def test_rwkv_escapes_worked_out_by_hand():
@@ -219,6 +226,8 @@ def test_exact_gelu_is_refused_or_approximated_with_its_kl(tmp_path, capsys):
     run = model_run(tmp_path / "run", model, CHARS)
     line = run_bad(capsys, "export", str(run), "--format", "gguf", "--out", str(tmp_path / "m.gguf"))
     assert "--activation gelu_tanh" in line and "--approximate-gelu" in line
+    with pytest.raises(GptlabError, match="trained with the exact GELU"):
+        export_gguf(run, tmp_path / "m.gguf")  # the default: refused
     assert not (tmp_path / "m.gguf").exists()
     out = run_ok(capsys, "export", str(run), "--format", "gguf", "--out", str(tmp_path / "m.gguf"),
                  "--approximate-gelu")
@@ -263,7 +272,8 @@ def gguf_with(path, arch="gpt2", qtype=Q.F32, tokens=("a", "b")):
         w.add_uint32(f"{arch}.{key}", value)
     w.add_float32(f"{arch}.attention.layer_norm_epsilon", 1e-5)
     w.add_tokenizer_model("rwkv")
-    w.add_token_list(list(tokens))
+    if tokens:
+        w.add_token_list(list(tokens))
     data = gguf.quants.quantize(np.ones((2, 32), np.float32), qtype)
     w.add_tensor("token_embd.weight", data, raw_dtype=qtype)
     w.write_header_to_file()
@@ -281,7 +291,9 @@ def test_bad_files_get_one_line_and_nothing_written(tmp_path, capsys, shapes):
     (tmp_path / "notgguf.gguf").write_bytes(b"PK\x03\x04" + b"\0" * 64)
     cases = {
         "llama.gguf": (gguf_with(tmp_path / "llama.gguf", arch="llama"), "'llama' model, not GPT-2"),
-        "q4.gguf": (gguf_with(tmp_path / "q4.gguf", qtype=Q.Q4_0), "is Q4_0; gptlab imports " + ", ".join(READ_TYPES)),
+        "q4.gguf": (gguf_with(tmp_path / "q4.gguf", qtype=Q.Q4_0),
+                    f"{tmp_path / 'q4.gguf'}: tensor token_embd.weight is Q4_0; gptlab imports " + ", ".join(READ_TYPES)),
+        "novocab.gguf": (gguf_with(tmp_path / "novocab.gguf", tokens=()), "has no vocabulary (tokenizer.ggml.tokens)"),
         "cut.gguf": (cut, "truncated or damaged"),
         "notgguf.gguf": (tmp_path / "notgguf.gguf", "not a GGUF file"),
         "missing.gguf": (tmp_path / "missing.gguf", "does not exist"),
@@ -528,6 +540,7 @@ def test_the_tensor_types_counted_and_a_failed_write_leaves_nothing(tmp_path, sh
     write that fails (the disk, an interrupt) leaves no file and no temp file."""
     run = model_run(tmp_path / "run", shapes["48-wide-3-heads"], CHARS)
     done = export_gguf(run, tmp_path / "m.gguf", "q8_0")
+    assert done.path == tmp_path / "m.gguf" and done.kl is None
     assert done.types == {"f16": 1 + 2 * 3, "q8_0": 2, "f32": 1 + 2 + 2 * 8}
     assert done.bytes == (tmp_path / "m.gguf").stat().st_size
     import errno

@@ -74,6 +74,9 @@ def read_config(reader: Any, path: Path) -> ModelConfig:
         raise GptlabError(f"{path} has a feed-forward width of {ffn}; gptlab's MLP is always 4 x n_embd "
                           f"({4 * size['n_embd']}) wide")
     vocab = len(field(reader, "tokenizer.ggml.tokens", []))
+    if not vocab:
+        raise GptlabError(f"{path} has no vocabulary (tokenizer.ggml.tokens); gptlab imports models with their "
+                          "tokenizer")
     cfg = ModelConfig(vocab_size=vocab, dropout=0.0, bias=True, activation="gelu_tanh", layer_norm_eps=eps, **size)
     own = field(reader, MODEL_KEY)
     if own is not None:
@@ -108,7 +111,7 @@ def read_tensor(tensor: Any, path: Path) -> np.ndarray:
         raise GptlabError(f"{path}: tensor {tensor.name} is {kind}; gptlab imports {', '.join(READ_TYPES)} "
                           "(requantize it with llama.cpp's llama-quantize to Q8_0, or convert to F16)")
     # the reader's arrays are in numpy's order already (ggml's dimensions reversed), quantized ones as bytes per row
-    return gguf.quants.dequantize(np.asarray(tensor.data), tensor.tensor_type).astype(np.float32, copy=False)
+    return gguf.quants.dequantize(np.asarray(tensor.data), tensor.tensor_type)  # float32 for every READ_TYPES
 
 
 def file_tensors(reader: Any, path: Path, cfg: ModelConfig) -> dict[str, torch.Tensor]:
@@ -133,10 +136,10 @@ def file_tensors(reader: Any, path: Path, cfg: ModelConfig) -> dict[str, torch.T
 
 def read_vocab(reader: Any) -> Vocab:
     own = field(reader, GPTLAB_KEY)
-    return Vocab(str(field(reader, "tokenizer.ggml.model", "")), list(field(reader, "tokenizer.ggml.tokens", [])),
+    # (end of text is a control token of the vocabulary, so the file's eos id is not needed to rebuild it)
+    return Vocab(str(field(reader, "tokenizer.ggml.model", "")), list(field(reader, "tokenizer.ggml.tokens")),
                  [int(t) for t in field(reader, "tokenizer.ggml.token_type", [])],
-                 list(field(reader, "tokenizer.ggml.merges", [])), field(reader, "tokenizer.ggml.eos_token_id"),
-                 gptlab=json.loads(own) if own is not None else None)
+                 list(field(reader, "tokenizer.ggml.merges", [])), gptlab=json.loads(own) if own is not None else None)
 
 
 def read_gguf(path: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor], Tokenizer]:

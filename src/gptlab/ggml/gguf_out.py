@@ -66,10 +66,9 @@ def gguf_tensors(model: GPT, vocab_size: int) -> dict[str, np.ndarray]:
 
 def tensor_type(name: str, array: np.ndarray, outtype: str) -> str:
     """The type llama.cpp's converter gives this tensor at `outtype`: "f32", "f16", "bf16" or "q8_0"."""
-    if array.ndim <= 1 or name.endswith("_norm.weight") or not name.endswith(".weight") \
-            or name == "position_embd.weight" or outtype == "f32":
+    if array.ndim == 1 or name == "position_embd.weight":  # LayerNorms and biases are GPT-2's only vectors
         return "f32"
-    if outtype == "q8_0" and array.shape[-1] % Q8_BLOCK:
+    if outtype == "q8_0" and array.shape[1] % Q8_BLOCK:
         return "f16"  # the converter's fallback when a row is no whole number of blocks
     return outtype
 
@@ -81,7 +80,7 @@ def encoded(array: np.ndarray, kind: str) -> tuple[np.ndarray, object]:
 
     qtype = {"f32": gguf.GGMLQuantizationType.F32, "f16": gguf.GGMLQuantizationType.F16,
              "bf16": gguf.GGMLQuantizationType.BF16, "q8_0": gguf.GGMLQuantizationType.Q8_0}[kind]
-    return gguf.quants.quantize(np.ascontiguousarray(array, dtype=np.float32), qtype), qtype
+    return gguf.quants.quantize(np.ascontiguousarray(array), qtype), qtype
 
 
 def _write_vocab(writer, vocab: Vocab) -> None:
