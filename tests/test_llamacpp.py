@@ -21,6 +21,7 @@ from helpers import CORPUS, GGUF_TEXT, model_run, perturbed, tiny_config, tiny_r
 from gptlab.checkpoint import load_run
 from gptlab.config import SampleConfig
 from gptlab.engine import generate_batch
+from gptlab.errors import GptlabError
 from gptlab.ggml.gguf_out import export_gguf
 from gptlab.ggml.peer import LlamaCpp, available
 from gptlab.model import GPT
@@ -77,11 +78,24 @@ def test_llama_cpp_tokenizes_and_detokenizes_as_gptlab(tmp_path, kind):
 
 
 def llama_logits(tmp_path, model, tokenizer, ids):
-    """llama.cpp's logits of `ids` fed at once and fed one at a time (fp32 cache, no flash attention)."""
-    with LlamaCpp(exported(tmp_path, model, tokenizer), model.config.block_size, threads=1, f32_cache=True) as peer:
+    """llama.cpp's logits of `ids` fed at once and fed one at a time (fp32 cache, no flash attention); on the way,
+    the last position's alone are the last row of all of them, in batches of 7 as in one, and each decode
+    continues where the sequence stands (its greedy steps included)."""
+    path = exported(tmp_path, model, tokenizer)
+    with LlamaCpp(path, model.config.block_size, threads=1, f32_cache=True) as peer:
         at_once = peer.decode(ids, all_logits=True)
+        assert peer.pos == len(ids)
         peer.clear()
-        return at_once, np.concatenate([peer.decode([i], all_logits=True) for i in ids])
+        last = peer.decode(ids)
+        scale = np.abs(at_once).max()  # (llama.cpp computes the last block for the outputs' rows alone: other sums)
+        assert last.shape == (1, peer.n_vocab) and np.abs(last - at_once[-1:]).max() <= FP32_TOLERANCE * scale
+        peer.clear()
+        one_by_one = np.concatenate([peer.decode([i], all_logits=True) for i in ids])
+        peer.generate(ids[:5], 4)  # 5 prompt tokens, then 3 greedy steps
+        assert peer.pos == 5 + 3
+    with LlamaCpp(path, model.config.block_size, threads=1, f32_cache=True, n_batch=7) as peer:
+        assert np.abs(peer.decode(ids, all_logits=True) - at_once).max() <= FP32_TOLERANCE * scale
+    return at_once, one_by_one
 
 
 SHAPES = [{"n_embd": 96, "n_head": 3, "n_layer": 2},
@@ -191,3 +205,14 @@ def test_q8_0_distributions_beside_gptlabs_fp32(tmp_path, trained, capsys):
     assert figures["f32"][0] < 1e-5 and figures["f32"][1] == 1.0
     assert figures["q8_0"][0] < 5e-3 and figures["q8_0"][1] >= 0.9
     assert figures["q8_0"][0] > figures["f32"][0]
+
+
+def test_a_token_outside_the_vocabulary_is_one_line(tmp_path):
+    tokenizer = CharTokenizer(GGUF_TEXT)
+    model = GPT(tiny_config(vocab_size=tokenizer.vocab_size, activation="gelu_tanh"))
+    with LlamaCpp(exported(tmp_path, model, tokenizer), 16, threads=1) as peer:
+        with pytest.raises(GptlabError, match="llama.cpp could not decode 1 tokens at position 0"):
+            peer.decode([tokenizer.vocab_size + 3])
+        peer.decode([1, 2])
+        with pytest.raises(GptlabError, match="llama.cpp could not decode a token at position 2"):
+            peer.step(tokenizer.vocab_size + 3)
