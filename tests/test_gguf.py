@@ -479,6 +479,10 @@ def test_a_gguf_another_program_wrote(tmp_path, capsys):
     x = torch.tensor([tokenizer.encode(GGUF_TEXT)[:16]])
     with torch.no_grad():
         assert torch.equal(back(x)[0], model(x)[0])  # zero biases added: the same sums, the same bits
+    no_types = rewritten(path, tmp_path / "t.gguf", drop=("gptlab.", "tokenizer.ggml.token_type"))
+    assert load_gguf_model(no_types)[1].encode(GGUF_TEXT) == tokenizer.encode(GGUF_TEXT)  # no control tokens: text
+    no_kind = rewritten(path, tmp_path / "k.gguf", drop=("gptlab.", "tokenizer.ggml.model"))
+    assert "vocabulary is of kind '' (tokenizer.ggml.model)" in run_bad(capsys, "import", "gguf", str(no_kind))
     untied = rewritten(path, tmp_path / "u.gguf", drop=("gptlab.",), tensors={"output.weight": embd * 2})
     line = run_bad(capsys, "import", "gguf", str(untied), "--run", str(tmp_path / "r"))
     assert f"{untied} has an output.weight that is not tied to token_embd" in line
