@@ -216,3 +216,25 @@ def test_a_token_outside_the_vocabulary_is_one_line(tmp_path):
         peer.decode([1, 2])
         with pytest.raises(GptlabError, match="llama.cpp could not decode a token at position 2"):
             peer.step(tokenizer.vocab_size + 3)
+
+
+def test_the_peer_edges(tmp_path, capfd, monkeypatch):
+    """Special tokens are text unless asked for; an empty text is no tokens; end of text is written out; a file
+    llama.cpp cannot load, and llama.cpp missing, are one line each; llama.cpp's own log stays silent."""
+    from gptlab.ggml import peer as peer_module
+
+    tokenizer = GPT2Tokenizer()
+    model = GPT(tiny_config(vocab_size=tokenizer.vocab_size, activation="gelu_tanh"))
+    path = exported(tmp_path, model, tokenizer)
+    capfd.readouterr()
+    with LlamaCpp(path, 16, threads=1) as peer:
+        assert peer.tokenize("<|endoftext|>") == tokenizer.enc.encode_ordinary("<|endoftext|>")  # as plain text
+        assert peer.tokenize("<|endoftext|>", special=True) == [50256] and peer.tokenize("") == []
+        assert peer.detokenize([50256, 40]) == b"<|endoftext|>I"
+    assert capfd.readouterr().err == ""  # no line of llama.cpp's log
+    (tmp_path / "not.gguf").write_bytes(b"GGUF" + b"\0" * 60)
+    with pytest.raises(GptlabError, match=f"llama.cpp could not load {tmp_path / 'not.gguf'}"):
+        LlamaCpp(tmp_path / "not.gguf", 16)
+    monkeypatch.setattr(peer_module, "available", lambda: False)
+    with pytest.raises(GptlabError, match="llama.cpp is not installed; pip install 'gptlab\\[peers\\]'"):
+        LlamaCpp(path, 16)
