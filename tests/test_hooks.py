@@ -3,6 +3,7 @@
 converter, no weight processing), on a random GPT with odd sizes moved off its init and on a transformers GPT-2
 imported; hooks that replace an activation; the cache during generation against a recompute; the errors."""
 
+import sys
 import warnings
 
 import pytest
@@ -313,3 +314,17 @@ def test_a_callable_without_a_name_is_named_by_its_type_and_a_name_far_from_any_
     last = Hooked(odd).run_with_hooks(torch.tensor([[1, 2, 3]]), fwd_hooks=[("hook_embed", lambda t, h: None)],
                                       last_only=True)
     assert last.shape == (1, 1, 23) and worst(odd(torch.tensor([[1, 2, 3]]))[0][:, -1:], last) <= TOL
+
+
+def test_the_exported_hooked_transformer_adds_no_bos_keeps_the_model_s_dtype_and_says_when_it_is_missing(
+        monkeypatch):
+    """A string given to the exported model is the text's ids alone (gptlab's ids have no BOS); a bf16 run gives a
+    bf16 HookedTransformer; without TransformerLens, one line saying how to install it."""
+    torch.manual_seed(1)
+    model = perturbed(GPT(tiny_config(**ODD))).eval()
+    lens = hooked_transformer(model)
+    assert lens.cfg.default_prepend_bos is False and lens.cfg.dtype == torch.float32
+    assert hooked_transformer(model.to(torch.bfloat16)).cfg.dtype == torch.bfloat16
+    monkeypatch.setitem(sys.modules, "transformer_lens", None)  # an import of it raises ImportError
+    with pytest.raises(GptlabError, match="TransformerLens is not installed: pip install 'transformer-lens==3.9.0'"):
+        hooked_transformer(model)
