@@ -51,6 +51,11 @@ def test_every_pair_is_timed_and_the_fp32_pair_computes_the_same_model(capsys, q
         prefill = next(line for line in lines if line.startswith(f"{pair} prompt processing (32 tokens): "))
         assert re.search(r"goal ≥ 1\.0x: (met|short)$", prefill), prefill
     assert "int8 at ≥ 80 % of its floor: " in next(line for line in lines if line.startswith("int8↔Q8_0 batch-1"))
+    table = {(r[0], r[1]): r for r in (line.split() for line in out.splitlines()) if len(r) > 4 and r[1] in
+             ("gptlab", "llama.cpp")}
+    f32, q8 = float(table["fp32↔F32", "llama.cpp"][3]), float(table["int8↔Q8_0", "llama.cpp"][3])
+    assert q8 < f32 / 3  # each pair's own file: Q8_0's blocks are about a quarter of F32's bytes
+    assert all(float(row[-1].replace(",", "")) >= 1 for row in table.values())  # prompt tok/s: seconds, not stamps
     parity = lines[-1]
     assert parity.startswith("parity: ") and all(f"{pair} " in parity for pair in pairs)
     assert float(re.search(r"differ by at most (\S+);", parity).group(1)) < 1e-2
@@ -123,9 +128,11 @@ def test_quality_puts_each_export_of_a_trained_run_beside_gptlabs_fp32(tmp_path,
     (tmp_path / "b").mkdir()
     run = tiny_run(tmp_path / "a", 40, [*TINY_FLAGS, "--activation", "gelu_tanh"])
     line = llamacpp.peer_quality(str(run), threads=1)[0]
-    kls = {k: float(v) for k, v in re.findall(r"(F32|BF16|Q8_0) mean KL ([0-9.e+-]+)", line)}
+    parts = re.findall(r"(F32|BF16|Q8_0) mean KL ([0-9.e+-]+), top token agrees ([0-9.]+)%", line)
+    kls = {k: float(v) for k, v, _ in parts}
     assert set(kls) == {"F32", "BF16", "Q8_0"} and kls["F32"] < 1e-5 and kls["F32"] < kls["Q8_0"]
-    assert "validation text" in line and "exact GELU" not in line
+    assert float(parts[0][2]) == 100.0 and all(float(a) >= 90 for _, _, a in parts)  # the same top token
+    assert "validation text: F32 mean KL" in line and line.endswith("%") and line.count("; ") == 2  # no GELU part
     exact = tiny_run(tmp_path / "b", 5, TINY_FLAGS)
     assert "the run's exact GELU exported as the tanh form" in llamacpp.peer_quality(str(exact), threads=1)[0]
     shutil.rmtree(tmp_path / "b" / "data")
