@@ -138,3 +138,18 @@ def test_quality_puts_each_export_of_a_trained_run_beside_gptlabs_fp32(tmp_path,
     shutil.rmtree(tmp_path / "b" / "data")
     with pytest.raises(GptlabError, match="needs the run's validation text"):
         llamacpp.peer_quality(str(exact))
+
+
+def test_each_pair_runs_gptlab_at_its_own_precision(monkeypatch, capsys, quick_probe):
+    """gptlab's side of each pair is prepared at the pair's precision (fp32, bf16 where the CPU has it, int8)."""
+    seen = []
+    real = llamacpp.prepare_for_inference
+
+    def spy(model, precision, *args, **kwargs):
+        seen.append(precision)
+        return real(model, precision, *args, **kwargs)
+
+    monkeypatch.setattr(llamacpp, "prepare_for_inference", spy)
+    llamacpp.run_peer_generate(config=ModelConfig(**TINY), prompt_tokens=4, new_tokens=4, prefill_tokens=8,
+                               rounds=1)
+    assert seen == (["fp32", "bf16", "int8"] if bf16_supported(torch.device("cpu")) else ["fp32", "int8"])
