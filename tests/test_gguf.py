@@ -249,7 +249,7 @@ def test_exact_gelu_is_refused_or_approximated_with_its_kl(tmp_path, capsys):
     assert cfg.activation == "gelu"  # gptlab's own file imports back as the run it came from
 
 
-def test_cli_export_import_sample(tmp_path, capsys, shapes):
+def test_cli_export_import_sample(tmp_path, capsys, shapes, monkeypatch):
     run = model_run(tmp_path / "run", shapes["48-wide-3-heads"], CHARS)
     out = run_ok(capsys, "export", str(run), "--format", "gguf", "--outtype", "q8_0", "--out",
                  str(tmp_path / "m.gguf"))
@@ -262,6 +262,8 @@ def test_cli_export_import_sample(tmp_path, capsys, shapes):
     run_ok(capsys, "sample", "--run", str(tmp_path / "back"), "--max-new-tokens", "5", "--prompt", "First")
     out = run_ok(capsys, "import", str(tmp_path / "m.gguf"), "--run", str(tmp_path / "back2"))  # by its suffix
     assert "imported" in out
+    monkeypatch.chdir(tmp_path)  # no --run: runs/ and the file's name without .gguf
+    assert "into runs/m: " in run_ok(capsys, "import", "gguf", "m.gguf") and (tmp_path / "runs" / "m").is_dir()
 
 
 def gguf_with(path, arch="gpt2", qtype=Q.F32, tokens=("a", "b")):

@@ -19,7 +19,7 @@ def cmd_import(args: argparse.Namespace) -> int:
     from gptlab.runs import RUNS
 
     kind, path = _import_source(args.source)
-    run = Path(args.run) if args.run else RUNS / Path(path).resolve().name
+    run = Path(args.run) if args.run else RUNS / Path(path).resolve().name.removesuffix(".gguf")
     if kind == "gguf":
         return _import_gguf(path, run, args)
     if kind == "peft":
@@ -35,10 +35,14 @@ def cmd_import(args: argparse.Namespace) -> int:
 
     if args.base:
         raise GptlabError("--base is for `gptlab import peft DIR --base RUN`; a Hugging Face model is whole")
-    model = import_hf(path, run)
+    return _imported(path, run, import_hf(path, run))
+
+
+def _imported(path: str, run: Path, model, more: str = "") -> int:
+    """The lines an import of a whole model prints: what it holds, and what to do next."""
     c = model.config
     print(f"imported {path} into {run}: {model.num_params():,} parameters, {c.n_layer} layers x {c.n_head} "
-          f"heads x {c.n_embd} wide, context {c.block_size}, vocabulary {c.vocab_size:,}")
+          f"heads x {c.n_embd} wide, context {c.block_size}, vocabulary {c.vocab_size:,}{more}")
     print(f"sample it: gptlab sample --run {run}; fine-tune it: gptlab train --init-from {run} --data DATA")
     return 0
 
@@ -48,13 +52,8 @@ def _import_gguf(path: str, run: Path, args: argparse.Namespace) -> int:
 
     if args.base:
         raise GptlabError("--base is for `gptlab import peft DIR --base RUN`; a GGUF file is a whole model")
-    run = run.with_suffix("") if run.suffix == ".gguf" else run
     model = import_gguf(path, run)
-    c = model.config
-    print(f"imported {path} into {run}: {model.num_params():,} parameters, {c.n_layer} layers x {c.n_head} heads x "
-          f"{c.n_embd} wide, context {c.block_size}, vocabulary {c.vocab_size:,}, GELU {c.activation}")
-    print(f"sample it: gptlab sample --run {run}; fine-tune it: gptlab train --init-from {run} --data DATA")
-    return 0
+    return _imported(path, run, model, f", GELU {model.config.activation}")
 
 
 def _import_source(source: list[str]) -> tuple[str, str]:
