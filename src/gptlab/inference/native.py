@@ -23,14 +23,22 @@ import functools
 import hashlib
 import logging
 import os
-import platform
 import subprocess
-from dataclasses import dataclass
 from pathlib import Path
 
 from gptlab import compiled
-from gptlab.compiled import ABIError, BuildError, compiler
-from gptlab.machine import ARM64, X86_64, cpu_flags, cpu_has
+from gptlab.compiled import (  # noqa: F401 (the build catalogue, re-exported: native.BUILDS)
+    BUILDS,
+    V4,
+    ABIError,
+    Build,
+    BuildError,
+    UnknownBuild,
+    build_for_cpu,
+    compiler,
+    runnable_builds,
+)
+from gptlab.machine import cpu_has
 
 log = logging.getLogger("gptlab")
 SOURCE = Path(__file__).parent / "csrc" / "decode.cpp"
@@ -75,66 +83,9 @@ KernelBuildError = BuildError  # the kernel's source did not compile or load on 
 KernelABIError = ABIError  # the library's structs are not the ones this module passes: never called
 
 
-@dataclass(frozen=True)
-class Build:
-    """One compiled form of the kernel: its `name`, the compiler flags naming its `target`, the CPU features it needs
-    (as /proc/cpuinfo names them) and the architectures (platform.machine()) it runs on, () for any."""
-
-    name: str
-    target: tuple[str, ...]
-    needs: tuple[str, ...] = ()
-    arch: tuple[str, ...] = ()
-
-    def runs_here(self) -> bool:
-        return (not self.arch or platform.machine() in self.arch) and set(self.needs) <= cpu_flags()
-
-
-_V3 = ("avx", "avx2", "bmi1", "bmi2", "f16c", "fma", "abm", "movbe", "xsave")  # x86-64-v3 (abm: LZCNT)
-_V4 = (*_V3, "avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl")  # x86-64-v4
-_VNNI, _BF16 = ("-mavx512vnni", "avx512_vnni"), ("-mavx512bf16", "avx512_bf16")
-# Best first: the CPU gets the first it runs. The AVX-512 builds add the byte products (VNNI) and bf16 dot products
-# where the CPU has them; ARM's dot-product build multiplies int8 weights by sdot (csrc/products.h, gemv_sdot).
-BUILDS = {b.name: b for b in [
-    *(Build("x86-64-v4" + "".join(f"+{flag[8:]}" for flag, _ in extra), ("-march=x86-64-v4", *(f for f, _ in extra)),
-            (*_V4, *(n for _, n in extra)), X86_64)
-      for extra in ((_VNNI, _BF16), (_VNNI,), (_BF16,), ())),
-    Build("x86-64-v3", ("-march=x86-64-v3",), _V3, X86_64),
-    Build("armv8.2-a+dotprod", ("-march=armv8.2-a+dotprod",), ("asimd", "asimddp"), ARM64),
-    Build("armv8-a", ("-march=armv8-a",), (), ARM64),  # NEON is part of every ARM64 CPU
-    Build("plain", ()),  # the compiler's default target: generic vectors
-]}
-
-
-class UnknownBuild(ValueError):
-    """$GPTLAB_KERNEL_BUILD (or a caller) names a build that does not exist or that this CPU cannot run."""
-
-
-def build_for_cpu(name: str | None = None) -> Build:
-    """The build this CPU runs: `name` (else $GPTLAB_KERNEL_BUILD) if given, else the first of BUILDS whose
-    instructions it has. Raises UnknownBuild for a name not in BUILDS, or one whose instructions this CPU lacks
-    (it would die of SIGILL)."""
-    name = name or os.environ.get("GPTLAB_KERNEL_BUILD") or None
-    if name is None:
-        return next(b for b in BUILDS.values() if b.runs_here())
-    if name not in BUILDS:
-        raise UnknownBuild(f"no kernel build named {name!r} (GPTLAB_KERNEL_BUILD): the builds are "
-                           f"{', '.join(BUILDS)}")
-    build = BUILDS[name]
-    if not build.runs_here():
-        lacks = sorted(set(build.needs) - cpu_flags()) or [f"an {'/'.join(build.arch)} CPU"]
-        raise UnknownBuild(f"the {name} kernel build needs {', '.join(lacks)}, which this CPU lacks: "
-                           f"pick one of {', '.join(runnable_builds())}")
-    return build
-
-
-def runnable_builds() -> list[str]:
-    """The names of the builds this CPU runs, best first."""
-    return [b.name for b in BUILDS.values() if b.runs_here()]
-
-
 def cpu_has_avx512() -> bool:
     """Whether this CPU runs the AVX-512 builds (x86-64-v4: AVX-512 F, BW, CD, DQ and VL)."""
-    return cpu_has(*_V4)
+    return cpu_has(*V4)
 
 
 def cpu_has_int8_vnni() -> bool:

@@ -76,18 +76,19 @@ def build_library(source: Path = SOURCE, folder: Path | None = None, flags: tupl
     target = compiled.build_shared(source, flags, folder or compiled.build_folder(), "reference")
     lib = compiled.load_shared(target)
     compiled.check_abi(lib, str(target), STRUCTS, LAYOUT_VERSION)
-    _declare(lib)
+    declare(lib)
     return lib
 
 
-def _declare(lib: ctypes.CDLL) -> None:
-    """The exported functions' argument and return types (every tensor passed as a void pointer)."""
+def declare(lib: ctypes.CDLL, scalars: tuple[str, ...] = SCALARS) -> None:
+    """The exported functions' argument and return types (every tensor passed as a void pointer), for the builds
+    of each scalar in `scalars` (the fast engine exports f32 alone)."""
     i, i64, d = ctypes.c_int, ctypes.c_int64, ctypes.c_double
     lib.gptlab_profile_pieces.argtypes, lib.gptlab_profile_pieces.restype = [], i
     lib.gptlab_profile_name.argtypes, lib.gptlab_profile_name.restype = [i], ctypes.c_char_p
     lib.gptlab_profile_seconds.argtypes, lib.gptlab_profile_seconds.restype = [i], d
     lib.gptlab_profile_reset.argtypes, lib.gptlab_profile_reset.restype = [], None
-    for s in SCALARS:
+    for s in scalars:
         signatures = {
             "step": ([ctypes.POINTER(Model), ctypes.POINTER(Model), ctypes.POINTER(Batch)], i),
             "clip_grad_norm": ([ctypes.POINTER(_P), _P, i, d], d),

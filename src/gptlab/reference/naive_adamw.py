@@ -22,7 +22,7 @@ def _suffix(t: torch.Tensor) -> str:
     return DTYPES[t.dtype]
 
 
-def clip_grad_norm(params: Iterable[torch.Tensor], max_norm: float) -> torch.Tensor:
+def clip_grad_norm(params: Iterable[torch.Tensor], max_norm: float, lib: ctypes.CDLL | None = None) -> torch.Tensor:
     """The global norm of the parameters' gradients (each tensor once), computed by the engine, which scales them
     all by max_norm / (norm + 1e-6) when that is below 1 (max_norm 0 or inf: no clipping). Returns the norm
     before clipping, as a 0-dim tensor of the gradients' dtype."""
@@ -34,21 +34,23 @@ def clip_grad_norm(params: Iterable[torch.Tensor], max_norm: float) -> torch.Ten
         raise ValueError("the reference engine clips gradients of one dtype")
     pointers = (ctypes.c_void_p * len(grads))(*[g.data_ptr() for g in grads])
     sizes = torch.tensor([g.numel() for g in grads], dtype=torch.int64)
-    fn = getattr(library.load_library(), f"gptlab_clip_grad_norm_{suffix}")
+    fn = getattr(lib or library.load_library(), f"gptlab_clip_grad_norm_{suffix}")
     limit = 0.0 if max_norm == float("inf") else float(max_norm)
     return torch.tensor(fn(pointers, sizes.data_ptr(), len(grads), limit), dtype=grads[0].dtype)
 
 
 class NaiveAdamW(torch.optim.Optimizer):
     """AdamW whose update is the engine's (decoupled weight decay per group, bias correction), on fp32 or fp64
-    CPU tensors."""
+    CPU tensors; `library`: the engine that computes it (the naive one unless given: a fast rung's, fp32)."""
 
-    def __init__(self, groups: list[dict], lr: float, betas: tuple[float, float], eps: float = 1e-8):
+    def __init__(self, groups: list[dict], lr: float, betas: tuple[float, float], eps: float = 1e-8,
+                 library: ctypes.CDLL | None = None):
         super().__init__(groups, dict(lr=lr, betas=betas, eps=eps, weight_decay=0.0))
+        self.library = library
 
     @torch.no_grad()
     def step(self, closure=None):
-        lib = library.load_library()
+        lib = self.library or library.load_library()
         for group in self.param_groups:
             beta1, beta2 = group["betas"]
             for p in group["params"]:

@@ -80,17 +80,21 @@ def _contiguous(t: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | No
 
 
 def step(model: GPT, idx: torch.Tensor, targets: torch.Tensor | None = None, masks: DropoutMasks | None = None,
-         grads: bool = False) -> tuple[torch.Tensor, float | None, dict[str, torch.Tensor] | None]:
-    """The engine on `model`'s parameters: logits (B, T, V), the mean cross-entropy against `targets` (-1
-    ignored; None without targets) and, with `grads`, the gradient of that loss in every parameter (name ->
-    tensor; the tied LM head's is wte's). Parameters must be fp32 or fp64 on the CPU, all one dtype."""
+         grads: bool = False, lib: ctypes.CDLL | None = None,
+         ) -> tuple[torch.Tensor, float | None, dict[str, torch.Tensor] | None]:
+    """The engine (`lib`: the naive one unless given, e.g. a rung of the fast one, reference.fast) on `model`'s
+    parameters: logits (B, T, V), the mean cross-entropy against `targets` (-1 ignored; None without targets) and,
+    with `grads`, the gradient of that loss in every parameter (name -> tensor; the tied LM head's is wte's).
+    Parameters must be fp32 or fp64 (fp32 alone for the fast engine) on the CPU, all one dtype."""
     params = dict(model.named_parameters())
     dtype = params[TOP_NAMES["wte"]].dtype
     if dtype not in DTYPES or any(p.dtype != dtype or p.device.type != "cpu" for p in params.values()):
         raise ValueError("the reference engine takes fp32 or fp64 parameters on the CPU, all one dtype")
     if grads and targets is None:
         raise ValueError("gradients need targets")
-    lib, suffix = library.load_library(), DTYPES[dtype]
+    lib, suffix = lib or library.load_library(), DTYPES[dtype]
+    if not hasattr(lib, f"gptlab_step_{suffix}"):
+        raise ValueError(f"this engine computes in fp32 alone, not {dtype}")
     weights = {name: p.detach().contiguous() for name, p in params.items()}
     B, T = idx.shape
     idx = idx.to(torch.int64).contiguous()
@@ -134,7 +138,7 @@ class _EngineLoss(torch.autograd.Function):
     @staticmethod
     def forward(ctx, model: GPT, idx: torch.Tensor, targets: torch.Tensor, masks: DropoutMasks | None,
                 *params: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        logits, loss, grads = step(model, idx, targets, masks, grads=True)
+        logits, loss, grads = step(model, idx, targets, masks, grads=True, lib=model.engine_library())
         ctx.grads = [grads[name] for name, _ in model.named_parameters()]
         ctx.mark_non_differentiable(logits)
         return torch.tensor(loss, dtype=params[0].dtype), logits
@@ -154,6 +158,10 @@ class NaiveGPT(GPT):
     prompts, samples, windows and continuous batching move them between rows as they move keys and values, and
     every forward over it recomputes each row's whole window from its tokens."""
 
+    def engine_library(self) -> ctypes.CDLL:
+        """The library that computes this model: the naive engine's (a fast rung's in reference.fast.FastGPT)."""
+        return library.load_library()
+
     def new_kv_cache(self, batch_size: int, dtype: torch.dtype | None = None, max_len: int | None = None) -> KVCache:
         """A cache of token ids for `batch_size` rows of up to `max_len` positions (block_size); `dtype` is
         ignored: ids are kept in fp32."""
@@ -170,7 +178,7 @@ class NaiveGPT(GPT):
         if targets is not None and torch.is_grad_enabled() and any(q.requires_grad for q in params):
             loss, logits = _EngineLoss.apply(self, idx, targets, masks, *params)
         else:
-            logits, loss_value, _ = step(self, idx, targets, masks)
+            logits, loss_value, _ = step(self, idx, targets, masks, lib=self.engine_library())
             loss = None if targets is None else torch.tensor(loss_value, dtype=dtype)
         return (logits[:, -1:] if last_only else logits), loss
 
@@ -200,6 +208,6 @@ class NaiveGPT(GPT):
         for end in sorted(set(ends)):
             rows = torch.tensor([b for b, e in enumerate(ends) if e == end])
             ids = cache.k[0, rows, 0, :end, 0].long()
-            logits[rows] = step(self, ids)[0][:, end - T:]
+            logits[rows] = step(self, ids, lib=self.engine_library())[0][:, end - T:]
         cache.pos += T
         return logits[:, -1:] if last_only else logits

@@ -96,7 +96,7 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, ctx: St
         loss_sum += loss.detach() if weights is None else loss.detach() * weights[micro] * cfg.grad_accum
     limit = cfg.grad_clip if cfg.grad_clip > 0 else math.inf
     if isinstance(optimizer, NaiveAdamW):  # the reference engine clips in C++ too
-        norm = clip_grad_norm(model.parameters(), limit)
+        norm = clip_grad_norm(model.parameters(), limit, optimizer.library)
     else:
         norm = parallel.clip_grad_norm(model, limit)
     loss = parallel.mean(loss_sum / cfg.grad_accum)

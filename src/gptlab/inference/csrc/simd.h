@@ -54,7 +54,19 @@ typedef float vf __attribute__((vector_size(32)));
 
 // ---- whole vectors ----
 static inline vf zero() { return vf{} ; }
-static inline vf set1(float a) { return zero() + a; }
+static inline vf set1(float a) {  // a in every lane (a broadcast: no addition, which would turn -0 into +0)
+#if defined(GPTLAB_SIMD_AVX512)
+    return _mm512_set1_ps(a);
+#elif defined(GPTLAB_SIMD_AVX2)
+    return _mm256_set1_ps(a);
+#elif defined(GPTLAB_SIMD_NEON)
+    return vdupq_n_f32(a);
+#else
+    vf v;
+    for (int i = 0; i < LANES; i++) v[i] = a;
+    return v;
+#endif
+}
 
 static inline vf load(const float* p) {
 #if defined(GPTLAB_SIMD_AVX512)
