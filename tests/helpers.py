@@ -420,3 +420,37 @@ def model_run(path, model: GPT, tokenizer):
 
     write_imported_run(path, model, TrainConfig(), tokenizer, {}, rundir.TrainingState(to_dict(model.config)))
     return path
+
+
+# ---- the fast engine (tests/test_fast.py, tests/test_fast_arm.py) ----
+
+FAST_TOLERANCE = 1e-5  # the fast engine against the naive one: fp32 against fp32, per tensor: max |a - b| / max |b|
+STEP_LOSS_TOLERANCE = 1e-4  # 20 training steps: each step's loss, absolute
+ODD = dict(n_layer=2, n_head=3, n_embd=21, vocab_size=67, block_size=8)  # D = 7: no lane or tile is whole
+PAST_BLOCKS = dict(n_layer=1, n_head=4, n_embd=64, vocab_size=300, block_size=70)  # T = 70: one past 64-key blocks
+
+
+def relative(a: torch.Tensor, b: torch.Tensor) -> float:
+    """max |a - b| / max |b|, in b's precision (fp32 differences near 1e-6 of the scale are exact enough there)."""
+    gap = (a.to(b.dtype) - b).abs().max().item()
+    scale = b.abs().max().item()
+    return gap / scale if scale else gap
+
+
+def sharpened(model, factor: float = 6.0):
+    """`model` with its query and key weights scaled by `factor`: scores spread over several units, as a trained
+    model's do, so a later block of keys often raises a row's maximum (the online softmax's rescaling matters) and
+    the softmax is far from uniform."""
+    with torch.no_grad():
+        for block in model.transformer.h:
+            C = model.config.n_embd
+            block.attn.c_attn.weight[:2 * C] *= factor
+    return model
+
+
+def fast_batch(V: int, B: int, T: int, ignored: bool, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    idx, tgt = torch.randint(V, (B, T), generator=g), torch.randint(V, (B, T), generator=g)
+    if ignored:
+        tgt[0, T // 2] = -1
+    return idx, tgt

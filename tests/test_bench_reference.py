@@ -75,7 +75,7 @@ def check_rows(shape: dict, flops_per_token: float, peak: Peak | None) -> None:
         if peak is None:
             assert r["share"] == "-"
         else:
-            flops = peak.bf16 if "bf16" in r["name"] else peak.fp32
+            flops = peak.bf16 if r["name"].endswith("(bf16 autocast)") else peak.fp32  # not "(fp32: no native bf16)"
             assert number(r["share"][:-1]) == pytest.approx(gflops * 1e9 / flops * 100, abs=0.005 + 0.0005e11 / flops)
     assert rows[0]["ratio"] == "1.00"
 

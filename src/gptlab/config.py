@@ -23,7 +23,8 @@ DEVICES = ("auto", "cpu", "cuda", "mps")
 TOKENIZERS = ("char", "bpe", "gpt2")
 OPTIMIZERS = ("adamw", "muon")
 PREFIX_CACHE_MB = 512  # chat's and serve's --prefix-cache-mb: some 200 blocks of GPT-2 small in fp32
-ENGINES = ("torch", "reference")  # train's and sample's --engine
+ENGINES = ("torch", "reference", "fast")  # train's and sample's --engine
+NATIVE_ENGINES = ("reference", "fast")  # the C++ engines: fp32 on the CPU, one process, AdamW, the GPT alone
 # the layers LoRA may adapt, by GPT-2's module names; "c_proj" is attention's and the MLP's (as in PEFT)
 LORA_TARGETS = ("c_attn", "c_proj", "c_fc", "attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")
 LOGGERS = ("tensorboard", "csv", "wandb", "mlflow")  # train's --log (gptlab.training.loggers)
@@ -119,8 +120,10 @@ class TrainConfig:
     optimizer: str = setting("adamw", "adamw, or muon: Muon (orthogonalised momentum) for the blocks' matrices and "
                                       "AdamW for embeddings, gains and biases", OPTIMIZERS)
     muon_lr: float = setting(0.02, "peak learning rate of Muon's matrices (the schedule scales it like lr)")
-    engine: str = setting("torch", "torch (autograd and every fast path) or reference (the naive C++ engine: "
-                                   "hand-written backward and AdamW, fp32, CPU, one process)", ENGINES)
+    engine: str = setting("torch", "torch (autograd and every fast path), reference (the naive C++ engine: "
+                                   "hand-written backward and AdamW, fp32, CPU, one process) or fast (the same "
+                                   "computation made fast in C++: blocked, vectorised, threaded; the same limits)",
+                          ENGINES)
     log: list[str] = setting([], "also log the metrics.jsonl rows, the settings and the loss curve to NAME under "
                                  "RUN/logs: tensorboard, csv, wandb (offline unless logged in) or mlflow (a local "
                                  "store); repeatable, or NAME,NAME", LOGGERS, metavar="NAME")
@@ -160,7 +163,7 @@ class TrainConfig:
         self.log = list(dict.fromkeys(name for entry in self.log for name in entry.split(",") if name))
         for name in self.log:
             _check_choice("log", name, LOGGERS)
-        if self.engine == "reference":
+        if self.engine in NATIVE_ENGINES:
             _check_reference(self)
 
     @property
@@ -181,18 +184,19 @@ class TrainConfig:
                                          "import a Hugging Face folder first with `gptlab import hf`)")
             _check(not self.fsdp, "--fsdp does not shard LoRA's frozen base yet; train the adapters with DDP (drop "
                                   "--fsdp: the adapters and their optimizer state are small)")
-            _check(self.engine == "torch", "the reference engine trains every weight; drop --lora-rank or use "
+            _check(self.engine == "torch", f"the {self.engine} engine trains every weight; drop --lora-rank or use "
                                            "--engine torch")
 
 
 def _check_reference(cfg: TrainConfig) -> None:
-    """The settings the reference engine does not implement, each refused in one line that says so."""
+    """The settings the C++ engines (reference, fast) do not implement, each refused in one line that names the
+    engine chosen."""
     unsupported = {"optimizer muon": cfg.optimizer == "muon", f"precision {cfg.precision}": cfg.precision == "bf16",
                    "compile": cfg.compile, "fsdp": cfg.fsdp, f"device {cfg.device}": cfg.device in ("cuda", "mps"),
                    "activation checkpointing": cfg.activation_checkpointing, "loss_chunk": cfg.loss_chunk > 0,
                    f"probe {cfg.probe}": cfg.probe != "none"}
     for name, given in unsupported.items():
-        _check(not given, f"the reference engine does not implement {name} (it trains with AdamW in fp32 on the "
+        _check(not given, f"the {cfg.engine} engine does not implement {name} (it trains with AdamW in fp32 on the "
                           "CPU, one process); drop that setting or use --engine torch")
 
 

@@ -21,8 +21,8 @@ from typing import TYPE_CHECKING, Any
 
 from gptlab import checkpoint as ck
 from gptlab import lora, rundir
-from gptlab.config import (DEFAULT_PRESET, FINETUNE_PRESET, ModelConfig, TrainConfig, build, from_dict, get_preset,
-                           to_dict)
+from gptlab.config import (DEFAULT_PRESET, FINETUNE_PRESET, NATIVE_ENGINES, ModelConfig, TrainConfig, build, from_dict,
+                           get_preset, to_dict)
 from gptlab.configfile import read_config_file
 from gptlab.data.prepare import prepare
 from gptlab.errors import GptlabError
@@ -187,8 +187,8 @@ def launch(spec: TrainSpec, nproc: int, argv: list[str], max_restarts: int = 0) 
 
     if nproc < 1:
         raise GptlabError(f"--nproc must be at least 1, not {nproc}")
-    if spec.train.engine == "reference" and nproc > 1:
-        raise GptlabError(f"the reference engine trains in one process, not {nproc}; drop --nproc or use "
+    if spec.train.engine in NATIVE_ENGINES and nproc > 1:
+        raise GptlabError(f"the {spec.train.engine} engine trains in one process, not {nproc}; drop --nproc or use "
                           "--engine torch")
     if spec.train.batch_size % nproc:
         raise GptlabError(f"batch_size {spec.train.batch_size} must be a multiple of the {nproc} processes; "

@@ -120,6 +120,32 @@ def bench_reference(args: argparse.Namespace) -> int:
     return 0
 
 
+def add_bench_metal(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--presets", nargs="+", metavar="PRESET[@CONTEXT]", help="shapes timed: a preset's model and "
+                   "training settings, with @CONTEXT at that context (default: char-quick char-small gpt2@256)")
+    p.add_argument("--batch-size", type=int, help="sequences per step for every shape (default: char-quick its own, "
+                   "char-small 8, gpt2 4; another preset its own, or 1 where a step of it is over a TFLOP)")
+    p.add_argument("--steps", type=int, default=3, help="timed steps per contender (default 3)")
+    p.add_argument("--warmup", type=int, default=1, help="untimed steps per contender first (default 1)")
+    p.add_argument("--rungs", metavar="RUNG,RUNG", help="the fast engine's rungs timed, comma-separated (default: all, "
+                   "loop order to fusion; an unknown one is refused with the list); the top one is split by function")
+    p.add_argument("--naive", action="store_true", help="also time the naive C++ engine (slow)")
+    p.add_argument("--json", action="store_true", help="print the results as one JSON object instead of the tables")
+    p.add_argument("--tiny", action="store_true", help=argparse.SUPPRESS)  # tests: each shape 2 layers x 32, batch 2
+
+
+@BENCHES("metal", "one training step of each shape computed by each rung of the fast C++ engine (fp32), by torch in "
+         "fp32 and by the fastest torch path (and the naive engine with --naive): ms/step, tokens/s, GFLOP/s, the "
+         "share of the measured peak, the speed over torch fp32, and the top rung's time by function", add_bench_metal)
+def bench_metal(args: argparse.Namespace) -> int:
+    from gptlab.bench.metal import metal_shapes, parse_rungs, run_metal_bench
+
+    at_least(args, steps=1, warmup=0)
+    shapes, rungs = metal_shapes(args.presets, args.batch_size, tiny=args.tiny), parse_rungs(args.rungs)
+    run_metal_bench(shapes, rungs, naive=args.naive, steps=args.steps, warmup=args.warmup, as_json=args.json)
+    return 0
+
+
 def add_bench_eval(p: argparse.ArgumentParser) -> None:
     p.add_argument("--items", type=int, default=40, help="HellaSwag-shaped items to score (default 40)")
     p.add_argument("--shape", choices=("gpt2", "tiny"), default="gpt2",

@@ -186,8 +186,8 @@ def cmd_sample(args: argparse.Namespace) -> int:
         prompt.extend(read_prompt(args, tokenizer))
         steer.append(constraint(args, tokenizer))
 
-    if args.engine == "reference":
-        ready = load_naive(args, check)
+    if args.engine != "torch":  # a C++ engine: reference or fast
+        ready = load_native(args, check)
     else:
         ready = load_for_inference(args.run or latest_run(), resolve_device(args.device), args.precision, check=check)
     # the server's path (gptlab.serve), so the same seed and settings give the same text there
@@ -214,23 +214,22 @@ def sample_config(args: argparse.Namespace, **defaults) -> SampleConfig:
     return build(SampleConfig, {}, {**defaults, **settings})
 
 
-def load_naive(args: argparse.Namespace, check: Callable[[Any], None]):
-    """The run's model decoded by the naive C++ engine (fp32, CPU, no KV cache: each step recomputes the window),
-    the prompt read first; what the engine cannot do is refused in one line before the model is loaded."""
+def load_native(args: argparse.Namespace, check: Callable[[Any], None]):
+    """The run's model decoded by the C++ engine --engine names (reference or fast: fp32, CPU, no KV cache, each step
+    recomputes the window), the prompt read first; what it cannot do is refused in one line naming it, first."""
     from gptlab.inference.loading import load_for_inference
     from gptlab.model import is_gpt
-    from gptlab.reference.library import load_library
-    from gptlab.reference.naive_training import naive_model
+    from gptlab.reference import fast, library, naive_training
     from gptlab.runs import latest_run
 
     if args.precision not in ("auto", "fp32") or args.device not in ("auto", "cpu"):
-        raise GptlabError("the reference engine decodes in fp32 on the CPU: drop --precision and --device, or use "
-                          "--engine torch")
-    load_library()  # no compiler: refused in one line
+        raise GptlabError(f"the {args.engine} engine decodes in fp32 on the CPU: drop --precision and --device, or "
+                          "use --engine torch")
+    (fast.fast_library if args.engine == "fast" else library.load_library)()  # no compiler: refused in one line
     ready = load_for_inference(args.run or latest_run(), "cpu", "fp32", decode=False, check=check)
     if not is_gpt(ready.model.model):
-        raise GptlabError("the reference engine implements the GPT, not the bigram; use --engine torch")
-    naive_model(ready.model.model)  # the same object, computed by the engine from now on
+        raise GptlabError(f"the {args.engine} engine implements the GPT, not the bigram; use --engine torch")
+    (fast.fast_model if args.engine == "fast" else naive_training.naive_model)(ready.model.model)  # now the engine's
     return ready
 
 
@@ -255,8 +254,9 @@ def add_sample(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-echo", dest="echo_prompt", action="store_false", help="do not print the prompt")
     add_inference_flags(p)
     p.add_argument("--engine", choices=ENGINES, default="torch",
-                   help="torch (the KV-cached engine and its fast paths) or reference (the naive C++ engine: fp32, "
-                        "no KV cache, every step recomputes the window) (default torch)")
+                   help="torch (the KV-cached engine and its fast paths), reference (the naive C++ engine: fp32, "
+                        "no KV cache, every step recomputes the window) or fast (the same, made fast in C++: "
+                        "blocked, vectorised, threaded) (default torch)")
     add_constraint_flags(p)
     add_config_flags(p, SampleConfig, "sampling settings")
 

@@ -25,11 +25,11 @@ from gptlab.reference import library
 from gptlab.reference.naive_adamw import NaiveAdamW
 from gptlab.reference.naive_gpt import NaiveGPT
 
-SOURCE = Path(__file__).parent / "csrc" / "fast.cpp"
+FAST_SOURCE = Path(__file__).parent / "csrc" / "fast.cpp"
 VECTORS = Path(__file__).parents[1] / "inference" / "csrc" / "simd.h"  # included by fast.cpp from beside decode.cpp
-FLAGS = ("-O3", "-fopenmp", "-std=c++17", "-shared", "-fPIC")  # never -ffast-math: IEEE -inf in the causal mask
+FAST_FLAGS = ("-O3", "-fopenmp", "-std=c++17", "-shared", "-fPIC")  # never -ffast-math: IEEE -inf in the causal mask
 RUNGS = ("loops", "tiles", "simd", "threads", "fused")  # fast.cpp's GPTLAB_RUNG 1 .. 5, each adding one idea
-TOP = RUNGS[-1]  # what `--engine fast` runs
+TOP_RUNG = RUNGS[-1]  # what `--engine fast` runs
 
 
 def rung_level(rung: str) -> int:
@@ -39,14 +39,14 @@ def rung_level(rung: str) -> int:
     return RUNGS.index(rung) + 1
 
 
-def build_fast(rung: str = TOP, build: compiled.Build | str | None = None, folder: Path | None = None,
-               source: Path = SOURCE) -> ctypes.CDLL:
+def build_fast(rung: str = TOP_RUNG, build: compiled.Build | str | None = None, folder: Path | None = None,
+               source: Path = FAST_SOURCE) -> ctypes.CDLL:
     """Compile `source` (default fast.cpp) at `rung` for `build` (default: this CPU's, compiled.build_for_cpu)
     into `folder` (default compiled.build_folder()) unless built already, load it, check its structs (the naive
     engine's) and type its functions. Raises compiled.BuildError where it fails to compile or load,
     compiled.ABIError where its structs differ, compiled.UnknownBuild for a build this CPU cannot run."""
     target_build = build if isinstance(build, compiled.Build) else compiled.build_for_cpu(build)
-    flags = (*FLAGS, *target_build.target, f"-DGPTLAB_RUNG={rung_level(rung)}")
+    flags = (*FAST_FLAGS, *target_build.target, f"-DGPTLAB_RUNG={rung_level(rung)}")
     target = compiled.build_shared(source, flags, folder or compiled.build_folder(),
                                    f"fast-{rung}-{target_build.name}", key=compiled.source_key(VECTORS))
     lib = compiled.load_shared(target)  # after torch: its libgomp is the one OpenMP runtime in the process
@@ -63,7 +63,7 @@ def build_fast(rung: str = TOP, build: compiled.Build | str | None = None, folde
 
 
 @functools.cache
-def fast_library(rung: str = TOP) -> ctypes.CDLL:
+def fast_library(rung: str = TOP_RUNG) -> ctypes.CDLL:
     """The rung's library for this CPU, built once per source and compiler (build_fast); ReferenceUnavailable (one
     line saying what to install) where there is no C++ compiler."""
     lack = library.missing()
@@ -86,7 +86,7 @@ def tiles(lib: ctypes.CDLL) -> dict[str, int]:
     return dict(zip(("mr", "nr", "mc", "kc", "nc"), out))
 
 
-def describe(lib: ctypes.CDLL) -> str:
+def describe_rung(lib: ctypes.CDLL) -> str:
     """Which rung and build, e.g. "fused (rung 5 of 5), x86-64-v3, avx2 vectors, 2 threads"."""
     rung = lib.gptlab_fast_rung()
     return (f"{RUNGS[rung - 1]} (rung {rung} of {len(RUNGS)}), {getattr(lib, 'gptlab_build', '?')}, "
@@ -98,7 +98,7 @@ class FastGPT(NaiveGPT):
     """A GPT computed by one rung of the fast engine (fp32, CPU): a NaiveGPT whose library is the rung's. Its
     state dict, checkpoints and run folders are a GPT's."""
 
-    fast_rung: str = TOP
+    fast_rung: str = TOP_RUNG
 
     def engine_library(self) -> ctypes.CDLL:
         lib = fast_library(self.fast_rung)
@@ -106,7 +106,7 @@ class FastGPT(NaiveGPT):
         return lib
 
 
-def fast_model(model: GPT, rung: str = TOP) -> FastGPT:
+def fast_model(model: GPT, rung: str = TOP_RUNG) -> FastGPT:
     """`model` itself, computed by the rung's library from now on (its class becomes FastGPT: no state changes);
     the library is built first, so a machine without a compiler is told before anything is written."""
     fast_library(rung)
@@ -117,7 +117,7 @@ def fast_model(model: GPT, rung: str = TOP) -> FastGPT:
     return model
 
 
-def fast_optimizer(model: GPT, cfg: TrainConfig, rung: str = TOP) -> NaiveAdamW:
+def fast_optimizer(model: GPT, cfg: TrainConfig, rung: str = TOP_RUNG) -> NaiveAdamW:
     """The rung's AdamW (and global-norm clipping) with cfg's learning rate and betas over the torch path's groups."""
     lib = fast_library(rung)
     use_threads(lib)

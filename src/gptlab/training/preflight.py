@@ -12,7 +12,7 @@ import torch
 
 from gptlab import checkpoint as ck
 from gptlab import lora, rundir
-from gptlab.config import ModelConfig, TrainConfig, from_dict, to_dict
+from gptlab.config import NATIVE_ENGINES, ModelConfig, TrainConfig, from_dict, to_dict
 from gptlab.data.batches import Dataset
 from gptlab.errors import GptlabError
 from gptlab.tokenizer import load as load_tokenizer
@@ -88,14 +88,14 @@ def check_new_run(run: Path) -> None:
 
 
 def check_engine(cfg: TrainConfig, model_cfg: ModelConfig, world_size: int) -> None:
-    """What the reference engine cannot train, refused in one line before anything is written (config.py refuses
-    the settings it does not implement)."""
-    if cfg.engine != "reference":
+    """What the C++ engines (reference, fast) cannot train, refused in one line naming the engine chosen, before
+    anything is written (config.py refuses the settings they do not implement)."""
+    if cfg.engine not in NATIVE_ENGINES:
         return
     if model_cfg.arch != "gpt":
-        raise GptlabError(f"the reference engine implements the GPT, not arch {model_cfg.arch}; use --engine torch")
+        raise GptlabError(f"the {cfg.engine} engine implements the GPT, not arch {model_cfg.arch}; use --engine torch")
     if world_size > 1:
-        raise GptlabError(f"the reference engine trains in one process, not {world_size}; drop --nproc or use "
+        raise GptlabError(f"the {cfg.engine} engine trains in one process, not {world_size}; drop --nproc or use "
                           "--engine torch")
 
 

@@ -19,7 +19,7 @@ import torch
 
 from gptlab import checkpoint as ck
 from gptlab import __version__, lora, rundir
-from gptlab.config import ModelConfig, TrainConfig, to_dict
+from gptlab.config import NATIVE_ENGINES, ModelConfig, TrainConfig, to_dict
 from gptlab.data.batches import Dataset, load_dataset
 from gptlab.distributed import processes
 from gptlab.distributed.processes import Parallel
@@ -30,6 +30,7 @@ from gptlab.peak import Speed, cached_speed
 from gptlab.plots import plot_loss
 from gptlab.runtime import (autocast, compile_model, configure_matmul, resolve_precision, reuse_freed_memory,
                              set_threads)
+from gptlab.reference.fast import fast_model, fast_optimizer
 from gptlab.reference.naive_training import naive_model, naive_optimizer
 from gptlab.training.faults import GracefulStop, Interrupted, LossSpike, NonFiniteLoss, SpikeGuard, is_out_of_memory
 from gptlab.training.loggers import Loggers, check_loggers, open_loggers, sample_ids
@@ -74,10 +75,10 @@ def train(data_dir: str | Path, run_dir: str | Path, model_cfg: ModelConfig, cfg
     Under torchrun, every process runs this and trains its share of each batch (see distributed/processes.py)."""
     set_threads()
     reuse_freed_memory()
-    reference = cfg.engine == "reference"  # the naive C++ engine: fp32 on the CPU, whatever auto would pick
-    parallel = processes.setup("cpu" if reference else cfg.device)
+    native = cfg.engine in NATIVE_ENGINES  # a C++ engine (reference, fast): fp32 on the CPU, whatever auto would pick
+    parallel = processes.setup("cpu" if native else cfg.device)
     device = parallel.device
-    precision = "fp32" if reference else resolve_precision(cfg.precision, device)
+    precision = "fp32" if native else resolve_precision(cfg.precision, device)
     check_engine(cfg, model_cfg, parallel.world_size)
     check_checkpointing(cfg, model_cfg)
     check_probe(cfg.probe, model_cfg.arch)
@@ -121,10 +122,7 @@ def _train_locked(dataset: Dataset, run: Path, model_cfg: ModelConfig, cfg: Trai
     model.checkpoint_blocks, model.loss_chunk = cfg.activation_checkpointing, cfg.loss_chunk  # kept when wrapped
     speed = cached_speed(device, precision, cfg.batch_size * model_cfg.block_size * cfg.grad_accum,
                          model.flops_per_token(), parallel.world_size)
-    if cfg.engine == "reference":
-        model, optimizer = naive_model(model), naive_optimizer(model, cfg)
-    else:
-        optimizer = make_optimizer(model, cfg)
+    model, optimizer = on_engine(model, cfg)
     if ckpt is not None:
         resume_state(ckpt, state, model, optimizer, progress)
     if parallel.is_main:  # every check has passed: now the run folder may change
@@ -155,6 +153,17 @@ def _train_locked(dataset: Dataset, run: Path, model_cfg: ModelConfig, cfg: Trai
         result = Trainer(model, optimizer, ctx, model_cfg, run, progress, speed, base, loggers=loggers).loop(quiet)
     parallel.barrier()  # no process leaves while rank 0 may still be writing
     return result
+
+
+def on_engine(model: torch.nn.Module,
+              cfg: TrainConfig) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """The model and optimizer cfg.engine trains with: torch's, or the model itself computed by a C++ engine (its
+    class changed, no state) with that engine's AdamW and clipping."""
+    if cfg.engine == "reference":
+        return naive_model(model), naive_optimizer(model, cfg)
+    if cfg.engine == "fast":
+        return fast_model(model), fast_optimizer(model, cfg)
+    return model, make_optimizer(model, cfg)
 
 
 @dataclass

@@ -119,6 +119,9 @@ extern "C" void gptlab_profile_ticking(int on) {
 static int n_threads = 1;
 static inline int team() { return RUNG >= THREADS ? n_threads : 1; }
 #define PARALLEL_FOR _Pragma("omp parallel for schedule(static) num_threads(team())")
+// an elementwise pass over n floats: on the calling thread below SPREAD floats (a team's start and barrier cost more)
+constexpr int SPREAD = 1 << 13;
+#define PARALLEL_FOR_OVER(n) _Pragma("omp parallel for schedule(static) num_threads(team()) if ((n) > SPREAD)")
 
 // ---- tiles (rung 2): from the caches the machine reports (sysconf; a common size where it reports none) ----
 constexpr int MR = 6, NR = 2 * simd::LANES;  // the inner kernel's block of C: MR rows x NR columns
@@ -190,7 +193,7 @@ static inline float gelu_derivative(float x, bool tanh_form) {
     return 0.5f * (1 + std::erf(x / std::sqrt(2.0f))) + x * std::exp(-0.5f * x * x) / std::sqrt(2 * PI);
 }
 // gelu(x) = x cdf(x): for the exact form cdf = Phi (the normal CDF) and density = phi = Phi'; for the tanh form
-// cdf = s = 1 / (1 + e^(-2u)) and density = ds/dx = 2 s (1 - s) du/dx
+// cdf = s = 1 / (1 + e^(-2u)) and density = ds/dx = 2s(1 - s) du/dx
 static inline void gelu_parts(vf x, bool tanh_form, vf& cdf, vf& density) {
     const vf one = simd::set1(1.0f);
     if (tanh_form) {
@@ -309,6 +312,26 @@ static void kernel(int kb, const float* a, const float* b, float* c, long ldc, i
         for (int j = 0; j < nr; j++) c[r * ldc + j] = (acc ? c[r * ldc + j] : 0.0f) + t[r][j];
 }
 
+// A sliver packed k-major: dst[k W + j] = src[k ks + j js] for j < w, 0 for w <= j < W (k < kb). The loop walks
+// whichever of k and j is the unit stride innermost (a row of W read whole, not one float from each of W rows).
+static void pack(const float* src, long ks, long js, int kb, int w, int W, float* dst) {
+    if (js == 1 || ks != 1) {
+        for (int k = 0; k < kb; k++) {
+            const float* row = src + k * ks;
+            float* out = dst + (size_t)k * W;
+            for (int j = 0; j < w; j++) out[j] = row[j * js];
+            for (int j = w; j < W; j++) out[j] = 0.0f;
+        }
+        return;
+    }
+    for (int j = 0; j < w; j++) {
+        const float* col = src + j * js;
+        for (int k = 0; k < kb; k++) dst[(size_t)k * W + j] = col[k];
+    }
+    for (int j = w; j < W; j++)
+        for (int k = 0; k < kb; k++) dst[(size_t)k * W + j] = 0.0f;
+}
+
 static float* scratch(std::vector<float>& v, size_t n) {
     if (v.size() < n + 16) v.resize(n + 16);
     return (float*)(((uintptr_t)v.data() + 63) & ~(uintptr_t)63);
@@ -331,19 +354,16 @@ static void gemm_tiles(int M, int N, int K, Mat A, Mat B, float* C, long ldc, bo
             const bool last = pc + kb == K, add = acc || pc > 0;
 #pragma omp for schedule(static)
             for (int s = 0; s < n_sl; s++) {  // pack B's slivers: k-major, NR columns, zero past N
-                float* dst = bp + (size_t)s * kb * NR;
-                const int n0 = jc + s * NR, w = std::min(NR, N - n0);
-                for (int k = 0; k < kb; k++)
-                    for (int j = 0; j < NR; j++) dst[k * NR + j] = j < w ? B.at(pc + k, n0 + j) : 0.0f;
+                const int n0 = jc + s * NR;
+                pack(B.p + pc * B.rs + n0 * B.cs, B.rs, B.cs, kb, std::min(NR, N - n0), NR, bp + (size_t)s * kb * NR);
             }
             for (int ic = 0; ic < M; ic += mc) {
                 const int mb = std::min(mc, M - ic), m_sl = (mb + MR - 1) / MR;
 #pragma omp for schedule(static)
                 for (int s = 0; s < m_sl; s++) {  // pack A's slivers: k-major, MR rows, zero past M
-                    float* dst = ap + (size_t)s * kb * MR;
-                    const int m0 = ic + s * MR, h = std::min(MR, M - m0);
-                    for (int k = 0; k < kb; k++)
-                        for (int r = 0; r < MR; r++) dst[k * MR + r] = r < h ? A.at(m0 + r, pc + k) : 0.0f;
+                    const int m0 = ic + s * MR;
+                    pack(A.p + m0 * A.rs + pc * A.cs, A.cs, A.rs, kb, std::min(MR, M - m0), MR,
+                         ap + (size_t)s * kb * MR);
                 }
 #pragma omp for collapse(2) schedule(static)
                 for (int js = 0; js < n_sl; js++)
@@ -417,7 +437,7 @@ void embedding_backward(const int64_t* idx, const float* dx, int B, int T, int C
 }
 void dropout(const float* x, const float* m, size_t n, float* y) {
     Timed timed(DROPOUT);
-    PARALLEL_FOR
+    PARALLEL_FOR_OVER(n)
     for (size_t i = 0; i < n; i++) y[i] = m ? x[i] * m[i] : x[i];
 }
 

@@ -35,7 +35,7 @@ template <typename P> const float* at(P p) { return static_cast<const float*>(p)
 static float* mut(void* p) { return static_cast<float*>(p); }
 
 static void add_into(float* y, const float* a, const float* m, const float* b, size_t n) {  // y = a m + b
-    PARALLEL_FOR
+    PARALLEL_FOR_OVER(n)
     for (size_t i = 0; i < n; i++) y[i] = (m ? a[i] * m[i] : a[i]) + b[i];
 }
 
@@ -158,7 +158,7 @@ double clip_grad_norm(float* const* grads, const int64_t* sizes, int n, double m
     Timed timed(CLIP);
     double sq = 0;
     for (int i = 0; i < n; i++) {
-        const int parts = team();
+        const int parts = sizes[i] > SPREAD ? team() : 1;
         std::vector<double> part(parts, 0.0);
         const int64_t size = sizes[i], step = (size + parts - 1) / parts;
 #pragma omp parallel for num_threads(parts) schedule(static, 1)
@@ -172,7 +172,7 @@ double clip_grad_norm(float* const* grads, const int64_t* sizes, int n, double m
     const double norm = std::sqrt(sq), coef = max_norm / (norm + 1e-6);
     if (max_norm > 0 && coef < 1)
         for (int i = 0; i < n; i++) {
-            PARALLEL_FOR
+            PARALLEL_FOR_OVER(sizes[i])
             for (int64_t j = 0; j < sizes[i]; j++) grads[i][j] *= (float)coef;
         }
     return norm;
@@ -185,7 +185,7 @@ void adamw(float* theta, const float* g, float* mom, float* vel, int64_t n, doub
     const double c1 = 1 - std::pow(b1, (double)t), c2 = 1 - std::pow(b2, (double)t);
     const float decay = (float)(1 - lr * wd), fb1 = (float)b1, fb2 = (float)b2, nb1 = (float)(1 - b1),
                 nb2 = (float)(1 - b2), step = (float)(lr / c1), fc2 = (float)c2, feps = (float)eps;
-    PARALLEL_FOR
+    PARALLEL_FOR_OVER(n)
     for (int64_t i = 0; i < n; i++) {
         theta[i] *= decay;
         mom[i] = fb1 * mom[i] + nb1 * g[i];

@@ -1,0 +1,181 @@
+"""The fast engine (reference/fast.py, reference/csrc/fast.cpp), every rung held against the naive engine it was
+made from (reference.cpp, fp32): logits, loss and every gradient within TOLERANCE per tensor (max |a - b| / max |b|,
+as `gptlab reference check` measures) on odd shapes, past each block edge of the attention, with and without
+biases, dropout and ignored targets, in both GELU forms; its products against torch in float64 at sizes below, at
+and one past every tile and lane edge; 20 training steps against the naive engine's; and the threaded rungs giving
+the same bits run to run and thread count to thread count."""
+
+import ctypes
+
+import pytest
+import torch
+
+from helpers import FAST_TOLERANCE as TOLERANCE
+from helpers import ODD, PAST_BLOCKS, STEP_LOSS_TOLERANCE, fast_batch as batch, relative, sharpened, trained_like
+from gptlab.reference import fast, library
+from gptlab.reference import naive_gpt as ng
+from gptlab.reference.naive_adamw import NaiveAdamW, clip_grad_norm
+from gptlab.optim import param_groups
+
+CASES = {  # name -> (shape, model settings, batch, T, dropout p, a target ignored)
+    "odd": (ODD, {}, 2, 7, 0.0, False),
+    "odd, gelu_tanh, no biases, dropout, ignored targets": (ODD, dict(activation="gelu_tanh", bias=False), 2, 7, 0.2,
+                                                              True),
+    "past the attention's blocks": (PAST_BLOCKS, {}, 3, 70, 0.0, True),
+    "past the attention's blocks, dropout": (PAST_BLOCKS, dict(activation="gelu_tanh"), 2, 65, 0.1, False),
+    "one token": (ODD, {}, 1, 1, 0.0, False),
+}
+
+
+def worst(model, idx, tgt, masks, lib, expected) -> tuple[float, str]:
+    """The largest relative difference of the rung's logits, loss and gradients from `expected` (the naive
+    engine's), and which tensor it is."""
+    logits, loss, grads = ng.step(model, idx, tgt, masks, grads=True, lib=lib)
+    ref_logits, ref_loss, ref_grads = expected
+    gaps = {"logits": relative(logits, ref_logits), "loss": abs(loss - ref_loss) / abs(ref_loss)}
+    gaps.update({name: relative(grads[name], ref_grads[name]) for name in ref_grads})
+    name = max(gaps, key=gaps.get)
+    return gaps[name], name
+
+
+@pytest.fixture(scope="module", params=fast.RUNGS)
+def rung(request):
+    lib = fast.fast_library(request.param)
+    fast.use_threads(lib, 2)
+    return request.param, lib
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_every_rung_matches_the_naive_engine(rung, case):
+    """Each of CASES: heads 7 wide (no lane whole), one token, and T = 65 and 70, past the fused attention's blocks
+    of 64 keys and queries; biases or none, both GELU forms, dropout masks, an ignored target."""
+    shape, settings, B, T, p, ignored = CASES[case]
+    model = sharpened(trained_like({**shape, **settings}))
+    idx, tgt = batch(shape["vocab_size"], B, T, ignored)
+    masks = ng.DropoutMasks.draw(model, B, T, p, torch.float32) if p else None
+    expected = ng.step(model, idx, tgt, masks, grads=True)  # the naive engine, fp32
+    gap, name = worst(model, idx, tgt, masks, rung[1], expected)
+    assert gap <= TOLERANCE, f"{rung[0]}: {name} differs by {gap:.2e}"
+
+
+@pytest.fixture(scope="module")
+def gpt2_step():
+    """GPT-2 124M's shape (untied nothing: the LM head is wte), one short batch, and the naive engine's step."""
+    model = trained_like(dict(n_layer=12, n_head=12, n_embd=768, vocab_size=50257, block_size=1024,
+                              activation="gelu_tanh"))
+    idx, tgt = batch(50257, 1, 5, False)
+    return model, idx, tgt, ng.step(model, idx, tgt, grads=True)
+
+
+def test_every_rung_matches_the_naive_engine_at_gpt2_small(rung, gpt2_step):
+    model, idx, tgt, expected = gpt2_step
+    gap, name = worst(model, idx, tgt, None, rung[1], expected)
+    assert gap <= TOLERANCE, f"{rung[0]}: {name} differs by {gap:.2e}"
+
+
+def _matmul(lib):
+    fn = lib.gptlab_fast_matmul
+    L, P = ctypes.c_long, ctypes.c_void_p
+    fn.argtypes = [ctypes.c_int] * 3 + [P, L, L, P, L, L, P, L, ctypes.c_int]
+    fn.restype = None
+    return fn
+
+
+def edges(lib) -> list[tuple[int, int, int]]:
+    """(M, N, K) below, at and one past the kernel's block (MR x NR), its lanes (NR / 2), the cache tiles (MC, KC)."""
+    t = fast.tiles(lib)
+    mr, nr, lanes, kc, mc = t["mr"], t["nr"], t["nr"] // 2, t["kc"], t["mc"]
+    return [(1, 1, 1), (mr - 1, nr - 1, 3), (mr, nr, kc), (mr + 1, nr + 1, kc + 1), (2 * mr + 1, lanes + 1, kc - 1),
+            (mc + 1, 2 * nr + lanes - 1, 5), (3, 3 * nr + 1, 2 * kc + 1)]
+
+
+@pytest.mark.parametrize("layout", ["x W^T", "dy W", "dy^T x"])
+def test_the_products_at_every_tile_and_lane_edge(rung, layout):
+    """C = [C +] A B for each layout the engine uses, written into a wider C whose other columns must stay
+    untouched, against torch in float64."""
+    matmul = _matmul(rung[1])
+    g = torch.Generator().manual_seed(1)
+    for M, N, K in edges(rung[1]):
+        for accumulate in (0, 1):
+            a = torch.randn(M, K, generator=g) if layout != "dy^T x" else torch.randn(K, M, generator=g)
+            b = torch.randn(N, K, generator=g) if layout == "x W^T" else torch.randn(K, N, generator=g)
+            A = a if layout != "dy^T x" else a.t()
+            Bm = b.t() if layout == "x W^T" else b
+            c = torch.full((M, N + 3), float("nan"))
+            c[:, :N] = torch.randn(M, N, generator=g)
+            expected = A.double() @ Bm.double() + (c[:, :N].double() if accumulate else 0)
+            matmul(M, N, K, a.data_ptr(), *A.stride(), b.data_ptr(), *Bm.stride(), c.data_ptr(), N + 3, accumulate)
+            assert relative(c[:, :N], expected) <= TOLERANCE, (rung[0], layout, M, N, K, accumulate)
+            assert c[:, N:].isnan().all(), f"{rung[0]} wrote past column {N} at {M} x {N} x {K}"
+
+
+def _train(model, lib, steps: int) -> list[float]:
+    """`steps` AdamW steps (clipped at 1.0) of `model` by `lib`'s engine on fixed batches, dropout on; the losses."""
+    torch.manual_seed(3)
+    opt = NaiveAdamW(param_groups(model.parameters(), 0.1), lr=3e-3, betas=(0.9, 0.99), library=lib)
+    model.train()
+    losses = []
+    for step in range(steps):
+        idx, tgt = batch(model.config.vocab_size, 4, 7, step % 5 == 0)  # one batch, learned by heart
+        loss = model(idx, tgt)[1]
+        loss.backward()
+        clip_grad_norm(model.parameters(), 1.0, lib)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    return losses
+
+
+def test_twenty_training_steps_follow_the_naive_engine():
+    """AdamW and clipping over tensors below and above the engine's SPREAD (wte 9,600 floats, biases of 48), with
+    dropout, one batch learned by heart."""
+    start = trained_like(dict(n_layer=2, n_head=3, n_embd=48, vocab_size=200, block_size=8, dropout=0.1))
+    naive = ng.NaiveGPT(start.config)
+    naive.load_state_dict(start.state_dict())
+    expected = _train(naive, library.load_library(), 20)
+    for name in fast.RUNGS:
+        model = fast.fast_model(ng.GPT(start.config), name)
+        model.load_state_dict(start.state_dict())
+        losses = _train(model, fast.fast_library(name), 20)
+        gap = max(abs(a - b) for a, b in zip(losses, expected))
+        assert gap <= STEP_LOSS_TOLERANCE, f"{name}: step losses differ by {gap:.2e}"
+    assert expected[-1] < expected[0] - 0.1  # it learned: the comparison is of a moving model
+
+
+@pytest.mark.parametrize("name", ["threads", "fused"])
+def test_the_threaded_rungs_give_the_same_bits_every_run_and_on_any_thread_count(name):
+    """Each output is one thread's, in a fixed order: the same bits on 2 threads run after run and on 1 thread, at
+    sizes whose elementwise passes (13,440 floats) are past SPREAD, so over the threads."""
+    lib = fast.fast_library(name)
+    model = trained_like({**PAST_BLOCKS, "n_layer": 2})
+    idx, tgt = batch(300, 3, 70, True)
+    results = []
+    for threads in (2, 2, 1, 2):
+        fast.use_threads(lib, threads)
+        results.append(ng.step(model, idx, tgt, grads=True, lib=lib))
+    fast.use_threads(lib)
+    first_logits, first_loss, first_grads = results[0]
+    for logits, loss, grads in results[1:]:
+        assert torch.equal(logits, first_logits) and loss == first_loss
+        assert all(torch.equal(grads[k], first_grads[k]) for k in grads)
+
+
+def test_a_rung_is_named_and_reports_what_it_is():
+    with pytest.raises(ValueError, match="no rung named 'warp': the rungs are loops, tiles, simd, threads, fused"):
+        fast.rung_level("warp")
+    lib = fast.fast_library("fused")
+    fast.use_threads(lib, 2)
+    assert lib.gptlab_fast_rung() == 5 and lib.gptlab_fast_threads() == 2
+    assert fast.describe_rung(lib).startswith("fused (rung 5 of 5), ")
+    below = fast.fast_library("simd")
+    fast.use_threads(below, 2)
+    assert below.gptlab_fast_threads() == 1  # below the threads rung every loop runs on the calling thread
+    t = fast.tiles(lib)
+    assert t["nr"] % 2 == 0 and t["kc"] % 16 == 0 and t["mc"] % t["mr"] == 0 and t["nc"] % t["nr"] == 0
+
+
+def test_fp64_is_refused_in_one_line():
+    model = trained_like(ODD, dtype=torch.float64)
+    idx, tgt = batch(67, 1, 3, False)
+    with pytest.raises(ValueError, match="this engine computes in fp32 alone, not torch.float64"):
+        ng.step(model, idx, tgt, lib=fast.fast_library("fused"))
