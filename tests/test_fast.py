@@ -132,6 +132,7 @@ def test_twenty_training_steps_follow_the_naive_engine():
     start = trained_like(dict(n_layer=2, n_head=3, n_embd=48, vocab_size=200, block_size=8, dropout=0.1))
     naive = ng.NaiveGPT(start.config)
     naive.load_state_dict(start.state_dict())
+    naive.draw_masks = lambda B, T: fast.draw_masks(naive, B, T, 0.1, fast.fast_library())  # the fast engine's masks
     expected = _train(naive, library.load_library(), 20)
     for name in fast.RUNGS:
         model = fast.fast_model(ng.GPT(start.config), name)
@@ -179,3 +180,23 @@ def test_fp64_is_refused_in_one_line():
     idx, tgt = batch(67, 1, 3, False)
     with pytest.raises(ValueError, match="this engine computes in fp32 alone, not torch.float64"):
         ng.step(model, idx, tgt, lib=fast.fast_library("fused"))
+
+
+def test_the_engines_masks_keep_1_minus_p_at_1_over_1_minus_p_and_follow_torchs_seed():
+    """The masks the fast engine draws: 0 or 1 / (1 - p) (torch's dropout's values), a fraction p of zeros
+    (within 5 standard deviations over 2**20 draws), the same under the same torch.manual_seed and different
+    tensor by tensor and seed by seed."""
+    model = trained_like({**ODD, "dropout": 0.3})
+    lib = fast.fast_library()
+    torch.manual_seed(7)
+    first = fast.draw_masks(model, 16, 8, 0.3, lib)
+    torch.manual_seed(7)
+    again = fast.draw_masks(model, 16, 8, 0.3, lib)
+    other = fast.draw_masks(model, 16, 8, 0.3, lib)
+    assert torch.equal(first.attn[1], again.attn[1]) and torch.equal(first.emb, again.emb)
+    assert not torch.equal(first.attn[0], first.attn[1]) and not torch.equal(first.attn[0], other.attn[0])
+    big = torch.empty(1 << 20)
+    lib.gptlab_fast_masks(3, 0, 0.3, big.data_ptr(), big.numel())
+    assert set(big.unique().tolist()) == {0.0, torch.tensor(1 / 0.7, dtype=torch.float32).item()}
+    zeros, n = (big == 0).sum().item(), big.numel()
+    assert abs(zeros - 0.3 * n) <= 5 * (n * 0.3 * 0.7) ** 0.5

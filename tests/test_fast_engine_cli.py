@@ -16,7 +16,8 @@ from gptlab.config import ModelConfig, TrainConfig
 from gptlab.errors import GptlabError
 from gptlab.model import GPT
 from gptlab.reference import library
-from gptlab.reference.fast import FastGPT, fast_library, fast_model
+from gptlab.reference.fast import FastGPT, draw_masks, fast_library, fast_model
+from gptlab.reference.naive_gpt import NaiveGPT
 from gptlab.training.preflight import check_engine
 
 TEXT = CORPUS + "Ça va? Œuvre — naïve café, 日本語 ✓\n" * 20  # non-ASCII: several bytes a character
@@ -61,10 +62,20 @@ def fast_run(data, tmp_path_factory):
     return train_run(data, tmp_path_factory.mktemp("fast-run"), "fast")
 
 
+def fast_masks(self, B, T):
+    """The naive engine's dropout masks drawn as the fast engine draws them (one seed from torch's generator, the
+    engine's counter-based draws), so both engines train under the same masks."""
+    if not (self.training and self.config.dropout > 0):
+        return None
+    return draw_masks(self, B, T, self.config.dropout, fast_library())
+
+
 @pytest.fixture(scope="module")
 def reference_run(data, tmp_path_factory):
-    """The same 8 steps by the naive engine: what the fast one is held against."""
-    return train_run(data, tmp_path_factory.mktemp("reference-run"), "reference")
+    """The same 8 steps by the naive engine, under the fast engine's masks: what the fast one is held against."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(NaiveGPT, "draw_masks", fast_masks)
+        return train_run(data, tmp_path_factory.mktemp("reference-run"), "reference")
 
 
 def metrics(run, kind):
@@ -78,7 +89,7 @@ def weights(run, step):
 
 def test_a_fast_run_trains_as_the_naive_engine_does(fast_run, reference_run):
     """Every step's loss and gradient norm, every evaluation's losses and the final weights: the naive engine's
-    on the same settings (its dropout masks are torch's draws, the same on both)."""
+    on the same settings and under the same dropout masks."""
     config = json.loads((fast_run / "config.json").read_text())
     assert config["train"]["engine"] == "fast" and config["precision"] == "fp32" and config["device"] == "cpu"
     fast, naive = metrics(fast_run, "train"), metrics(reference_run, "train")

@@ -23,7 +23,7 @@ from gptlab.model import GPT, is_gpt
 from gptlab.optim import param_groups
 from gptlab.reference import library
 from gptlab.reference.naive_adamw import NaiveAdamW
-from gptlab.reference.naive_gpt import NaiveGPT
+from gptlab.reference.naive_gpt import DropoutMasks, NaiveGPT
 
 FAST_SOURCE = Path(__file__).parent / "csrc" / "fast.cpp"
 VECTORS = Path(__file__).parents[1] / "inference" / "csrc" / "simd.h"  # included by fast.cpp from beside decode.cpp
@@ -58,6 +58,9 @@ def build_fast(rung: str = TOP_RUNG, build: compiled.Build | str | None = None, 
     lib.gptlab_fast_set_threads.argtypes, lib.gptlab_fast_set_threads.restype = [i], None
     lib.gptlab_fast_threads.argtypes, lib.gptlab_fast_threads.restype = [], i
     lib.gptlab_fast_tiles.argtypes, lib.gptlab_fast_tiles.restype = [ctypes.POINTER(i)], None
+    lib.gptlab_fast_masks.argtypes = [ctypes.c_uint64, ctypes.c_uint64, ctypes.c_double, ctypes.c_void_p,
+                                      ctypes.c_int64]
+    lib.gptlab_fast_masks.restype = None
     lib.gptlab_build = target_build.name
     return lib
 
@@ -94,9 +97,25 @@ def describe_rung(lib: ctypes.CDLL) -> str:
             f"thread{'s' * (lib.gptlab_fast_threads() != 1)}")
 
 
+def draw_masks(model: GPT, B: int, T: int, p: float, lib: ctypes.CDLL) -> DropoutMasks:
+    """One forward's dropout multipliers (0 or 1 / (1 - p), each kept with probability 1 - p) drawn by the engine
+    (gptlab_fast_masks: counter-based, over the threads) from one seed that torch's generator draws, so a run is
+    reproduced by torch.manual_seed and resumed by the generator's state as the torch path's is."""
+    c = model.config
+    seed = int(torch.randint(0, 2**62, (1,)).item())
+    streams = iter(range(1 + 3 * c.n_layer))
+
+    def mask(*shape: int) -> torch.Tensor:
+        out = torch.empty(shape)
+        lib.gptlab_fast_masks(seed, next(streams), p, out.data_ptr(), out.numel())
+        return out
+    return DropoutMasks(mask(B, T, c.n_embd), [mask(B, c.n_head, T, T) for _ in range(c.n_layer)],
+                        [mask(B, T, c.n_embd) for _ in range(c.n_layer)], [mask(B, T, c.n_embd) for _ in range(c.n_layer)])
+
+
 class FastGPT(NaiveGPT):
-    """A GPT computed by one rung of the fast engine (fp32, CPU): a NaiveGPT whose library is the rung's. Its
-    state dict, checkpoints and run folders are a GPT's."""
+    """A GPT computed by one rung of the fast engine (fp32, CPU): a NaiveGPT whose library is the rung's, and whose
+    dropout masks the engine draws (draw_masks). Its state dict, checkpoints and run folders are a GPT's."""
 
     fast_rung: str = TOP_RUNG
 
@@ -104,6 +123,12 @@ class FastGPT(NaiveGPT):
         lib = fast_library(self.fast_rung)
         use_threads(lib)
         return lib
+
+    def draw_masks(self, B: int, T: int) -> DropoutMasks | None:
+        p = self.config.dropout
+        if not (self.training and p > 0):
+            return None
+        return draw_masks(self, B, T, p, self.engine_library())
 
 
 def fast_model(model: GPT, rung: str = TOP_RUNG) -> FastGPT:

@@ -30,6 +30,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <limits>
+#include <utility>
 #include <vector>
 
 #include "../../inference/csrc/simd.h"  // the vector layer (vf, LANES, load, store, fma, sum, exp)
@@ -122,6 +123,14 @@ static inline int team() { return RUNG >= THREADS ? n_threads : 1; }
 // an elementwise pass over n floats: on the calling thread below SPREAD floats (a team's start and barrier cost more)
 constexpr int SPREAD = 1 << 13;
 #define PARALLEL_FOR_OVER(n) _Pragma("omp parallel for schedule(static) num_threads(team()) if ((n) > SPREAD)")
+
+// Inside a parallel region: this thread's share [first, end) of n columns, whole vectors but the last (each
+// thread sums its own columns over every row, in row order: the same bits on any number of threads)
+static inline std::pair<int, int> my_columns(int n) {
+    const int t = omp_get_thread_num(), n_t = omp_get_num_threads(), lanes = simd::LANES;
+    const int vectors = (n + lanes - 1) / lanes;
+    return {std::min(n, vectors * t / n_t * lanes), std::min(n, vectors * (t + 1) / n_t * lanes)};
+}
 
 // ---- tiles (rung 2): from the caches the machine reports (sysconf; a common size where it reports none) ----
 constexpr int MR = 6, NR = 2 * simd::LANES;  // the inner kernel's block of C: MR rows x NR columns
@@ -337,44 +346,52 @@ static float* scratch(std::vector<float>& v, size_t n) {
     return (float*)(((uintptr_t)v.data() + 63) & ~(uintptr_t)63);
 }
 
-// rungs 2+: BLIS's five loops. B's KC x NC panel packed into slivers of NR columns, A's MC x KC block into slivers
-// of MR rows, then every (sliver of A, sliver of B) pair through the kernel; from rung 4 the packing and the pairs
-// are shared among the threads (each tile of C computed by one thread, its blocks of K in order: the same bits
-// however many threads)
+// rungs 2+: BLIS's five loops. K in even blocks of at most KC; B's KC x NC panel packed into slivers of NR columns,
+// each thread's MC x KC block of A into slivers of MR rows, then every (sliver of A, sliver of B) pair through the
+// kernel. From rung 4 each thread takes its own rows of C (whole slivers) and packs its own A, and the threads share
+// the packing of B's panel: each tile of C is computed by one thread, its blocks of K in order, so the result has
+// the same bits however many threads there are.
 static void gemm_tiles(int M, int N, int K, Mat A, Mat B, float* C, long ldc, bool acc, const Epilogue* epi, int nt) {
-    static thread_local std::vector<float> a_buf, b_buf;  // a thread's own: attention calls products from threads
-    const int kc = TILE.kc, mc = TILE.mc, nc = TILE.nc;
+    static thread_local std::vector<float> b_buf;  // a thread's own: attention calls products from its threads
+    const int k_blocks = (K + TILE.kc - 1) / TILE.kc, kc = (K + k_blocks - 1) / k_blocks, mc = TILE.mc, nc = TILE.nc;
     float* bp = scratch(b_buf, (size_t)kc * ((std::min(nc, N) + NR - 1) / NR * NR));
-    float* ap = scratch(a_buf, (size_t)kc * ((std::min(mc, M) + MR - 1) / MR * MR));
-#pragma omp parallel num_threads(nt) if (nt > 1)
-    for (int jc = 0; jc < N; jc += nc) {
-        const int nb = std::min(nc, N - jc), n_sl = (nb + NR - 1) / NR;
-        for (int pc = 0; pc < K; pc += kc) {
-            const int kb = std::min(kc, K - pc);
-            const bool last = pc + kb == K, add = acc || pc > 0;
+    const int slivers = (M + MR - 1) / MR, teams = std::max(1, std::min(nt, slivers));
+#pragma omp parallel num_threads(teams) if (teams > 1)
+    {
+        static thread_local std::vector<float> a_buf;
+        const int t = omp_get_thread_num(), n_t = omp_get_num_threads();
+        const int lo = slivers * t / n_t * MR, hi = std::min(M, slivers * (t + 1) / n_t * MR);
+        float* ap = scratch(a_buf, (size_t)kc * ((std::min(mc, std::max(hi - lo, 1)) + MR - 1) / MR * MR));
+        for (int jc = 0; jc < N; jc += nc) {
+            const int nb = std::min(nc, N - jc), n_sl = (nb + NR - 1) / NR;
+            for (int pc = 0; pc < K; pc += kc) {
+                const int kb = std::min(kc, K - pc);
+                const bool last = pc + kb == K, add = acc || pc > 0;
 #pragma omp for schedule(static)
-            for (int s = 0; s < n_sl; s++) {  // pack B's slivers: k-major, NR columns, zero past N
-                const int n0 = jc + s * NR;
-                pack(B.p + pc * B.rs + n0 * B.cs, B.rs, B.cs, kb, std::min(NR, N - n0), NR, bp + (size_t)s * kb * NR);
-            }
-            for (int ic = 0; ic < M; ic += mc) {
-                const int mb = std::min(mc, M - ic), m_sl = (mb + MR - 1) / MR;
-#pragma omp for schedule(static)
-                for (int s = 0; s < m_sl; s++) {  // pack A's slivers: k-major, MR rows, zero past M
-                    const int m0 = ic + s * MR;
-                    pack(A.p + m0 * A.rs + pc * A.cs, A.cs, A.rs, kb, std::min(MR, M - m0), MR,
-                         ap + (size_t)s * kb * MR);
+                for (int s = 0; s < n_sl; s++) {  // pack B's slivers: k-major, NR columns, zero past N
+                    const int n0 = jc + s * NR;
+                    pack(B.p + pc * B.rs + n0 * B.cs, B.rs, B.cs, kb, std::min(NR, N - n0), NR,
+                         bp + (size_t)s * kb * NR);
                 }
-#pragma omp for collapse(2) schedule(static)
-                for (int js = 0; js < n_sl; js++)
-                    for (int is = 0; is < m_sl; is++) {
-                        const int m0 = ic + is * MR, n0 = jc + js * NR;
-                        const int mr = std::min(MR, M - m0), nr = std::min(NR, N - n0);
-                        float* c = C + m0 * ldc + n0;
-                        kernel(kb, ap + (size_t)is * kb * MR, bp + (size_t)js * kb * NR, c, ldc, mr, nr, add);
-                        if (last && epi)
-                            for (int r = 0; r < mr; r++) finish_row(*epi, c + r * ldc, (m0 + r) * ldc + n0, n0, nr);
+                for (int ic = lo; ic < hi; ic += mc) {
+                    const int mb = std::min(mc, hi - ic), m_sl = (mb + MR - 1) / MR;
+                    for (int s = 0; s < m_sl; s++) {  // pack this thread's A: k-major, MR rows, zero past M
+                        const int m0 = ic + s * MR;
+                        pack(A.p + m0 * A.rs + pc * A.cs, A.cs, A.rs, kb, std::min(MR, M - m0), MR,
+                             ap + (size_t)s * kb * MR);
                     }
+                    for (int js = 0; js < n_sl; js++)
+                        for (int is = 0; is < m_sl; is++) {
+                            const int m0 = ic + is * MR, n0 = jc + js * NR;
+                            const int mr = std::min(MR, M - m0), nr = std::min(NR, N - n0);
+                            float* c = C + m0 * ldc + n0;
+                            kernel(kb, ap + (size_t)is * kb * MR, bp + (size_t)js * kb * NR, c, ldc, mr, nr, add);
+                            if (last && epi)
+                                for (int r = 0; r < mr; r++)
+                                    finish_row(*epi, c + r * ldc, (m0 + r) * ldc + n0, n0, nr);
+                        }
+                }
+#pragma omp barrier
             }
         }
     }
@@ -405,11 +422,12 @@ void linear_backward(const float* x, const float* W, const float* dy, int N, int
     gemm(N, I, O, {dy, O, 1}, {W, I, 1}, dx, I, false, fused);
     gemm(O, I, N, {dy, 1, O}, {x, I, 1}, dW, I, true);
     if (!db) return;
-    const int chunk = 64;
-    PARALLEL_FOR
-    for (int o0 = 0; o0 < O; o0 += chunk)
+#pragma omp parallel num_threads(team()) if ((long)N * O > SPREAD)
+    {
+        const auto [o0, o1] = my_columns(O);
         for (int n = 0; n < N; n++)
-            for (int o = o0; o < std::min(O, o0 + chunk); o++) db[o] += dy[(size_t)n * O + o];
+            for (int o = o0; o < o1; o++) db[o] += dy[(size_t)n * O + o];
+    }
 }
 
 // ---- embeddings, dropout ----
@@ -422,18 +440,19 @@ void embedding_forward(const int64_t* idx, const float* wte, const float* wpe, i
     }
 }
 void embedding_backward(const int64_t* idx, const float* dx, int B, int T, int C, float* dwte, float* dwpe) {
-    Timed timed(EMBEDDING_B);  // one thread per range of channels: a token seen twice adds in row order
-    const int chunk = 64;
-    PARALLEL_FOR
-    for (int c0 = 0; c0 < C; c0 += chunk)
+    Timed timed(EMBEDDING_B);  // each thread its own channels: a token seen twice adds in row order
+#pragma omp parallel num_threads(team()) if ((long)B * T * C > SPREAD)
+    {
+        const auto [c0, c1] = my_columns(C);
         for (int r = 0; r < B * T; r++) {
             const float* g = dx + (size_t)r * C;
             float *tok = dwte + (size_t)idx[r] * C, *pos = dwpe + (size_t)(r % T) * C;
-            for (int c = c0; c < std::min(C, c0 + chunk); c++) {
+            for (int c = c0; c < c1; c++) {
                 tok[c] += g[c];
                 pos[c] += g[c];
             }
         }
+    }
 }
 void dropout(const float* x, const float* m, size_t n, float* y) {
     Timed timed(DROPOUT);
@@ -490,16 +509,17 @@ void layernorm_backward(const float* x, const float* w, const float* mean, const
             dxn[c] = rstd[n] * (dyn[c] * w[c] - g_mean - xhat * gx_mean) + (add ? add[(size_t)n * C + c] : 0.0f);
         }
     }
-    const int chunk = 64;
-    PARALLEL_FOR
-    for (int c0 = 0; c0 < C; c0 += chunk)
+#pragma omp parallel num_threads(team()) if ((long)N * C > SPREAD)
+    {
+        const auto [c0, c1] = my_columns(C);
         for (int n = 0; n < N; n++) {
             const float *xn = x + (size_t)n * C, *dyn = dy + (size_t)n * C;
-            for (int c = c0; c < std::min(C, c0 + chunk); c++) {
+            for (int c = c0; c < c1; c++) {
                 dw[c] += dyn[c] * (xn[c] - mean[n]) * rstd[n];
                 if (db) db[c] += dyn[c];
             }
         }
+    }
 }
 
 // ---- GELU, elementwise (rungs 1-4; rung 5 applies it in the products' epilogue) ----
@@ -655,4 +675,23 @@ extern "C" void gptlab_block_f32(const Model* m, const Layer* w, const Layer* g,
 extern "C" void gptlab_fast_matmul(int M, int N, int K, const float* A, long rsa, long csa, const float* B, long rsb,
                                    long csb, float* C, long ldc, int acc) {
     gemm(M, N, K, {A, rsa, csa}, {B, rsb, csb}, C, ldc, acc != 0);
+}
+
+// Dropout multipliers drawn here, not by torch's generator (whose draws are sequential): out[i] = 1 / (1 - p) where
+// the uniform u_i >= p, else 0; u_i from 24 bits of SplitMix64 of (the stream's key + i), the key SplitMix64 of the
+// seed and the stream. A counter-based draw: any element, on any thread, in any order, has the same value.
+static inline uint64_t splitmix64(uint64_t z) {
+    z += 0x9E3779B97F4A7C15ull;
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    return z ^ (z >> 31);
+}
+extern "C" void gptlab_fast_masks(uint64_t seed, uint64_t stream, double p, float* out, int64_t n) {
+    const uint64_t key = splitmix64(seed ^ splitmix64(stream));
+    const float keep = 1.0f / (1.0f - (float)p), threshold = (float)p;
+    PARALLEL_FOR_OVER(n)
+    for (int64_t i = 0; i < n; i++) {
+        const float u = (float)(splitmix64(key + (uint64_t)i) >> 40) * (1.0f / 16777216.0f);
+        out[i] = u >= threshold ? keep : 0.0f;
+    }
 }
