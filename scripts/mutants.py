@@ -132,6 +132,9 @@ MODULES = {
     "reference": _m("reference/naive_gpt reference/naive_adamw reference/library reference/naive_training reference/check "
                     "compiled",
                     "test_reference test_reference_cli test_reference_mutants test_compiled test_reference_edges"),
+    # issue 49: the fast engine's Python (its rungs' libraries, FastGPT, the masks it draws) and bench metal
+    "fast": _m("reference/fast", "test_fast test_fast_engine_cli"),
+    "bench.metal": _m("bench/metal", "test_bench_metal"),
     # issue 26: LoRA adapters and PEFT's format
     "lora": _m("lora hf/peft", "test_lora test_lora_chat test_lora_edges test_chunked_loss "
                "test_distributed::test_lora_adapters_train_in_two_processes_like_in_one"),

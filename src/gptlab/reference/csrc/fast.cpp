@@ -123,6 +123,8 @@ static inline int team() { return RUNG >= THREADS ? n_threads : 1; }
 // an elementwise pass over n floats: on the calling thread below SPREAD floats (a team's start and barrier cost more)
 constexpr int SPREAD = 1 << 13;
 #define PARALLEL_FOR_OVER(n) _Pragma("omp parallel for schedule(static) num_threads(team()) if ((n) > SPREAD)")
+#define PARALLEL_FOR_SIMD_OVER(n) \
+    _Pragma("omp parallel for simd schedule(static) num_threads(team()) if ((n) > SPREAD)")
 
 // Inside a parallel region: this thread's share [first, end) of n columns, whole vectors but the last (each
 // thread sums its own columns over every row, in row order: the same bits on any number of threads)
@@ -313,10 +315,15 @@ static void kernel(int kb, const float* a, const float* b, float* c, long ldc, i
         }
         return;
     }
-    float t[MR][NR] = {};
-    for (int k = 0; k < kb; k++, a += MR, b += NR)
-        for (int r = 0; r < MR; r++)
-            for (int j = 0; j < NR; j++) t[r][j] += a[r] * b[j];
+    float t[MR][NR] = {};  // the compiler's code: C's block in an array it vectorises and keeps in registers
+    for (int k = 0; k < kb; k++) {
+        const float* bk = b + (size_t)k * NR;
+        for (int r = 0; r < MR; r++) {
+            const float ar = a[(size_t)k * MR + r];
+#pragma omp simd
+            for (int j = 0; j < NR; j++) t[r][j] += ar * bk[j];
+        }
+    }
     for (int r = 0; r < mr; r++)
         for (int j = 0; j < nr; j++) c[r * ldc + j] = (acc ? c[r * ldc + j] : 0.0f) + t[r][j];
 }
