@@ -145,7 +145,10 @@ class _EngineLoss(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_loss: torch.Tensor, grad_logits: torch.Tensor) -> tuple:
-        return (None, None, None, None, *[g * grad_loss for g in ctx.grads])
+        grads, ctx.grads = ctx.grads, None  # handed on, not kept: autograd may take them as .grad without a copy
+        if bool(grad_loss == 1):  # loss.backward() itself: the engine's gradients as they are
+            return (None, None, None, None, *grads)
+        return (None, None, None, None, *[g * grad_loss for g in grads])
 
 
 class NaiveGPT(GPT):
