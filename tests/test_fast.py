@@ -12,6 +12,7 @@ import torch
 
 from helpers import FAST_TOLERANCE as TOLERANCE
 from helpers import ODD, PAST_BLOCKS, STEP_LOSS_TOLERANCE, fast_batch as batch, relative, sharpened, trained_like
+from gptlab import compiled
 from gptlab.reference import fast, library
 from gptlab.reference import naive_gpt as ng
 from gptlab.reference.naive_adamw import NaiveAdamW, clip_grad_norm
@@ -167,10 +168,13 @@ def test_a_rung_is_named_and_reports_what_it_is():
     lib = fast.fast_library("fused")
     fast.use_threads(lib, 2)
     assert lib.gptlab_fast_rung() == 5 and lib.gptlab_fast_threads() == 2
-    assert fast.describe_rung(lib).startswith("fused (rung 5 of 5), ")
+    build = compiled.build_for_cpu()
+    vectors = {"x86-64-v3": "avx2", "plain": "generic"}.get(build.name, "avx512" if "v4" in build.name else "neon")
+    assert fast.describe_rung(lib) == f"fused (rung 5 of 5), {build.name}, {vectors} vectors, 2 threads"
     below = fast.fast_library("simd")
     fast.use_threads(below, 2)
     assert below.gptlab_fast_threads() == 1  # below the threads rung every loop runs on the calling thread
+    assert fast.describe_rung(below).endswith(", 1 thread")
     t = fast.tiles(lib)
     assert t["nr"] % 2 == 0 and t["kc"] % 16 == 0 and t["mc"] % t["mr"] == 0 and t["nc"] % t["nr"] == 0
 
@@ -195,8 +199,33 @@ def test_the_engines_masks_keep_1_minus_p_at_1_over_1_minus_p_and_follow_torchs_
     other = fast.draw_masks(model, 16, 8, 0.3, lib)
     assert torch.equal(first.attn[1], again.attn[1]) and torch.equal(first.emb, again.emb)
     assert not torch.equal(first.attn[0], first.attn[1]) and not torch.equal(first.attn[0], other.attn[0])
+    seen = {tuple(fast.draw_masks(model, 1, 2, 0.5, lib).emb.flatten().tolist()) for _ in range(60)}
+    assert len(seen) == 60  # a new seed every forward (2 x 21 draws each: a repeat means a repeated seed)
     big = torch.empty(1 << 20)
     lib.gptlab_fast_masks(3, 0, 0.3, big.data_ptr(), big.numel())
     assert set(big.unique().tolist()) == {0.0, torch.tensor(1 / 0.7, dtype=torch.float32).item()}
     zeros, n = (big == 0).sum().item(), big.numel()
     assert abs(zeros - 0.3 * n) <= 5 * (n * 0.3 * 0.7) ** 0.5
+
+
+def test_a_fast_model_draws_no_masks_without_dropout_or_in_eval_mode_and_computes_gpts_alone():
+    model = fast.fast_model(trained_like({**ODD, "dropout": 0.0}))
+    model.train()
+    assert model.draw_masks(2, 3) is None  # dropout 0: no masks, even in training mode
+    model.config.dropout = 0.2
+    assert model.draw_masks(2, 3) is not None
+    model.eval()
+    assert model.draw_masks(2, 3) is None
+    with pytest.raises(TypeError, match="the fast engine computes a GPT, not a Linear"):
+        fast.fast_model(torch.nn.Linear(2, 2))
+
+
+def test_the_fast_optimizer_is_the_rungs_adamw_at_the_runs_settings():
+    from gptlab.config import TrainConfig
+
+    cfg = TrainConfig(lr=3e-3, beta1=0.8, beta2=0.9, weight_decay=0.25)
+    model = trained_like(ODD)
+    opt = fast.fast_optimizer(model, cfg, "simd")
+    assert opt.library is fast.fast_library("simd")
+    assert [(g["lr"], g["betas"], g["weight_decay"]) for g in opt.param_groups] == [
+        (3e-3, (0.8, 0.9), 0.25), (3e-3, (0.8, 0.9), 0.0)]
