@@ -454,3 +454,19 @@ def fast_batch(V: int, B: int, T: int, ignored: bool, seed: int = 0):
     if ignored:
         tgt[0, T // 2] = -1
     return idx, tgt
+
+
+# ---- the bench tests (test_bench_reference.py, test_bench_metal.py) ----
+
+@pytest.fixture
+def one_thread(monkeypatch):
+    """One torch thread (set_threads keeps it: OMP_NUM_THREADS is set), the caller's count restored after."""
+    before = torch.get_num_threads()
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def number(text: str) -> float:
+    return float(text.replace(",", ""))

@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from helpers import run_bad, run_ok
+from helpers import number, one_thread, run_bad, run_ok  # noqa: F401 (one_thread: a fixture)
 from gptlab.bench import metal, reference
 from gptlab.bench.matmul import model_config
 from gptlab.config import ModelConfig
@@ -35,18 +35,6 @@ HEADLINE = re.compile(r"^(?P<preset>.+): top rung (?P<rung>\w+) (?P<fp32>[\d,.]+
                       r"(?P<fastest>[\d,.]+)x torch fastest; the products (?P<products>.+)$")
 
 
-@pytest.fixture
-def one_thread(monkeypatch):
-    """One torch thread (set_threads keeps it: OMP_NUM_THREADS is set), the caller's count restored after."""
-    before = torch.get_num_threads()
-    monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-def number(text: str) -> float:
-    return float(text.replace(",", ""))
 
 
 def within_rounding(printed: str, top: str, bottom: str) -> bool:

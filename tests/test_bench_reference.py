@@ -9,6 +9,7 @@ import re
 import pytest
 import torch
 
+from helpers import number, one_thread  # noqa: F401 (one_thread: a fixture)
 from gptlab.bench import reference
 from gptlab.cli import main
 from gptlab.model import GPT
@@ -26,18 +27,6 @@ ROW = re.compile(r"^(?P<name>naive C\+\+ fp32|torch fp32|torch fastest \([^)]*\)
 FUNCTION = re.compile(r"^  (?P<name>\S.*?)\s+(?P<ms>[\d,.]+) ms\s+(?P<share>[\d.]+)%")
 
 
-@pytest.fixture
-def one_thread(monkeypatch):
-    """One torch thread (set_threads keeps it: OMP_NUM_THREADS is set), the caller's count restored after."""
-    before = torch.get_num_threads()
-    monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-def number(text: str) -> float:
-    return float(text.replace(",", ""))
 
 
 def tables(out: str) -> list[dict]:
