@@ -229,3 +229,13 @@ def test_the_fast_optimizer_is_the_rungs_adamw_at_the_runs_settings():
     assert opt.library is fast.fast_library("simd")
     assert [(g["lr"], g["betas"], g["weight_decay"]) for g in opt.param_groups] == [
         (3e-3, (0.8, 0.9), 0.25), (3e-3, (0.8, 0.9), 0.0)]
+    lib = fast.fast_library("simd")
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    library.tick_clock(lib, True)  # each reading of the rung's clock one tick: a function's total is its calls
+    library.reset_profile(lib)
+    try:
+        opt.step()
+        assert library.profile(lib)["adamw"] == len(list(model.parameters()))  # the rung's AdamW, once a tensor
+    finally:
+        library.tick_clock(lib, False)
