@@ -6,17 +6,25 @@ same prompt and seed. Piped stdin gives the transcript; a real terminal (tmux) t
 
 import io
 import re
-import shutil
-import subprocess
 import sys
-import tempfile
-import time
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
-from helpers import chat_run, reference_continuation, run_bad, run_ok, tiny_run, TINY
+from helpers import (
+    SHELL,
+    TINY,
+    TMUX,
+    Pane,
+    chat_run,
+    last_line,
+    prompts,
+    reference_continuation,
+    run_bad,
+    run_ok,
+    tiny_run,
+)
 
 import gptlab
 from gptlab import textstream
@@ -247,63 +255,6 @@ def test_refusals_are_one_line(talking, monkeypatch, capsys, tmp_path):
 
 
 # ---- a real terminal ---------------------------------------------------------------------------------------------
-
-TMUX = shutil.which("tmux")
-
-
-class Pane:
-    """An interactive bash in a tmux pane of a tmux server of its own, as a user's terminal: keys in, screen out.
-    Its prompt is SHELL; a command typed at it runs in the foreground, where Ctrl-C reaches it alone."""
-
-    def __init__(self):
-        self.dir = Path(tempfile.mkdtemp(prefix="chat-tmux-"))
-        self.tmux = [TMUX, "-S", str(self.dir / "s"), "-f", "/dev/null"]
-        subprocess.run(self.tmux + ["new-session", "-d", "-x", "150", "-y", "50", "-s", "chat",
-                                    f"env PS1='{SHELL} ' HISTFILE= bash --norc --noprofile -i"], check=True)
-
-    def type(self, line: str) -> None:
-        """Type `line` and press Enter."""
-        subprocess.run(self.tmux + ["send-keys", "-t", "chat", "-l", line], check=True)
-        self.keys("Enter")
-
-    def keys(self, *keys: str) -> None:
-        subprocess.run(self.tmux + ["send-keys", "-t", "chat", *keys], check=True)
-
-    def run(self, command: str) -> None:
-        """Type a command that runs `command` (a file sourced by the shell: the screen shows a short line)."""
-        (self.dir / "command").write_text(command + "\n")
-        self.type(f". {self.dir / 'command'}")
-
-    def screen(self) -> str:
-        return subprocess.run(self.tmux + ["capture-pane", "-p", "-t", "chat", "-S", "-"], check=True,
-                              capture_output=True, text=True).stdout
-
-    def wait(self, done, what: str, deadline: float = 120.0) -> str:
-        """Poll the screen until done(screen); the deadline only keeps a broken run from hanging the tests."""
-        end = time.monotonic() + deadline
-        while True:
-            screen = self.screen()
-            if done(screen):
-                return screen
-            if time.monotonic() > end:
-                pytest.fail(f"the pane never showed {what}:\n{screen}")
-            time.sleep(0.2)
-
-    def close(self) -> None:
-        subprocess.run(self.tmux + ["kill-server"], capture_output=True)
-        shutil.rmtree(self.dir, ignore_errors=True)
-
-
-SHELL = "shell$"
-
-
-def last_line(screen: str) -> str:
-    return ([x.rstrip() for x in screen.splitlines() if x.strip()] or [""])[-1]
-
-
-def prompts(screen: str) -> int:
-    return len(re.findall(r"^you>", screen, re.M))
-
 
 @pytest.mark.skipif(TMUX is None, reason="tmux is not installed (`make browser` installs it: the Makefile's APT_TOOLS)")
 def test_a_conversation_in_a_terminal(talking):

@@ -2,8 +2,8 @@
 one of a few blocks under a larger working set) against `gptlab serve --prefix-cache-mb 0`, the same requests to
 each, the raw response bodies byte for byte alike but for what must differ (ids, times, cached_tokens), in fp32,
 bf16 and int8; /metrics under memory pressure; `gptlab chat` turn by turn with the default cache against
-`--prefix-cache-mb 0`. The reference is the server and the chat without the cache; what the cache serves is worked
-out by hand from its rule (whole chunks of PROMPT_CHUNK tokens before a prompt's last token, exact prefixes, least
+`--prefix-cache-mb 0`, piped and in a real terminal (tmux). The reference is the server and the chat without the
+cache; what the cache serves is worked out by hand from its rule (whole chunks of PROMPT_CHUNK tokens before a prompt's last token, exact prefixes, least
 recently used out)."""
 
 import itertools
@@ -12,12 +12,15 @@ import random
 import re
 import sys
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import httpx
 import pytest
 import torch
+from helpers import SHELL, TMUX, Pane, last_line, prompts
 from prometheus_client.parser import text_string_to_metric_families
 
+import gptlab
 from gptlab.cli import main
 from gptlab.config import ModelConfig
 from gptlab.engine import RunningBatch, one_thread
@@ -372,3 +375,64 @@ def test_a_chat_continued_turn_by_turn_answers_as_without_the_cache_and_reuses_t
                         for before, now in itertools.pairwise(lengths)]  # the rule, by hand
         assert [c for _, c in with_cache] == reused and reused[-1] >= 2 * PROMPT_CHUNK
         assert [c for _, c in without] == [0] * 5
+
+
+SPY = """import atexit, json, sys
+from gptlab.cli import main
+from gptlab.engine import RunningBatch
+seen, real = [], RunningBatch.join
+def join(self, prompt, cfg, *rest, **more):  # wrapped, not replaced: (prompt length, tokens served by the cache)
+    rows = real(self, prompt, cfg, *rest, **more)
+    seen.append([len(prompt), rows[0].cached])
+    return rows
+RunningBatch.join = join
+atexit.register(lambda: open(sys.argv[1], "w").write(json.dumps(seen)))
+sys.exit(main(sys.argv[2:]))
+"""
+
+
+@pytest.mark.skipif(TMUX is None, reason="tmux is not installed (`make browser` installs it: the Makefile's APT_TOOLS)")
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "int8"])
+def test_a_chat_in_a_terminal_answers_alike_with_the_cache_and_without(tmp_path, precision):
+    """`gptlab chat` in a real terminal (a tmux pane: a tty, keys typed, the screen read), seeded sampling, five turns
+    that outgrow three chunks: the screen's transcript with the default --prefix-cache-mb equals the one with
+    --prefix-cache-mb 0, in each precision; the process with the cache reused each turn's whole chunks (its joins,
+    recorded in the process by a wrapper of RunningBatch.join), the one without reused none."""
+    if precision == "bf16" and not bf16_supported(torch.device("cpu")):
+        pytest.skip("no native bf16 on this CPU")
+    run = long_chat_run(tmp_path)
+    rng = random.Random(3)
+    lines = [words(rng, rng.randint(35, 48)).strip() for _ in range(5)]
+    (tmp_path / "spy.py").write_text(SPY)
+    src = Path(gptlab.__file__).resolve().parents[1]
+    panes = {"on": Pane(), "off": Pane()}
+    try:
+        for name, pane in panes.items():
+            pane.wait(lambda s: last_line(s) == SHELL, "the shell's prompt")
+            pane.run(f"env PYTHONPATH={src} OMP_NUM_THREADS=1 {sys.executable} {tmp_path / 'spy.py'} "
+                     f"{tmp_path / name}.json chat --run {run} --device cpu --precision {precision} --temperature 0.9 "
+                     f"--top-p 0.9 --seed 5 --max-new-tokens 16" + (" --prefix-cache-mb 0" if name == "off" else ""))
+        for n, line in enumerate([None, *lines], 1):
+            for pane in panes.values():  # the two chats answer side by side
+                pane.type(line) if line is not None else None
+            for pane in panes.values():
+                pane.wait(lambda s, n=n: prompts(s) == n, f"prompt {n}")
+        for pane in panes.values():
+            pane.type("/exit")
+        screens = {name: pane.wait(lambda s: last_line(s) == SHELL, "the shell's prompt after /exit")
+                   for name, pane in panes.items()}
+    finally:
+        for pane in panes.values():
+            pane.close()
+    shown = {name: [x.rstrip() for x in s.splitlines() if x.startswith(("you>", "assistant>"))]
+             for name, s in screens.items()}
+    assert shown["on"] == shown["off"] and "Traceback" not in screens["on"] + screens["off"]
+    assert [x for x in shown["on"] if x.startswith("you>")] == [f"you> {x}" for x in lines] + ["you> /exit"]
+    assert sum(x.startswith("assistant> ") and len(x) > 11 for x in shown["on"]) >= 3, shown["on"]  # they say things
+    with_cache, without = (json.loads((tmp_path / f"{name}.json").read_text()) for name in ("on", "off"))
+    lengths = [n for n, _ in with_cache]
+    assert lengths == [n for n, _ in without] and len(lengths) == 5 and lengths[-1] > 3 * PROMPT_CHUNK
+    reused = [0] + [PROMPT_CHUNK * min(before // PROMPT_CHUNK, (now - 1) // PROMPT_CHUNK)
+                    for before, now in itertools.pairwise(lengths)]  # the rule, by hand
+    assert [c for _, c in with_cache] == reused and reused[-1] >= 2 * PROMPT_CHUNK
+    assert [c for _, c in without] == [0] * 5
