@@ -3,8 +3,8 @@ one of a few blocks under a larger working set) against `gptlab serve --prefix-c
 each, the raw response bodies byte for byte alike but for what must differ (ids, times, cached_tokens), in fp32,
 bf16 and int8; /metrics under memory pressure; `gptlab chat` turn by turn with the default cache against
 `--prefix-cache-mb 0`, piped and in a real terminal (tmux). The reference is the server and the chat without the
-cache; what the cache serves is worked out by hand from its rule (whole chunks of PROMPT_CHUNK tokens before a prompt's last token, exact prefixes, least
-recently used out)."""
+cache; what the cache serves is worked out by hand from its rule (whole chunks of PROMPT_CHUNK tokens before a
+prompt's last token, exact prefixes, least recently used out)."""
 
 import itertools
 import json
