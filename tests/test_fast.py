@@ -6,6 +6,7 @@ and one past every tile and lane edge; 20 training steps against the naive engin
 the same bits run to run and thread count to thread count."""
 
 import ctypes
+import itertools
 
 import pytest
 import torch
@@ -206,6 +207,35 @@ def test_the_engines_masks_keep_1_minus_p_at_1_over_1_minus_p_and_follow_torchs_
     assert set(big.unique().tolist()) == {0.0, torch.tensor(1 / 0.7, dtype=torch.float32).item()}
     zeros, n = (big == 0).sum().item(), big.numel()
     assert abs(zeros - 0.3 * n) <= 5 * (n * 0.3 * 0.7) ** 0.5
+    other = torch.empty(1 << 20)
+    lib.gptlab_fast_masks(3, 1, 0.3, other.data_ptr(), other.numel())  # the next stream of the same seed
+    for a, b in (((big == 0), (other == 0)), ((big[:-1] == 0), (big[1:] == 0))):  # streams, neighbours: independent
+        both, n = (a & b).sum().item(), a.numel()
+        assert abs(both - 0.09 * n) <= 5 * (n * 0.09 * 0.91) ** 0.5
+
+
+def test_a_fast_model_draws_its_masks_into_one_buffer_it_keeps():
+    """FastGPT.draw_masks: the masks fast.draw_masks draws under the same seed, laid end to end in one buffer the
+    model keeps and draws into again (grown for a larger batch); a buffer too small for the shapes is refused."""
+    model = fast.fast_model(trained_like({**ODD, "dropout": 0.2})).train()
+    lib = fast.fast_library()
+    torch.manual_seed(4)
+    kept = model.draw_masks(3, 5)
+    torch.manual_seed(4)
+    fresh = fast.draw_masks(model, 3, 5, 0.2, lib)
+    flat = lambda m: [m.emb, *m.attn, *m.attn_resid, *m.mlp_resid]  # noqa: E731
+    assert all(torch.equal(a, b) for a, b in zip(flat(kept), flat(fresh), strict=True))
+    start = kept.emb.data_ptr()
+    assert [t.data_ptr() - start for t in flat(kept)] == list(itertools.accumulate(
+        [0] + [4 * t.numel() for t in flat(kept)][:-1]))  # end to end, in the order drawn
+    assert fast.mask_floats(model, 3, 5) == sum(t.numel() for t in flat(kept)) == 3 * 5 * 21 * 5 + 2 * 3 * 3 * 25
+    again = model.draw_masks(3, 5)
+    assert again.emb.data_ptr() == start and not torch.equal(again.attn[0], fresh.attn[0])  # drawn anew, in place
+    assert model.draw_masks(2, 4).emb.data_ptr() == start  # smaller: the same buffer
+    grown = model.draw_masks(4, 6)
+    assert all(t.shape[0] == 4 and t.shape[-1] in (6, 21) for t in flat(grown))
+    with pytest.raises(ValueError, match="cannot hold the masks of 3 x 5"):
+        fast.draw_masks(model, 3, 5, 0.2, lib, into=torch.empty(fast.mask_floats(model, 3, 5) - 1))
 
 
 def test_a_fast_model_draws_no_masks_without_dropout_or_in_eval_mode_and_computes_gpts_alone():

@@ -212,7 +212,7 @@ def _print_clock(result: dict[str, Any]) -> None:
         print(f"  {name:<36} {seconds * 1e3:>12,.2f} ms {seconds / step:>7.2%}{rate}")
     rest = result["top_rest_s"]
     print(f"  {'the rest (no function of the engine)':<36} {rest * 1e3:>12,.2f} ms {rest / step:>7.2%}  "
-          "(residual adds, copies, dropout masks drawn by torch, Python)")
+          "(the dropout masks' draws, gradients zeroed, copies, Python)")
 
 
 def _headline(result: dict[str, Any], rung: str) -> str:

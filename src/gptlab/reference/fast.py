@@ -97,20 +97,34 @@ def describe_rung(lib: ctypes.CDLL) -> str:
             f"thread{'s' * (lib.gptlab_fast_threads() != 1)}")
 
 
-def draw_masks(model: GPT, B: int, T: int, p: float, lib: ctypes.CDLL) -> DropoutMasks:
+def draw_masks(model: GPT, B: int, T: int, p: float, lib: ctypes.CDLL, into: torch.Tensor | None = None,
+               ) -> DropoutMasks:
     """One forward's dropout multipliers (0 or 1 / (1 - p), each kept with probability 1 - p) drawn by the engine
     (gptlab_fast_masks: counter-based, over the threads) from one seed that torch's generator draws, so a run is
-    reproduced by torch.manual_seed and resumed by the generator's state as the torch path's is."""
+    reproduced by torch.manual_seed and resumed by the generator's state as the torch path's is. The masks are new
+    tensors, or views of the flat fp32 `into` (at least mask_floats of them), written over."""
     c = model.config
     seed = int(torch.randint(0, 2**62, (1,)).item())
-    streams = iter(range(1 + 3 * c.n_layer))
+    streams, used = iter(range(1 + 3 * c.n_layer)), 0
+    if into is not None and into.numel() < mask_floats(model, B, T):
+        raise ValueError(f"{into.numel()} floats cannot hold the masks of {B} x {T}")
 
     def mask(*shape: int) -> torch.Tensor:
-        out = torch.empty(shape)
-        lib.gptlab_fast_masks(seed, next(streams), p, out.data_ptr(), out.numel())
+        nonlocal used
+        n = torch.Size(shape).numel()
+        out = torch.empty(shape) if into is None else into[used:used + n].view(shape)
+        used += n
+        lib.gptlab_fast_masks(seed, next(streams), p, out.data_ptr(), n)
         return out
     return DropoutMasks(mask(B, T, c.n_embd), [mask(B, c.n_head, T, T) for _ in range(c.n_layer)],
                         [mask(B, T, c.n_embd) for _ in range(c.n_layer)], [mask(B, T, c.n_embd) for _ in range(c.n_layer)])
+
+
+def mask_floats(model: GPT, B: int, T: int) -> int:
+    """How many multipliers one forward's masks hold: (B, T, C) after the embeddings and twice a block, (B, H, T, T)
+    on each block's attention."""
+    c = model.config
+    return B * T * c.n_embd * (1 + 2 * c.n_layer) + c.n_layer * B * c.n_head * T * T
 
 
 class FastGPT(NaiveGPT):
@@ -125,10 +139,16 @@ class FastGPT(NaiveGPT):
         return lib
 
     def draw_masks(self, B: int, T: int) -> DropoutMasks | None:
+        """The next forward's masks (None without dropout or in eval mode), drawn into a buffer the model keeps and
+        writes over at its next draw: a step of char-small draws 120 MB of them, and fresh memory each step cost
+        more page faults than the draws themselves."""
         p = self.config.dropout
         if not (self.training and p > 0):
             return None
-        return draw_masks(self, B, T, p, self.engine_library())
+        kept = self.__dict__.get("_kept_masks")
+        if kept is None or kept.numel() < mask_floats(self, B, T):
+            kept = self.__dict__["_kept_masks"] = torch.empty(mask_floats(self, B, T))
+        return draw_masks(self, B, T, p, self.engine_library(), into=kept)
 
 
 def fast_model(model: GPT, rung: str = TOP_RUNG) -> FastGPT:

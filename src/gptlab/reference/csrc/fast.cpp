@@ -685,20 +685,32 @@ extern "C" void gptlab_fast_matmul(int M, int N, int K, const float* A, long rsa
 }
 
 // Dropout multipliers drawn here, not by torch's generator (whose draws are sequential): out[i] = 1 / (1 - p) where
-// the uniform u_i >= p, else 0; u_i from 24 bits of SplitMix64 of (the stream's key + i), the key SplitMix64 of the
-// seed and the stream. A counter-based draw: any element, on any thread, in any order, has the same value.
+// the uniform u_i >= p, else 0. A counter-based draw: any element, on any thread, in any order, has the same value.
+// The stream's key is SplitMix64 of the seed and the stream; u_i is 24 bits of a 32-bit hash (two rounds of a
+// multiply-xorshift mixer, each a permutation of 32 bits) of i keyed by the key's halves. 32-bit multiplies are what
+// the vector units have (AVX2 has no 64-bit one): the loop vectorises, 8 or 16 draws an instruction, where
+// SplitMix64 per element drew 30 M multipliers a step of char-small in 70 ms.
 static inline uint64_t splitmix64(uint64_t z) {
     z += 0x9E3779B97F4A7C15ull;
     z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
     z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
     return z ^ (z >> 31);
 }
+static inline uint32_t mix32(uint32_t x) {
+    x ^= x >> 16;
+    x *= 0x7FEB352Du;
+    x ^= x >> 15;
+    x *= 0x846CA68Bu;
+    return x ^ (x >> 16);
+}
 extern "C" void gptlab_fast_masks(uint64_t seed, uint64_t stream, double p, float* out, int64_t n) {
     const uint64_t key = splitmix64(seed ^ splitmix64(stream));
+    const uint32_t low = (uint32_t)key, high = (uint32_t)(key >> 32);
     const float keep = 1.0f / (1.0f - (float)p), threshold = (float)p;
     PARALLEL_FOR_OVER(n)
-    for (int64_t i = 0; i < n; i++) {
-        const float u = (float)(splitmix64(key + (uint64_t)i) >> 40) * (1.0f / 16777216.0f);
+    for (int64_t i = 0; i < n; i++) {  // i's top 32 bits join the second key: every index of a tensor its own draw
+        const uint32_t h = mix32(mix32((uint32_t)i + low) ^ (high + (uint32_t)((uint64_t)i >> 32)));
+        const float u = (float)(h >> 8) * (1.0f / 16777216.0f);
         out[i] = u >= threshold ? keep : 0.0f;
     }
 }
