@@ -1,8 +1,8 @@
 """Planted bugs in the fast engine's kernels (issue 49: reference/csrc/fast.cpp and the headers beside it): a tile
 edge, a tail loop, a wrong stride, a missing accumulate, a race between threads, the online softmax's rescaling,
-the causal mask, GELU's derivative in the products' epilogue, the fused residual's dropout; each must fail the
-parity checks of tests/test_fast.py (every rung against the naive engine, the products against torch in float64,
-the same bits run to run)."""
+the causal mask, GELU's derivative in the products' epilogue and the epilogue's rows, the fused residual's dropout,
+the masks' streams; each must fail the checks of tests/test_fast.py (every rung against the naive engine, the
+products against torch in float64, the same bits run to run, the masks' law)."""
 
 from planted import Planted
 
@@ -14,6 +14,7 @@ PARITY = f"{F}::test_every_rung_matches_the_naive_engine"
 PRODUCTS = f"{F}::test_the_products_at_every_tile_and_lane_edge"
 STEPS = f"{F}::test_twenty_training_steps_follow_the_naive_engine"
 SAME_BITS = f"{F}::test_the_threaded_rungs_give_the_same_bits_every_run_and_on_any_thread_count"
+MASKS = f"{F}::test_the_engines_masks_keep_1_minus_p_at_1_over_1_minus_p_and_follow_torchs_seed"
 
 PLANTED = [
     Planted("fast: a sliver of B packed one column short at the matrix's edge", CPP, None,
@@ -55,4 +56,10 @@ PLANTED = [
               "theta[i] -= step * mom[i] / (std::sqrt(vel[i]) + feps);")], STEPS),
     Planted("fast: clipping scales the gradients by the square root of its coefficient", MODEL, None,
             [("grads[i][j] *= (float)coef;", "grads[i][j] *= (float)std::sqrt(coef);")], STEPS),
+    Planted("fast: the epilogue leaves each block's last row without its bias and GELU", CPP, None,
+            [("for (int m = ic; m < ic + mb; m++) finish_row(", "for (int m = ic; m < ic + mb - 1; m++) finish_row(")],
+            PARITY),
+    Planted("fast: every stream of a seed draws the same mask", CPP, None,
+            [("const uint64_t key = splitmix64(seed ^ splitmix64(stream));", "const uint64_t key = splitmix64(seed);")],
+            MASKS),
 ]
