@@ -17,7 +17,8 @@
 //              bias and GELU applied to each tile of the products as it leaves the kernel (GELU's derivative
 //              likewise in the backward), the cross-entropy's backward in its forward's pass
 // The structs, the exported functions and their meaning are the naive engine's (reference.cpp), float only: the
-// same Python fills both. Built with -O3 for a named target (never -ffast-math: IEEE -inf in the mask).
+// same Python fills both. Built with -O3 -fno-math-errno for a named target (never -ffast-math: IEEE -inf in the
+// mask).
 
 #include <omp.h>
 #include <unistd.h>
