@@ -30,7 +30,7 @@ FAST_SOURCE = Path(__file__).parent / "csrc" / "fast.cpp"
 VECTORS = Path(__file__).parents[1] / "inference" / "csrc" / "simd.h"  # included by fast.cpp from beside decode.cpp
 # never -ffast-math (IEEE -inf in the causal mask); -fno-math-errno changes no result (sqrt stays IEEE's) but lets a
 # loop with std::sqrt vectorise: with errno kept, every sqrt may call the C library for a negative argument, so
-# AdamW ran one float at a time (38.6 M parameters: 75 ms, then 17 ms, Zen 3)
+# AdamW ran one float at a time (docs/to-the-metal.md)
 FAST_FLAGS = ("-O3", "-fno-math-errno", "-fopenmp", "-std=c++17", "-shared", "-fPIC")
 RUNGS = ("loops", "tiles", "simd", "threads", "fused")  # fast.cpp's GPTLAB_RUNG 1 .. 5, each adding one idea
 TOP_RUNG = RUNGS[-1]  # what `--engine fast` runs

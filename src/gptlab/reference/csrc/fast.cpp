@@ -300,7 +300,7 @@ static void kernel(int kb, const float* a, const float* b, float* c, long ldc, i
             __builtin_prefetch(c + r * ldc + NR - 1, 1);
         }
         // eight steps of k a loop iteration: fewer pointer bumps and branches between the FMAs, and the loads of
-        // the next steps issued while this one's FMAs wait (+8 to +13 % on the products of every layout, Zen 3)
+        // the next steps issued while this one's FMAs wait (docs/to-the-metal.md: what the profile showed)
 #pragma GCC unroll 8
         for (int k = 0; k < kb; k++, a += MR, b += NR) {
             vf b0 = simd::load(b), b1 = simd::load(b + simd::LANES);
@@ -404,7 +404,7 @@ static void gemm_tiles(int M, int N, int K, Mat A, Mat B, float* C, long ldc, bo
                         }
                     // the epilogue on the block's rows, each whole at unit stride, while the block is in cache: tile
                     // by tile, its rows of the activation (and pre-activation) were 64-byte pieces 4 N bytes apart,
-                    // a pattern the prefetchers miss (the MLP 10 % slower than an unfused pass, Zen 3)
+                    // a pattern the prefetchers miss (the MLP was slower than with an unfused pass)
                     if (last && epi)
                         for (int m = ic; m < ic + mb; m++) finish_row(*epi, C + m * ldc + jc, m * ldc + jc, jc, nb);
                 }
@@ -699,7 +699,7 @@ extern "C" void gptlab_fast_matmul(int M, int N, int K, const float* A, long rsa
 // The stream's key is SplitMix64 of the seed and the stream; u_i is 24 bits of a 32-bit hash (two rounds of a
 // multiply-xorshift mixer, each a permutation of 32 bits) of i keyed by the key's halves. 32-bit multiplies are what
 // the vector units have (AVX2 has no 64-bit one): the loop vectorises, 8 or 16 draws an instruction, where
-// SplitMix64 per element drew 30 M multipliers a step of char-small in 70 ms.
+// SplitMix64 per element ran one draw at a time.
 static inline uint64_t splitmix64(uint64_t z) {
     z += 0x9E3779B97F4A7C15ull;
     z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
