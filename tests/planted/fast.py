@@ -1,8 +1,9 @@
 """Planted bugs in the fast engine's kernels (issue 49: reference/csrc/fast.cpp and the headers beside it): a tile
 edge, a tail loop, a wrong stride, a missing accumulate, a race between threads, the online softmax's rescaling,
 the causal mask, GELU's derivative in the products' epilogue and the epilogue's rows, the fused residual's dropout,
-the masks' streams; each must fail the checks of tests/test_fast.py (every rung against the naive engine, the
-products against torch in float64, the same bits run to run, the masks' law)."""
+the masks' streams, attention's operands packed once a head; each must fail the checks of tests/test_fast.py
+(every rung against the naive engine, the products against torch in float64, the same bits run to run, the masks'
+law)."""
 
 from planted import Planted
 
@@ -62,4 +63,10 @@ PLANTED = [
     Planted("fast: every stream of a seed draws the same mask", CPP, None,
             [("const uint64_t key = splitmix64(seed ^ splitmix64(stream));", "const uint64_t key = splitmix64(seed);")],
             MASKS),
+    Planted("fast: a block of keys read from the packed keys one sliver early", ATT, None,
+            [("return packed ? packed + (size_t)(j0 / NR) * D * NR : nullptr;",
+              "return packed ? packed + (size_t)(j0 / NR - (j0 > 0)) * D * NR : nullptr;")], PARITY),
+    Planted("fast: the packed queries' block starts at the block of keys' row", ATT, None,
+            [("product(nk, D, nq, {dP.data(), 1, KEYS}, x.rows(0, t0), at_row(x.qs, t0),",
+              "product(nk, D, nq, {dP.data(), 1, KEYS}, x.rows(0, t0), at_row(x.qs, j0),")], PARITY),
 ]

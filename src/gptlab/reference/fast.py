@@ -96,7 +96,7 @@ def tiles(lib: ctypes.CDLL) -> dict[str, int]:
 def describe_rung(lib: ctypes.CDLL) -> str:
     """Which rung and build, e.g. "fused (rung 5 of 5), x86-64-v3, avx2 vectors, 2 threads"."""
     rung = lib.gptlab_fast_rung()
-    return (f"{RUNGS[rung - 1]} (rung {rung} of {len(RUNGS)}), {getattr(lib, 'gptlab_build', '?')}, "
+    return (f"{RUNGS[rung - 1]} (rung {rung} of {len(RUNGS)}), {lib.gptlab_build}, "
             f"{lib.gptlab_fast_vectors().decode()} vectors, {lib.gptlab_fast_threads()} "
             f"thread{'s' * (lib.gptlab_fast_threads() != 1)}")
 

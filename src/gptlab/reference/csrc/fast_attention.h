@@ -18,12 +18,57 @@ static inline const float* head(const float* qkv, int b, int T, int t, int C, in
 struct Heads {
     const float* qkv;
     int b, h, T, C, D;
+    // the head's operands packed once for every block that reads them as B (packed_positions, packed_channels);
+    // nullptr where not packed
+    const float *kt = nullptr, *vt = nullptr, *ks = nullptr, *vs = nullptr, *qs = nullptr, *dys = nullptr;
     const float* at(int part, int t) const { return qkv + ((size_t)b * T + t) * 3 * C + (size_t)part * C + (size_t)h * D; }
     Mat rows(int part, int t) const { return {at(part, t), 3L * C, 1}; }        // (t.., d)
     Mat columns(int part, int t) const { return {at(part, t), 1, 3L * C}; }     // (d, t..): k^T, v^T
     size_t out(int t) const { return ((size_t)b * T + t) * C + (size_t)h * D; }  // into (N, C)
     size_t grad(int part, int t) const { return ((size_t)b * T + t) * 3 * C + (size_t)part * C + (size_t)h * D; }
 };
+
+// rung 5: a head's operand packed once, in the slivers the kernel reads as B (slivers of NR columns, k-major, zero
+// past the edge), instead of once per block that reads it. By position: the transpose (D x T), sliver s the
+// positions s NR .. s NR + NR - 1, D deep (keys for Q K^T, values for dY V^T), a block of keys from j0 at sliver
+// j0 / NR. By channel: the rows themselves (T x D), sliver s the channels s NR .., T deep (values for P V, keys for
+// dS K, queries for dS^T Q, dy for P^T dY), a block of positions from t0 at row t0 of every sliver.
+static_assert(KEYS % NR == 0 && QUERIES % NR == 0, "a block of keys starts at a whole sliver");
+static const float* packed_positions(const float* rows, long stride, int T, int D, float* out) {
+    for (int s = 0; s * NR < T; s++) pack(rows + (size_t)s * NR * stride, 1, stride, D, std::min(NR, T - s * NR), NR,
+                                          out + (size_t)s * D * NR);
+    return out;
+}
+static const float* packed_channels(const float* rows, long stride, int T, int D, float* out) {
+    for (int s = 0; s * NR < D; s++) pack(rows + (size_t)s * NR, stride, 1, T, std::min(NR, D - s * NR), NR,
+                                          out + (size_t)s * T * NR);
+    return out;
+}
+
+// C (M x N, rows ldc apart) [+]= A (M x K) B on this thread, B given packed: sliver js at b + js bstride, K deep.
+// A is packed here, whole (K at most KC: one block of K, the sums in gemm's order); a deeper K goes through gemm
+// with B as it is in memory.
+static void product(int M, int N, int K, Mat A, Mat B, const float* b, long bstride, float* C, long ldc, bool acc) {
+    if (RUNG < FUSED || b == nullptr || K > TILE.kc) return gemm(M, N, K, A, B, C, ldc, acc, nullptr, 1);
+    static thread_local std::vector<float> a_buf;
+    const int m_sl = (M + MR - 1) / MR, n_sl = (N + NR - 1) / NR;
+    float* ap = scratch(a_buf, (size_t)K * m_sl * MR);
+    for (int s = 0; s < m_sl; s++)
+        pack(A.p + (size_t)s * MR * A.rs, A.cs, A.rs, K, std::min(MR, M - s * MR), MR, ap + (size_t)s * K * MR);
+    for (int js = 0; js < n_sl; js++)
+        for (int is = 0; is < m_sl; is++) {
+            const int m0 = is * MR, n0 = js * NR;
+            kernel(K, ap + (size_t)is * K * MR, b + js * bstride, C + (size_t)m0 * ldc + n0, ldc,
+                   std::min(MR, M - m0), std::min(NR, N - n0), acc);
+        }
+}
+
+static const float* at_sliver(const float* packed, int j0, int D) {  // by position: the block from position j0
+    return packed ? packed + (size_t)(j0 / NR) * D * NR : nullptr;
+}
+static const float* at_row(const float* packed, int t0) {  // by channel: the block from position t0
+    return packed ? packed + (size_t)t0 * NR : nullptr;
+}
 
 // p = e^(s scale - shift) for the nk keys from j0 of query t (s: the block's row), 0 for a hidden key (j > t)
 static inline void softmax_row(float* s, int nk, int j0, int t, float scale, float shift) {
@@ -42,7 +87,8 @@ static void fused_forward(const Heads& x, int t0, int nq, float scale, const flo
         l(QUERIES, 0.0f);
     for (int j0 = 0; j0 < t0 + nq; j0 += KEYS) {
         const int nk = std::min(KEYS, t0 + nq - j0);
-        gemm(nq, nk, D, x.rows(0, t0), x.columns(1, j0), S.data(), KEYS, false, nullptr, 1);
+        product(nq, nk, D, x.rows(0, t0), x.columns(1, j0), at_sliver(x.kt, j0, D), (long)D * NR, S.data(), KEYS,
+                false);
         for (int i = 0; i < nq; i++) {
             float* s = S.data() + (size_t)i * KEYS;
             const int t = t0 + i, seen = std::clamp(t - j0 + 1, 0, nk);
@@ -56,7 +102,7 @@ static void fused_forward(const Heads& x, int t0, int nq, float scale, const flo
             if (mask)
                 for (int j = 0; j < seen; j++) s[j] *= mask[(size_t)t * x.T + j0 + j];
         }
-        gemm(nq, D, nk, {S.data(), KEYS, 1}, x.rows(2, j0), Y.data(), D, true, nullptr, 1);
+        product(nq, D, nk, {S.data(), KEYS, 1}, x.rows(2, j0), at_row(x.vs, j0), (long)x.T * NR, Y.data(), D, true);
     }
     for (int i = 0; i < nq; i++) {
         float* out = y + x.out(t0 + i);
@@ -75,8 +121,9 @@ static void fused_backward(const Heads& x, int t0, int nq, float scale, const fl
     for (int i = 0; i < nq; i++) delta[i] = dot(dy + x.out(t0 + i), y + x.out(t0 + i), D);
     for (int j0 = 0; j0 < t0 + nq; j0 += KEYS) {
         const int nk = std::min(KEYS, t0 + nq - j0);
-        gemm(nq, nk, D, x.rows(0, t0), x.columns(1, j0), P.data(), KEYS, false, nullptr, 1);
-        gemm(nq, nk, D, dY, x.columns(2, j0), dP.data(), KEYS, false, nullptr, 1);
+        product(nq, nk, D, x.rows(0, t0), x.columns(1, j0), at_sliver(x.kt, j0, D), (long)D * NR, P.data(), KEYS,
+                false);
+        product(nq, nk, D, dY, x.columns(2, j0), at_sliver(x.vt, j0, D), (long)D * NR, dP.data(), KEYS, false);
         for (int i = 0; i < nq; i++) {
             const int t = t0 + i;
             float *p = P.data() + (size_t)i * KEYS, *dp = dP.data() + (size_t)i * KEYS;
@@ -87,9 +134,13 @@ static void fused_backward(const Heads& x, int t0, int nq, float scale, const fl
                 dp[j] = p[j] * ((mk ? dp[j] * mk[j] : dp[j]) - delta[i]) * scale;
             }
         }
-        gemm(nk, D, nq, {mask ? PM.data() : P.data(), 1, KEYS}, dY, dqkv + x.grad(2, j0), 3L * C, true, nullptr, 1);
-        gemm(nq, D, nk, {dP.data(), KEYS, 1}, x.rows(1, j0), dqkv + x.grad(0, t0), 3L * C, true, nullptr, 1);
-        gemm(nk, D, nq, {dP.data(), 1, KEYS}, x.rows(0, t0), dqkv + x.grad(1, j0), 3L * C, true, nullptr, 1);
+        const long by_channel = (long)x.T * NR;
+        product(nk, D, nq, {mask ? PM.data() : P.data(), 1, KEYS}, dY, at_row(x.dys, t0), by_channel,
+                dqkv + x.grad(2, j0), 3L * C, true);
+        product(nq, D, nk, {dP.data(), KEYS, 1}, x.rows(1, j0), at_row(x.ks, j0), by_channel, dqkv + x.grad(0, t0),
+                3L * C, true);
+        product(nk, D, nq, {dP.data(), 1, KEYS}, x.rows(0, t0), at_row(x.qs, t0), by_channel, dqkv + x.grad(1, j0),
+                3L * C, true);
     }
 }
 
@@ -103,6 +154,10 @@ void attention_forward(const float* qkv, const float* mask, int B, int T, int C,
         const int b = bh / H, h = bh % H;
         if (RUNG >= FUSED) {
             Heads x{qkv, b, h, T, C, D};
+            static thread_local Vec kt, vs;
+            const size_t by_position = (size_t)(T + NR - 1) / NR * NR * D, by_channel = (size_t)(D + NR - 1) / NR * NR * T;
+            x.kt = packed_positions(x.at(1, 0), 3L * C, T, D, scratch(kt, by_position));
+            x.vs = packed_channels(x.at(2, 0), 3L * C, T, D, scratch(vs, by_channel));
             for (int t0 = 0; t0 < T; t0 += QUERIES) fused_forward(x, t0, std::min(QUERIES, T - t0), scale,
                                                                   mask ? mask + (size_t)bh * T * T : nullptr, y,
                                                                   lse + (size_t)bh * T);
@@ -139,6 +194,13 @@ void attention_backward(const float* qkv, const float* probs, const float* lse, 
         const int b = bh / H, h = bh % H;
         if (RUNG >= FUSED) {
             Heads x{qkv, b, h, T, C, D};
+            static thread_local Vec kt, vt, ks, qs, dys;
+            const size_t by_position = (size_t)(T + NR - 1) / NR * NR * D, by_channel = (size_t)(D + NR - 1) / NR * NR * T;
+            x.kt = packed_positions(x.at(1, 0), 3L * C, T, D, scratch(kt, by_position));
+            x.vt = packed_positions(x.at(2, 0), 3L * C, T, D, scratch(vt, by_position));
+            x.ks = packed_channels(x.at(1, 0), 3L * C, T, D, scratch(ks, by_channel));
+            x.qs = packed_channels(x.at(0, 0), 3L * C, T, D, scratch(qs, by_channel));
+            x.dys = packed_channels(dy + x.out(0), C, T, D, scratch(dys, by_channel));
             for (int t0 = 0; t0 < T; t0 += QUERIES)
                 fused_backward(x, t0, std::min(QUERIES, T - t0), scale, mask ? mask + (size_t)bh * T * T : nullptr,
                                y, dy, lse + (size_t)bh * T, dqkv);
