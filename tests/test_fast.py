@@ -7,6 +7,7 @@ the same bits run to run and thread count to thread count."""
 
 import ctypes
 import itertools
+from pathlib import Path
 
 import pytest
 import torch
@@ -269,3 +270,24 @@ def test_the_fast_optimizer_is_the_rungs_adamw_at_the_runs_settings():
         assert library.profile(lib)["adamw"] == len(list(model.parameters()))  # the rung's AdamW, once a tensor
     finally:
         library.tick_clock(lib, False)
+
+
+def test_a_rung_is_built_for_the_build_it_names_and_again_when_the_vector_layer_changes(monkeypatch, tmp_path):
+    """build_fast's compile request (compiled.build_shared, recorded; the loops rung's library stands in for what it
+    would build): the named build, as a name or a Build, in the library's name and flags with the rung's level; the
+    vector layer's text in the build's key, so an edit of simd.h builds the rung again."""
+    seen, built = [], fast.fast_library("loops")._name
+
+    def build_shared(source, flags, folder, prefix, key=""):
+        seen.append((tuple(flags), prefix, key, folder))
+        return Path(built)
+    monkeypatch.setattr(compiled, "build_shared", build_shared)
+    lib = fast.build_fast("loops", "plain", folder=tmp_path)
+    fast.build_fast("loops", compiled.BUILDS["plain"], folder=tmp_path)
+    (tmp_path / "simd.h").write_text(fast.VECTORS.read_text() + "// another vector layer\n")
+    monkeypatch.setattr(fast, "VECTORS", tmp_path / "simd.h")
+    fast.build_fast("loops", "plain", folder=tmp_path)
+    assert lib.gptlab_build == "plain" and fast.describe_rung(lib).startswith("loops (rung 1 of 5), plain, ")
+    assert [s[1] for s in seen] == ["fast-loops-plain"] * 3 and all(s[3] == tmp_path for s in seen)
+    assert seen[0][0] == seen[1][0] == (*fast.FAST_FLAGS, "-DGPTLAB_RUNG=1")
+    assert seen[0][2] == seen[1][2] != seen[2][2]
