@@ -61,6 +61,17 @@ def test_every_rung_matches_the_naive_engine(rung, case):
     assert gap <= TOLERANCE, f"{rung[0]}: {name} differs by {gap:.2e}"
 
 
+
+def test_a_head_deeper_than_the_k_tile_matches_the_naive_engine():
+    """One head of KC + 1 channels: the fused attention's products over a head take gemm's blocked path (K past one
+    tile) instead of the head's packed operands."""
+    lib = fast.fast_library("fused")
+    width = fast.tiles(lib)["kc"] + 1
+    model = sharpened(trained_like(dict(n_layer=1, n_head=1, n_embd=width, vocab_size=11, block_size=8)))
+    idx, tgt = batch(11, 2, 7, False)
+    gap, name = worst(model, idx, tgt, None, lib, ng.step(model, idx, tgt, grads=True))
+    assert gap <= TOLERANCE, f"fused: {name} differs by {gap:.2e}"
+
 @pytest.fixture(scope="module")
 def gpt2_step():
     """GPT-2 124M's shape (untied nothing: the LM head is wte), one short batch, and the naive engine's step."""

@@ -15,6 +15,7 @@ PARITY = f"{F}::test_every_rung_matches_the_naive_engine"
 PRODUCTS = f"{F}::test_the_products_at_every_tile_and_lane_edge"
 STEPS = f"{F}::test_twenty_training_steps_follow_the_naive_engine"
 SAME_BITS = f"{F}::test_the_threaded_rungs_give_the_same_bits_every_run_and_on_any_thread_count"
+DEEP = f"{F}::test_a_head_deeper_than_the_k_tile_matches_the_naive_engine"
 MASKS = f"{F}::test_the_engines_masks_keep_1_minus_p_at_1_over_1_minus_p_and_follow_torchs_seed"
 
 PLANTED = [
@@ -69,4 +70,7 @@ PLANTED = [
     Planted("fast: the packed queries' block starts at the block of keys' row", ATT, None,
             [("product(nk, D, nq, {dP.data(), 1, KEYS}, x.rows(0, t0), at_row(x.qs, t0),",
               "product(nk, D, nq, {dP.data(), 1, KEYS}, x.rows(0, t0), at_row(x.qs, j0),")], PARITY),
+    Planted("fast: a head deeper than the K tile loses its last channel in attention's products", ATT, None,
+            [("K > TILE.kc) return gemm(M, N, K, A, B, C, ldc, acc, nullptr, 1);",
+              "K > TILE.kc) return gemm(M, N, K - 1, A, B, C, ldc, acc, nullptr, 1);")], DEEP),
 ]
