@@ -255,3 +255,26 @@ def test_bench_reference_gives_each_function_its_calls_per_timed_step_on_the_tic
     with ticking(reference_engine):
         result = reference.time_shape(shape, steps=2, warmup=1, peak=None)
     assert result["naive_by_function"] == calls(shape.model.n_layer, tensors, backward=True, optimizer=True)
+
+
+def test_generation_over_the_cache_runs_on_the_models_own_library_and_refuses_a_cache_of_keys():
+    """NaiveGPT's steps over its cache of ids go to engine_library(): a fast rung's for a FastGPT (its clock, ticking,
+    counts the products), not the naive engine's; a cache shaped for keys and values (more layers, or heads wider
+    than one id) is refused in one line."""
+    from gptlab.model import KVCache
+    from gptlab.reference import fast
+
+    torch.manual_seed(0)
+    model = fast.fast_model(GPT(ModelConfig(vocab_size=13, block_size=8, n_layer=1, n_head=2, n_embd=8,
+                                            dropout=0.0))).eval()
+    lib = fast.fast_library()
+    library.reset_profile(lib)
+    library.tick_clock(lib, True)  # each reading of the rung's clock one tick: a function's total is its calls
+    try:
+        model(torch.tensor([[1, 2, 3]]), kv_cache=model.new_kv_cache(1))
+    finally:
+        library.tick_clock(lib, False)
+    assert library.profile(lib)["linear_forward"] > 0
+    for cache in (KVCache(2, 1, 1, 8, 1, "cpu"), KVCache(1, 1, 1, 8, 4, "cpu")):
+        with pytest.raises(ValueError, match="keeps token ids, not keys and values"):
+            model(torch.tensor([[1]]), kv_cache=cache)
