@@ -13,9 +13,10 @@
 //              Python passes: torch's, never more), each output written by one thread in a fixed order, so two
 //              runs give the same bits
 //   5 fused    attention with an online softmax over blocks of keys (no T x T matrix kept: the backward
-//              recomputes it from one log-sum-exp per row), the residual add fused into the LayerNorm after it, the
-//              bias and GELU applied to each tile of the products as it leaves the kernel (GELU's derivative
-//              likewise in the backward), the cross-entropy's backward in its forward's pass
+//              recomputes it from one log-sum-exp per row; each head's operands packed once), the residual add
+//              fused into the LayerNorm after it, the bias and GELU applied to a block of the products' rows once
+//              its last block of K is done (GELU's derivative likewise in the backward), the cross-entropy's
+//              backward in its forward's pass
 // The structs, the exported functions and their meaning are the naive engine's (reference.cpp), float only: the
 // same Python fills both. Built with -O3 -fno-math-errno for a named target (never -ffast-math: IEEE -inf in the
 // mask).

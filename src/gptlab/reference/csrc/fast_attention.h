@@ -18,8 +18,8 @@ static inline const float* head(const float* qkv, int b, int T, int t, int C, in
 struct Heads {
     const float* qkv;
     int b, h, T, C, D;
-    // the head's operands packed once for every block that reads them as B (packed_positions, packed_channels);
-    // nullptr where not packed
+    // the head's operands packed once for every block that reads them as B (packed_positions, packed_channels):
+    // the forward packs kt and vs, the backward kt, vt, ks, qs and dys
     const float *kt = nullptr, *vt = nullptr, *ks = nullptr, *vs = nullptr, *qs = nullptr, *dys = nullptr;
     const float* at(int part, int t) const { return qkv + ((size_t)b * T + t) * 3 * C + (size_t)part * C + (size_t)h * D; }
     Mat rows(int part, int t) const { return {at(part, t), 3L * C, 1}; }        // (t.., d)
@@ -34,12 +34,14 @@ struct Heads {
 // j0 / NR. By channel: the rows themselves (T x D), sliver s the channels s NR .., T deep (values for P V, keys for
 // dS K, queries for dS^T Q, dy for P^T dY), a block of positions from t0 at row t0 of every sliver.
 static_assert(KEYS % NR == 0 && QUERIES % NR == 0, "a block of keys starts at a whole sliver");
-static const float* packed_positions(const float* rows, long stride, int T, int D, float* out) {
+static const float* packed_positions(const float* rows, long stride, int T, int D, Vec& buffer) {
+    float* out = scratch(buffer, (size_t)(T + NR - 1) / NR * NR * D);
     for (int s = 0; s * NR < T; s++) pack(rows + (size_t)s * NR * stride, 1, stride, D, std::min(NR, T - s * NR), NR,
                                           out + (size_t)s * D * NR);
     return out;
 }
-static const float* packed_channels(const float* rows, long stride, int T, int D, float* out) {
+static const float* packed_channels(const float* rows, long stride, int T, int D, Vec& buffer) {
+    float* out = scratch(buffer, (size_t)(D + NR - 1) / NR * NR * T);
     for (int s = 0; s * NR < D; s++) pack(rows + (size_t)s * NR, stride, 1, T, std::min(NR, D - s * NR), NR,
                                           out + (size_t)s * T * NR);
     return out;
@@ -49,7 +51,7 @@ static const float* packed_channels(const float* rows, long stride, int T, int D
 // A is packed here, whole (K at most KC: one block of K, the sums in gemm's order); a deeper K goes through gemm
 // with B as it is in memory.
 static void product(int M, int N, int K, Mat A, Mat B, const float* b, long bstride, float* C, long ldc, bool acc) {
-    if (RUNG < FUSED || b == nullptr || K > TILE.kc) return gemm(M, N, K, A, B, C, ldc, acc, nullptr, 1);
+    if (K > TILE.kc) return gemm(M, N, K, A, B, C, ldc, acc, nullptr, 1);
     static thread_local std::vector<float> a_buf;
     const int m_sl = (M + MR - 1) / MR, n_sl = (N + NR - 1) / NR;
     float* ap = scratch(a_buf, (size_t)K * m_sl * MR);
@@ -64,10 +66,10 @@ static void product(int M, int N, int K, Mat A, Mat B, const float* b, long bstr
 }
 
 static const float* at_sliver(const float* packed, int j0, int D) {  // by position: the block from position j0
-    return packed ? packed + (size_t)(j0 / NR) * D * NR : nullptr;
+    return packed + (size_t)(j0 / NR) * D * NR;
 }
 static const float* at_row(const float* packed, int t0) {  // by channel: the block from position t0
-    return packed ? packed + (size_t)t0 * NR : nullptr;
+    return packed + (size_t)t0 * NR;
 }
 
 // p = e^(s scale - shift) for the nk keys from j0 of query t (s: the block's row), 0 for a hidden key (j > t)
@@ -155,9 +157,8 @@ void attention_forward(const float* qkv, const float* mask, int B, int T, int C,
         if (RUNG >= FUSED) {
             Heads x{qkv, b, h, T, C, D};
             static thread_local Vec kt, vs;
-            const size_t by_position = (size_t)(T + NR - 1) / NR * NR * D, by_channel = (size_t)(D + NR - 1) / NR * NR * T;
-            x.kt = packed_positions(x.at(1, 0), 3L * C, T, D, scratch(kt, by_position));
-            x.vs = packed_channels(x.at(2, 0), 3L * C, T, D, scratch(vs, by_channel));
+            x.kt = packed_positions(x.at(1, 0), 3L * C, T, D, kt);
+            x.vs = packed_channels(x.at(2, 0), 3L * C, T, D, vs);
             for (int t0 = 0; t0 < T; t0 += QUERIES) fused_forward(x, t0, std::min(QUERIES, T - t0), scale,
                                                                   mask ? mask + (size_t)bh * T * T : nullptr, y,
                                                                   lse + (size_t)bh * T);
@@ -195,12 +196,11 @@ void attention_backward(const float* qkv, const float* probs, const float* lse, 
         if (RUNG >= FUSED) {
             Heads x{qkv, b, h, T, C, D};
             static thread_local Vec kt, vt, ks, qs, dys;
-            const size_t by_position = (size_t)(T + NR - 1) / NR * NR * D, by_channel = (size_t)(D + NR - 1) / NR * NR * T;
-            x.kt = packed_positions(x.at(1, 0), 3L * C, T, D, scratch(kt, by_position));
-            x.vt = packed_positions(x.at(2, 0), 3L * C, T, D, scratch(vt, by_position));
-            x.ks = packed_channels(x.at(1, 0), 3L * C, T, D, scratch(ks, by_channel));
-            x.qs = packed_channels(x.at(0, 0), 3L * C, T, D, scratch(qs, by_channel));
-            x.dys = packed_channels(dy + x.out(0), C, T, D, scratch(dys, by_channel));
+            x.kt = packed_positions(x.at(1, 0), 3L * C, T, D, kt);
+            x.vt = packed_positions(x.at(2, 0), 3L * C, T, D, vt);
+            x.ks = packed_channels(x.at(1, 0), 3L * C, T, D, ks);
+            x.qs = packed_channels(x.at(0, 0), 3L * C, T, D, qs);
+            x.dys = packed_channels(dy + x.out(0), C, T, D, dys);
             for (int t0 = 0; t0 < T; t0 += QUERIES)
                 fused_backward(x, t0, std::min(QUERIES, T - t0), scale, mask ? mask + (size_t)bh * T * T : nullptr,
                                y, dy, lse + (size_t)bh * T, dqkv);
