@@ -43,9 +43,10 @@ HERE = Path(__file__).resolve().parents[1]  # this repository: the hooks and the
 sys.path.insert(0, str(HERE / "scripts"))  # mutants_ledger.py, beside this file
 from mutants_ledger import changed_lines, find, functions, load_equivalents, module_of, only_message_changed
 # -11 / -6: the tests' process died of SIGSEGV / SIGABRT (a mutant that passes a bad pointer to C++): the suite fails
-STATUS = {1: "killed", 3: "killed", -11: "killed", -6: "killed", 36: "timeout", 24: "timeout", -24: "timeout", 152: "timeout", 255: "timeout",
+STATUS = {1: "killed", 3: "killed", -11: "killed", -6: "killed", 36: "timeout", 24: "timeout", -24: "timeout", 152: "timeout",
           0: "survived", 5: "no tests", 33: "no tests", 34: "message", 35: "not sampled",
-          None: "not checked"}  # the rest: "other"
+          None: "not checked"}  # the rest: "other"; mutmut's 255 among them (its worker's call of pytest raised, e.g.
+# pytest's usage error for a test id it cannot find: no verdict on the mutant; mutmut itself counts it a timeout)
 COLUMNS = ["generated", "message", "equivalent", "killed", "timeout", "survived", "no tests", "other", "not checked",
            "not sampled"]
 LINKED = ["src", "tests", "README.md", "docs", "scripts", "Makefile"]  # what a module's folder sees of the repo
@@ -276,8 +277,8 @@ def tool_env(folder: Path) -> dict[str, str]:
 
 def forget_for_new_tests(folder: Path, module: Module, fingerprint: str) -> frozenset[str]:
     """When the tests changed since the last run began: the stats (which test reaches which function) are
-    collected again and the survivors and untested mutants are tested again; kills stand. Returns those mutants
-    (a sample keeps them)."""
+    collected again and the survivors, the untested and the unclassified ("other") mutants are tested again; kills
+    stand. Returns those mutants (a sample keeps them)."""
     stamp = folder / "tests-fingerprint"
     if stamp.exists() and stamp.read_text() == fingerprint:
         return frozenset()
@@ -285,7 +286,8 @@ def forget_for_new_tests(folder: Path, module: Module, fingerprint: str) -> froz
     again: set[str] = set()
     for _, meta in metas(folder, module):
         data = json.loads(meta.read_text())
-        again |= {k for k, c in data["exit_code_by_key"].items() if STATUS.get(c) in ("survived", "no tests")}
+        again |= {k for k, c in data["exit_code_by_key"].items()
+                  if STATUS.get(c, "other") in ("survived", "no tests", "other")}
         data["exit_code_by_key"] = {k: None if k in again else c for k, c in data["exit_code_by_key"].items()}
         meta.write_text(json.dumps(data, indent=4))
     return frozenset(again)

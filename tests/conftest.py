@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import CORPUS
+from helpers import CORPUS, unselectable_ids
 from hypothesis import HealthCheck, settings
 
 import gptlab
@@ -141,6 +141,12 @@ _outcomes: dict[str, dict] = {}  # device path -> {"passed": n, "failed": n, "sk
 
 def pytest_collection_modifyitems(items):
     for item in items:
+        for mark in item.iter_markers("parametrize"):
+            if isinstance(mark.kwargs.get("ids"), (list, tuple)) and (bad := unselectable_ids(mark.kwargs["ids"])):
+                raise pytest.UsageError(f"{item.nodeid}: the parametrize ids {bad} hold a backslash or a character "
+                                        "outside printable ASCII; pytest escapes them again when it collects twice "
+                                        "in one process (mutmut does), so the test cannot be run by its id: "
+                                        "spell the ids without them")
         marker = item.get_closest_marker("device_path")
         item.user_properties.append(("device_path", marker.args[0] if marker else "cpu"))
 

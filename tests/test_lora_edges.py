@@ -161,7 +161,7 @@ REFUSED = [  # (setting, a value PEFT takes): each one a model gptlab's plain Lo
 ]
 
 
-@pytest.mark.parametrize("setting, value", REFUSED, ids=[f"{k}={v}".replace(" ", "").replace("'", "")
+@pytest.mark.parametrize("setting, value", REFUSED, ids=[f"{k}={v}".translate({ord(c): None for c in " '\\"})
                                                            for k, v in REFUSED])
 def test_a_peft_setting_gptlab_does_not_implement_is_refused_in_one_line_naming_it(made, capsys, monkeypatch,
                                                                                    setting, value):

@@ -296,3 +296,31 @@ def test_the_kernels_sources_are_copied_into_mutmuts_copy_of_src(tmp_path):
     assert (copy / "csrc" / "simd.h").read_text() == "// new"
     mutants.refresh_native_sources(tmp_path / "repo", tmp_path / "empty")  # nothing generated there yet
     assert not (tmp_path / "empty").exists()
+
+
+TWICE = """
+import sys, pytest
+args = ["-q", "-p", "no:cacheprovider", "-o", "addopts=", "--rootdir", sys.argv[1]]
+first = pytest.main(["--collect-only"] + args + [sys.argv[1]])
+second = pytest.main(["--collect-only"] + args + [sys.argv[1] + "/test_ids.py::test_one[" + sys.argv[2] + "]"])
+print("EXITS", first, second)
+"""
+
+
+@pytest.mark.parametrize("explicit, found", [("a.c", True), ("a\\\\.c", False)])
+def test_an_id_pytest_escapes_cannot_be_found_by_a_second_collection_and_the_suite_refuses_one(tmp_path, explicit,
+                                                                                             found):
+    """Why tests/conftest.py refuses such ids: mutmut's worker collects the module's tests once, then runs a
+    mutant's tests by their ids in the same process; an explicit id with a backslash (escaped again at the second
+    collection) is not found, pytest exits with its usage error, and mutmut counted each such mutant a timeout
+    (the 291 false timeouts of lora's run of 2026-12-07)."""
+    (tmp_path / "test_ids.py").write_text(
+        "import pytest\n@pytest.mark.parametrize('x', [1], ids=[%r])\ndef test_one(x):\n    pass\n"
+        % explicit.replace("\\\\", "\\"))
+    out = subprocess.run([sys.executable, "-c", TWICE, str(tmp_path), explicit], capture_output=True, text=True,
+                         cwd=tmp_path).stdout
+    assert ("EXITS 0 0" if found else "EXITS 0 4") in out, out
+    from helpers import unselectable_ids
+    assert unselectable_ids(["a.c", "sample --prompt Zebra snowman", 3, None]) == []
+    assert unselectable_ids(["a.c", explicit.replace("\\\\", "\\"), "tab\there", "Zebra ☃"]) == (
+        ["tab\there", "Zebra ☃"] if found else ["a\\.c", "tab\there", "Zebra ☃"])

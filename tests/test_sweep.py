@@ -205,7 +205,8 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("argv, words", CASES, ids=[" ".join(a[:1] + a[-2:]) for a, _ in CASES])
+@pytest.mark.parametrize("argv, words", CASES, ids=[" ".join(a[:1] + a[-2:]).replace("☃", "snowman")
+                                                       for a, _ in CASES])
 def test_bad_input_is_one_clear_line_and_changes_nothing(world, capsys, monkeypatch, argv, words):
     monkeypatch.chdir(world)  # whatever a command writes by default (runs/, data/) lands in the tree too
     before = tree(world)
