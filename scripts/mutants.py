@@ -132,7 +132,8 @@ MODULES = {
                 "test_tasks test_harness test_tasks_vs_harness"),
     "reference": _m("reference/naive_gpt reference/naive_adamw reference/library reference/naive_training reference/check "
                     "compiled",
-                    "test_reference test_reference_cli test_reference_mutants test_compiled test_reference_edges"),
+                    "test_reference test_reference_cli test_reference_mutants test_compiled test_reference_edges "
+                    "test_fused test_lanes"),  # the builds compiled.py chooses and compiles are tested there
     # issue 49: the fast engine's Python (its rungs' libraries, FastGPT, the masks it draws) and bench metal
     "fast": _m("reference/fast", "test_fast test_fast_engine_cli"),
     "bench.metal": _m("bench/metal", "test_bench_metal"),

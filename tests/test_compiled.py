@@ -63,3 +63,14 @@ def test_a_header_beside_the_source_is_part_of_its_key(tmp_path):
     before = compiled.source_key(source)
     (tmp_path / "x.h").write_text("int a = 2;\n")
     assert compiled.source_key(source) != before
+
+
+def test_without_a_compiler_the_line_names_cxx_or_else_g_plus_plus(monkeypatch, tmp_path):
+    """No compiler on PATH: the build is refused naming the one looked for, $CXX where it is set, else g++."""
+    monkeypatch.setenv("PATH", str(tmp_path))
+    monkeypatch.delenv("CXX", raising=False)
+    assert compiled.compiler() is None and compiled.compiler_name() == "g++"
+    with pytest.raises(compiled.BuildError, match="^no g\\+\\+ on PATH$"):
+        compiled.build_shared(library.SOURCE, O0, tmp_path / "k", "t")
+    monkeypatch.setenv("CXX", "clang++-99")
+    assert compiled.compiler() is None and compiled.compiler_name() == "clang++-99"

@@ -127,6 +127,16 @@ def test_a_peft_folder_with_bad_token_indices_or_a_damaged_config_is_one_line(tu
             assert words in run_bad(capsys, *argv)
         else:  # one embedding's ids by module name, as PEFT also writes them
             run_ok(capsys, *argv)
+    (folder / "adapter_config.json").write_text(json.dumps({**config, "trainable_token_indices": [1, 2, 3, 4]}))
+    said = run_bad(capsys, "import", "peft", str(folder), "--base", str(tuned / "runs" / "base"), "--run",
+                   str(tmp_path / "r7"))  # ids the base has, not the markers: the adapter is not gptlab's chat
+    assert "trains the rows of tokens [1, 2, 3, 4], which are not the chat markers" in said
+    assert "([50257, 50258, 50259, 50260])" in said
+    (folder / "adapter_config.json").write_text(json.dumps(config))  # the markers, onto a base that has them
+    said = run_bad(capsys, "import", "peft", str(folder), "--base", str(tuned / "runs" / "chat"), "--run",
+                   str(tmp_path / "r8"))
+    assert "which are not the chat markers added to the base's tokenizer" in said
+    assert not (tmp_path / "r7").exists() and not (tmp_path / "r8").exists()
     (folder / "adapter_config.json").write_text("{")
     assert "is damaged (not valid JSON)" in run_bad(capsys, "import", "peft", str(folder), "--base",
                                                     str(tuned / "runs" / "base"), "--run", str(tmp_path / "r9"))

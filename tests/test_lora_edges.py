@@ -203,3 +203,16 @@ def test_every_setting_of_peft_s_lora_config_is_either_read_refused_or_known_to_
     known = set(gptlab_peft._UNSUPPORTED) | set(gptlab_peft._HARMLESS) | set(gptlab_peft._READ)
     assert {f.name for f in dataclasses.fields(LoraConfig)} - known == set()
     assert not set(gptlab_peft._UNSUPPORTED) & (set(gptlab_peft._HARMLESS) | set(gptlab_peft._READ))
+
+
+def test_an_embedding_with_trainable_tokens_prints_as_one_and_lives_on_its_base_s_device():
+    """print(model) shows nn.Embedding's own line (no norm, sparse or scaled-gradient setting it does not have),
+    and the ids it keeps are made where the base's weight is: here the meta device, so that a tensor made on
+    the default device instead would show (on the CPU alone the two are the same)."""
+    base = torch.nn.Embedding(11, 4, device="meta")
+    tokens = lora.TrainableTokens(base, [3, 7])
+    assert repr(tokens) == "TrainableTokens(11, 4)"
+    assert {t.device.type for t in (tokens.token_ids, tokens.slot, tokens.token_values)} == {"meta"}
+    assert (tokens.token_ids.dtype, tokens.slot.dtype) == (torch.long, torch.long)
+    cpu = lora.TrainableTokens(torch.nn.Embedding(11, 4), [3, 7])
+    assert cpu.slot.tolist() == [-1, -1, -1, 0, -1, -1, -1, 1, -1, -1, -1]

@@ -86,6 +86,51 @@ def test_reference_check_reports_the_known_gaps_of_an_engine_made_to_differ(monk
     assert all(r.max_rel <= TOLERANCE for name, r in rows.items() if name not in expected)
 
 
+def test_check_compares_in_fp32_by_default_and_leaves_the_model_as_it_was():
+    """compare_engines without a precision runs the engine and torch in fp32 (gaps of fp32's rounding, not
+    float64's), on a copy: the caller's model keeps its frozen parameter frozen and the gradient it held."""
+    torch.manual_seed(0)
+    model = perturbed(GPT(ModelConfig(n_layer=1, n_embd=16, n_head=2, vocab_size=23, block_size=8)))
+    model.transformer.wpe.weight.requires_grad_(False)
+    held = torch.full_like(model.lm_head.weight, 0.5)
+    model.lm_head.weight.grad = held.clone()
+    x, y = batch(23, 2, 8)
+    rows = {r.tensor: r for r in compare_engines(model, x, y)}
+    assert 1e-9 < rows["logits"].max_rel <= 1e-5
+    assert not model.transformer.wpe.weight.requires_grad and model.transformer.wte.weight.requires_grad
+    assert torch.equal(model.lm_head.weight.grad, held) and model.transformer.ln_f.weight.grad is None
+
+
+def test_clipping_no_gradients_returns_torchs_zero_norm():
+    """Parameters without gradients (all frozen): a 0-dim zero norm, what torch.nn.utils.clip_grad_norm_ returns."""
+    params = [torch.zeros(3, requires_grad=True), torch.ones(2, 2, requires_grad=True)]
+    got, torchs = clip_grad_norm(params, 1.0), torch.nn.utils.clip_grad_norm_(params, 1.0)
+    assert got.shape == torchs.shape == () and got.item() == torchs.item() == 0.0
+
+
+@pytest.mark.parametrize("max_norm", [0.5, float("inf")])
+def test_clipping_one_gradient_or_at_an_infinite_limit_is_torchs(max_norm):
+    """One tensor's gradient of norm 5 (3-4-0 by hand): clipped to 0.5 as torch clips it, or left whole at an
+    infinite max_norm; the norm returned is 5 either way."""
+    mine, torchs = (torch.zeros(3, dtype=f64, requires_grad=True) for _ in range(2))
+    for p in (mine, torchs):
+        p.grad = torch.tensor([3.0, 4.0, 0.0], dtype=f64)
+    norm, want = clip_grad_norm([mine], max_norm), torch.nn.utils.clip_grad_norm_([torchs], max_norm)
+    assert norm.item() == pytest.approx(5.0, rel=1e-15) and want.item() == pytest.approx(5.0, rel=1e-15)
+    torch.testing.assert_close(mine.grad, torchs.grad, rtol=1e-15, atol=0)
+    assert mine.grad.norm().item() == pytest.approx(min(max_norm, 5.0), rel=1e-5)
+
+
+def test_the_reference_cache_stays_on_the_cpu_whatever_the_default_device():
+    """The engine reads its cache of ids from CPU memory: a NaiveGPT's new_kv_cache is made there even under
+    another default device (meta here, the one any machine has)."""
+    naive = naive_model(GPT(ModelConfig(n_layer=1, n_embd=8, n_head=2, vocab_size=13, block_size=8)))
+    with torch.device("meta"):
+        cache = naive.new_kv_cache(2)
+    assert {cache.k.device.type, cache.v.device.type, cache.pos.device.type} == {"cpu"}
+    assert cache.k.dtype == torch.float32 and cache.k.shape == (1, 2, 1, 8, 1)
+
+
 # ---- dropout: the engine's own masks ------------------------------------------------------------------------------
 
 DROP_SHAPE = dict(n_layer=2, n_embd=24, n_head=3, vocab_size=31, block_size=32, dropout=P)
@@ -118,6 +163,7 @@ def test_the_engines_own_masks_drop_a_fraction_p_and_keep_the_mean_multiplier_on
         assert abs(zeros - P) <= SIGMAS * (P * (1 - P) / n) ** 0.5, (kind, zeros)
         assert abs(values.mean().item() - 1) <= SIGMAS * (P / (1 - P) / n) ** 0.5, kind
         assert torch.all(values[values != 0] == KEPT), kind
+        assert {m.dtype for m in drawn} == {f64}, kind  # the model's dtype: 1 / (1 - p) to float64's precision
     assert naive.eval().draw_masks(B, T) is None
 
 

@@ -24,7 +24,7 @@ def _suffix(t: torch.Tensor) -> str:
 
 def clip_grad_norm(params: Iterable[torch.Tensor], max_norm: float, lib: ctypes.CDLL | None = None) -> torch.Tensor:
     """The global norm of the parameters' gradients (each tensor once), computed by the engine, which scales them
-    all by max_norm / (norm + 1e-6) when that is below 1 (max_norm 0 or inf: no clipping). Returns the norm
+    all by max_norm / (norm + 1e-6) when that is below 1 (max_norm 0: no clipping; inf: a factor of inf, none). Returns the norm
     before clipping, as a 0-dim tensor of the gradients' dtype."""
     grads = [p.grad for p in dict.fromkeys(params) if p.grad is not None]
     if not grads:
@@ -35,8 +35,7 @@ def clip_grad_norm(params: Iterable[torch.Tensor], max_norm: float, lib: ctypes.
     pointers = (ctypes.c_void_p * len(grads))(*[g.data_ptr() for g in grads])
     sizes = torch.tensor([g.numel() for g in grads], dtype=torch.int64)
     fn = getattr(lib or library.load_library(), f"gptlab_clip_grad_norm_{suffix}")
-    limit = 0.0 if max_norm == float("inf") else float(max_norm)
-    return torch.tensor(fn(pointers, sizes.data_ptr(), len(grads), limit), dtype=grads[0].dtype)
+    return torch.tensor(fn(pointers, sizes.data_ptr(), len(grads), float(max_norm)), dtype=grads[0].dtype)
 
 
 class NaiveAdamW(torch.optim.Optimizer):

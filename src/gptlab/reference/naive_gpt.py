@@ -192,7 +192,7 @@ class NaiveGPT(GPT):
             return None
         return DropoutMasks.draw(self, B, T, p, self.transformer.wte.weight.dtype)
 
-    def _over_cache(self, idx: torch.Tensor, cache: KVCache, last_only: bool, head: bool = True) -> torch.Tensor | None:
+    def _over_cache(self, idx: torch.Tensor, cache: KVCache, last_only: bool, head: bool) -> torch.Tensor | None:
         """idx (B, T) continues each row at cache.pos: its ids are stored, and each row's logits for them come
         from the engine run over all of that row's ids (rows of one length in one call; none without the `head`:
         the ids only stored); pos advances by T."""
