@@ -191,6 +191,27 @@ def test_a_naive_gpt_training_on_its_own_masks_gives_torchs_loss_and_gradients_u
         assert rel(q.grad, p.grad) <= TOLERANCE, name
 
 
+def test_a_naive_gpt_forward_without_gradients_applies_its_masks_and_keeps_the_last_position(monkeypatch):
+    """In training mode without gradients (no targets), the engine still applies the masks the model drew: its
+    last-position logits (last_only) equal torch's forward under those masks, in float64."""
+    from gptlab import model as model_module
+
+    torch.manual_seed(13)
+    plain = perturbed(GPT(ModelConfig(**{**DROP_SHAPE, "block_size": 9}))).double().train()
+    naive = naive_model(copy.deepcopy(plain)).train()
+    drawn, draw = [], naive.draw_masks
+    monkeypatch.setattr(naive, "draw_masks", lambda B, T: drawn.append(draw(B, T)) or drawn[-1])
+    x, _ = batch(31, 3, 9)
+    with torch.no_grad():
+        logits = naive(x, last_only=True)[0]
+    (masks,) = drawn
+    queue = [masks.emb] + [m for layer in zip(masks.attn, masks.attn_resid, masks.mlp_resid) for m in layer]
+    monkeypatch.setattr(model_module.Dropout, "forward", lambda self, t: t * queue.pop(0))
+    expected = plain(x)[0][:, -1:].detach()  # with gradients: torch's attention applies its Dropout module then
+    assert not queue and logits.shape == (3, 1, 31)
+    assert rel(logits, expected) <= TOLERANCE
+
+
 # ---- LayerNorm's epsilon and the other shape settings, off their defaults -----------------------------------------
 
 EPS = 1e-2  # LayerNorm's epsilon: 1e-5 by default, here as large as the variance of the rows it normalises
@@ -324,3 +345,28 @@ def test_generation_over_the_cache_runs_on_the_models_own_library_and_refuses_a_
     for cache in (KVCache(2, 1, 1, 8, 1, "cpu"), KVCache(1, 1, 1, 8, 4, "cpu")):
         with pytest.raises(ValueError, match="keeps token ids, not keys and values"):
             model(torch.tensor([[1]]), kv_cache=cache)
+
+
+def test_training_and_plain_forwards_run_on_the_models_own_library():
+    """A FastGPT's training step (the loss with gradients) and its forward without gradients both go to its rung's
+    library (its clock, ticking, counts the calls), not the naive engine's."""
+    from gptlab.reference import fast
+
+    torch.manual_seed(0)
+    model = fast.fast_model(GPT(ModelConfig(vocab_size=13, block_size=8, n_layer=1, n_head=2, n_embd=8,
+                                            dropout=0.0)))
+    lib, naive_lib = fast.fast_library(), library.load_library()
+    x, y = batch(13, 2, 8)
+    for run in (lambda: model.train()(x, y)[1].backward(), lambda: model.eval()(x)):
+        library.reset_profile(lib)
+        library.reset_profile(naive_lib)
+        library.tick_clock(lib, True)
+        library.tick_clock(naive_lib, True)
+        try:
+            with torch.enable_grad():
+                run()
+        finally:
+            library.tick_clock(lib, False)
+            library.tick_clock(naive_lib, False)
+        assert library.profile(lib)["linear_forward"] > 0
+        assert library.profile(naive_lib)["linear_forward"] == 0
