@@ -192,6 +192,16 @@ def test_a_char_model_without_end_of_text_scores_from_the_second_token():
     ids = tokenizer.encode("bad cafe")
     (ll, _), = lm.loglikelihood(instances("loglikelihood", [("", "bad cafe")]))
     assert abs(ll - plain(ids)) <= 1e-5
+    # contexts and none mixed in one call, two characters with none (the fewest it scores): each in its place
+    asked = [("ca", "fe"), ("", "ab"), ("b", "ag"), ("", "bad cafe")]
+    got = [ll for ll, _ in lm.loglikelihood(instances("loglikelihood", asked))]
+    want = [plain(tokenizer.encode(c + x)) - (plain(tokenizer.encode(c)) if c else 0.0) for c, x in asked]
+    assert len(got) == len(asked) and max(abs(g - w) for g, w in zip(got, want)) <= 1e-5, (got, want)
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # the precision asked reaches the scoring: bf16's sums
+        in_bf16 = plain(tokenizer.encode("cafe bad")) - plain(tokenizer.encode("cafe"))
+    (ll, _), = GptlabLM(model=model, tokenizer=tokenizer, precision="bf16").loglikelihood(
+        instances("loglikelihood", [("cafe", " bad")]))
+    assert abs(ll - in_bf16) < 0.1 * abs(ll - plain(tokenizer.encode("cafe bad")) + plain(tokenizer.encode("cafe")))
     text = "abc defg hgf edcba"  # 18 characters: the harness's rolling windows of 8, the first character their start
     first, *rest = tokenizer.encode(text)
     expected = 0.0

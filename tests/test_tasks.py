@@ -337,6 +337,8 @@ def test_eval_task_prints_each_measure_and_keeps_the_results_in_the_run(task_run
     assert acc["value"] == pytest.approx(sum(r["acc"] for r in result["per_item"]) / 5)
     shown = next(line for line in lines if line.startswith(str(TASKS / "hellaswag.jsonl")[-32:]) and " acc " in line)
     assert f"{acc['value']:.4f}" in shown
+    assert shown.split(maxsplit=1)[1].startswith(result["kind"] + " ") and 0 <= result["cropped"] <= 5
+    assert isinstance(result["seconds"], float) and 0 < result["seconds"] == round(result["seconds"], 3)
 
 
 def test_eval_task_json_fewshot_and_bad_flags(task_run, capsys):
