@@ -170,6 +170,11 @@ def test_a_peft_setting_gptlab_does_not_implement_is_refused_in_one_line_naming_
     before, run = tree(made), f"runs/refused-{REFUSED.index((setting, value))}"
     line = run_bad(capsys, "import", "peft", str(folder), "--base", "runs/base", "--run", run)
     assert f"sets {setting} = {value!r}" in line and "gptlab's LoRA does not implement" in line
+    why = {"task_type": " (a model other than GPT-2's language model)",  # the reason each refusal gives, by hand
+           "target_modules": " (a regular expression over whole module names)" if isinstance(value, str) else
+           " (gptlab adapts c_attn, c_proj, c_fc, attn.c_attn, attn.c_proj, mlp.c_fc, mlp.c_proj)"}
+    if setting in why or setting == "init_lora_weights":
+        assert f"sets {setting} = {value!r}{why.get(setting, '')}, which gptlab's LoRA does not implement" in line
     assert tree(made) == before and not (made / run).exists()
 
 
