@@ -167,22 +167,35 @@ def test_the_engines_own_masks_drop_a_fraction_p_and_keep_the_mean_multiplier_on
     assert naive.eval().draw_masks(B, T) is None
 
 
-def test_a_naive_gpt_training_on_its_own_masks_gives_torchs_loss_and_gradients_under_them(monkeypatch):
-    """The masks NaiveGPT draws for itself (not torch's replayed): recorded, then handed to torch's dropout in the
-    order torch's forward applies them; the loss and every gradient agree in float64."""
-    from gptlab import model as model_module
-
-    torch.manual_seed(12)
+def recording_twins(monkeypatch, seed: int) -> tuple[GPT, GPT, list]:
+    """(a trained-looking float64 GPT in training mode with dropout P, its NaiveGPT copy, the list the copy's
+    forwards append the masks they draw to)."""
+    torch.manual_seed(seed)
     plain = perturbed(GPT(ModelConfig(**{**DROP_SHAPE, "block_size": 9}))).double().train()
     naive = naive_model(copy.deepcopy(plain)).train()
     drawn, draw = [], naive.draw_masks
     monkeypatch.setattr(naive, "draw_masks", lambda B, T: drawn.append(draw(B, T)) or drawn[-1])
+    return plain, naive, drawn
+
+
+def replayed_in_torch(monkeypatch, masks: rm.DropoutMasks) -> list:
+    """torch's Dropout made to multiply by `masks` in the order torch's forward applies them; the queue left."""
+    from gptlab import model as model_module
+
+    queue = [masks.emb] + [m for layer in zip(masks.attn, masks.attn_resid, masks.mlp_resid) for m in layer]
+    monkeypatch.setattr(model_module.Dropout, "forward", lambda self, t: t * queue.pop(0))
+    return queue
+
+
+def test_a_naive_gpt_training_on_its_own_masks_gives_torchs_loss_and_gradients_under_them(monkeypatch):
+    """The masks NaiveGPT draws for itself (not torch's replayed): recorded, then handed to torch's dropout in the
+    order torch's forward applies them; the loss and every gradient agree in float64."""
+    plain, naive, drawn = recording_twins(monkeypatch, 12)
     x, y = batch(31, 3, 9)
     loss = naive(x, y)[1]
     loss.backward()
     (masks,) = drawn
-    queue = [masks.emb] + [m for layer in zip(masks.attn, masks.attn_resid, masks.mlp_resid) for m in layer]
-    monkeypatch.setattr(model_module.Dropout, "forward", lambda self, t: t * queue.pop(0))
+    queue = replayed_in_torch(monkeypatch, masks)
     expected = plain(x, y)[1]
     expected.backward()
     assert not queue and (masks.emb == 0).any()
@@ -194,19 +207,12 @@ def test_a_naive_gpt_training_on_its_own_masks_gives_torchs_loss_and_gradients_u
 def test_a_naive_gpt_forward_without_gradients_applies_its_masks_and_keeps_the_last_position(monkeypatch):
     """In training mode without gradients (no targets), the engine still applies the masks the model drew: its
     last-position logits (last_only) equal torch's forward under those masks, in float64."""
-    from gptlab import model as model_module
-
-    torch.manual_seed(13)
-    plain = perturbed(GPT(ModelConfig(**{**DROP_SHAPE, "block_size": 9}))).double().train()
-    naive = naive_model(copy.deepcopy(plain)).train()
-    drawn, draw = [], naive.draw_masks
-    monkeypatch.setattr(naive, "draw_masks", lambda B, T: drawn.append(draw(B, T)) or drawn[-1])
+    plain, naive, drawn = recording_twins(monkeypatch, 13)
     x, _ = batch(31, 3, 9)
     with torch.no_grad():
         logits = naive(x, last_only=True)[0]
     (masks,) = drawn
-    queue = [masks.emb] + [m for layer in zip(masks.attn, masks.attn_resid, masks.mlp_resid) for m in layer]
-    monkeypatch.setattr(model_module.Dropout, "forward", lambda self, t: t * queue.pop(0))
+    queue = replayed_in_torch(monkeypatch, masks)
     expected = plain(x)[0][:, -1:].detach()  # with gradients: torch's attention applies its Dropout module then
     assert not queue and logits.shape == (3, 1, 31)
     assert rel(logits, expected) <= TOLERANCE
