@@ -121,6 +121,19 @@ def test_clipping_one_gradient_or_at_an_infinite_limit_is_torchs(max_norm):
     assert mine.grad.norm().item() == pytest.approx(min(max_norm, 5.0), rel=1e-5)
 
 
+def test_clipping_at_zero_is_none_and_gradients_of_two_dtypes_are_refused():
+    """max_norm 0 (the training setting for no clipping; torch's own function would zero them): the gradients stay
+    3-4-0 and the norm is 5; gradients of fp32 and fp64 together: one line."""
+    p = torch.zeros(3, dtype=f64, requires_grad=True)
+    p.grad = torch.tensor([3.0, 4.0, 0.0], dtype=f64)
+    assert clip_grad_norm([p], 0.0).item() == pytest.approx(5.0, rel=1e-15)
+    assert p.grad.tolist() == [3.0, 4.0, 0.0]
+    q = torch.zeros(2, requires_grad=True)
+    q.grad = torch.ones(2)
+    with pytest.raises(ValueError, match="the reference engine clips gradients of one dtype"):
+        clip_grad_norm([p, q], 1.0)
+
+
 def test_the_reference_cache_stays_on_the_cpu_whatever_the_default_device():
     """The engine reads its cache of ids from CPU memory: a NaiveGPT's new_kv_cache is made there even under
     another default device (meta here, the one any machine has)."""
