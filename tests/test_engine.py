@@ -9,11 +9,12 @@ from helpers import (CORPUS, pair, perturbed, reference_continuation, reference_
 from gptlab.config import SampleConfig
 from gptlab.engine import RunningBatch, generate, generate_batch, generate_uncached, one_thread, window_keep
 from gptlab.textstream import Completion, TextStream, complete
-from gptlab.inference.loading import prepare_for_inference
+from gptlab.inference.loading import bf16_storage_possible, prepare_for_inference
 from gptlab.inference.prepared import InferenceModel, TorchStep, as_inference
-from gptlab.inference.weights import InferenceLinear, can_pack
+from gptlab.inference.weights import InferenceLinear, can_pack, pack_linears
 from gptlab.errors import GptlabError
 from gptlab.model import GPT, Bigram
+from gptlab.runtime import bf16_supported
 from gptlab.tokenizer import BPETokenizer
 
 @pytest.fixture(autouse=True)
@@ -317,7 +318,9 @@ def test_preparing_attaches_nothing_to_the_module():
 # ---- inference weights -------------------------------------------------------------------------------------------
 
 needs_onednn = pytest.mark.skipif(not can_pack(torch.device("cpu"), torch.float32), reason="no oneDNN on this CPU")
-needs_bf16 = pytest.mark.skipif(not can_pack(torch.device("cpu"), torch.bfloat16), reason="no native bf16")
+# bf16 inference: native products, or bf16 storage decoded by the fused step (a compiler) with widened prompts
+needs_bf16 = pytest.mark.skipif(not (can_pack(torch.device("cpu"), torch.bfloat16) or bf16_storage_possible(
+    torch.device("cpu"))), reason="no native bf16 and no g++ for the fused bf16 step")
 
 
 @needs_onednn
@@ -327,6 +330,44 @@ def test_packed_linear_equals_nn_linear(rows):
     x = torch.randn(rows, 1, 48)
     with torch.no_grad():
         assert (InferenceLinear(linear)(x) - linear(x)).abs().max().item() <= 1e-5
+
+
+@needs_onednn
+@pytest.mark.parametrize("rows", [1, 3, 4, 5])
+@pytest.mark.parametrize("bias", [True, False])
+def test_a_widened_bf16_linear_is_the_fp32_product_of_its_bf16_values_rounded_to_bf16(rows, bias):
+    """Where the CPU has no native bf16 products, a bf16 model's prompts multiply in fp32: the bf16 weights widened
+    (exactly) and the result rounded back to bf16 once, whichever side of the padded-rows edge (MIN_ROWS = 4)."""
+    linear = torch.nn.Linear(48, 80, bias=bias)
+    with torch.no_grad():
+        if bias:
+            linear.bias.uniform_(2, 3)  # a bias lost or left in bf16 rounding shows
+    linear = linear.to(torch.bfloat16)
+    x = torch.randn(rows, 2, 48).to(torch.bfloat16)
+    widened = InferenceLinear(linear, widen=True)
+    with torch.no_grad():
+        y = widened(x)
+        fp32 = torch.nn.functional.linear(x.float(), linear.weight.float(),
+                                          None if linear.bias is None else linear.bias.float())
+    assert y.dtype == torch.bfloat16 and y.shape == (rows, 2, 80)
+    assert widened.dtype == torch.float32 and "computes_in=torch.float32" in repr(widened)
+    # one rounding to bf16 (8 significant bits) of an fp32 product: within half a bf16 step of it, plus fp32's sums
+    assert ((y.float() - fp32).abs() <= fp32.abs() * 2 ** -8 + 1e-4).all()
+    assert "computes_in" not in repr(InferenceLinear(torch.nn.Linear(48, 80)))
+
+
+@needs_onednn
+def test_a_bf16_model_packs_fp32_copies_exactly_where_the_cpu_has_no_native_bf16_products():
+    model = GPT(tiny_config()).to(torch.bfloat16)
+    pack_linears(model)
+    linears = [m for m in model.modules() if isinstance(m, InferenceLinear)]
+    assert len(linears) == 4 * model.config.n_layer + 1  # c_attn, c_proj, c_fc, mlp c_proj per block, the LM head
+    native = bf16_supported(torch.device("cpu"))
+    assert {m.dtype for m in linears} == {torch.bfloat16 if native else torch.float32}
+    assert {m.out_dtype for m in linears} == {torch.bfloat16}
+    fp32 = GPT(tiny_config())
+    pack_linears(fp32)
+    assert {m.dtype for m in fp32.modules() if isinstance(m, InferenceLinear)} == {torch.float32}
 
 
 @needs_onednn
@@ -367,7 +408,6 @@ def test_the_readmes_python_example_runs(tmp_path):
     from pathlib import Path
 
     from gptlab.cli import main
-    from gptlab.runtime import bf16_supported
 
     guide = Path(__file__).resolve().parents[1] / "docs" / "guides" / "05-generation.md"
     blocks = re.findall(r"```python\n(.*?)```", guide.read_text(encoding="utf-8"), re.S)

@@ -35,8 +35,9 @@ PREPARED_PRECISIONS = tuple(p for p in config.INFERENCE_PRECISIONS if p != "auto
 def bf16_storage_possible(device: torch.device) -> bool:
     """Whether inference on `device` may keep its weights in bf16 without native bf16 products: on a CPU where the
     native decode step can be built (a compiler: gptlab.inference.native.missing), which widens bf16 weights to
-    fp32 in registers on any CPU (the bytes read, what decoding waits for, are halved); prompts and eval's forward
-    then compute bf16 through torch, correct but slower than fp32 on such a CPU."""
+    fp32 in registers on any CPU (the bytes read, what decoding waits for, are halved); prompts multiply through fp32
+    packed copies of the weights there (gptlab.inference.weights.pack_linears), eval's forward in bf16 through
+    torch, correct but slower than fp32 on such a CPU."""
     from gptlab.inference import native
 
     return device.type == "cpu" and native.missing() is None

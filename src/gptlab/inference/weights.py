@@ -24,26 +24,37 @@ class InferenceLinear(nn.Module):
     (`gptlab bench generate`, docs/benchmarks.md) packed products of one row take less time than F.linear
     in fp32 and in bf16, and several rows (batches, prompts) gain more. W is packed for MIN_ROWS rows, the layout
     that suits batches; a single row is padded to MIN_ROWS, which measured faster than giving that layout one row.
-    Inference only: the packed weight is not a parameter."""
+    `widen`: a bf16 Linear on a CPU without native bf16 products is packed as its fp32 widening (the same values,
+    exactly) and computes in fp32, its input widened and its output rounded back to the Linear's dtype: torch's
+    bf16 products are emulated there, several times slower than fp32 ones (`gptlab bench serve --scenario
+    shared-prefix`, docs/benchmarks.md). Inference only: the packed weight is not a parameter."""
 
     MIN_ROWS = 4
 
-    def __init__(self, linear: nn.Linear):
+    def __init__(self, linear: nn.Linear, widen: bool = False):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), self.MIN_ROWS)
-        self.bias = None if linear.bias is None else linear.bias.detach()
+        weight = linear.weight.detach()
+        self.out_dtype = weight.dtype  # what the model around it computes in
+        self.dtype = torch.float32 if widen else weight.dtype  # what the products compute in
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.to(self.dtype), self.MIN_ROWS)
+        self.bias = None if linear.bias is None else linear.bias.detach().to(self.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // self.in_features
+        x = x.to(self.dtype)
         if rows >= self.MIN_ROWS:
-            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
-        padded = F.pad(x.reshape(rows, self.in_features), (0, 0, 0, self.MIN_ROWS - rows))  # (MIN_ROWS, in)
-        y = torch.ops.mkldnn._linear_pointwise(padded, self.packed, self.bias, "none", [], "")
-        return y[:rows].view(*x.shape[:-1], self.out_features)
+            y = torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        else:
+            padded = F.pad(x.reshape(rows, self.in_features), (0, 0, 0, self.MIN_ROWS - rows))  # (MIN_ROWS, in)
+            y = torch.ops.mkldnn._linear_pointwise(padded, self.packed, self.bias, "none", [], "")
+            y = y[:rows].view(*x.shape[:-1], self.out_features)
+        return y.to(self.out_dtype)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+        widened = f", computes_in={self.dtype}" if self.dtype != self.out_dtype else ""
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}" \
+            + widened
 
 
 def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
@@ -57,15 +68,19 @@ def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
 
 def pack_linears(model: nn.Module) -> None:
     """Replace, in place, each nn.Dropout of `model` by nn.Identity and, where oneDNN can run them (`can_pack`),
-    each nn.Linear by an InferenceLinear (the tied LM head gets its own packed copy): for inference only."""
+    each nn.Linear by an InferenceLinear (the tied LM head gets its own packed copy): for inference only. A bf16
+    model on a CPU without native bf16 products gets fp32 packed copies (`InferenceLinear`'s `widen`): its prompts
+    then multiply at fp32's speed, for twice the bytes of bf16 copies."""
     weight = next(model.parameters())
-    pack = can_pack(weight.device, weight.dtype)
+    widen = weight.dtype == torch.bfloat16 and not can_pack(weight.device, weight.dtype) and can_pack(
+        weight.device, torch.float32)
+    pack = widen or can_pack(weight.device, weight.dtype)
     for module in list(model.modules()):
         for name, child in list(module.named_children()):
             if isinstance(child, nn.Dropout):
                 setattr(module, name, nn.Identity())  # a no-op in eval mode, but a call per use all the same
             elif pack and isinstance(child, nn.Linear):
-                setattr(module, name, InferenceLinear(child))
+                setattr(module, name, InferenceLinear(child, widen))
 
 
 def move_to_huge_pages(model: torch.nn.Module) -> bool:
