@@ -156,13 +156,14 @@ def test_eval_lm_eval_runs_harness_tasks_on_a_run(models, task_manager, task_fol
     expected_acc, _ = harness_scores(hf, task_manager, "choices")
     assert float(row[row.index("acc") + 2]) == pytest.approx(expected_acc, abs=1e-4), out
     assert main([*flags[:3], "--precision", "int8", *flags[5:], "--lm-eval", "gptlab_fixture_choices", "--limit",
-                 "5"]) == 0
-    assert "gptlab: gptlab_fixture_choices: 5 of 20 items scored, precision int8" in capsys.readouterr().err
+                 "1"]) == 0  # the fewest items
+    assert "gptlab: gptlab_fixture_choices: 1 of 20 items scored, precision int8" in capsys.readouterr().err
     assert main([*flags, "--lm-eval", "gptlab_fixture_choices", "--limit", "0"]) == 2
     assert "--limit must be >= 1, not 0" in capsys.readouterr().err
-    assert main([*flags, "--lm-eval", "no_such_task"]) == 2
-    err = capsys.readouterr().err
-    assert "lm-evaluation-harness has no task no_such_task" in err and err.strip().count("\n") == 0
+    assert main([*flags, "--lm-eval", "no_such_task, gptlab_fixture_choices,other_missing"]) == 2
+    err = capsys.readouterr().err  # every unknown name, in order, the known one left out
+    assert "lm-evaluation-harness has no task no_such_task, other_missing; see" in err
+    assert err.strip().count("\n") == 0
 
 
 def test_a_char_model_without_end_of_text_scores_from_the_second_token():
@@ -255,3 +256,55 @@ def test_eval_lm_eval_seed_is_the_harness_few_shot_seed(models, task_folder, tmp
         main(["eval", "--run", str(tmp_path / "run"), "--lm-eval-include", str(task_folder), "--lm-eval-only-include",
               "--lm-eval", "gptlab_fixture_choices", "--num-fewshot", "2", "--seed", "9"])
     assert seen["fewshot_random_seed"] == 9 and seen["num_fewshot"] == 2
+
+
+def test_generation_requests_at_their_edges():
+    """generate_until as the harness hands it requests: `until` a plain string (one stop, not its characters),
+    no max_gen_toks (the harness's default, 256 tokens), a context longer than the window keeps its last
+    max_length - max_gen_toks tokens (greedy from those, by hand), max_gen_toks up to max_length - 1 and not
+    max_length, and a model that ends its text at once (end-of-text) gives "" (the token is cut, not decoded)."""
+    from gptlab.config import ModelConfig
+    from gptlab.errors import GptlabError
+    from gptlab.model import GPT
+    from gptlab.tokenizer import CharTokenizer
+
+    tokenizer = CharTokenizer("abcdefgh ")
+    torch.manual_seed(5)
+    model = perturbed(GPT(ModelConfig(vocab_size=tokenizer.vocab_size, block_size=16, n_layer=1, n_head=2,
+                                      n_embd=16, dropout=0.0)).eval())
+    lm = GptlabLM(model=model, tokenizer=tokenizer)
+
+    def gen(context, **kwargs):
+        return lm.generate_until(instances("generate_until", [(context, kwargs)]))[0]
+
+    context = "abc defg hgf edcba cafe bad head"  # 32 characters: twice the window
+    ids = tokenizer.encode(context)[-12:]  # max_gen_toks 4 leaves 16 - 4 for the context
+    for _ in range(4):
+        with torch.no_grad():
+            ids.append(int(model(torch.tensor([ids]))[0][0, -1].argmax()))
+    expected = tokenizer.decode(ids[-4:])
+    assert gen(context, until=[], max_gen_toks=4) == expected
+    full = gen("cafe", until=[], max_gen_toks=12)
+    assert len(full) == 12
+    assert gen("cafe", until=full[3] + "z", max_gen_toks=12) == full  # "z" is never generated: no stop met
+    assert gen("cafe", until=full[3:5], max_gen_toks=12) == full[:full.index(full[3:5])]
+    assert len(gen("cafe", until=[], max_gen_toks=15)) == 15  # one character of context kept
+    with pytest.raises(GptlabError, match="max_gen_toks 16 leaves no room for a context in the model's 16 tokens"):
+        gen("cafe", until=[], max_gen_toks=16)
+
+    long = GPT(ModelConfig(vocab_size=tokenizer.vocab_size, block_size=260, n_layer=1, n_head=2, n_embd=16,
+                           dropout=0.0)).eval()
+    assert len(GptlabLM(model=long, tokenizer=tokenizer).generate_until(
+        instances("generate_until", [("cafe", {"until": []})]))[0]) == 256
+
+    bpe = BPETokenizer.train([fixture_text()], 300)
+    ends = GPT(ModelConfig(vocab_size=bpe.vocab_size, block_size=16, n_layer=1, n_head=2, n_embd=16,
+                           dropout=0.0)).eval()
+    with torch.no_grad():  # every position's last hidden state is the end-of-text token's embedding, scaled up
+        ends.transformer.ln_f.weight.zero_()
+        ends.transformer.ln_f.bias.copy_(ends.transformer.wte.weight[bpe.eot_id] * 50)
+        ends.transformer.wte.weight[bpe.eot_id] *= 10
+    eot_lm = GptlabLM(model=ends, tokenizer=bpe)
+    assert int(ends(torch.tensor([bpe.encode("The house")]))[0][0, -1].argmax()) == bpe.eot_id
+    assert eot_lm.generate_until(instances("generate_until", [("The house", {"until": ["."],
+                                                                             "max_gen_toks": 3})])) == [""]

@@ -349,6 +349,8 @@ def test_eval_task_json_fewshot_and_bad_flags(task_run, capsys):
     assert main([*args, "--num-fewshot", "2"]) == 0
     two = json.loads(capsys.readouterr().out)
     assert zero[0]["items"] == two[0]["items"] == 4 and zero[0]["kind"] == "multiple choice"
+    assert main([*args[:7], "--limit", "1", "--no-save", "--json"]) == 0  # the fewest items
+    assert json.loads(capsys.readouterr().out)[0]["items"] == 1
     assert not (task_run / "evals" / "choices").exists()
     for flags, message in [(["--limit", "0"], "--limit must be >= 1, not 0"),
                            (["--num-fewshot", "-1"], "--num-fewshot must be >= 0, not -1"),
@@ -418,6 +420,21 @@ def test_the_cropped_count_counts_items_not_options_in_every_batch():
     items[0], items[35], items[36] = both, both, one
     result = evaluate_items(moved_model(tokenizer.vocab_size), tokenizer, items)
     assert result.items == 40 and result.cropped == 3
+
+
+def test_the_table_gives_each_measure_its_interval_and_items_per_second():
+    """items / seconds (10 items in 4 s: 2.5 a second), and a task scored in no measurable time still prints."""
+    from gptlab.tasks.measure import Measure, TaskScores
+    from gptlab.tasks.report import table
+
+    measures = {"acc": Measure(0.5, 0.25, 0.75), "acc_norm": Measure(0.6, 0.4, 0.8)}
+    lines = table([("tasks/t.jsonl", TaskScores("multiple choice", 10, measures, 0, 4.0)),
+                   ("tasks/u.jsonl", TaskScores("multiple choice", 10, measures, 0, 0.0))]).splitlines()
+    assert lines[0].split() == ["task", "kind", "measure", "value", "95%", "interval", "items", "items/s"]
+    assert lines[1].split() == ["tasks/t.jsonl", "multiple", "choice", "acc", "0.5000", "[0.2500,", "0.7500]", "10",
+                                "2.5"]
+    assert lines[2].split()[3:] == ["acc_norm", "0.6000", "[0.4000,", "0.8000]", "10", "2.5"]
+    assert lines[3].split()[-1] == "10000000000.0" and len(lines) == 5  # 10 items over the 1e-9 s floor
 
 
 def test_result_files_are_named_by_every_setting_that_changes_the_score(tmp_path):

@@ -20,7 +20,7 @@ def file_sha256(path: str | Path) -> str:
 
 
 def result_path(run: str | Path, task: str | Path, sha256: str, step: int, precision: str, num_fewshot: int,
-                limit: int | None, seed: int = 1234) -> Path:
+                limit: int | None, seed: int) -> Path:
     """RUN/evals/TASK-SHA8-stepN-PRECISION[-Kshot-seedS][-limitL].json: one file per task file, its content, the
     checkpoint, the precision and the settings that change the score (the seed draws the few-shot examples)."""
     parts = [Path(task).stem, sha256[:8], f"step{step}", precision]
