@@ -164,6 +164,13 @@ def test_eval_lm_eval_runs_harness_tasks_on_a_run(models, task_manager, task_fol
     err = capsys.readouterr().err  # every unknown name, in order, the known one left out
     assert "lm-evaluation-harness has no task no_such_task, other_missing; see" in err
     assert err.strip().count("\n") == 0
+    assert main([*flags[:-1], "--lm-eval", "no_such_task,hellaswag"]) == 2  # the harness's own tasks, known too
+    assert "has no task no_such_task; see" in capsys.readouterr().err
+    absent = next((d for d in ("cuda", "mps") if not (torch.cuda.is_available() if d == "cuda" else
+                                                       torch.backends.mps.is_available())), None)
+    if absent is not None:  # the device asked reaches the model (a machine with both has none absent to ask for)
+        assert main([*flags, "--lm-eval", "gptlab_fixture_choices", "--device", absent]) == 2
+        assert f"device {absent!r} is not available on this machine" in capsys.readouterr().err
 
 
 def test_a_char_model_without_end_of_text_scores_from_the_second_token():
@@ -255,7 +262,7 @@ def test_eval_lm_eval_seed_is_the_harness_few_shot_seed(models, task_folder, tmp
     with pytest.raises(Called):
         main(["eval", "--run", str(tmp_path / "run"), "--lm-eval-include", str(task_folder), "--lm-eval-only-include",
               "--lm-eval", "gptlab_fixture_choices", "--num-fewshot", "2", "--seed", "9"])
-    assert seen["fewshot_random_seed"] == 9 and seen["num_fewshot"] == 2
+    assert seen["fewshot_random_seed"] == 9 and seen["random_seed"] == 9 and seen["num_fewshot"] == 2
 
 
 def test_generation_requests_at_their_edges():

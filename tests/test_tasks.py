@@ -362,6 +362,44 @@ def test_eval_task_json_fewshot_and_bad_flags(task_run, capsys):
     assert math.isfinite(zero[0]["measures"]["acc"]["value"])
 
 
+def test_eval_task_takes_files_and_folders_in_order_in_the_precision_asked(task_run, tmp_path, capsys):
+    """--task FILE --task FOLDER scores the file, then the folder's files in name order; an empty folder is refused
+    in one line; the precision asked is the one scored and named in the saved file ("auto": bf16 only where the CPU
+    multiplies it natively, scoring being torch's forward)."""
+    from gptlab.runtime import bf16_supported
+
+    (tmp_path / "empty").mkdir()
+    assert main(["eval", "--run", str(task_run), "--task", str(tmp_path / "empty")]) == 2
+    err = capsys.readouterr().err
+    assert f"task folder {tmp_path / 'empty'} holds no .jsonl files" in err and err.strip().count("\n") == 0
+    flags = ["eval", "--run", str(task_run), "--limit", "3", "--json"]
+    assert main([*flags, "--task", str(TASKS / "lambada.jsonl"), "--task", str(TASKS), "--precision", "int8"]) == 0
+    scored = [row["task"] for row in json.loads(capsys.readouterr().out)]
+    assert scored == [str(TASKS / "lambada.jsonl")] + [str(f) for f in sorted(TASKS.glob("*.jsonl"))]
+    assert len(list((task_run / "evals").glob("*-step6-int8-limit3.json"))) == len(scored) - 1  # lambada's twice
+    assert main([*flags, "--task", str(TASKS / "choices.jsonl"), "--precision", "auto"]) == 0
+    auto = "bf16" if bf16_supported(torch.device("cpu")) else "fp32"
+    assert list((task_run / "evals").glob(f"choices-*-step6-{auto}-limit3.json"))
+
+
+def test_eval_task_shows_each_files_progress_on_a_terminal(task_run, monkeypatch):
+    """On a terminal, each task file gets a progress bar: its name, items done of the items to score (--limit's;
+    the bar is redrawn at most every 0.1 s and cleared at the end, so its first drawing is what is sure to show)."""
+    import io
+    import sys
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    terminal = Terminal()
+    monkeypatch.setattr(sys, "stderr", terminal)
+    assert main(["eval", "--run", str(task_run), "--task", str(TASKS / "choices.jsonl"), "--precision", "fp32",
+                 "--limit", "3", "--no-save"]) == 0
+    shown = terminal.getvalue()
+    assert re.search(r"choices\.jsonl: +0%\|.*\| 0/3 \[", shown) and "item/s" in shown, shown  # at its start
+
+
 def test_a_run_is_judged_while_a_training_holds_its_lock(task_run, capsys):
     """eval --task reads the committed checkpoint and writes only RUN/evals/: a training's lock does not stop it."""
     from gptlab.rundir import RunLock

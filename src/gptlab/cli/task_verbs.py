@@ -54,7 +54,7 @@ def eval_harness(args: argparse.Namespace, run: str | Path) -> int:
                                       num_fewshot=args.num_fewshot or None, random_seed=args.seed,
                                       fewshot_random_seed=args.seed)  # the seed that draws the examples
     print(make_table(results))
-    for name, counts in results.get("n-samples", {}).items():
+    for name, counts in results["n-samples"].items():
         print(f"gptlab: {name}: {counts['effective']} of {counts['original']} items scored, precision "
               f"{model.precision}", file=sys.stderr)
     return 0
