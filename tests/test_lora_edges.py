@@ -221,3 +221,86 @@ def test_an_embedding_with_trainable_tokens_prints_as_one_and_lives_on_its_base_
     assert (tokens.token_ids.dtype, tokens.slot.dtype) == (torch.long, torch.long)
     cpu = lora.TrainableTokens(torch.nn.Embedding(11, 4), [3, 7])
     assert cpu.slot.tolist() == [-1, -1, -1, 0, -1, -1, -1, 1, -1, -1, -1]
+
+
+def test_a_damaged_or_partial_adapter_folder_is_refused_in_one_line_naming_the_folder_and_the_fault(
+        made, capsys, monkeypatch):
+    """Each way an adapter folder can be wrong, as `gptlab import peft` says it (one line, nothing written): the
+    folder named first, then what is wrong, worked out here; and a config without init_lora_weights (PEFT's
+    default start, plain LoRA) imports."""
+    from gptlab.chat import ChatTokenizer
+
+    monkeypatch.chdir(made)
+    markers = sorted(ChatTokenizer(load_run("runs/base").tokenizer).special_ids.values())
+
+    def refused(folder, *expected):
+        before = tree(made)
+        line = run_bad(capsys, "import", "peft", str(folder), "--base", "runs/base", "--run", "runs/refused")
+        assert tree(made) == before and not (made / "runs/refused").exists()
+        for part in expected:
+            assert part in line, (part, line)
+        return line
+
+    folder = adapter_with(made, "listed")
+    (folder / "adapter_config.json").write_text("[1, 2]")  # JSON, but not an object
+    refused(folder, f"error: {folder} holds a PEFT adapter of type None; gptlab imports LoRA adapters only")
+    folder = adapter_with(made, "rank-word", r="four")
+    refused(folder, f"error: {folder / 'adapter_config.json'} lacks a usable r, lora_alpha or target_modules (",
+            "'four'")
+    folder = adapter_with(made, "rank-zero", r=0)
+    refused(folder, f"error: {folder}: lora_rank must be at least 1, not 0")
+    folder = adapter_with(made, "task", task_type="SEQ_CLS")
+    refused(folder, f"error: {folder}: the adapter sets task_type = 'SEQ_CLS'")
+    folder = adapter_with(made, "indices", trainable_token_indices="wte")
+    refused(folder, f"error: {folder}: trainable_token_indices 'wte' is not a list of token ids")
+    folder = adapter_with(made, "not-markers", trainable_token_indices=[5, 6])
+    refused(folder, f"error: {folder}: the adapter trains the rows of tokens [5, 6], which are not the chat markers")
+    folder = adapter_with(made, "no-rows", trainable_token_indices=markers)  # the markers' rows missing
+    refused(folder, f"error: the adapter in {folder} does not fit the model of runs/base: ",
+            "token_values (0,) vs (4, 32)")  # no rows where the four markers' are due
+    folder = adapter_with(made, "no-weights")
+    (folder / "adapter_model.safetensors").unlink()
+    refused(folder, f"error: {folder} has no adapter_model.safetensors (gptlab reads adapters in safetensors only)")
+    folder = adapter_with(made, "damaged-weights")
+    (folder / "adapter_model.safetensors").write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00{}")
+    refused(folder, f"error: {folder / 'adapter_model.safetensors'} cannot be read (")
+
+    folder = adapter_with(made, "default-start")
+    config = json.loads((folder / "adapter_config.json").read_text())
+    del config["init_lora_weights"]
+    (folder / "adapter_config.json").write_text(json.dumps(config))
+    run_ok(capsys, "import", "peft", str(folder), "--base", "runs/base", "--run", "runs/default-start")
+    train = json.loads((made / "runs/default-start/config.json").read_text())["train"]
+    assert (train["lora_rank"], train["lora_alpha"], sorted(train["lora_targets"].split(","))) == (4, 6.0, ["c_attn", "c_fc"])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_merged_layer_is_w_plus_scaling_b_a_in_the_layers_dtype_with_its_bias_or_none(dtype):
+    """merged(): W + (alpha / r) B A worked out here in float64 and rounded once to the layer's dtype, no bias where
+    the layer has none (not a fresh random one), the layer's bias itself where it has one; made where the layer
+    lives (the meta device: a layer made on the default device instead shows)."""
+    for bias in (False, True):
+        base = torch.nn.Linear(6, 5, bias=bias).to(dtype)
+        layer = lora.LoRALinear(base, 2, 3.0, 0.0)
+        with torch.no_grad():
+            layer.lora_B.weight.copy_(torch.randn(5, 2, generator=torch.Generator().manual_seed(2)).to(dtype))
+        merged = layer.merged()
+        delta = layer.lora_B.weight.double() @ layer.lora_A.weight.double()
+        want = (base.weight.double() + 1.5 * delta).to(dtype)
+        assert merged.weight.dtype == dtype and (merged.weight.double() - want.double()).abs().max() <= (
+            0 if dtype == torch.bfloat16 else 1e-6)
+        assert (merged.bias is None) if not bias else (merged.bias is base.bias)
+        x = torch.randn(3, 6).to(dtype)
+        with torch.no_grad():
+            assert (merged(x).double() - layer(x).double()).abs().max() <= (0.05 if dtype == torch.bfloat16 else 1e-5)
+    on_meta = lora.LoRALinear(torch.nn.Linear(6, 5, device="meta"), 2, 3.0, 0.0).merged()
+    assert on_meta.weight.device.type == "meta"
+
+
+def test_trainable_tokens_keep_their_ids_and_rows_and_the_tied_head_has_no_bias():
+    """What a checkpoint holds of the added tokens: their ids and rows, not the id -> row lookup (rebuilt from the
+    ids); the head tied to them prints and behaves as a bias-free Linear."""
+    tokens = lora.TrainableTokens(torch.nn.Embedding(11, 4), [3, 7])
+    assert set(tokens.state_dict()) == {"weight", "token_ids", "token_values"}
+    head = lora.TrainableTokensHead(torch.nn.Linear(4, 11, bias=False), tokens)
+    assert head.bias is None and repr(head) == "TrainableTokensHead(in_features=4, out_features=11, bias=False)"

@@ -136,7 +136,7 @@ class TrainableTokensHead(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         tokens = self.embedding[0]
         logits = F.linear(x, self.weight)
-        logits[..., tokens.token_ids] = F.linear(x, tokens.token_values).to(logits.dtype)
+        logits[..., tokens.token_ids] = F.linear(x, tokens.token_values)  # the same dtype: both rows of wte's
         return logits
 
     def tied_weight(self) -> torch.Tensor:
