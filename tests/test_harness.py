@@ -166,6 +166,8 @@ def test_eval_lm_eval_runs_harness_tasks_on_a_run(models, task_manager, task_fol
     assert err.strip().count("\n") == 0
     assert main([*flags[:-1], "--lm-eval", "no_such_task,hellaswag"]) == 2  # the harness's own tasks, known too
     assert "has no task no_such_task; see" in capsys.readouterr().err
+    assert main([*flags, "--lm-eval", "hellaswag"]) == 2  # --lm-eval-only-include: the include folder's alone
+    assert "has no task hellaswag; see" in capsys.readouterr().err
     absent = next((d for d in ("cuda", "mps") if not (torch.cuda.is_available() if d == "cuda" else
                                                        torch.backends.mps.is_available())), None)
     if absent is not None:  # the device asked reaches the model (a machine with both has none absent to ask for)

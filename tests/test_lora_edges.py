@@ -257,7 +257,7 @@ def test_a_damaged_or_partial_adapter_folder_is_refused_in_one_line_naming_the_f
     refused(folder, f"error: {folder}: the adapter trains the rows of tokens [5, 6], which are not the chat markers")
     folder = adapter_with(made, "no-rows", trainable_token_indices=markers)  # the markers' rows missing
     refused(folder, f"error: the adapter in {folder} does not fit the model of runs/base: ",
-            "token_values (0,) vs (4, 32)")  # no rows where the four markers' are due
+            f"the weights in {folder} do not fit", "token_values (0,) vs (4, 32)")  # no rows for the four markers
     folder = adapter_with(made, "no-weights")
     (folder / "adapter_model.safetensors").unlink()
     refused(folder, f"error: {folder} has no adapter_model.safetensors (gptlab reads adapters in safetensors only)")
@@ -272,6 +272,13 @@ def test_a_damaged_or_partial_adapter_folder_is_refused_in_one_line_naming_the_f
     run_ok(capsys, "import", "peft", str(folder), "--base", "runs/base", "--run", "runs/default-start")
     train = json.loads((made / "runs/default-start/config.json").read_text())["train"]
     assert (train["lora_rank"], train["lora_alpha"], sorted(train["lora_targets"].split(","))) == (4, 6.0, ["c_attn", "c_fc"])
+    # where it came from, and the base it adapts (its weights' hash), in the run's config and its checkpoint's state
+    config = json.loads((made / "runs/default-start/config.json").read_text())
+    base = {"run": str((made / "runs/base").resolve()),
+            "sha256": lora.tensors_sha256(model_tensors(load_run("runs/base").model))}
+    assert config["imported_from"] == str(folder.resolve()) and config["base"] == base
+    state = load_run("runs/default-start").state
+    assert state.imported_from == str(folder.resolve()) and state.base == base
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
