@@ -125,6 +125,9 @@ MODULES = {
     "evaluate": _m("evaluate", "test_evaluate test_hf"),
     "optim": _m("optim", "test_optim test_train"),
     "int8": _m("inference/int8", "test_int8"),
+    # how a model is made ready to generate with: packed (and, for bf16 without native products, widened) weights
+    "weights": _m("inference/weights inference/loading inference/prepared",
+                  "test_engine test_load_for_inference test_fused"),
     # issue 25: the named kernel builds and the CPU's features they are chosen by; bench generate --quality's measures
     "native": _m("inference/native machine", "test_machine test_fused test_compiled test_kernel_mutants"),
     "quality": _m("bench/quality", "test_int8"),
