@@ -8,7 +8,7 @@ import shutil
 
 import pytest
 import torch
-from peft import LoraConfig, PeftModel, get_peft_model, set_peft_model_state_dict
+from peft import LoraConfig, PeftConfig, PeftModel, get_peft_model, set_peft_model_state_dict
 from safetensors import safe_open
 from safetensors.torch import load_file
 from transformers import GPT2LMHeadModel
@@ -454,6 +454,11 @@ def test_a_peft_adapter_of_another_type_or_with_dropout_imports_as_it_says(at, c
     train = json.loads((at / "runs/y/config.json").read_text())["train"]
     assert (train["lora_rank"], train["lora_alpha"], train["lora_dropout"], train["lora_targets"]) == \
         (4, 16.0, 0.125, "c_attn,c_proj,c_fc")
+    written = json.loads((at / "runs/y/config.json").read_text())  # the base's preset, or none as the base has
+    assert written.get("preset", "none") == json.loads((at / "runs/base/config.json").read_text()).get("preset", "none")
+    run_ok(capsys, "export", "runs/y", "--format", "peft", "--out", "y-peft")  # and back out: PEFT reads what it set
+    back = PeftConfig.from_pretrained(at / "y-peft")
+    assert (back.lora_dropout, back.task_type, back.r, back.lora_alpha) == (0.125, "CAUSAL_LM", 4, 16.0)
 
 
 def test_bench_train_sets_lora_beside_full_fine_tuning_with_memory_split(char_data, monkeypatch, capsys):
