@@ -70,3 +70,31 @@ def test_sample_refuses_a_prompt_its_tokenizer_cannot_read_before_the_model_is_p
     monkeypatch.setattr(gptlab.inference.loading, "prepare_for_inference", lambda *args, **kw: prepared.append(args))
     line = run_bad(capsys, "sample", "--run", str(run), "--prompt", "\u2603", "--precision", "fp32")
     assert "never seen" in line and prepared == []
+
+
+def test_by_default_a_run_loads_in_fp32_on_the_cpu_and_elsewhere_where_asked(run):
+    """load_for_inference(run) alone: fp32 on the CPU; a device given as a torch.device is where the model lands
+    (the meta device stands in for a GPU here: a model left on the CPU shows)."""
+    ready = load_for_inference(run)
+    weight = next(ready.model.model.parameters())
+    assert (ready.precision, ready.model.precision, weight.device.type, weight.dtype) == \
+        ("fp32", "fp32", "cpu", torch.float32)
+    elsewhere = load_for_inference(run, torch.device("meta"), "fp32", decode=False)
+    assert {p.device.type for p in elsewhere.model.model.parameters()} == {"meta"}
+
+
+@pytest.mark.parametrize("precision", ["int8", "bf16"])
+def test_to_decode_the_model_is_prepared_in_the_precision_asked(run, precision):
+    from gptlab.inference.loading import bf16_storage_possible
+    from gptlab.runtime import bf16_supported
+
+    cpu = torch.device("cpu")
+    if precision == "bf16" and not (bf16_supported(cpu) or bf16_storage_possible(cpu)):
+        pytest.skip("no native bf16 and no g++ for the fused step that stores it")
+    ready = load_for_inference(run, "cpu", precision)
+    assert ready.precision == ready.model.precision == precision
+    block = ready.model.model.transformer.h[0]
+    if precision == "int8":
+        assert isinstance(block.mlp.c_fc, Int8Linear)
+    else:
+        assert block.ln_1.weight.dtype == ready.model.model.transformer.wte.weight.dtype == torch.bfloat16

@@ -459,6 +459,16 @@ def test_a_peft_adapter_of_another_type_or_with_dropout_imports_as_it_says(at, c
     run_ok(capsys, "export", "runs/y", "--format", "peft", "--out", "y-peft")  # and back out: PEFT reads what it set
     back = PeftConfig.from_pretrained(at / "y-peft")
     assert (back.lora_dropout, back.task_type, back.r, back.lora_alpha) == (0.125, "CAUSAL_LM", 4, 16.0)
+    # every field gptlab writes, as PEFT's own save_pretrained writes it for the same adapters
+    peft_own = peft_model(at / "tiny-hf", r=4, lora_alpha=16, lora_dropout=0.125, target_modules=["c_attn", "c_proj",
+                                                                                                  "c_fc"])
+    peft_own.save_pretrained(at / "y-peft-own")
+    theirs = json.loads((at / "y-peft-own/adapter_config.json").read_text())
+    ours = json.loads((at / "y-peft/adapter_config.json").read_text())
+    fields = ["peft_type", "task_type", "r", "lora_alpha", "lora_dropout", "fan_in_fan_out", "bias", "inference_mode",
+              "init_lora_weights", "use_rslora", "use_dora", "modules_to_save", "trainable_token_indices"]
+    assert {f: ours[f] for f in fields} == {f: theirs[f] for f in fields}
+    assert sorted(ours["target_modules"]) == sorted(theirs["target_modules"])
 
 
 def test_bench_train_sets_lora_beside_full_fine_tuning_with_memory_split(char_data, monkeypatch, capsys):
