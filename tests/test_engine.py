@@ -329,7 +329,7 @@ def test_packed_linear_equals_nn_linear(rows):
     linear = torch.nn.Linear(48, 80)
     x = torch.randn(rows, 1, 48)
     with torch.no_grad():
-        assert (InferenceLinear(linear)(x) - linear(x)).abs().max().item() <= 1e-5
+        assert (InferenceLinear(linear, widen=False)(x) - linear(x)).abs().max().item() <= 1e-5
 
 
 @needs_onednn
@@ -353,7 +353,21 @@ def test_a_widened_bf16_linear_is_the_fp32_product_of_its_bf16_values_rounded_to
     assert widened.dtype == torch.float32 and "computes_in=torch.float32" in repr(widened)
     # one rounding to bf16 (8 significant bits) of an fp32 product: within half a bf16 step of it, plus fp32's sums
     assert ((y.float() - fp32).abs() <= fp32.abs() * 2 ** -8 + 1e-4).all()
-    assert "computes_in" not in repr(InferenceLinear(torch.nn.Linear(48, 80)))
+    assert repr(InferenceLinear(torch.nn.Linear(48, 80), widen=False)) == "InferenceLinear(in_features=48, out_features=80, bias=True)"
+    assert repr(widened) == ("InferenceLinear(in_features=48, out_features=80, bias=%s, computes_in=torch.float32)"
+                             % bias)
+
+
+def test_a_linear_packs_its_weight_in_the_dtype_it_computes_in_for_the_batch_rows(monkeypatch):
+    """What oneDNN is asked to pack (recorded, so that a CPU without bf16 products checks it too): the weight in its
+    own dtype unless widened, in fp32 when widened, laid out for MIN_ROWS rows."""
+    asked = []
+    monkeypatch.setattr(torch.ops.mkldnn, "_reorder_linear_weight", lambda w, rows: asked.append((w.dtype, rows)) or w)
+    own = InferenceLinear(torch.nn.Linear(8, 4).to(torch.bfloat16), widen=False)
+    assert (own.dtype, own.out_dtype) == (torch.bfloat16, torch.bfloat16) and asked == [(torch.bfloat16, 4)]
+    widened = InferenceLinear(torch.nn.Linear(8, 4).to(torch.bfloat16), widen=True)
+    assert (widened.dtype, widened.out_dtype, widened.bias.dtype) == (torch.float32, torch.bfloat16, torch.float32)
+    assert asked[1:] == [(torch.float32, 4)]
 
 
 @needs_onednn
@@ -368,6 +382,72 @@ def test_a_bf16_model_packs_fp32_copies_exactly_where_the_cpu_has_no_native_bf16
     fp32 = GPT(tiny_config())
     pack_linears(fp32)
     assert {m.dtype for m in fp32.modules() if isinstance(m, InferenceLinear)} == {torch.float32}
+
+
+@pytest.mark.parametrize("native_bf16", [True, False])
+def test_which_linears_are_packed_and_widened_is_chosen_by_what_the_cpu_computes(monkeypatch, native_bf16):
+    """The choice itself, on any CPU: whether oneDNN packs each dtype is pretended, the packing recorded. A bf16
+    model is packed as it is where bf16 products are native, widened to fp32 where only fp32 ones are, left as
+    nn.Linears where neither is; an fp32 model is packed, never widened; dropouts go in every case."""
+    import gptlab.inference.weights as weights
+
+    made = []
+
+    class Recorded(torch.nn.Module):
+        def __init__(self, linear, widen=False):
+            super().__init__()
+            made.append(widen)
+
+    monkeypatch.setattr(weights, "InferenceLinear", Recorded)
+    linears = 4 * tiny_config().n_layer + 1
+    for packs, dtype, widened in [({torch.float32, torch.bfloat16} if native_bf16 else {torch.float32},
+                                   torch.bfloat16, not native_bf16),
+                                  ({torch.float32, torch.bfloat16} if native_bf16 else {torch.float32},
+                                   torch.float32, False), (set(), torch.bfloat16, None)]:
+        monkeypatch.setattr(weights, "can_pack", lambda device, d: d in packs)
+        made.clear()
+        model = GPT(tiny_config(dropout=0.1)).to(dtype)
+        weights.pack_linears(model)
+        assert not any(isinstance(m, torch.nn.Dropout) for m in model.modules())
+        assert made == ([] if widened is None else [widened] * linears), (packs, dtype)
+        assert sum(isinstance(m, torch.nn.Linear) for m in model.modules()) == (linears if widened is None else 0)
+
+
+def test_weights_move_into_huge_pages_only_where_they_can(monkeypatch):
+    """move_to_huge_pages says whether it moved anything: not a model without parameters, not one off the CPU (left
+    as it is), not where the mapping cannot be made; a CPU model's weights keep their values and ties."""
+    import mmap
+
+    from gptlab.inference.weights import move_to_huge_pages
+
+    assert move_to_huge_pages(torch.nn.Sequential()) is False
+    on_meta = GPT(tiny_config()).to("meta")
+    assert move_to_huge_pages(on_meta) is False and on_meta.transformer.wte.weight.device.type == "meta"
+    model = GPT(tiny_config())
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+
+    def refused(*args, **kwargs):
+        raise OSError("no memory for the mapping")
+
+    with monkeypatch.context() as m:
+        m.setattr(mmap, "mmap", refused)
+        assert move_to_huge_pages(model) is False
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        assert move_to_huge_pages(model) is True
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert model.lm_head.weight is model.transformer.wte.weight
+
+
+def test_an_inference_models_cache_is_in_its_dtype_length_and_attention_precision():
+    """new_kv_cache: the cache dtype the model was prepared with (not the weights': a bf16 model decoded by torch
+    ops keeps an fp32 cache), the length asked (else the context), the attention precision it was given."""
+    half = as_inference(GPT(tiny_config()).to(torch.bfloat16))
+    cache = half.new_kv_cache(2)
+    assert cache.k.dtype == cache.v.dtype == torch.float32 and cache.max_len == 16 and cache.attend is None
+    model = GPT(tiny_config())
+    given = InferenceModel(model, TorchStep(model), torch.bfloat16, "fp32", attend=torch.bfloat16)
+    short = given.new_kv_cache(3, max_len=5)
+    assert (short.k.dtype, short.v.shape, short.attend) == (torch.bfloat16, (2, 3, 2, 5, 16), torch.bfloat16)
 
 
 @needs_onednn

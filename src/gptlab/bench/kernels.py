@@ -18,7 +18,7 @@ def linear_kernel_times(model: torch.nn.Module, precision: str, device: torch.de
     F.linear, with oneDNN-packed weights, and packed with the row padded to 4 rows (what the engine does)."""
     dtype = FLOAT_DTYPES[precision]
     linears = [copy.deepcopy(m).to(dtype) for m in model.modules() if isinstance(m, torch.nn.Linear)]
-    packed = [InferenceLinear(m) for m in linears]
+    packed = [InferenceLinear(m, widen=False) for m in linears]
     xs = [torch.randn(1, m.in_features, dtype=dtype, device=device) for m in linears]
 
     def plain() -> None:

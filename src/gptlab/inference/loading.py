@@ -118,7 +118,7 @@ def load_for_inference(run: str | Path, device: torch.device | str = "cpu", prec
     if decode:
         model = prepare_for_inference(loaded.model, precision)
     elif precision == "int8":  # the weights sample --precision int8 decodes with, through the torch reference path
-        model = prepare_for_inference(loaded.model, "int8", fused=False, huge_pages=False)
+        model = prepare_for_inference(loaded.model, "int8", fused=False)  # no fused step: no huge pages either
     else:
         model = as_inference(loaded.model)
     return InferenceRun(model, loaded.tokenizer, loaded.checkpoint, precision, parameters)

@@ -70,7 +70,7 @@ class InferenceModel:
         return self.decoder if self.decoder.accepts(cache) else TorchStep(self.model)
 
 
-def cache_dtype(device: torch.device, weights: torch.dtype, fused: bool, int8: bool = False) -> torch.dtype:
+def cache_dtype(device: torch.device, weights: torch.dtype, fused: bool, int8: bool) -> torch.dtype:
     """The precision keys and values are stored in, for a model with `weights` of this dtype on `device`: the
     weights' dtype, except fp32 for a bf16 model on a CPU decoded by torch ops (bf16 attention there is several times
     slower, measured in docs/benchmarks.md); the fused step reads a bf16 cache at half the bytes (at batch 8 and a
@@ -87,4 +87,4 @@ def as_inference(model: InferenceModel | nn.Module) -> InferenceModel:
     if isinstance(model, InferenceModel):
         return model
     weight = next(model.parameters())
-    return InferenceModel(model, TorchStep(model), cache_dtype(weight.device, weight.dtype, fused=False))
+    return InferenceModel(model, TorchStep(model), cache_dtype(weight.device, weight.dtype, fused=False, int8=False))

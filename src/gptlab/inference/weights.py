@@ -31,7 +31,7 @@ class InferenceLinear(nn.Module):
 
     MIN_ROWS = 4
 
-    def __init__(self, linear: nn.Linear, widen: bool = False):
+    def __init__(self, linear: nn.Linear, widen: bool):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         weight = linear.weight.detach()
