@@ -109,7 +109,9 @@ def test_adapters_on_our_gpt_give_peft_s_logits(tmp_path, targets):
 def test_a_trained_run_exported_for_peft_loads_there_with_equal_logits_and_greedy_ids(at, capsys):
     run_ok(capsys, "export", "runs/base", "--out", "base-hf")
     out = run_ok(capsys, "export", "runs/lo", "--format", "peft", "--out", "lo-peft")
-    assert "adapter_config.json, adapter_model.safetensors" in out
+    assert "adapter_config.json, adapter_model.safetensors" in out  # no tokenizer: the run added no tokens
+    assert sorted(p.name for p in (at / "lo-peft").iterdir()) == ["adapter_config.json", "adapter_model.safetensors",
+                                                                   "gptlab-export.json"]
     theirs = peft_model(at / "base-hf", at / "lo-peft")
     assert theirs.peft_config["default"].r == 4 and theirs.peft_config["default"].lora_alpha == 16
     with safe_open(at / "lo-peft/adapter_model.safetensors", "pt") as f:  # transformers 4.x refuses other files
@@ -441,6 +443,23 @@ def test_a_peft_export_into_a_gptlab_folder_or_a_full_disk_is_refused_and_writes
     assert line == ("gptlab: error: cannot write full/lo/adapter_model.safetensors: No space left on device; check "
                     "free space")
     assert tree(at) == before
+
+
+def test_export_peft_over_another_projects_files_needs_overwrite(at, capsys):
+    """A folder holding files gptlab did not export is refused, by the CLI and by export_peft itself, unless asked
+    to overwrite (--overwrite); an adapter run imported from a folder names no Hugging Face base of its own."""
+    from gptlab.hf.peft import base_name, export_peft
+
+    (at / "theirs").mkdir()
+    (at / "theirs/notes.txt").write_text("not gptlab's")
+    line = run_bad(capsys, "export", "runs/lo", "--format", "peft", "--out", "theirs")
+    assert "theirs" in line and "--overwrite" in line
+    with pytest.raises(GptlabError, match="--overwrite"):
+        export_peft("runs/lo", at / "theirs")
+    run_ok(capsys, "export", "runs/lo", "--format", "peft", "--out", "theirs", "--overwrite")
+    assert (at / "theirs/adapter_model.safetensors").is_file()
+    run_ok(capsys, "import", "peft", "theirs", "--base", "runs/base", "--run", "runs/from-theirs")
+    assert base_name("runs/base") == "tiny-hf" and base_name("runs/from-theirs") is None
 
 
 def test_a_peft_adapter_of_another_type_or_with_dropout_imports_as_it_says(at, capsys):

@@ -156,7 +156,10 @@ def test_a_peft_export_takes_the_best_checkpoint_not_the_latest(tuned, capsys, t
            "--lr", "1.0", "--min-lr", "1.0", "--quiet")  # three more steps at a learning rate far too high
     best, latest = find_checkpoint(run, "best"), find_checkpoint(run, "step")
     assert (best.step, latest.step) == (6, 9)  # the last evaluation, at step 9, was worse
-    export_peft(run, tmp_path / "peft")
+    names = export_peft(run, tmp_path / "peft")
+    assert names[:2] == ["adapter_config.json", "adapter_model.safetensors"] and "tokenizer.json" in names
+    said = json.loads((tmp_path / "peft" / "tokenizer_config.json").read_text())  # the markers' tokenizer, the context
+    assert said["model_max_length"] == json.loads((run / "config.json").read_text())["model"]["block_size"]
     exported = load_file(tmp_path / "peft" / "adapter_model.safetensors")
     torch.testing.assert_close(exported[PREFIX + PEFT_TOKENS], read_tensors(best.path, "model")[
         "transformer.wte.token_values"], rtol=0, atol=0)

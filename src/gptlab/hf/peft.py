@@ -81,7 +81,7 @@ def adapter_config(adapters: lora.LoraSettings, base: str | None,
             "use_rslora": False, "use_dora": False, "modules_to_save": None, "trainable_token_indices": tokens or None}
 
 
-def export_peft(run_dir: str | Path, out_dir: str | Path, which: str = "best", overwrite: bool = False) -> list[str]:
+def export_peft(run_dir: str | Path, out_dir: str | Path, overwrite: bool = False) -> list[str]:
     """Write a LoRA run's adapters (its best checkpoint, else its latest) in PEFT's format, all or nothing, where
     hf.check_export_folder allows (`overwrite`: over another project's files too); returns the names written.
     GptlabError when the run has no adapters or --out is taken."""
@@ -90,7 +90,7 @@ def export_peft(run_dir: str | Path, out_dir: str | Path, which: str = "best", o
     adapters = lora.settings(rundir.read_run_config(run_dir)["train"])
     if adapters is None:
         raise GptlabError(f"{run_dir} has no LoRA adapters (it was trained in full); export it with --format hf")
-    loaded = ck.load_run(run_dir, which, merge=False)
+    loaded = ck.load_run(run_dir, merge=False)
     own = ck.model_tensors(loaded.model)
     ids = own.pop(TOKEN_IDS, None)
     tokens = None if ids is None else ids.tolist()
