@@ -106,12 +106,30 @@ def test_the_bf16_product_of_prompts_stays_within_its_bound_of_the_fp32_referenc
     assert ((fast - reference).abs() <= bound).all() and not torch.equal(fast, reference)
 
 
+@pytest.mark.parametrize("bias", [True, False])
+def test_the_torch_path_scales_each_outputs_sum_of_x_times_q_as_the_kernel_does(bias):
+    """(x q^T) * scale + b, each output's sum of x times int8 weights taken before its row's scale (as the native
+    kernel sums): against float64 worked out from q and the scales, within fp32's rounding of a 97-term sum, on
+    odd shapes and a prompt's rows as a decode step's."""
+    torch.manual_seed(3)
+    linear = nn.Linear(97, 45, bias=bias)
+    layer = Int8Linear(linear)
+    for x in (torch.randn(1, 97), torch.randn(2, 17, 97)):
+        with torch.no_grad():
+            got = layer(x)
+        expected = (x.double() @ layer.q.double().T) * layer.scale.double()
+        if bias:
+            expected = expected + linear.bias.detach().double()
+        assert got.dtype == torch.float32 and got.shape == (*x.shape[:-1], 45)
+        assert torch.allclose(got.double(), expected, rtol=0, atol=2e-6)
+
+
 def test_prompts_take_the_bf16_product_where_the_cpu_computes_bf16_and_decode_steps_never():
     layer = Int8Linear(nn.Linear(72, 97))
     layer.bf16_rows = 16
     with torch.no_grad():
         few, many = torch.randn(15, 72), torch.randn(2, 8, 72)
-        assert torch.equal(layer(few), F.linear(few, layer.dequantized(), layer.bias))
+        assert torch.equal(layer(few), F.linear(few, layer.q.float()) * layer.scale + layer.bias)  # the fp32 path
         assert torch.equal(layer(many), layer.forward_bf16(many))
     model = prepare_for_inference(trained_like(INT8_SHAPES[0]), "int8", fused=False).model
     expected = BF16_ROWS if bf16_supported(torch.device("cpu")) else None

@@ -134,7 +134,7 @@ def bench_model(config: ModelConfig, device: torch.device, precisions: list[str]
     for precision in precisions:
         model = prepare_for_inference(copy.deepcopy(base), precision)
         # the same engine with the decode step as torch ops (oneDNN-packed weights), beside the fused native step;
-        # not for int8, whose torch path (the reference) dequantizes every weight at every step
+        # not for int8, whose torch path (the reference) widens every weight at every step
         torch_ops = model.fused and precision != "int8"
         ops = prepare_for_inference(copy.deepcopy(base), precision, fused=False) if torch_ops else None
         twin = hf if precision in FLOAT_DTYPES else None  # transformers has no weight-only int8 of its own on a CPU

@@ -46,7 +46,7 @@ def run_generate(*, device: str = "auto", new_tokens: int = 256, prompt_tokens: 
           "the read measured just before it)")
     lib = load_library() if dev.type == "cpu" else None
     step = f"fused native step (gptlab.inference.fused), build {describe(lib)}" if lib else "torch ops"
-    int8 = ("VNNI" if has_int8_vnni(lib) else "fp32 FMAs") if lib else "torch ops (dequantized, fp32)"
+    int8 = ("VNNI" if has_int8_vnni(lib) else "fp32 FMAs") if lib else "torch ops (widened to fp32)"
     print(f"{ENGINE}: engine.generate_batch over a RunningBatch, the path `gptlab sample` runs (batch 1: sample's "
           f"own; no prefix cache, as sample); decodes with: {step}; int8 products by {int8}")
     model = GPT(config).to(dev)

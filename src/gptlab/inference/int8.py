@@ -5,7 +5,7 @@ int8 reads a quarter of fp32's bytes and half of bf16's. Quantization is symmetr
 / 127, q = round(w / scale) in [-127, 127], so w ~ q * scale with an error of at most scale / 2 per weight.
 
 `Int8Linear` is the torch path, the reference the native kernel is held to (tests/test_int8.py) and the fallback
-where it cannot run: it dequantizes its weight and multiplies in fp32, on any device. Prompts (many rows at once)
+where it cannot run: it widens q to fp32, multiplies in fp32 and scales each output's sum, on any device. Prompts (many rows at once)
 take a faster product where the CPU computes bf16 natively: q is exact in bf16 (|q| <= 127 needs 7 of its 8
 significant bits), so only x and the product's result are rounded to bf16, as under autocast, and the scales are
 applied after, in fp32 (`bf16_rows`). `quantize_model` turns a model's nn.Linears into Int8Linears, the LM head
@@ -65,9 +65,13 @@ class Int8Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.bf16_rows is not None and self.dense is None and x.numel() >= self.bf16_rows * self.in_features:
             return self.forward_bf16(x)
-        # dequantize, then one fp32 product: simple, exact to fp32 rounding, and the reference the kernel is held to
-        weight = self.dense if self.dense is not None else self.dequantized()
-        return F.linear(x.float(), weight, self.bias)
+        if self.dense is not None:  # the tied head: its dequantized weights are kept anyway
+            return F.linear(x.float(), self.dense, self.bias)
+        # q widened to fp32 (exact), one fp32 product, then the scales, as the native kernel sums: the reference it
+        # is held to. Scaling the (rows, N) sums rather than the (N, K) weights spares a pass over the weights per
+        # call, most of a prompt chunk's extra time over fp32's on CPUs without native bf16 (docs/benchmarks.md)
+        y = F.linear(x.float(), self.q.float()) * self.scale
+        return y if self.bias is None else y + self.bias
 
     def forward_bf16(self, x: torch.Tensor) -> torch.Tensor:
         """x (q^T) in bf16 with fp32 accumulation, its result rounded to bf16, then the scales and the bias in

@@ -73,7 +73,7 @@ def prepare_for_inference(model: nn.Module, precision: str = "fp32", fused: bool
     decoder = native if native is not None else TorchStep(model)
     if precision == "int8" and native is None and fused:
         log.warning("int8 without the fused decode step (it needs g++): the torch "
-                    "path dequantizes every weight at every step, slower than fp32; it is the reference")
+                    "path widens every weight at every step, slower than fp32; it is the reference")
     kept = cache_dtype(device, dtype, native is not None, precision == "int8")
     # a bf16 model's prompts attend over its bf16 cache in bf16 where the CPU multiplies bf16 natively (faster
     # than fp32 copies of the keys and values: `gptlab bench serve --scenario shared-prefix`), else in fp32
