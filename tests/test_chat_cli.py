@@ -151,6 +151,15 @@ def test_reset_forgets_the_conversation_but_keeps_the_system_message(talking, mo
     assert out == transcript(("hello", a1), ("/reset", None), ("how are you?", talking.answer(fresh)),
                              ("/quit", None))[:-len("you> \n")]  # /quit ends: no prompt after it
     assert seen == [talking.template(first), talking.template(fresh)]
+    assert "gptlab: the conversation is forgotten (the system message stays)" in err.splitlines()
+
+
+@pytest.mark.parametrize("command", ["/exit", "/quit"])
+def test_exit_and_quit_each_end_the_conversation_before_the_next_line(talking, monkeypatch, capsys, command):
+    code, out, err, seen = chat(monkeypatch, capsys, talking.run, f"hello\n{command}\nnever\n", *GREEDY)
+    assert code == 0, err
+    assert out == transcript(("hello", talking.answer([user("hello")])), (command, None))[:-len("you> \n")]
+    assert len(seen) == 1  # "never" is not answered
 
 
 def test_system_sets_replaces_and_removes_the_system_message(talking, monkeypatch, capsys):
@@ -237,6 +246,7 @@ def test_answer_n_is_drawn_as_gptlab_sample_draws_with_seed_plus_n_minus_1(talki
     code, out, err, _ = chat(monkeypatch, capsys, talking.run, "hello\nhow are you?\n/reset\nhello\n", *flags)
     assert code == 0, err
     assert out == transcript(("hello", a1), ("how are you?", a2), ("/reset", None), ("hello", a1))
+    assert "gptlab: the conversation is forgotten" in err.splitlines()  # no system message to keep: none said
 
 
 def test_refusals_are_one_line(talking, monkeypatch, capsys, tmp_path):
