@@ -174,6 +174,8 @@ def test_system_sets_replaces_and_removes_the_system_message(talking, monkeypatc
     assert seen == [talking.template(one), talking.template(two), talking.template(three)]
     assert out == transcript(("hello", a1), ("/system be brief", None), ("ok", a2), ("/system", None),
                              ("so", talking.answer(three)))
+    notices = [line for line in err.splitlines() if line.startswith("gptlab: system message")]
+    assert notices == ["gptlab: system message set", "gptlab: system message removed"]
 
 
 def test_a_full_context_drops_the_oldest_turns_and_says_how_many(talking, monkeypatch, capsys):

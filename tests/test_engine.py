@@ -306,6 +306,9 @@ def test_a_plain_model_runs_as_it_is_with_the_torch_step():
     assert plain.model is model and isinstance(plain.decoder, TorchStep) and not plain.fused
     assert plain.cache_dtype == torch.float32 and as_inference(plain) is plain
     assert as_inference(model.to(torch.bfloat16)).cache_dtype == torch.float32  # bf16 attention is slow on a CPU
+    # off the CPU (the meta device stands for a GPU here) the cache keeps the weights' dtype, torch-step decoded
+    for dtype in (torch.bfloat16, torch.float16):
+        assert as_inference(GPT(tiny_config()).to("meta", dtype)).cache_dtype == dtype
 
 
 def test_preparing_attaches_nothing_to_the_module():
