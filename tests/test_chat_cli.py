@@ -154,6 +154,17 @@ def test_reset_forgets_the_conversation_but_keeps_the_system_message(talking, mo
     assert "gptlab: the conversation is forgotten (the system message stays)" in err.splitlines()
 
 
+@pytest.mark.parametrize("block_size, expected", [(64, 32), (7, 3), (3, 1)])
+def test_answers_get_half_the_context_unless_told(block_size, expected):
+    from gptlab.cli import make_parser
+    from gptlab.cli.chat_verbs import chat_config
+
+    args = make_parser().parse_args(["chat"])
+    assert chat_config(args, block_size).max_new_tokens == expected  # by hand: block_size // 2
+    told = make_parser().parse_args(["chat", "--max-new-tokens", str(block_size - 1)])
+    assert chat_config(told, block_size).max_new_tokens == block_size - 1  # the most that leaves room
+
+
 @pytest.mark.parametrize("command", ["/exit", "/quit"])
 def test_exit_and_quit_each_end_the_conversation_before_the_next_line(talking, monkeypatch, capsys, command):
     code, out, err, seen = chat(monkeypatch, capsys, talking.run, f"hello\n{command}\nnever\n", *GREEDY)
