@@ -148,7 +148,9 @@ MODULES = {
     "chat": _m("chat data/conversations", "test_conversations test_lora_chat test_chat_edges"),
     "chat.tokenizer": _m("tokenizer", "test_tokenizer test_conversations"),
     "chat.cli": _m("cli/chat_verbs", "test_chat_cli test_serve_chat::"
-                   "test_the_openai_client_s_answers_equal_gptlab_chat_s_with_the_same_seed_and_settings"),
+                   "test_the_openai_client_s_answers_equal_gptlab_chat_s_with_the_same_seed_and_settings "
+                   "test_structured_api::test_chat_answers_obey_the_constraint test_serve_prefix::"
+                   "test_a_chat_continued_turn_by_turn_answers_as_without_the_cache_and_reuses_the_conversation"),
     "bench.chat": _m("bench/chat_finetune", "test_bench_chat"),
     "chat.training": _m("data/batches training/step",
                         "test_conversations test_data test_train "

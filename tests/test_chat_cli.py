@@ -266,7 +266,8 @@ def test_refusals_are_one_line(talking, monkeypatch, capsys, tmp_path):
     plain = tiny_run(tmp_path, 1, TINY)  # a run without a chat template
     line = run_bad(capsys, "chat", "--run", str(plain))
     assert "has no chat template" in line
-    assert "leaves no room" in run_bad(capsys, "chat", "--run", str(talking.run), "--max-new-tokens", "64")
+    line = run_bad(capsys, "chat", "--run", str(talking.run), "--max-new-tokens", "64")
+    assert "leaves no room" in line and line.endswith("context of 64 tokens; give at most 63")
     assert "temperature must be a number" in run_bad(capsys, "chat", "--run", str(talking.run), "--temperature", "hot")
     # a message the vocabulary cannot hold, or an unknown command: one line, and the conversation goes on
     code, out, err, seen = chat(monkeypatch, capsys, talking.run, "日本\n/nope\nhello\n", *GREEDY)
