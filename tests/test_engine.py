@@ -416,6 +416,38 @@ def test_which_linears_are_packed_and_widened_is_chosen_by_what_the_cpu_computes
         assert sum(isinstance(m, torch.nn.Linear) for m in model.modules()) == (linears if widened is None else 0)
 
 
+def test_onednn_packs_fp32_on_the_cpu_bf16_where_native_and_nothing_else(monkeypatch):
+    import types
+
+    cpu = torch.device("cpu")
+    available = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+    assert can_pack(cpu, torch.float32) == available  # torch's CPU wheels have oneDNN: True here
+    assert can_pack(cpu, torch.bfloat16) == (available and bf16_supported(cpu))
+    assert not can_pack(cpu, torch.float16) and not can_pack(cpu, torch.float64)
+    assert not can_pack(torch.device("meta"), torch.float32)  # off the CPU (a GPU has its own products)
+    monkeypatch.setattr(torch.ops, "mkldnn", types.SimpleNamespace())  # a torch without the packed Linear op
+    assert not can_pack(cpu, torch.float32)
+    monkeypatch.undo()
+    monkeypatch.setattr(torch.backends.mkldnn, "is_available", lambda: False)  # a torch built without oneDNN
+    assert not can_pack(cpu, torch.float32)
+
+
+@pytest.mark.parametrize("device, weights, fused, int8, expected", [
+    ("cpu", torch.float32, False, False, torch.float32),
+    ("cpu", torch.bfloat16, False, False, torch.float32),  # torch's bf16 attention is slow on a CPU
+    ("cpu", torch.bfloat16, True, False, torch.bfloat16),  # the fused step reads half the bytes
+    ("cpu", torch.float32, True, True, torch.bfloat16),  # int8's fused step too, over fp32 activations
+    ("cpu", torch.float32, True, False, torch.float32),
+    ("cpu", torch.float32, False, True, torch.float32),  # int8 by torch ops on a CPU
+    ("meta", torch.float16, False, False, torch.float16),  # off the CPU: the weights' dtype
+    ("meta", torch.float32, False, True, torch.float32),  # int8 by torch ops off the CPU: its fp32 activations
+])
+def test_the_cache_dtype_follows_the_step_that_reads_it(device, weights, fused, int8, expected):
+    from gptlab.inference.prepared import cache_dtype
+
+    assert cache_dtype(torch.device(device), weights, fused=fused, int8=int8) == expected
+
+
 def test_weights_move_into_huge_pages_only_where_they_can(monkeypatch):
     """move_to_huge_pages says whether it moved anything: not a model without parameters, not one off the CPU (left
     as it is), not where the mapping cannot be made; a CPU model's weights keep their values and ties."""
