@@ -425,6 +425,10 @@ def test_onednn_packs_fp32_on_the_cpu_bf16_where_native_and_nothing_else(monkeyp
     assert can_pack(cpu, torch.bfloat16) == (available and bf16_supported(cpu))
     assert not can_pack(cpu, torch.float16) and not can_pack(cpu, torch.float64)
     assert not can_pack(torch.device("meta"), torch.float32)  # off the CPU (a GPU has its own products)
+    for native in (True, False):  # a CPU with native bf16 products, pretended on any CPU: bf16 packs, fp16 never
+        monkeypatch.setattr("gptlab.inference.weights.bf16_supported", lambda device: native)
+        assert [can_pack(cpu, d) for d in (torch.bfloat16, torch.float16)] == [available and native, False]
+    monkeypatch.undo()
     monkeypatch.setattr(torch.ops, "mkldnn", types.SimpleNamespace())  # a torch without the packed Linear op
     assert not can_pack(cpu, torch.float32)
     monkeypatch.undo()
