@@ -134,6 +134,10 @@ def test_prompts_take_the_bf16_product_where_the_cpu_computes_bf16_and_decode_st
     model = prepare_for_inference(trained_like(INT8_SHAPES[0]), "int8", fused=False).model
     expected = BF16_ROWS if bf16_supported(torch.device("cpu")) else None
     assert {m.bf16_rows for m in model.modules() if isinstance(m, Int8Linear)} == {expected}
+    for rows in (7, None):  # what quantize_model is given reaches every layer, on any CPU
+        plain = trained_like(INT8_SHAPES[0])
+        quantize_model(plain, rows)
+        assert {m.bf16_rows for m in plain.modules() if isinstance(m, Int8Linear)} == {rows}
 
 
 def test_the_int8_torch_path_stays_near_fp32_and_ties_embedding_and_head():
