@@ -211,6 +211,9 @@ def test_a_full_context_drops_the_oldest_turns_and_says_how_many(talking, monkey
     assert out == transcript(*zip(lines, answers))
     said = [int(n) for n in re.findall(r"dropped its (\d+) oldest message", err)]
     assert said == drops, err
+    assert [line for line in err.splitlines() if "outgrew" in line] == [
+        f"gptlab: the conversation outgrew the model's context: dropped its {n} oldest messages" for n in drops]
+    assert "answer stopped" not in err  # every answer ran to its end
 
 
 def test_ctrl_c_during_an_answer_keeps_what_it_said(talking, monkeypatch, capsys):

@@ -138,6 +138,15 @@ def test_prompts_take_the_bf16_product_where_the_cpu_computes_bf16_and_decode_st
         plain = trained_like(INT8_SHAPES[0])
         quantize_model(plain, rows)
         assert {m.bf16_rows for m in plain.modules() if isinstance(m, Int8Linear)} == {rows}
+    frozen = [p for m in plain.modules() if isinstance(m, Int8Linear) for p in m.parameters()]
+    assert len(frozen) > 4 and not any(p.requires_grad for p in frozen)  # inference only: q, scales, sums, biases
+    assert not plain.transformer.wte.weight.requires_grad  # the tied embedding holds the head's dequantized weights
+
+
+def test_each_rows_sum_of_q_is_int32_as_the_vnni_kernel_reads_it():
+    layer = Int8Linear(nn.Linear(300, 5))  # 300 weights up to 127: sums past int8's and int16's reach
+    assert layer.sums.dtype == torch.int32 and not layer.sums.requires_grad
+    assert layer.sums.tolist() == [sum(int(v) for v in row) for row in layer.q.tolist()]  # by hand
 
 
 def test_the_int8_torch_path_stays_near_fp32_and_ties_embedding_and_head():
