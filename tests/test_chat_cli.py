@@ -5,7 +5,9 @@ reference_continuation) on those ids, cut at the end of turn; a sampled answer i
 same prompt and seed. Piped stdin gives the transcript; a real terminal (tmux) the prompt, Ctrl-C and /reset."""
 
 import io
+import os
 import re
+import shlex
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -165,6 +167,26 @@ def test_answers_get_half_the_context_unless_told(block_size, expected):
     assert chat_config(told, block_size).max_new_tokens == block_size - 1  # the most that leaves room
 
 
+def test_chat_help_says_what_it_does_and_what_run_it_picks(capsys):
+    from gptlab.cli.chat_verbs import DESCRIPTION
+
+    with pytest.raises(SystemExit):
+        main(["chat", "--help"])
+    shown = " ".join(capsys.readouterr().out.split())  # argparse wraps lines
+    assert " ".join(DESCRIPTION.split())[:60] in shown
+    assert "--run RUN run folder (default: the most recent under runs/)" in shown
+
+
+def test_a_typed_line_is_kept_as_typed_but_for_its_line_ending(talking, monkeypatch, capsys):
+    lines = ["hello  ", "say X"]  # trailing spaces and a last letter X are the user's; "\r\n" is not
+    first = [user(lines[0])]
+    second = first + [assistant(talking.answer(first)), user(lines[1])]
+    code, out, err, seen = chat(monkeypatch, capsys, talking.run, "hello  \r\nsay X\n", *GREEDY)
+    assert code == 0, err
+    assert seen == [talking.template(first), talking.template(second)]
+    assert out.startswith("you> hello  \n")
+
+
 @pytest.mark.parametrize("command", ["/exit", "/quit"])
 def test_exit_and_quit_each_end_the_conversation_before_the_next_line(talking, monkeypatch, capsys, command):
     code, out, err, seen = chat(monkeypatch, capsys, talking.run, f"hello\n{command}\nnever\n", *GREEDY)
@@ -293,7 +315,8 @@ def test_a_conversation_in_a_terminal(talking):
     pane = Pane()
     try:
         pane.wait(lambda s: last_line(s) == SHELL, "the shell's prompt")
-        pane.run(f"env PYTHONPATH={src} {sys.executable} -m gptlab chat --run {talking.run} --device cpu "
+        path = os.pathsep.join([str(src), *os.environ.get("PYTHONPATH", "").split(os.pathsep)]).rstrip(os.pathsep)
+        pane.run(f"env PYTHONPATH={shlex.quote(path)} {sys.executable} -m gptlab chat --run {talking.run} --device cpu "
                  f"--precision fp32 {' '.join(GREEDY)}")
         pane.wait(lambda s: prompts(s) == 1, "the first prompt")
         for n, line in enumerate(["hello", "how are you?", "/reset", "how are you?"], 2):
