@@ -175,6 +175,8 @@ def test_chat_help_says_what_it_does_and_what_run_it_picks(capsys):
     shown = " ".join(capsys.readouterr().out.split())  # argparse wraps lines
     assert " ".join(DESCRIPTION.split())[:60] in shown
     assert "--run RUN run folder (default: the most recent under runs/)" in shown
+    assert "--system TEXT start with this system message (change it with /system TEXT)" in shown
+    assert "sampling settings (each answer is a sample; see the seeds above):" in shown
 
 
 def test_a_typed_line_is_kept_as_typed_but_for_its_line_ending(talking, monkeypatch, capsys):
