@@ -135,6 +135,46 @@ def test_more_than_ten_unseen_characters_are_shown_ten_and_an_ellipsis():
 def test_train_tokenizer_builds_each_kind():
     assert isinstance(train_tokenizer("gpt2", []), GPT2Tokenizer)
     assert isinstance(train_tokenizer("char", ["ab"]), CharTokenizer)
+    text = [" ".join(f"w{i} x{i * 7 % 50} y{i % 13}" for i in range(3000))]  # pairs enough for 1024 tokens
+    assert train_tokenizer("bpe", text).vocab_size == 1024  # the default
+    small = train_tokenizer("bpe", text, 300)
+    assert isinstance(small, BPETokenizer) and small.vocab_size == 300
+    with pytest.raises(GptlabError) as bad:
+        train_tokenizer("BPE", text)
+    assert str(bad.value) == "unknown tokenizer 'BPE'; choose char, bpe or gpt2"
+
+
+def test_a_tokenizer_file_of_an_unknown_type_is_refused_naming_it():
+    from gptlab.tokenizer import from_dict
+
+    with pytest.raises(GptlabError) as bad:
+        from_dict({"type": "wordpiece"})
+    assert str(bad.value) == "unknown tokenizer type 'wordpiece' in tokenizer file"
+
+
+def test_a_stream_ending_inside_a_character_flushes_a_replacement_character():
+    tok = GPT2Tokenizer()
+    ids = tok.encode("é")  # two UTF-8 bytes: é is c3 a9
+    first = [i for i in range(256) if tok.decode_bytes([i]) == b"\xc3"]
+    stream = StreamDecoder(tok)
+    assert stream.push(tok.encode("ok") + first) == "ok"  # half a character: held back
+    assert stream.flush() == "\ufffd"  # the end of the stream: the half shown as U+FFFD, not dropped
+    assert len(first) == 1 and tok.decode(ids) == "é"
+
+
+def test_a_chat_tokenizer_wraps_the_base_once_and_passes_allow_special_through():
+    from gptlab.tokenizer import CHAT_TOKENS, ChatTokenizer
+
+    base = GPT2Tokenizer()
+    chat = ChatTokenizer(ChatTokenizer(base))  # a chat tokenizer given again keeps its base
+    assert chat.base is base and chat.vocab_size == base.vocab_size + len(CHAT_TOKENS)
+    eot = base.encode(EOT, allow_special=True)
+    assert chat.encode("hi" + EOT, allow_special=True) == base.encode("hi") + eot  # no marker: the base's rule
+    user = chat.special_ids["<|user|>"]
+    assert chat.encode("<|user|>hi" + EOT, allow_special=True) == [user] + base.encode("hi") + eot
+    with pytest.raises(GptlabError) as bad:
+        chat.encode("<|user|>hi")
+    assert str(bad.value).endswith("special tokens (" + ", ".join(CHAT_TOKENS) + ")")
 
 
 def test_the_stream_decoder_replaces_bytes_that_are_not_utf8():
