@@ -144,6 +144,48 @@ def test_train_tokenizer_builds_each_kind():
     assert str(bad.value) == "unknown tokenizer 'BPE'; choose char, bpe or gpt2"
 
 
+def test_a_byte_level_bpe_needs_its_256_bytes_and_end_of_text_and_decodes_in_transformers_too():
+    text = ["hello world, hello there " * 40]
+    with pytest.raises(GptlabError) as bad:
+        BPETokenizer.train(text, 256)
+    assert str(bad.value) == "a byte-level BPE needs vocab_size >= 257 (256 bytes + end-of-text), not 256"
+    assert BPETokenizer.train(text, 257).vocab_size == 257  # the bytes and end-of-text, no merge
+    tok = BPETokenizer.train(text, 270)
+    ids = tok.encode("hello é there")
+    assert tok.hf.decode(ids) == "hello é there" == tok.decode(ids)  # the tokenizers library's own decoder too
+
+
+def test_text_of_leaves_special_tokens_out_and_counts_them():
+    tok = GPT2Tokenizer()
+    ids = tok.encode("hi" + EOT + "yo", allow_special=True)
+    assert tok.text_of(ids) == ("hiyo", 1)
+    assert tok.text_of(tok.encode("plain")) == ("plain", 0)
+    chars = CharTokenizer("ab")  # no end-of-text: nothing to leave out
+    assert chars.text_of(chars.encode("abba")) == ("abba", 0)
+
+
+def test_chat_of_takes_a_chat_tokenizer_and_refuses_a_plain_one():
+    from gptlab.tokenizer import ChatTokenizer, chat_of
+
+    chat = ChatTokenizer(GPT2Tokenizer())
+    assert chat_of(chat) is chat
+    with pytest.raises(GptlabError) as bad:
+        chat_of(GPT2Tokenizer())
+    assert str(bad.value).startswith("this run's tokenizer has no chat template; fine-tune it on conversations first")
+
+
+def test_a_damaged_tokenizer_file_is_refused_in_one_line(tmp_path):
+    path = tmp_path / "tokenizer.json"
+    path.write_text('{"type": "char", "chars"', encoding="utf-8")
+    with pytest.raises(GptlabError) as bad:
+        load(path)
+    assert str(bad.value) == f"tokenizer file {path} is not valid JSON; it is damaged"
+    path.write_bytes(b'{"type": "char", "chars": "\xff"}')  # not UTF-8
+    with pytest.raises(GptlabError) as bad:
+        load(path)
+    assert str(bad.value) == f"tokenizer file {path} is not valid JSON; it is damaged"
+
+
 def test_a_tokenizer_file_of_an_unknown_type_is_refused_naming_it():
     from gptlab.tokenizer import from_dict
 
