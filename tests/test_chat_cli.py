@@ -249,7 +249,8 @@ def test_ctrl_c_during_an_answer_keeps_what_it_said(talking, monkeypatch, capsys
     assert code == 0, err
     assert out == transcript(("how are you?", whole[:3]), ("hello", talking.answer(second)))
     assert seen[1] == talking.template(second)
-    assert "answer stopped" in err and "Traceback" not in err
+    assert "gptlab: answer stopped; what it said stays in the conversation" in err.splitlines()
+    assert "Traceback" not in err
 
 
 class CtrlCAtTheEnd(io.StringIO):
@@ -283,9 +284,12 @@ def test_answer_n_is_drawn_as_gptlab_sample_draws_with_seed_plus_n_minus_1(talki
     second = first + [assistant(a1), user("how are you?")]
     a2 = sample(second, 8)
     assert a2 != sample(second, 7)  # premise: the seed of answer 2 shows
-    code, out, err, _ = chat(monkeypatch, capsys, talking.run, "hello\nhow are you?\n/reset\nhello\n", *flags)
+    third = second + [assistant(a2), user("so?")]
+    a3 = sample(third, 9)
+    assert a3 != sample(third, 8)  # premise: the seed of answer 3 shows
+    code, out, err, _ = chat(monkeypatch, capsys, talking.run, "hello\nhow are you?\nso?\n/reset\nhello\n", *flags)
     assert code == 0, err
-    assert out == transcript(("hello", a1), ("how are you?", a2), ("/reset", None), ("hello", a1))
+    assert out == transcript(("hello", a1), ("how are you?", a2), ("so?", a3), ("/reset", None), ("hello", a1))
     assert "gptlab: the conversation is forgotten" in err.splitlines()  # no system message to keep: none said
 
 

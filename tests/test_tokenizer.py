@@ -130,6 +130,11 @@ def test_more_than_ten_unseen_characters_are_shown_ten_and_an_ellipsis():
     with pytest.raises(GptlabError) as ten:
         tok.encode("cdefghijkl")
     assert str(many.value).count("'") == 20 and " ..." in str(many.value) and " ..." not in str(ten.value)
+    shown = ", ".join(repr(c) for c in "cdefghijkl")
+    assert str(many.value) == (f"the text has 11 character(s) the char vocabulary has never seen: {shown} ...; "
+                               "remove them or train on a corpus that contains them")
+    assert str(ten.value) == (f"the text has 10 character(s) the char vocabulary has never seen: {shown}; "
+                              "remove them or train on a corpus that contains them")
 
 
 def test_train_tokenizer_builds_each_kind():
@@ -153,6 +158,15 @@ def test_a_byte_level_bpe_needs_its_256_bytes_and_end_of_text_and_decodes_in_tra
     tok = BPETokenizer.train(text, 270)
     ids = tok.encode("hello é there")
     assert tok.hf.decode(ids) == "hello é there" == tok.decode(ids)  # the tokenizers library's own decoder too
+
+
+def test_special_tokens_are_refused_unless_allowed_by_every_tokenizer_and_the_interface():
+    import inspect
+
+    from gptlab.tokenizer import ChatTokenizer, Tokenizer
+
+    for cls in (Tokenizer, CharTokenizer, BPETokenizer, GPT2Tokenizer, ChatTokenizer):
+        assert inspect.signature(cls.encode).parameters["allow_special"].default is False, cls
 
 
 def test_text_of_leaves_special_tokens_out_and_counts_them():
@@ -180,6 +194,9 @@ def test_a_damaged_tokenizer_file_is_refused_in_one_line(tmp_path):
     with pytest.raises(GptlabError) as bad:
         load(path)
     assert str(bad.value) == f"tokenizer file {path} is not valid JSON; it is damaged"
+    with pytest.raises(GptlabError) as missing:
+        load(tmp_path / "nowhere.json")
+    assert str(missing.value) == f"tokenizer file {tmp_path / 'nowhere.json'} is missing"
     path.write_bytes(b'{"type": "char", "chars": "\xff"}')  # not UTF-8
     with pytest.raises(GptlabError) as bad:
         load(path)
