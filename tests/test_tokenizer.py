@@ -197,6 +197,10 @@ def test_a_damaged_tokenizer_file_is_refused_in_one_line(tmp_path):
     with pytest.raises(GptlabError) as missing:
         load(tmp_path / "nowhere.json")
     assert str(missing.value) == f"tokenizer file {tmp_path / 'nowhere.json'} is missing"
+    path.write_text('{"type": "char"}', encoding="utf-8")  # JSON, but no vocabulary in it
+    with pytest.raises(GptlabError) as bad:
+        load(path)
+    assert str(bad.value) == f"tokenizer file {path} could not be read ('chars'); it is damaged"
     path.write_bytes(b'{"type": "char", "chars": "\xff"}')  # not UTF-8
     with pytest.raises(GptlabError) as bad:
         load(path)
