@@ -56,7 +56,7 @@ PLANTED = [
             "check_data", [("        if longest > need:", "        if longest > need + 1:")], T),
     Planted("chat: the LM head ignores the markers' trained rows under LoRA", "src/gptlab/lora.py",
             "TrainableTokensHead.forward",
-            [("        logits[..., tokens.token_ids] = F.linear(x, tokens.token_values).to(logits.dtype)", "        pass")],
+            [("        logits[..., tokens.token_ids] = F.linear(x, tokens.token_values)", "        pass")],
             L),
     Planted("chat: the markers' ids not saved with the adapters", "src/gptlab/lora.py", "is_adapter",
             [('name.endswith((".token_values", ".token_ids"))', 'name.endswith((".token_values",))')], L),
