@@ -153,6 +153,7 @@ REFUSED = [  # (setting, a value PEFT takes): each one a model gptlab's plain Lo
     ("megatron_config", {"num_layers": 2}), ("loftq_config", {"loftq_bits": 4, "loftq_iter": 1}),
     ("alora_invocation_tokens", [50, 51]), ("arrow_config", {"top_k": 1}), ("use_bdlora", {"nblocks": 2}),
     ("velora_config", {"num_groups": 4}), ("monteclora_config", {"n_samples": 2}), ("kasa_config", {"beta": 0.1}),
+    ("astra_config", {"rank": 4}), ("init_lora_weights", "astra"),
     ("init_lora_weights", "pissa"), ("init_lora_weights", "pissa_niter_4"), ("init_lora_weights", "olora"),
     ("init_lora_weights", "corda"), ("init_lora_weights", "loftq"), ("init_lora_weights", "lora_ga"),
     ("init_lora_weights", "mica"), ("task_type", "SEQ_CLS"), ("task_type", "FEATURE_EXTRACTION"),

@@ -39,7 +39,7 @@ _UNSUPPORTED = {"use_dora": False, "use_rslora": False, "modules_to_save": None,
                "target_parameters": None, "layer_replication": None,
                "use_qalora": False, "exclude_modules": None, "megatron_config": None, "loftq_config": {},
                "alora_invocation_tokens": None, "arrow_config": None, "use_bdlora": None, "velora_config": None,
-               "monteclora_config": None, "kasa_config": None}
+               "monteclora_config": None, "kasa_config": None, "astra_config": None}
 # LoraConfig's other settings: those read below, and those that leave the adapters' model plain LoRA (metadata; PEFT
 # sets fan_in_fan_out itself for GPT-2's Conv1D; layers_pattern is read only with layers_to_transform; an
 # initialisation's settings, its name being checked: _INITS)
