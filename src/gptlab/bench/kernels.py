@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from gptlab.bench.timing import time_it
 from gptlab.inference.loading import FLOAT_DTYPES
-from gptlab.inference.weights import InferenceLinear
+from gptlab.inference.weights import InferenceLinear, widens
 
 
 def linear_kernel_times(model: torch.nn.Module, precision: str, device: torch.device) -> dict[str, float]:
@@ -18,7 +18,7 @@ def linear_kernel_times(model: torch.nn.Module, precision: str, device: torch.de
     F.linear, with oneDNN-packed weights, and packed with the row padded to 4 rows (what the engine does)."""
     dtype = FLOAT_DTYPES[precision]
     linears = [copy.deepcopy(m).to(dtype) for m in model.modules() if isinstance(m, torch.nn.Linear)]
-    packed = [InferenceLinear(m, widen=False) for m in linears]
+    packed = [InferenceLinear(m, widen=widens(device, dtype)) for m in linears]  # as pack_linears packs
     xs = [torch.randn(1, m.in_features, dtype=dtype, device=device) for m in linears]
 
     def plain() -> None:

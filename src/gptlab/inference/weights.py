@@ -66,14 +66,19 @@ def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
     return dtype == torch.float32 or (dtype == torch.bfloat16 and bf16_supported(device))
 
 
+def widens(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether a Linear of `dtype` on `device` is packed as its fp32 widening (`InferenceLinear`'s `widen`): bf16
+    where oneDNN cannot run bf16 products natively but runs fp32 ones."""
+    return dtype == torch.bfloat16 and not can_pack(device, dtype) and can_pack(device, torch.float32)
+
+
 def pack_linears(model: nn.Module) -> None:
     """Replace, in place, each nn.Dropout of `model` by nn.Identity and, where oneDNN can run them (`can_pack`),
     each nn.Linear by an InferenceLinear (the tied LM head gets its own packed copy): for inference only. A bf16
     model on a CPU without native bf16 products gets fp32 packed copies (`InferenceLinear`'s `widen`): its prompts
     then multiply at fp32's speed, for twice the bytes of bf16 copies."""
     weight = next(model.parameters())
-    widen = weight.dtype == torch.bfloat16 and not can_pack(weight.device, weight.dtype) and can_pack(
-        weight.device, torch.float32)
+    widen = widens(weight.device, weight.dtype)
     pack = widen or can_pack(weight.device, weight.dtype)
     for module in list(model.modules()):
         for name, child in list(module.named_children()):
