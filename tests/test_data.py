@@ -551,6 +551,39 @@ def test_a_missing_or_damaged_data_folder_is_refused_in_one_line(char_data, corp
             prepare([str(corpus_file)], char_data, "char", quiet=True)
 
 
+def test_the_hint_for_an_unprepared_data_path_names_its_text_and_a_new_folder_under_data(tmp_path, monkeypatch):
+    """What `--data PATH` is told when PATH holds no meta.json: the prepare command for its text (nanoGPT's
+    input.txt where the folder has one, else the folder or file itself) into data/NAME, or data/NAME-gptlab when
+    that would be PATH itself or another folder already there; a name with a space quoted for the shell."""
+    monkeypatch.chdir(tmp_path)
+
+    def hint(path):
+        with pytest.raises(GptlabError) as refused:
+            load_dataset(path)
+        return str(refused.value)
+
+    def told(path, source, out):
+        return (f"{path} is not a prepared data folder (no meta.json); make one from its text with "
+                f"`gptlab prepare {source} --out {out}` and train with --data {out}")
+
+    (tmp_path / "data" / "shakespeare_char").mkdir(parents=True)  # nanoGPT's layout: data/NAME/input.txt
+    (tmp_path / "data" / "shakespeare_char" / "input.txt").write_text("some text\n")
+    assert hint("data/shakespeare_char") == told("data/shakespeare_char", "data/shakespeare_char/input.txt",
+                                                 "data/shakespeare_char-gptlab")
+    (tmp_path / "notes.v2").mkdir()  # a folder of texts: its whole name, suffix and all
+    (tmp_path / "notes.v2" / "a.txt").write_text("some text\n")
+    assert hint("notes.v2") == told("notes.v2", "notes.v2", "data/notes.v2")
+    (tmp_path / "data" / "notes.v2").mkdir()  # another folder of that name already under data/: never written over
+    assert hint("notes.v2") == told("notes.v2", "notes.v2", "data/notes.v2-gptlab")
+    (tmp_path / "book.txt").write_text("some text\n")  # a text file: its stem
+    assert hint("book.txt") == told("book.txt", "book.txt", "data/book")
+    (tmp_path / "my texts").mkdir()
+    assert hint("my texts") == told("my texts", "'my texts'", "'data/my texts'")
+    assert hint("/") == told("/", "/", "data/corpus")  # no name at all
+    assert hint("nowhere") == ("nowhere does not exist; give --data a folder made by `gptlab prepare TEXT --out "
+                               "data/NAME`")
+
+
 def test_the_end_of_text_of_a_document_ending_at_the_split_goes_to_train(tmp_path):
     """Three documents of 50, 40 and 10 characters split by characters at 90: the second ends exactly there."""
     folder = tmp_path / "docs"
