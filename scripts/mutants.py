@@ -12,8 +12,8 @@ looked for: `--fresh` starts the module over).
 
 Score = (killed + timeout) / (generated - message - equivalent), per module:
 - message: a mutant whose only change is a string literal inside a message call (an exception built with it, print,
-  warnings.warn, a logger's or parser's error/warning/info/debug): found by comparing each mutant's AST with the
-  original function's, marked skipped before mutmut runs, so never run;
+  warnings.warn, a logger's or parser's error/warning/info/debug) or an assert statement's message: found by
+  comparing each mutant's AST with the original function's, marked skipped before mutmut runs, so never run;
 - equivalent: the reviewed equivalent survivors listed in docs/equivalent-mutants.toml, each with its reason, found by
   the code they change (scripts/mutants_ledger.py), not by mutmut's positional names;
 - "no tests" (no selected test calls the function) counts against the score, as a survivor does.

@@ -88,13 +88,15 @@ def _message_argument(call: ast.Call):
 
 
 def _is_message_text(node: ast.Constant, parents: tuple) -> bool:
-    """Whether string `node` is literal text of the innermost message call's message: the message itself, or a
-    literal part of it as an f-string or a sum (not inside a call or an expression that builds the message)."""
+    """Whether string `node` is literal text of the innermost message call's message, or of an assert statement's
+    message (shown only when the assertion fails): the message itself, or a literal part of it as an f-string or a
+    sum (not inside a call or an expression that builds the message)."""
     for i in range(len(parents) - 1, -1, -1):
-        if _is_message_call(parents[i]):
+        if _is_message_call(parents[i]) or isinstance(parents[i], ast.Assert):
             path = [*parents[i + 1:], node]
             between = all(isinstance(p, (ast.JoinedStr, ast.BinOp)) for p in path[:-1])
-            return path[0] is _message_argument(parents[i]) and between
+            message = parents[i].msg if isinstance(parents[i], ast.Assert) else _message_argument(parents[i])
+            return path[0] is message and between
     return False
 
 

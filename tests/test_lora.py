@@ -186,6 +186,19 @@ def test_a_resumed_lora_run_ends_exactly_where_one_straight_run_does(at, capsys)
     assert sum(t.numel() for t in optimizer.values() if t.dim() > 0) == 2 * 4096  # AdamW's two moments, adapters
 
 
+def test_a_resume_that_changes_the_adapters_or_adds_them_is_refused_in_one_line_naming_them(at, capsys):
+    common = ["--init-from", "runs/base", "--data", "data", "--max-steps", "2"]
+    run_ok(capsys, "train", "--run", "runs/lo2", *common, *LORA)
+    assert run_bad(capsys, "train", "--run", "runs/lo2", "--resume", "--max-steps", "4", "--lora-rank", "8") == (
+        "gptlab: error: this run's LoRA adapters are rank 4, alpha 16, dropout 0 on c_attn,c_proj,c_fc; a resume keeps "
+        "them (drop the --lora-* settings, or fine-tune into a new --run)")
+    plain = LORA[:LORA.index("--lora-rank")]  # no adapters: a full fine-tune
+    run_ok(capsys, "train", "--run", "runs/full2", *common, *plain)
+    assert run_bad(capsys, "train", "--run", "runs/full2", "--resume", "--max-steps", "4", "--lora-rank", "4") == (
+        "gptlab: error: this run's LoRA adapters are none; a resume keeps them (drop the --lora-* settings, or "
+        "fine-tune into a new --run)")
+
+
 @pytest.mark.device_path("bf16 native")
 @pytest.mark.skipif(not bf16_supported(torch.device("cpu")), reason="this CPU has no native bf16: training refuses bf16")
 def test_a_bf16_lora_run_stores_its_frozen_matrices_in_bf16_and_trains_the_same_bits(at, capsys, monkeypatch):
@@ -239,7 +252,9 @@ def test_a_base_that_moved_or_changed_is_refused_in_one_line(at, capsys, tmp_pat
     line = run_bad(capsys, "sample", "--run", "runs/on2", "--max-new-tokens", "2")
     assert "has changed since the adapters were trained on it" in line
     line = run_bad(capsys, "train", "--run", "runs/on2", "--resume", "--max-steps", "6", "--quiet")
-    assert "is not the one its adapters were trained on" in line
+    base = at / "runs/base2"
+    assert line == (f"gptlab: error: the base of this LoRA run, {base}, is not the one its adapters were trained on "
+                    f"({base}: moved, or its weights changed); restore it or fine-tune again into a new --run")
 
 
 @pytest.mark.parametrize("kept", ["run", "sha256"])

@@ -31,6 +31,8 @@ def _pair(original: str, mutant: str) -> tuple[ast.FunctionDef, ast.FunctionDef]
     ('def f():\n    warnings.warn("old")', 'def f():\n    warnings.warn("XXoldXX")'),
     ('def f():\n    raise ApiError(400, "bad", "prompt")', 'def f():\n    raise ApiError(400, "BAD", "prompt")'),
     ('def f():\n    raise ValueError("bad")', 'def f():\n    raise ValueError(None)'),
+    ('def f(x):\n    assert x, "x is set"', 'def f(x):\n    assert x, "XXx is setXX"'),
+    ('def f(x):\n    assert x, f"x is {x}"', 'def f(x):\n    assert x, f"X IS {x}"'),
 ])
 def test_a_changed_string_inside_a_message_call_is_message_only(original, mutant):
     assert mutants.only_message_changed(*_pair(original, mutant))
@@ -56,6 +58,7 @@ def test_a_changed_string_inside_a_message_call_is_message_only(original, mutant
     ('def f(p):\n    p.write_text("a\\n")', 'def f(p):\n    p.write_text("XXa\\nXX")'),
     ('def f(x):\n    return x.split(",")', 'def f(x):\n    return x.split("XX,XX")'),
     ('def f(x):\n    return x', 'def f(x):\n    return x'),  # no difference at all is not a message mutant
+    ('def f(x):\n    assert x == "on", "x is on"', 'def f(x):\n    assert x == "XXonXX", "x is on"'),  # the test
 ])
 def test_anything_else_is_kept(original, mutant):
     assert not mutants.only_message_changed(*_pair(original, mutant))

@@ -261,15 +261,15 @@ def tensors_sha256(tensors: dict[str, torch.Tensor]) -> str:
 
 
 def adapt(model: nn.Module, cfg: TrainConfig, init: dict[str, torch.Tensor] | None,
-          resumed: tuple[dict[str, Any] | None, dict[str, str] | None] | None, tokenizer: Tokenizer | None = None,
-          precision: str = "fp32") -> dict[str, str] | None:
+          resumed: tuple[dict[str, Any] | None, dict[str, str] | None] | None, tokenizer: Tokenizer | None,
+          precision: str) -> dict[str, str] | None:
     """Training's start: with cfg.lora_rank (a TrainConfig), put fresh adapters on `model` (built from `init`, its
     base), with trainable rows for the tokens the data's `tokenizer` adds to the base's (added_tokens), the frozen
     matrices in bf16 when training in `precision` bf16 (store_frozen_matrices), and return the base's reference
     for the run's checkpoints ({"run", "sha256"}); a resume (`resumed`: the checkpoint's training settings and its
     base) must find the same adapters on the same base."""
     saved, saved_base = resumed or (None, None)
-    adapters, before = settings(cfg), settings(saved) if saved else None
+    adapters, before = settings(cfg), settings(saved)
     if adapters != before and saved is not None:
         raise GptlabError(f"this run's LoRA adapters are {before or 'none'}; a resume keeps them (drop the --lora-* "
                           "settings, or fine-tune into a new --run)")
