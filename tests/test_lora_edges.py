@@ -312,3 +312,26 @@ def test_trainable_tokens_keep_their_ids_and_rows_and_the_tied_head_has_no_bias(
     assert set(tokens.state_dict()) == {"weight", "token_ids", "token_values"}
     head = lora.TrainableTokensHead(torch.nn.Linear(4, 11, bias=False), tokens)
     assert head.bias is None and repr(head) == "TrainableTokensHead(in_features=4, out_features=11, bias=False)"
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_a_bf16_runs_start_stores_only_the_frozen_block_matrices_in_bf16(precision, tmp_path):
+    """lora.adapt with the run's precision, on any CPU (the bf16 run end to end needs native bf16 and is skipped
+    elsewhere): in bf16 the frozen Linear weights of the blocks (targeted or not) become bf16, the adapters,
+    embeddings, LayerNorms and biases stay fp32; in fp32 nothing changes. The reference it returns names the base's folder and weights."""
+    from gptlab.config import ModelConfig, TrainConfig
+    from gptlab.model import build_model
+
+    torch.manual_seed(0)
+    model = build_model(ModelConfig(vocab_size=40, block_size=16, n_layer=2, n_head=2, n_embd=16))
+    init = {k: v.clone() for k, v in model.state_dict().items()}
+    cfg = TrainConfig(init_from=str(tmp_path / "base"), lora_rank=2, lora_targets="c_attn,c_fc")
+    base = lora.adapt(model, cfg, init, None, None, precision)
+    assert base == {"run": str(tmp_path / "base"), "sha256": lora.tensors_sha256(init)}
+    dtypes = {name: p.dtype for name, p in model.named_parameters()}
+    frozen = {f"transformer.h.{i}.{m}.weight" for i in range(2) for m in ("attn.c_attn", "attn.c_proj", "mlp.c_fc",
+                                                                         "mlp.c_proj")}  # targeted or not
+    assert frozen <= dtypes.keys() and not any(model.get_parameter(n).requires_grad for n in frozen)
+    wanted = torch.bfloat16 if precision == "bf16" else torch.float32
+    assert {dtypes[n] for n in frozen} == {wanted}
+    assert {dtypes[n] for n in dtypes if n not in frozen} == {torch.float32}
