@@ -432,6 +432,21 @@ def test_a_rank_up_to_the_narrowest_adapted_width_is_taken_as_peft_takes_it():
                         lora.LoraSettings(9, 8.0, 0.0, ("c_attn",)))
 
 
+def test_rank_1_is_the_lowest_rank_apply_lora_takes_through_the_api_too():
+    """The settings refuse a rank below 1 before any model (above); apply_lora, called from code, holds the same
+    edge: rank 1 adapts (A one row, B one column), 0 is refused in one line."""
+    from gptlab.config import ModelConfig
+    from gptlab.model import GPT
+
+    model = GPT(ModelConfig(vocab_size=11, block_size=8, n_layer=1, n_head=1, n_embd=8))
+    assert lora.apply_lora(model, lora.LoraSettings(1, 2.0, 0.0, ("c_fc",))) == ["transformer.h.0.mlp.c_fc"]
+    layer = model.transformer.h[0].mlp.c_fc
+    assert (layer.lora_A.weight.shape, layer.lora_B.weight.shape, layer.scaling) == ((1, 8), (32, 1), 2.0)
+    with pytest.raises(GptlabError, match=r"^--lora-rank must be at least 1, not 0$"):
+        lora.apply_lora(GPT(ModelConfig(vocab_size=11, block_size=8, n_layer=1, n_head=1, n_embd=8)),
+                        lora.LoraSettings(0, 2.0, 0.0, ("c_fc",)))
+
+
 def test_the_peft_config_names_the_base_and_loads_without_peft_s_complaints(at, capsys, recwarn):
     run_ok(capsys, "export", "runs/base", "--out", "base-hf5")
     run_ok(capsys, "export", "runs/lo", "--format", "peft", "--out", "lo-peft5")
