@@ -584,6 +584,25 @@ def test_the_hint_for_an_unprepared_data_path_names_its_text_and_a_new_folder_un
                                "data/NAME`")
 
 
+@pytest.mark.parametrize("block_size", [1, 4])
+def test_one_pass_holds_every_target_once_for_splits_below_at_and_past_each_row_edge(block_size):
+    """pass_batches (evaluation's whole pass over a small split) on splits of 2 to 4 * block_size + 3 tokens: the
+    n - 1 targets each in exactly one row, after the token before it, in ceil((n - 1) / block_size) rows that each
+    hold one, then rows of -1 alone up to a whole batch of 3."""
+    from gptlab.data.batches import Dataset, pass_batches
+
+    for n in range(2, 4 * block_size + 4):
+        ids = np.arange(100, 100 + n, dtype=np.uint16)  # distinct: a target names its position
+        batches = pass_batches(Dataset(Path("."), ids, ids, None, {}), "val", 3, block_size)
+        assert all(x.shape == y.shape == (3, block_size) and x.dtype == y.dtype == torch.int64 for x, y in batches)
+        x, y = torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches])
+        rows = -(-(n - 1) // block_size)
+        assert len(x) == -(-rows // 3) * 3, (n, len(x))
+        assert sorted(y[y != -1].tolist()) == list(range(101, 100 + n)), n
+        assert torch.equal(x[y != -1], y[y != -1] - 1), n
+        assert (y[:rows] != -1).any(dim=1).all() and (y[rows:] == -1).all(), n
+
+
 def test_the_end_of_text_of_a_document_ending_at_the_split_goes_to_train(tmp_path):
     """Three documents of 50, 40 and 10 characters split by characters at 90: the second ends exactly there."""
     folder = tmp_path / "docs"
