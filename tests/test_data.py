@@ -603,6 +603,22 @@ def test_one_pass_holds_every_target_once_for_splits_below_at_and_past_each_row_
         assert (y[:rows] != -1).any(dim=1).all() and (y[rows:] == -1).all(), n
 
 
+def test_one_pass_over_a_conversation_split_reads_that_split_with_its_own_pieces():
+    """Conversations: a row from each piece's start, its own targets where the mask trains them, from the split
+    asked for (train and val differ in tokens, masks and pieces here)."""
+    from gptlab.data.batches import Dataset, pass_batches
+
+    train, val = np.arange(10, 30, dtype=np.uint16), np.arange(50, 62, dtype=np.uint16)
+    train_mask = np.ones(20, dtype=np.uint8)
+    train_mask[3] = 0  # a token that is no lesson
+    chat = {"train": (train_mask, np.array([0, 8, 20])), "val": (np.ones(12, dtype=np.uint8), np.array([0, 12]))}
+    ds = Dataset(Path("."), train, val, None, {}, chat)
+    for split, lessons in (("train", [11, 12, 14, 15, 16, 17, *range(19, 30)]), ("val", list(range(51, 62)))):
+        batches = pass_batches(ds, split, 2, 16)
+        y = torch.cat([b[1] for b in batches])
+        assert len(batches) == 1 and y.dtype == torch.int64 and sorted(y[y != -1].tolist()) == lessons, split
+
+
 def test_the_end_of_text_of_a_document_ending_at_the_split_goes_to_train(tmp_path):
     """Three documents of 50, 40 and 10 characters split by characters at 90: the second ends exactly there."""
     folder = tmp_path / "docs"

@@ -6,6 +6,7 @@ import os
 import re
 import shutil
 
+import numpy as np
 import pytest
 import torch
 
@@ -218,6 +219,87 @@ def test_an_evaluation_stops_at_one_pass_over_a_small_split_and_samples_a_large_
     recorded.seen.clear()
     estimate_loss(recorded, StepContext(ds, quick(eval_batches=3), 16, torch.device("cpu"), "fp32"))
     assert len(recorded.seen) == 2 * 3 and all(bool((y != -1).all()) for _, y in recorded.seen)  # sampled
+
+
+@pytest.mark.parametrize("extra", [-1, 0, 1])
+def test_a_split_whose_pass_is_exactly_the_rows_asked_for_is_passed_once(char_data, extra):
+    """The edge of the rule above: eval_batches x batch_size rows one below, at and one past one pass over val.
+    At and past it, val is passed once (every target in order); below it, sampled (no padding, no order)."""
+    ds = load_dataset(char_data)
+    rows = math.ceil((len(ds.val) - 1) / 16)
+    recorded = Recorded(GPT(tiny_config(vocab_size=ds.tokenizer.vocab_size, block_size=16)))
+    estimate_loss(recorded, StepContext(ds, quick(batch_size=rows + extra, eval_batches=1), 16, torch.device("cpu"),
+                                        "fp32"))
+    (_, train_y), (_, val_y) = recorded.seen  # train's split is far larger: one sampled batch of it
+    tokens = torch.as_tensor(ds.val.astype("int64"))
+    assert val_y.shape == (rows + extra, 16) and bool((train_y != -1).all())
+    targets = val_y.flatten()
+    assert torch.equal(targets[targets != -1], tokens[1:]) == (extra >= 0)
+
+
+@pytest.mark.parametrize("extra", [-1, 0, 1])
+def test_a_conversation_split_of_exactly_the_rows_asked_for_is_passed_once(extra):
+    """The same edge for conversations, whose pass takes a row per piece: 6 pieces of val against eval_batches x
+    batch_size = 6 + extra rows. At and past it, one row from each piece's start, in order; below it, sampled."""
+    from pathlib import Path
+
+    from gptlab.data.batches import Dataset
+
+    train, val = np.arange(0, 400) % 50, np.arange(0, 60) % 50
+    starts = {"train": np.arange(0, 401, 8), "val": np.arange(0, 61, 10)}
+    chat = {split: (np.ones(len(t), dtype=np.uint8), starts[split]) for split, t in (("train", train), ("val", val))}
+    ds = Dataset(Path("."), train, val, None, {}, chat)
+    recorded = Recorded(GPT(tiny_config(vocab_size=50, block_size=16)))
+    estimate_loss(recorded, StepContext(ds, quick(batch_size=6 + extra, eval_batches=1), 16, torch.device("cpu"),
+                                        "fp32"))
+    (_, _), (x, _) = recorded.seen
+    in_order = x.shape == (6 + extra, 16) and x[:6, 0].tolist() == [0, 10, 20, 30, 40, 0]
+    assert in_order == (extra >= 0), x[:, 0].tolist()
+
+
+def test_a_pass_whose_last_batch_holds_one_target_counts_its_loss(char_data):
+    """One pass of 3 rows in batches of 2 over a split of 2 x 16 + 2 tokens: the last batch holds one target (and
+    a row of padding), and the loss is still the mean over all 33 targets."""
+    from gptlab.evaluate import total_nats
+
+    ds = load_dataset(char_data)
+    val = np.asarray(ds.val)[:34]
+    ds = dataclasses.replace(ds, val=val)
+    model = GPT(tiny_config(vocab_size=ds.tokenizer.vocab_size, block_size=16))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.2)  # away from the initial values: every target's loss differs
+    loss = estimate_loss(model, StepContext(ds, quick(batch_size=2, eval_batches=5), 16, torch.device("cpu"),
+                                            "fp32"))["val"]
+    nats, count = total_nats(model, val.astype("int64"), precision="fp32")
+    assert count == 33 and loss == pytest.approx(nats / count, rel=1e-5)
+
+
+def test_a_sampled_evaluation_draws_fixed_batches_of_its_own_seeded_by_the_run(char_data):
+    """Where a split is sampled, its eval_batches batches are the same at every evaluation whatever torch's global
+    random state, differ from each other, change with the run's --seed, and are none of the batches a training step
+    draws (two micro-batches a step here)."""
+    ds = load_dataset(char_data)
+    model = GPT(tiny_config(vocab_size=ds.tokenizer.vocab_size, block_size=16))
+
+    def drawn(seed, steps=0):
+        recorded = Recorded(model)
+        ctx = StepContext(ds, quick(eval_batches=3, seed=seed, grad_accum=2), 16, torch.device("cpu"), "fp32")
+        estimate_loss(recorded, ctx)
+        optimizer = torch.optim.SGD(recorded.parameters(), lr=0.0)
+        for step in range(steps):
+            train_step(recorded, optimizer, ctx, step)
+        return [x for x, _ in recorded.seen[:3]], [x for x, _ in recorded.seen[6:]]  # train's 3; the steps'
+
+    torch.manual_seed(1)
+    first, trained = drawn(7, steps=3)
+    torch.manual_seed(2)
+    again, _ = drawn(7)
+    other, _ = drawn(8)
+    assert all(torch.equal(a, b) for a, b in zip(first, again))
+    assert not any(torch.equal(a, b) for i, a in enumerate(first) for b in first[i + 1:])
+    assert not any(torch.equal(a, b) for a, b in zip(first, other))
+    assert len(trained) == 3 * 2 and not any(torch.equal(a, b) for a in first for b in trained)
 
 
 class LastOfFour:
