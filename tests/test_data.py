@@ -588,12 +588,14 @@ def test_the_hint_for_an_unprepared_data_path_names_its_text_and_a_new_folder_un
 def test_one_pass_holds_every_target_once_for_splits_below_at_and_past_each_row_edge(block_size):
     """pass_batches (evaluation's whole pass over a small split) on splits of 2 to 4 * block_size + 3 tokens: the
     n - 1 targets each in exactly one row, after the token before it, in ceil((n - 1) / block_size) rows that each
-    hold one, then rows of -1 alone up to a whole batch of 3."""
-    from gptlab.data.batches import Dataset, pass_batches
+    hold one (pass_rows says how many without reading the split), then rows of -1 alone up to a whole batch of
+    3."""
+    from gptlab.data.batches import Dataset, pass_batches, pass_rows
 
     for n in range(2, 4 * block_size + 4):
         ids = np.arange(100, 100 + n, dtype=np.uint16)  # distinct: a target names its position
         batches = pass_batches(Dataset(Path("."), ids, ids, None, {}), "val", 3, block_size)
+        assert pass_rows(Dataset(Path("."), ids, ids, None, {}), "val", block_size) == -(-(n - 1) // block_size)
         assert all(x.shape == y.shape == (3, block_size) and x.dtype == y.dtype == torch.int64 for x, y in batches)
         x, y = torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches])
         rows = -(-(n - 1) // block_size)
