@@ -155,7 +155,8 @@ MODULES = {
     "chat.training": _m("data/batches training/step",
                         "test_conversations test_data test_train "
                         "test_distributed::test_conversations_train_in_two_processes_like_in_one "
-                        "test_runtime::test_compiled_training_matches_eager"),
+                        "test_runtime::test_compiled_training_matches_eager "
+                        "test_reference::test_twenty_steps_match_the_torch_path"),
     "memory": _m("bench/memory", "test_activation_checkpointing "
                  "test_lora::test_bench_train_sets_lora_beside_full_fine_tuning_with_memory_split"),
 }

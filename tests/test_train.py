@@ -302,6 +302,32 @@ def test_a_sampled_evaluation_draws_fixed_batches_of_its_own_seeded_by_the_run(c
     assert len(trained) == 3 * 2 and not any(torch.equal(a, b) for a in first for b in trained)
 
 
+@pytest.mark.parametrize("clip", [0.05, 0.0, 1e6])
+def test_a_step_applies_the_mean_gradient_of_its_micro_batches_clipped_to_grad_clip(char_data, clip):
+    """train_step with grad_accum 2 and plain SGD at a constant rate 1 in a group of lr_scale 0.5: the update is
+    -0.5 x the gradient of the mean loss over the two micro-batches it drew (worked out here from those batches),
+    scaled down to norm grad_clip when larger (0: never), and it returns that gradient's norm before clipping."""
+    ds = load_dataset(char_data)
+    torch.manual_seed(0)
+    model = GPT(tiny_config(vocab_size=ds.tokenizer.vocab_size, block_size=16))
+    plain = copy.deepcopy(model)
+    recorded = Recorded(model)
+    optimizer = torch.optim.SGD([{"params": list(model.parameters()), "lr_scale": 0.5}], lr=0.0)
+    ctx = StepContext(ds, quick(grad_accum=2, grad_clip=clip, lr=1.0, min_lr=1.0, warmup_steps=0), 16,
+                      torch.device("cpu"), "fp32")
+    loss, norm = train_step(recorded, optimizer, ctx, 0)
+    assert len(recorded.seen) == 2 and optimizer.param_groups[0]["lr"] == 0.5
+    mean = sum(plain(x, y)[1] for x, y in recorded.seen) / 2
+    mean.backward()
+    grads = [p.grad for p in plain.parameters()]
+    whole = torch.sqrt(sum((g.double() ** 2).sum() for g in grads)).item()
+    assert loss.item() == pytest.approx(mean.item(), rel=1e-6) and norm.item() == pytest.approx(whole, rel=1e-5)
+    scale = min(1.0, clip / whole) if clip > 0 else 1.0
+    assert whole > 0.05 and (scale < 1) == (clip == 0.05)  # the clip bites at 0.05 alone
+    for p, q, g in zip(model.parameters(), plain.parameters(), grads):
+        torch.testing.assert_close(p.detach() - q.detach(), -0.5 * scale * g, rtol=1e-4, atol=1e-7)
+
+
 class LastOfFour:
     """The view of the last of four processes (rank 3): the last quarter of each batch's rows, sums left alone."""
     world_size = 4
