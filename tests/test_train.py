@@ -328,6 +328,27 @@ def test_a_step_applies_the_mean_gradient_of_its_micro_batches_clipped_to_grad_c
         torch.testing.assert_close(p.detach() - q.detach(), -0.5 * scale * g, rtol=1e-4, atol=1e-7)
 
 
+def test_a_step_whose_loss_is_not_finite_is_not_applied_and_says_which_step(char_data):
+    """On the CPU (where the host learns it at once) a step whose loss is nan raises NonFiniteLoss naming the step
+    counted from 1, and the weights stay as they were."""
+    from gptlab.training.faults import NonFiniteLoss
+
+    ds = load_dataset(char_data)
+    model = GPT(tiny_config(vocab_size=ds.tokenizer.vocab_size, block_size=16))
+    with torch.no_grad():
+        model.lm_head.weight[0, 0] = float("nan")
+    before = copy.deepcopy(model.state_dict())
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    ctx = StepContext(ds, quick(lr=1.0, min_lr=1.0, warmup_steps=0), 16, torch.device("cpu"), "fp32")
+    with pytest.raises(NonFiniteLoss) as raised:
+        train_step(model, optimizer, ctx, 4)
+    assert str(raised.value) == ("step 5: the loss (nan) or gradient norm (nan) is not finite, so the step was not "
+                                 "applied")
+    after = model.state_dict()
+    assert optimizer.param_groups[0]["lr"] == 1.0  # the step would have moved them
+    assert all(torch.allclose(before[k], after[k], rtol=0, atol=0, equal_nan=True) for k in before)
+
+
 class LastOfFour:
     """The view of the last of four processes (rank 3): the last quarter of each batch's rows, sums left alone."""
     world_size = 4
