@@ -605,6 +605,16 @@ def test_one_pass_holds_every_target_once_for_splits_below_at_and_past_each_row_
         assert (y[:rows] != -1).any(dim=1).all() and (y[rows:] == -1).all(), n
 
 
+def test_a_drawn_batch_comes_from_the_split_asked_for():
+    from gptlab.data.batches import Dataset, draw_batch
+
+    train, val = np.arange(0, 200, dtype=np.uint16), np.arange(500, 600, dtype=np.uint16)
+    ds = Dataset(Path("."), train, val, None, {})
+    for split, low, high in (("train", 0, 200), ("val", 500, 600)):
+        x, y = draw_batch(ds, split, 4, 8, batch_generator(0, 0))
+        assert bool(((x >= low) & (x < high)).all() and (y == x + 1).all()), split
+
+
 def test_one_pass_over_a_conversation_split_reads_that_split_with_its_own_pieces():
     """Conversations: a row from each piece's start, its own targets where the mask trains them, from the split
     asked for (train and val differ in tokens, masks and pieces here)."""
