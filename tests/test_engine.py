@@ -387,6 +387,26 @@ def test_a_bf16_model_packs_fp32_copies_exactly_where_the_cpu_has_no_native_bf16
     assert {m.dtype for m in fp32.modules() if isinstance(m, InferenceLinear)} == {torch.float32}
 
 
+@needs_onednn
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_the_kernel_lines_time_the_linears_as_the_engine_packs_them(monkeypatch, precision):
+    """`gptlab bench generate`'s kernel lines pack each Linear as pack_linears does (a bf16 one widened to fp32
+    where the CPU has no bf16 products) and run all three paths; the clock stubbed to one call each."""
+    from gptlab.bench import kernels
+
+    built = []
+    monkeypatch.setattr(kernels, "time_it", lambda fn, device, min_seconds: fn() or 0.0)
+    monkeypatch.setattr(kernels, "InferenceLinear", lambda m, widen: built.append(InferenceLinear(m, widen)) or
+                        built[-1])
+    model = GPT(tiny_config())
+    times = kernels.linear_kernel_times(model, precision, torch.device("cpu"))
+    assert list(times) == ["F.linear", "oneDNN-packed", "packed, padded to 4 rows"]
+    engine = GPT(tiny_config()).to(kernels.FLOAT_DTYPES[precision])
+    pack_linears(engine)
+    assert {m.dtype for m in built} == {m.dtype for m in engine.modules() if isinstance(m, InferenceLinear)}
+    assert len(built) == 4 * model.config.n_layer + 1
+
+
 @pytest.mark.parametrize("native_bf16", [True, False])
 def test_which_linears_are_packed_and_widened_is_chosen_by_what_the_cpu_computes(monkeypatch, native_bf16):
     """The choice itself, on any CPU: whether oneDNN packs each dtype is pretended, the packing recorded. A bf16

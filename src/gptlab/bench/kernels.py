@@ -25,8 +25,10 @@ def linear_kernel_times(model: torch.nn.Module, precision: str, device: torch.de
         for x, m in zip(xs, linears):
             F.linear(x, m.weight, m.bias)
 
+    computed = [x.to(m.dtype) for x, m in zip(xs, packed)]  # the dtype it multiplies in: fp32 where widened
+
     def one_row() -> None:
-        for x, m in zip(xs, packed):
+        for x, m in zip(computed, packed):
             torch.ops.mkldnn._linear_pointwise(x, m.packed, m.bias, "none", [], "")
 
     def padded() -> None:
