@@ -36,11 +36,10 @@ def shares(result: PatchResult) -> tuple[torch.Tensor, bool]:
 
 
 def _axes_labels(result: PatchResult, tokens: Sequence[str]) -> tuple[list[str], list[str]]:
-    """Row and column labels of a heat map, positions named by their tokens."""
+    """Row and column labels of a heat map (the sweep's: L0 / L0H1, H1), positions named by their tokens."""
     _, rows, cols = result.heatmap()
-    if result.axes[-1] == "pos" or (len(result.axes) == 3):
+    if "pos" in result.axes:
         cols = [f"{i} {tokens[i]}" if i < len(tokens) else str(i) for i in range(len(cols))]
-    rows = [r if r.startswith("L") else f"L{r}" for r in rows]
     return rows, cols
 
 
