@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from helpers import tiny_config
 from gptlab.config import ModelConfig, build, get_preset
 from gptlab.data.batches import load_dataset
-from gptlab.model import GPT, Bigram, _attention_mask, build_model
+from gptlab.model import GPT, Bigram, KVCache, _attention_mask, build_model
 
 SHAPES = [  # (n_layer, n_head, n_embd, block_size, batch, T)
     (1, 1, 8, 8, 1, 8),
@@ -212,3 +212,63 @@ def test_cached_forward_equals_the_full_forward_for_ragged_rows(attention):
             for b, n in enumerate(lengths):
                 assert (logits[b] - full[b, n + step]).abs().max().item() <= 1e-5
     assert cache.pos.tolist() == [n + 4 for n in lengths]
+
+
+def numbered_cache(batch: int = 3, max_len: int = 6) -> KVCache:
+    """A cache of 2 layers, 2 heads, D 1 whose every entry says where it is: k = 1000 l + 100 b + 10 h + t, v = -k."""
+    cache = KVCache(2, batch, 2, max_len, 1, dtype=torch.float64)
+    l, b, h, t = torch.meshgrid(*(torch.arange(n, dtype=torch.float64) for n in (2, batch, 2, max_len)), indexing="ij")
+    cache.k.copy_((1000 * l + 100 * b + 10 * h + t)[..., None])
+    cache.v.copy_(-cache.k)
+    cache.pos.copy_(torch.tensor([4, 2, 5][:batch]))
+    return cache
+
+
+def test_selected_rows_are_copies_of_the_rows_asked_for_in_their_order_with_the_cache_settings():
+    cache = numbered_cache()
+    cache.attend = torch.bfloat16
+    cache.begin(1)
+    picked = cache.select_rows(torch.tensor([2, 0, 2]))
+    assert picked.k[0, :, 0, 0, 0].tolist() == [200.0, 0.0, 200.0] and picked.k[1, 1, 1, 3, 0] == 1013.0
+    assert torch.equal(picked.v, -picked.k) and picked.pos.tolist() == [5, 4, 5] and picked.k.dtype == torch.float64
+    assert picked.max_len == 6 and picked.attend == torch.bfloat16 and picked.step is None
+    picked.k.zero_(), picked.pos.zero_()
+    assert cache.k[0, 2, 0, 0, 0] == 200.0 and cache.pos.tolist() == [4, 2, 5]  # copies, not views
+    repeated = cache.repeat_rows(2)
+    assert repeated.pos.tolist() == [4, 4, 2, 2, 5, 5] and repeated.k[1, :, 1, 2, 0].tolist() == \
+        [1012.0, 1012.0, 1112.0, 1112.0, 1212.0, 1212.0]
+    assert cache.repeat_rows(1).pos.tolist() == [4, 2, 5]
+
+
+def test_replaced_rows_take_the_other_caches_filled_positions_and_keep_the_rest():
+    cache, other = numbered_cache(), numbered_cache(batch=2)
+    other.k.add_(0.5), other.v.sub_(0.5)
+    other.pos.copy_(torch.tensor([1, 3]))  # 3 positions filled in the longest row
+    cache.replace_rows(torch.tensor([2, 0]), other)
+    assert cache.pos.tolist() == [3, 2, 1]
+    assert cache.k[0, 2, 0, :, 0].tolist() == [0.5, 1.5, 2.5, 203.0, 204.0, 205.0]  # other's row 0, then its own
+    assert cache.k[1, 0, 1, :, 0].tolist() == [1110.5, 1111.5, 1112.5, 1013.0, 1014.0, 1015.0]  # other's row 1
+    assert cache.v[1, 0, 1, 2, 0] == -1112.5 and cache.k[0, 1, 0, 0, 0] == 100.0  # row 1 untouched
+    before = cache.k.clone()
+    cache.replace_rows(torch.tensor([], dtype=torch.long), numbered_cache(batch=0))  # no rows: nothing changes
+    assert torch.equal(cache.k, before) and cache.pos.tolist() == [3, 2, 1]
+
+
+def test_a_step_plans_the_square_mask_a_one_token_step_no_mask_and_ragged_rows_their_own_mask():
+    cache = KVCache(1, 2, 1, 6, 1)
+    assert cache.begin(4) == (0, 4, True, None, True)  # a fresh prefill: the plain causal mask
+    cache.pos.fill_(4)
+    assert cache.begin(1) == (4, 5, True, None, False)  # one token sees every stored position
+    step = cache.begin(2)  # two tokens after four: each sees up to itself
+    assert (step.start, step.end, step.uniform, step.causal) == (4, 6, True, False)
+    assert step.mask[:, 0].int().tolist() == [[[1, 1, 1, 1, 1, 0], [1, 1, 1, 1, 1, 1]]] * 2
+    cache.pos.copy_(torch.tensor([1, 3]))
+    step = cache.begin(1)  # ragged rows: row 0 sees keys 0..1, row 1 keys 0..3 of the 4 planned
+    assert (step.start, step.end, step.uniform, step.causal) == (1, 4, False, False) and step is cache.step
+    assert step.mask[:, 0, 0].int().tolist() == [[1, 1, 0, 0], [1, 1, 1, 1]]
+    cache.pos.copy_(torch.tensor([0, 5]))
+    step = cache.begin(1)  # row 0 empty: starts at 0 yet is no prefill; the last position fits
+    assert (step.start, step.end, step.uniform, step.causal) == (0, 6, False, False)
+    assert step.mask[:, 0, 0].int().tolist() == [[1, 0, 0, 0, 0, 0], [1, 1, 1, 1, 1, 1]]
+    with pytest.raises(AssertionError, match="KV cache overflow: 7 positions > 6"):
+        cache.begin(2)
