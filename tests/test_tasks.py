@@ -398,6 +398,42 @@ def test_eval_task_shows_each_files_progress_on_a_terminal(task_run, monkeypatch
                  "--limit", "3", "--no-save"]) == 0
     shown = terminal.getvalue()
     assert re.search(r"choices\.jsonl: +0%\|.*\| 0/3 \[", shown) and "item/s" in shown, shown  # at its start
+    screen = []  # what the terminal shows at the end: each line's drawings, one over the other from its start
+    for line in shown.split("\n"):
+        seen = ""
+        for drawing in line.split("\r"):
+            seen = drawing + seen[len(drawing):]
+        screen.append(seen.strip())
+    assert not any("%|" in line or "item/s" in line for line in screen), screen  # the bar is cleared when done
+
+
+def test_eval_task_draws_no_bar_where_stderr_is_no_terminal_and_names_the_file_of_an_item_it_cannot_score(
+        task_run, tmp_path, capsys):
+    assert main(["eval", "--run", str(task_run), "--task", str(TASKS / "choices.jsonl"), "--precision", "fp32",
+                 "--limit", "3", "--no-save"]) == 0
+    err = capsys.readouterr().err
+    assert "%|" not in err and "item/s" not in err and "0/3" not in err, err  # not a terminal: no bar at all
+    long = tmp_path / "long.jsonl"
+    long.write_text(json.dumps({"context": "ROMEO:", "choices": ["a", "the " * 20], "label": 0}) + "\n",  # " " + 80
+                    encoding="utf-8")
+    assert main(["eval", "--run", str(task_run), "--task", str(long), "--no-save"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.endswith(f"{long}:1: a continuation of 81 tokens is longer than the model's context of 64 tokens")
+
+
+def test_eval_task_scores_in_bf16_when_asked_on_any_cpu(task_run, capsys):
+    """bf16 scoring is autocast over the fp32 weights: the log-likelihoods move by bf16's rounding, no more."""
+    flags = ["eval", "--run", str(task_run), "--task", str(TASKS / "choices.jsonl"), "--limit", "4"]
+    per_item = {}
+    for precision in ("fp32", "bf16"):
+        assert main([*flags, "--precision", precision]) == 0
+        (saved,) = (task_run / "evals").glob(f"choices-*-{precision}-limit4.json")
+        result = json.loads(saved.read_text())
+        assert result["precision"] == precision
+        per_item[precision] = [ll for row in result["per_item"] for ll in row["loglikelihoods"]]
+    capsys.readouterr()
+    moved = [abs(a - b) for a, b in zip(per_item["fp32"], per_item["bf16"])]
+    assert len(moved) == 12 and 0 < max(moved) < 0.05 * max(abs(a) for a in per_item["fp32"]), moved
 
 
 def test_a_run_is_judged_while_a_training_holds_its_lock(task_run, capsys):
