@@ -99,6 +99,9 @@ MODULES = {
     "serve.api": _m("serve/api", "test_serve test_serve_api test_serve_batching test_serve_chat"),
     "serve.app": _m("serve/app", "test_serve test_serve_api test_serve_batching test_serve_chat test_serve_harness"),
     "serve.scheduler": _m("serve/scheduler", "test_serve test_serve_scheduler test_serve_batching test_serve_chat"),
+    # issue 44: every answer's shape (completions, chat, streams, usage, logprobs) and /metrics
+    "serve.responses": _m("serve/responses serve/metrics", "test_serve test_serve_api test_serve_chat "
+                          "test_serve_chat_bytes test_serve_prefix test_structured_api test_serve_scheduler"),
     "corpus": _m("data/corpus", "test_corpus test_readers test_data"),
     "readers": _m("data/readers", "test_readers test_corpus test_data"),
     "encoder": _m("data/encoder", "test_corpus test_shards"),
