@@ -331,6 +331,9 @@ def test_eval_task_prints_each_measure_and_keeps_the_results_in_the_run(task_run
     assert all(f"saved {p}" in err for p in saved)
     result = json.loads(saved[1].read_text())
     assert result["items"] == 5 and result["precision"] == "fp32" and result["limit"] == 5
+    assert result["run"] == str(task_run) and result["task"] == str(TASKS / "hellaswag.jsonl")
+    assert result["checkpoint"] == str(task_run / "checkpoints" / f"best-{result['step']:08d}")
+    assert (result["num_fewshot"], result["seed"]) == (0, 1234)
     assert saved[1].name == f"hellaswag-{result['sha256'][:8]}-step{result['step']}-fp32-limit5.json"
     assert len(result["per_item"]) == 5 and all(len(r["loglikelihoods"]) == 4 for r in result["per_item"])
     acc = result["measures"]["acc"]
@@ -398,6 +401,15 @@ def test_eval_task_shows_each_files_progress_on_a_terminal(task_run, monkeypatch
                  "--limit", "3", "--no-save"]) == 0
     shown = terminal.getvalue()
     assert re.search(r"choices\.jsonl: +0%\|.*\| 0/3 \[", shown) and "item/s" in shown, shown  # at its start
+    terminal.seek(0), terminal.truncate()
+    import functools
+
+    import tqdm
+    monkeypatch.setattr(tqdm.tqdm, "__init__", functools.partialmethod(tqdm.tqdm.__init__, mininterval=0))
+    assert main(["eval", "--run", str(task_run), "--task", str(TASKS / "choices.jsonl"), "--precision", "fp32",
+                 "--limit", "3", "--no-save"]) == 0
+    shown = terminal.getvalue()
+    assert re.findall(r"\| (\d)/3 \[", shown) == ["0", "1", "2", "3"], shown  # a step per item scored
     screen = []  # what the terminal shows at the end: each line's drawings, one over the other from its start
     for line in shown.split("\n"):
         seen = ""
@@ -410,9 +422,12 @@ def test_eval_task_shows_each_files_progress_on_a_terminal(task_run, monkeypatch
 def test_eval_task_draws_no_bar_where_stderr_is_no_terminal_and_names_the_file_of_an_item_it_cannot_score(
         task_run, tmp_path, capsys):
     assert main(["eval", "--run", str(task_run), "--task", str(TASKS / "choices.jsonl"), "--precision", "fp32",
-                 "--limit", "3", "--no-save"]) == 0
-    err = capsys.readouterr().err
+                 "--limit", "3", "--no-save", "--json"]) == 0
+    out, err = capsys.readouterr()
     assert "%|" not in err and "item/s" not in err and "0/3" not in err, err  # not a terminal: no bar at all
+    assert err.splitlines()[1:] == [f"gptlab: {TASKS / 'choices.jsonl'}: 3 item(s) had their context cut at the "
+                                    "start to fit the model's context"]  # each of the 3 longer than the 64 tokens
+    assert json.loads(out)[0]["cropped"] == 3
     long = tmp_path / "long.jsonl"
     long.write_text(json.dumps({"context": "ROMEO:", "choices": ["a", "the " * 20], "label": 0}) + "\n",  # " " + 80
                     encoding="utf-8")
