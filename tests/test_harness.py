@@ -61,7 +61,10 @@ def test_per_request_loglikelihoods_match_the_hf_model(models):
     args = [(item.contexts[0], " " + c) for item in read_task(TASKS / "hellaswag.jsonl")[:6] for c in
             item.continuations]
     args += [("", "No context at all, scored after end-of-text."), ("Trailing space ", "moves along"),
-             ("A" * 300, " long contexts lose their start")]
+             ("A" * 300, " long contexts lose their start"), ("One text.<|endoftext|>Another", " begins")]
+    eot = ours.tokenizer.eot_id  # the harness's texts may hold the end-of-text token: it is that token, as in HF's
+    assert ours.tok_encode("One.<|endoftext|>Two") == [*ours.tokenizer.encode("One."), eot,
+                                                       *ours.tokenizer.encode("Two")]
     theirs, mine = hf.loglikelihood(instances("loglikelihood", args)), ours.loglikelihood(
         instances("loglikelihood", args))
     assert len(mine) == len(args)
@@ -147,6 +150,7 @@ def test_eval_lm_eval_runs_harness_tasks_on_a_run(models, task_manager, task_fol
     hf, _, folder = models
     assert main(["import", str(folder), "--run", str(tmp_path / "run")]) == 0
     capsys.readouterr()
+    assert GptlabLM(run=tmp_path / "run").precision == "fp32"  # model_args=run=RUN alone: fp32
     flags = ["eval", "--run", str(tmp_path / "run"), "--precision", "fp32", "--lm-eval-include", str(task_folder),
              "--lm-eval-only-include"]
     assert main([*flags, "--lm-eval", "gptlab_fixture_choices"]) == 0
