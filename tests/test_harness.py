@@ -150,7 +150,14 @@ def test_eval_lm_eval_runs_harness_tasks_on_a_run(models, task_manager, task_fol
     hf, _, folder = models
     assert main(["import", str(folder), "--run", str(tmp_path / "run")]) == 0
     capsys.readouterr()
-    assert GptlabLM(run=tmp_path / "run").precision == "fp32"  # model_args=run=RUN alone: fp32
+    from gptlab.inference.weights import InferenceLinear
+
+    alone = GptlabLM(run=tmp_path / "run", batch_size=8)  # model_args=run=RUN: fp32 on the CPU, the harness's
+    assert alone.precision == "fp32" and alone.checkpoint.path.parent == tmp_path / "run" / "checkpoints"
+    assert not any(isinstance(m, InferenceLinear) for m in alone.model.modules())  # scored as trained: no packing
+    assert {p.dtype for p in alone.model.parameters()} == {torch.float32}
+    assert next(alone.model.parameters()).device == torch.device("cpu") and GptlabLM(
+        model=alone.model, tokenizer=alone.tokenizer).checkpoint is None
     flags = ["eval", "--run", str(tmp_path / "run"), "--precision", "fp32", "--lm-eval-include", str(task_folder),
              "--lm-eval-only-include"]
     assert main([*flags, "--lm-eval", "gptlab_fixture_choices"]) == 0

@@ -140,6 +140,21 @@ def test_pairs_are_encoded_as_the_harness_encodes_them():
             TemplateLM._encode_pair(harness, context, continuation)
 
 
+def test_an_end_of_text_in_a_task_s_text_is_the_end_of_text_token_in_every_rendering():
+    """As the harness encodes its requests (tok_encode allows the special token): the options' contexts and llm.c's
+    rendering of a HellaSwag record alike."""
+    from gptlab.tasks.measure import item_pairs
+
+    tokenizer = GPT2Tokenizer()
+    eot, enc = tokenizer.eot_id, tokenizer.encode
+    item = Item(MULTIPLE_CHOICE, ("Story one.<|endoftext|>Story two",), ("ends.", "stops."), 0, 1,
+                llmc=("Story one.<|endoftext|>Story two", ("ends.", "<|endoftext|>")))
+    pairs = item_pairs(tokenizer, item, "A<|endoftext|>", "t:1")
+    context = [*enc("A"), eot, *enc("Story one."), eot, *enc("Story two")]
+    assert pairs == [(context, enc(" ends.")), (context, enc(" stops.")), (context, enc(" ends.")),
+                     (context, [*enc(" "), eot])]
+
+
 def test_hellaswag_records_read_as_the_harness_preprocesses_them():
     from lm_eval.tasks.hellaswag import utils
 

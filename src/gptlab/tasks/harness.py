@@ -31,10 +31,11 @@ DEFAULT_MAX_GEN_TOKS = 256  # the harness's default for generation requests with
 
 @register_model("gptlab")
 class GptlabLM(TemplateLM):
-    """A gptlab run (its best checkpoint) or a model and tokenizer given directly, in `precision`."""
+    """A gptlab run (its best checkpoint) or a model and tokenizer given directly, in `precision`. The harness's
+    other arguments (batch_size, max_batch_size, ...) are taken and unused: score_pairs makes its own batches."""
 
     def __init__(self, run: str | Path | None = None, precision: str = "fp32", device: str = "cpu",
-                 batch_size: int | str = 1, model: torch.nn.Module | None = None, tokenizer=None, **_: object):
+                 model: torch.nn.Module | None = None, tokenizer=None, **_: object):
         super().__init__()
         self.checkpoint = None  # the run's checkpoint the weights came from (None: a model given directly)
         if model is None:
