@@ -6,6 +6,7 @@ import json
 import math
 import random
 import re
+import time
 from functools import lru_cache
 from pathlib import Path
 from types import SimpleNamespace
@@ -291,6 +292,33 @@ def test_a_char_model_meeting_unseen_characters_says_which_and_where():
     with pytest.raises(GptlabError, match=r"^t.jsonl:7: the text has 2 character\(s\) the char vocabulary has never "
                                           r"seen: 'o', 'é'"):
         evaluate_items(moved_model(tokenizer.vocab_size), tokenizer, items, "t.jsonl")
+    with pytest.raises(GptlabError, match=r"^task:7: the text has 2"):  # a task given no name is "task"
+        evaluate_items(moved_model(tokenizer.vocab_size), tokenizer, items)
+
+
+def test_eval_help_shows_the_task_flags_with_their_meaning(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["eval", "--help"])
+    shown = " ".join(capsys.readouterr().out.split())  # argparse's line breaks and indents as single spaces
+    assert exit_.value.code == 0 and "--task FILE a task file (JSONL: multiple choice, HellaSwag's records, schema or " \
+        "language modelling) or a folder of them, to score the run on instead of text; repeatable" in shown, shown
+    assert "--lm-eval TASKS run lm-evaluation-harness tasks" in shown and "--limit LIMIT score only the first N" in shown
+
+
+def test_scoring_defaults_to_fp32_and_the_seed_of_the_command_line_and_refuses_a_precision_it_has_not():
+    """evaluate_items' defaults are eval --task's: fp32 (the weights' own, no autocast) and few-shot seed 1234; a
+    precision that is no prepared one ("auto" unresolved, a typo) is refused, not scored as fp32."""
+    tokenizer = CharTokenizer(fixture_text())
+    model, items = moved_model(tokenizer.vocab_size, 96), read_task(TASKS / "choices.jsonl")
+    start = time.perf_counter()
+    default = evaluate_items(model, tokenizer, items, num_fewshot=1, limit=6)
+    took = time.perf_counter() - start
+    assert default.per_item == evaluate_items(model, tokenizer, items, "task", "fp32", 1, 1234, 6).per_item
+    assert default.per_item != evaluate_items(model, tokenizer, items, "task", "fp32", 1, 1235, 6).per_item
+    assert 0 < default.seconds <= took  # the call's own time
+    for precision in ("auto", "FP32", "fp16"):
+        with pytest.raises(GptlabError, match=f"^precision must be one of fp32, bf16, int8, not '{precision}'$"):
+            evaluate_items(model, tokenizer, items, precision=precision, limit=1)
 
 
 # ---- a whole task, and the CLI --------------------------------------------------------------------------------------

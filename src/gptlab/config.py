@@ -19,6 +19,7 @@ ARCHS = ("gpt", "bigram")
 TRAIN_PRECISIONS = ("auto", "fp32", "bf16")  # train's --precision
 # sample, eval, serve and bench serve's --precision: int8 is weight-only (gptlab.inference.int8)
 INFERENCE_PRECISIONS = (*TRAIN_PRECISIONS, "int8")
+PREPARED_PRECISIONS = ("fp32", "bf16", "int8")  # what a model is made ready in: the choices once "auto" is resolved
 DEVICES = ("auto", "cpu", "cuda", "mps")
 TOKENIZERS = ("char", "bpe", "gpt2")
 OPTIMIZERS = ("adamw", "muon")

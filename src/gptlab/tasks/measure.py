@@ -110,7 +110,7 @@ def evaluate_items(model: torch.nn.Module, tokenizer: Tokenizer, items: Sequence
     """The model's TaskScores on `items` (the first `limit` of them), `num_fewshot` worked examples before each;
     `progress(n)` is called after each item. GptlabError, naming `name` and the item's line, for text the
     tokenizer cannot encode or a continuation too long for the model."""
-    chosen = list(items[:limit] if limit is not None else items)
+    chosen = list(items[:limit])  # limit None: every item
     start, per_item, cropped = time.perf_counter(), [], 0
     for first in range(0, len(chosen), ITEMS_PER_CALL):  # several items' options scored together: bigger products
         batch, pairs = chosen[first:first + ITEMS_PER_CALL], []
