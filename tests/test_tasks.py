@@ -296,13 +296,25 @@ def test_a_char_model_meeting_unseen_characters_says_which_and_where():
         evaluate_items(moved_model(tokenizer.vocab_size), tokenizer, items)
 
 
-def test_eval_help_shows_the_task_flags_with_their_meaning(capsys):
+def test_eval_help_shows_the_task_flags_with_their_meaning(capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "1000")  # argparse wraps help at the terminal's width: one line per flag here
     with pytest.raises(SystemExit) as exit_:
         main(["eval", "--help"])
-    shown = " ".join(capsys.readouterr().out.split())  # argparse's line breaks and indents as single spaces
-    assert exit_.value.code == 0 and "--task FILE a task file (JSONL: multiple choice, HellaSwag's records, schema or " \
-        "language modelling) or a folder of them, to score the run on instead of text; repeatable" in shown, shown
-    assert "--lm-eval TASKS run lm-evaluation-harness tasks" in shown and "--limit LIMIT score only the first N" in shown
+    shown = [" ".join(line.split()) for line in capsys.readouterr().out.split("\n  --")]
+    assert exit_.value.code == 0
+    assert shown[shown.index(next(s for s in shown if s.startswith("task FILE"))):] == [
+        "task FILE a task file (JSONL: multiple choice, HellaSwag's records, schema or language modelling) or a "
+        "folder of them, to score the run on instead of text; repeatable",
+        "limit LIMIT score only the first N items of each task file",
+        "num-fewshot NUM_FEWSHOT worked examples from the same file before each item (never the item itself; "
+        "default 0)",
+        "seed SEED which few-shot examples are drawn (default 1234)",
+        "no-save print the scores without writing them to RUN/evals/",
+        "lm-eval TASKS run lm-evaluation-harness tasks (comma-separated names) on the run through gptlab's harness "
+        "model, with --limit and --num-fewshot; needs the eval extra (pip install 'gptlab[eval]')",
+        "lm-eval-include FOLDER a folder of the harness's task YAML files to add to (or, with "
+        "--lm-eval-only-include, use instead of) its own tasks",
+        "lm-eval-only-include only the tasks under --lm-eval-include (faster: the harness's own are not indexed)"]
 
 
 def test_scoring_defaults_to_fp32_and_the_seed_of_the_command_line_and_refuses_a_precision_it_has_not():
