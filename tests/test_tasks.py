@@ -213,6 +213,8 @@ def test_the_bootstrap_interval_surrounds_the_mean():
     # the mean of 100 fair coin flips: standard error 0.05, so the 95 % interval is about 0.5 +- 0.098
     assert 0.38 <= low <= 0.43 and 0.57 <= high <= 0.62
     assert bootstrap([0.0, 1.0] * 50) == (low, high)  # seeded: the same interval every run
+    spread = [(i * 37 % 101) / 100 for i in range(101)]  # 101 distinct values: each seed draws its own interval
+    assert bootstrap(spread) == bootstrap(spread) != bootstrap(spread, seed=1)
 
 
 # ---- few-shot -----------------------------------------------------------------------------------------------------

@@ -53,8 +53,6 @@ def fewshot_prefix(items: Sequence[Item], index: int, k: int, seed: int) -> str:
     """K worked examples for item `index` of the whole file: `random.Random(seed * 1_000_003 + index)` samples k
     of the other items' indices (never `index` itself), each item's worked example followed by the delimiter; so
     an item gets the same examples whatever --limit and whichever batch it is scored in; "" for k = 0."""
-    if k == 0:
-        return ""
     if k >= len(items):
         raise GptlabError(f"--num-fewshot {k} needs at least {k + 1} items in the file, which has {len(items)}")
     others = [j for j in range(len(items)) if j != index]
@@ -100,7 +98,7 @@ def bootstrap(values: Sequence[float], seed: int = 0, resamples: int = RESAMPLES
     """The 2.5th and 97.5th percentiles of the mean over `resamples` resamples of `values` with replacement."""
     x = np.asarray(values, dtype=np.float64)
     rng = np.random.default_rng(seed)
-    means = x[rng.integers(0, len(x), size=(resamples, len(x)))].mean(axis=1)
+    means = x[rng.integers(len(x), size=(resamples, len(x)))].mean(axis=1)
     return float(np.percentile(means, 2.5)), float(np.percentile(means, 97.5))
 
 
