@@ -248,6 +248,10 @@ BAD = {
     "not an object": ('["a", "b"]', "a record must be a JSON object"),
     "unknown form": ('{"question": "a", "answer": "b"}', "not a task record: expected HellaSwag's fields"),
     "empty context": ('{"context": "", "continuation": "b"}', "field 'context' is empty"),
+    "HellaSwag's ctx_a empty": ('{"activity_label": "A", "ctx_a": " ", "ctx_b": "b", "endings": ["x", "y"], '
+                                '"label": 0}', "field 'ctx_a' is empty"),
+    "HellaSwag's ctx_b not text": ('{"activity_label": "A", "ctx_a": "a", "ctx_b": 5, "endings": ["x", "y"], '
+                                   '"label": 0}', "field 'ctx_b' must be a string"),
     "mixed kinds": ('{"context": "a", "continuation": "b"}\n{"context": "a", "choices": ["x", "y"], "label": 0}',
                     "a multiple choice record in a file of language modelling records"),
 }
@@ -266,6 +270,18 @@ def test_a_bad_record_is_one_line_with_its_file_and_line(name, tmp_path):
     if name == "context not text":
         assert str(caught.value).endswith("must be a string")  # present, but not text: nothing said of missing
     assert "\n" not in str(caught.value)
+
+
+def test_a_second_record_of_another_kind_and_a_file_that_cannot_be_read_are_one_line(tmp_path):
+    path = tmp_path / "two.jsonl"
+    path.write_text('{"context": "a", "continuation": "b"}\n{"context": "a", "choices": ["x", "y"], "label": 0}\n')
+    with pytest.raises(GptlabError) as caught:
+        read_task(path)
+    assert str(caught.value) == (f"{path}:2: a multiple choice record in a file of language modelling records; keep "
+                                 "one kind per file")
+    with pytest.raises(GptlabError) as caught:
+        read_task(tmp_path)  # a folder: the OS's reason, as it words it
+    assert str(caught.value) == f"cannot read task file {tmp_path}: Is a directory"
 
 
 def test_bytes_that_are_not_utf8_and_an_empty_file_are_refused(tmp_path):
