@@ -236,6 +236,7 @@ def test_fewshot_examples_are_other_items_answered_and_the_same_under_a_limit():
 
 # ---- bad task files: one line naming the file and line ---------------------------------------------------------
 
+H = '{"activity_label": "A", "ctx_a": "a", "ctx_b": "b", "endings": ["x", "y"], "label": 0'  # a HellaSwag record
 BAD = {
     "missing field": ('{"context": "a", "choices": ["x", "y"]}', "field 'label' must be the index"),
     "missing context": ('{"choices": ["x", "y"], "label": 0}', "field 'context' must be a string, and is missing"),
@@ -252,6 +253,20 @@ BAD = {
                                 '"label": 0}', "field 'ctx_a' is empty"),
     "HellaSwag's ctx_b not text": ('{"activity_label": "A", "ctx_a": "a", "ctx_b": 5, "endings": ["x", "y"], '
                                    '"label": 0}', "field 'ctx_b' must be a string"),
+    "HellaSwag's activity label empty": (H.replace('"A"', '""') + "}", "field 'activity_label' is empty"),
+    "HellaSwag's one ending": (H.replace('["x", "y"]', '["x"]') + "}", "field 'endings' must be a list of at least 2"),
+    "HellaSwag's ctx empty": (H + ', "ctx": ""}', "field 'ctx' is empty"),
+    "HellaSwag's label not a number": (H.replace('"label": 0', '"label": "x"') + "}", "field 'label' must be the index"),
+    "HellaSwag's label out of range": (H.replace('"label": 0', '"label": "2"') + "}",
+                                       "label 2 is out of range for 2 options (0 to 1)"),
+    "schema's one context": ('{"contexts": ["a"], "continuation": "b", "label": 0}',
+                             "field 'contexts' must be a list of at least 2 strings"),
+    "schema's continuation not text": ('{"contexts": ["a", "b"], "continuation": 1, "label": 0}',
+                                       "field 'continuation' must be a string"),
+    "schema's label missing": ('{"contexts": ["a", "b"], "continuation": "c"}', "field 'label' must be the index"),
+    "schema's label out of range": ('{"contexts": ["a", "b"], "continuation": "c", "label": 2}',
+                                    "label 2 is out of range for 2 options (0 to 1)"),
+    "continuation not text": ('{"context": "a", "continuation": ["b"]}', "field 'continuation' must be a string"),
     "mixed kinds": ('{"context": "a", "continuation": "b"}\n{"context": "a", "choices": ["x", "y"], "label": 0}',
                     "a multiple choice record in a file of language modelling records"),
 }
@@ -628,11 +643,13 @@ def test_hellaswag_records_keep_llm_c_context_and_raw_endings(tmp_path):
     it: ctx_a, then a space and ctx_b where ctx_b is not empty."""
     base = {"activity_label": "Home", "endings": ["goes [title] on.", "stops."], "label": "1"}
     records = [{**base, "ctx_a": "A man sits.", "ctx_b": "he", "ctx": "A man sits. he"},
-               {**base, "ctx_a": "A man sits.", "ctx_b": "he"}, {**base, "ctx_a": "[header] How to sit", "ctx_b": ""}]
+               {**base, "ctx_a": "A man sits.", "ctx_b": "he"}, {**base, "ctx_a": "[header] How to sit", "ctx_b": ""},
+               {**base, "ctx_a": "A man sits.", "ctx_b": "he", "ctx": "Its own ctx, whatever ctx_a and ctx_b say"}]
     (tmp_path / "h.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     items = read_task(tmp_path / "h.jsonl")
     assert [item.llmc for item in items] == [("A man sits. he", ("goes [title] on.", "stops."))] * 2 + [
-        ("[header] How to sit", ("goes [title] on.", "stops."))]
+        ("[header] How to sit", ("goes [title] on.", "stops.")),
+        ("Its own ctx, whatever ctx_a and ctx_b say", ("goes [title] on.", "stops."))]
     assert items[0].contexts == ("Home: A man sits. He",) and items[0].continuations == ("goes. on.", "stops.")
 
 
