@@ -247,7 +247,10 @@ BAD = {
     "one choice": ('{"context": "a", "choices": ["x"], "label": 0}', "must be a list of at least 2 strings"),
     "not JSON": ('{"context": "a", ', "not JSON"),
     "not an object": ('["a", "b"]', "a record must be a JSON object"),
-    "unknown form": ('{"question": "a", "answer": "b"}', "not a task record: expected HellaSwag's fields"),
+    "unknown form": ('{"question": "a", "answer": "b"}', "not a task record: expected HellaSwag's fields (activity_"
+                     'label, ctx_a, ctx_b, endings, label), {"context", "choices", "label"}, {"contexts", '
+                     '"continuation", "label"} or {"context", "continuation"}'),
+    "a context alone": ('{"context": "a"}', "not a task record: expected HellaSwag's fields"),
     "empty context": ('{"context": "", "continuation": "b"}', "field 'context' is empty"),
     "HellaSwag's ctx_a empty": ('{"activity_label": "A", "ctx_a": " ", "ctx_b": "b", "endings": ["x", "y"], '
                                 '"label": 0}', "field 'ctx_a' is empty"),
