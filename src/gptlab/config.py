@@ -19,7 +19,7 @@ ARCHS = ("gpt", "bigram")
 TRAIN_PRECISIONS = ("auto", "fp32", "bf16")  # train's --precision
 # sample, eval, serve and bench serve's --precision: int8 is weight-only (gptlab.inference.int8)
 INFERENCE_PRECISIONS = (*TRAIN_PRECISIONS, "int8")
-PREPARED_PRECISIONS = ("fp32", "bf16", "int8")  # what a model is made ready in: the choices once "auto" is resolved
+PREPARED_PRECISIONS = tuple(p for p in INFERENCE_PRECISIONS if p != "auto")  # the choices once "auto" is resolved
 DEVICES = ("auto", "cpu", "cuda", "mps")
 TOKENIZERS = ("char", "bpe", "gpt2")
 OPTIMIZERS = ("adamw", "muon")
@@ -346,6 +346,12 @@ PRESETS: dict[str, Preset] = {
 }
 DEFAULT_PRESET = "char-quick"
 FINETUNE_PRESET = "finetune"
+
+
+def check_prepared(precision: str) -> None:
+    """GptlabError unless `precision` is one a model is made ready in (PREPARED_PRECISIONS: "auto" resolved)."""
+    if precision not in PREPARED_PRECISIONS:
+        raise GptlabError(f"precision must be one of {', '.join(PREPARED_PRECISIONS)}, not {precision!r}")
 
 
 def get_preset(name: str) -> Preset:

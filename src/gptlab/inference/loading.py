@@ -51,8 +51,7 @@ def prepare_for_inference(model: nn.Module, precision: str = "fp32", fused: bool
     where oneDNN supports it. Its decoder is the fused native step (gptlab.inference.fused) where the CPU and a
     compiler allow it and `fused` is true (the weights moved into 2 MB pages first unless `huge_pages` is false),
     else the torch step. Raises GptlabError for an unknown precision or bf16 on a device without it."""
-    if precision not in config.PREPARED_PRECISIONS:
-        raise GptlabError(f"precision must be one of {', '.join(config.PREPARED_PRECISIONS)}, not {precision!r}")
+    config.check_prepared(precision)
     dtype = FLOAT_DTYPES.get(precision, torch.float32)  # int8's activations and vectors are fp32
     device = next(model.parameters()).device
     if dtype == torch.bfloat16 and device.type == "cpu" and not bf16_supported(device) and not (

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from gptlab.config import PREPARED_PRECISIONS
+from gptlab.config import check_prepared
 from gptlab.errors import GptlabError
 from gptlab.runtime import autocast
 from gptlab.tokenizer import Tokenizer
@@ -61,9 +61,8 @@ def score_pairs(model: torch.nn.Module, pairs: Sequence[tuple[list[int], list[in
     """A Scored per (context ids, continuation ids) pair (check_pairs' GptlabError first). Pairs that keep the same
     context (after cropping) share one prefill: the contexts run once each, batched, their caches are copied to
     one row per continuation, and the continuations run together, about `positions` continuation positions per
-    forward. `precision`: one of PREPARED_PRECISIONS (bf16 is autocast; fp32 and int8 run in the weights' own)."""
-    if precision not in PREPARED_PRECISIONS:
-        raise GptlabError(f"precision must be one of {', '.join(PREPARED_PRECISIONS)}, not {precision!r}")
+    forward. `precision`: one of config.PREPARED_PRECISIONS (bf16 is autocast; fp32 and int8 run in the weights' own)."""
+    check_prepared(precision)
     check_pairs(model.config.block_size, pairs)
     groups: dict[tuple[int, ...], list[int]] = {}
     for i, (context, continuation) in enumerate(pairs):
