@@ -88,7 +88,7 @@ MODULES = {
     "hooks": _m("model inspect/hooks inspect/lens", "test_hooks test_patching test_model test_engine "
                 "test_activation_checkpointing"),
     "patching": _m("inspect/patching inspect/circuit", "test_patching test_inspect_patch"),
-    "heads": _m("heads inspect/heatmaps", "test_heads test_heatmaps test_inspect_patch"),
+    "heads": _m("heads inspect/heatmaps", "test_heads test_heads_edges test_heatmaps test_inspect_patch"),
     "bench.interp": _m("bench/interp", "test_inspect_patch"),
     # issue 48: GGUF out and in, llama.cpp as a peer
     "ggml": _m("ggml/vocab ggml/gguf_out ggml/gguf_in ggml/gelu", "test_gguf"),
