@@ -20,9 +20,10 @@ from gptlab.config import SEED_LIMIT
 from gptlab.errors import GptlabError
 from gptlab.inference.loading import prepare_for_inference
 from gptlab.model import GPT
-from gptlab.serve.api import ApiError, Limits, encode_prompts, parse_completion
+from gptlab.serve.api import ApiError, Limits, encode_prompts, parse_chat, parse_completion
 from gptlab.serve.app import Served, _read_json, make_app
-from gptlab.serve.responses import answer, completion_id, completion_response, completion_stream, envelope
+from gptlab.serve.responses import (answer, chat_stream, completion_id, completion_response, completion_stream,
+                                    envelope)
 from gptlab.serve.scheduler import Done, Failed, Job, PromptLogprobs, Token
 from gptlab.tokenizer import CharTokenizer, GPT2Tokenizer
 
@@ -641,6 +642,46 @@ def test_an_engine_error_ends_a_stream_in_openais_shape_then_done():
     assert freed and parts[-1] == "data: [DONE]\n\n" and len(parts) == 3
     assert chunks_of(parts)[-1] == {"error": {"message": "the server is shutting down", "type": "server_error",
                                               "param": None, "code": None}}
+
+
+def chat_streamed(body, events):
+    """The SSE text chat_stream writes for these events (token 9 ends the turn), and whether it freed the rows."""
+    async def run():
+        req = parse_chat({"messages": [{"role": "user", "content": "hi"}], "stream": True, **body}, Limits())
+        req.ids = [[1, 2]]
+        job = Job(req, asyncio.get_running_loop(), asyncio.Queue())
+        for event in events:
+            job.events.put_nowait(event)
+        return [part async for part in chat_stream(job, "run", frozenset({9}))], job.cancelled.is_set()
+    return asyncio.run(run())
+
+
+def chat_info(token, logprob):
+    return {"token": token, "logprob": logprob, "bytes": list(token.encode()), "ranked": [], "top": {}}
+
+
+def test_a_chat_stream_sends_logprobs_of_its_content_only_and_only_when_asked():
+    """The token that ends the turn releases no text and gets no logprobs entry, so no chunk; without logprobs in
+    the request every chunk's logprobs is null."""
+    events = [Token(0, "a", 1, chat_info("a", -0.5), None), Token(0, "", 9, chat_info("<|end|>", -0.1), "stop"), DONE]
+    parts, freed = chat_streamed({"logprobs": True}, events)
+    assert freed and parts[-1] == "data: [DONE]\n\n"
+    entry = {"token": "a", "logprob": -0.5, "bytes": [97], "top_logprobs": []}
+    assert [c["choices"] for c in chunks_of(parts)] == [
+        [{"index": 0, "delta": {"role": "assistant"}, "logprobs": None, "finish_reason": None}],
+        [{"index": 0, "delta": {"content": "a"}, "logprobs": {"content": [entry]}, "finish_reason": None}],
+        [{"index": 0, "delta": {}, "logprobs": None, "finish_reason": "stop"}]]
+    parts, _ = chat_streamed({}, [Token(0, "a", 1, None, None), Token(0, "", 9, None, "stop"), DONE])
+    assert [c["choices"][0]["logprobs"] for c in chunks_of(parts)] == [None, None, None]
+
+
+def test_an_engine_error_ends_a_chat_stream_in_openais_shape_then_done():
+    parts, freed = chat_streamed({}, [Token(0, "a", 1, None, None), Failed("the server is shutting down")])
+    assert freed and parts[-1] == "data: [DONE]\n\n" and len(parts) == 4
+    chunks = chunks_of(parts)
+    assert [c["choices"][0]["delta"] for c in chunks[:2]] == [{"role": "assistant"}, {"content": "a"}]
+    assert chunks[-1] == {"error": {"message": "the server is shutting down", "type": "server_error", "param": None,
+                                    "code": None}}
 
 
 # --- request bodies -------------------------------------------------------------------------------------------

@@ -175,7 +175,8 @@ def test_a_stream_sends_a_role_then_content_deltas_then_the_finish_reason(chat, 
     chunks = list(client.chat.completions.create(model="chat-run", messages=TWO_TURNS, n=2, seed=2, stream=True,
                                                  stream_options={"include_usage": True}))
     expected = [reference(chat, TWO_TURNS, seed=2 + i) for i in range(2)]
-    assert all(c.object == "chat.completion.chunk" for c in chunks)
+    assert all(c.object == "chat.completion.chunk" and c.model == "chat-run" for c in chunks)
+    assert len({c.id for c in chunks}) == 1 and chunks[0].id.startswith("chatcmpl-")  # one id: the role's chunk's too
     for index, (text, reason, _) in enumerate(expected):
         mine = [c.choices[0] for c in chunks if c.choices and c.choices[0].index == index]
         assert mine[0].delta.role == "assistant" and not mine[0].delta.content  # the role first

@@ -140,6 +140,30 @@ def test_a_tool_call_round_trip_under_each_tool_choice(client):
     assert call.index == 0 and call.id.startswith("call_") and call.function.name in schemas
 
 
+def test_a_streamed_tool_call_is_raw_chunks_of_one_id_a_role_then_the_calls_alone_then_the_reason(served):
+    """The events as they go on the wire, two choices: each choice's role delta, one delta holding only its
+    tool_calls (no role, no null content), an empty delta with finish_reason tool_calls; every chunk with the
+    stream's one chatcmpl- id, the model's name and its choice's index."""
+    import httpx
+
+    body = {"model": "json-run", "messages": USER, "tools": [WEATHER, TIME], "tool_choice": "required", "n": 2,
+            "seed": 1, "temperature": 1.0, "stream": True}
+    reply = httpx.post(served[0].url + "/v1/chat/completions", json=body, timeout=60)
+    events = [line[6:] for line in reply.text.splitlines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert len({c["id"] for c in chunks}) == 1 and chunks[0]["id"].startswith("chatcmpl-")
+    assert {(c["model"], c["object"]) for c in chunks} == {("json-run", "chat.completion.chunk")}
+    for index in range(2):
+        mine = [c["choices"][0] for c in chunks if c["choices"][0]["index"] == index]
+        assert [m["delta"] for m in mine][0] == {"role": "assistant"} and mine[-1]["delta"] == {}
+        assert [m["finish_reason"] for m in mine] == [None, None, "tool_calls"]
+        (call,) = mine[1]["delta"].pop("tool_calls")
+        assert mine[1]["delta"] == {} and call["index"] == 0 and call["type"] == "function"
+        assert call["function"]["name"] in ("get_weather", "get_time") and json.loads(call["function"]["arguments"])
+    assert len(chunks) == 6
+
+
 def test_bad_response_formats_and_tools_are_400_naming_the_field(client):
     cases = [(dict(response_format={"type": "xml"}), "response_format"),
              (dict(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "bogus"}}}),
