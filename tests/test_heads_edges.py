@@ -14,8 +14,15 @@ from torch.nn.parallel import DistributedDataParallel
 
 from gptlab.config import ModelConfig
 from gptlab.errors import GptlabError
-from gptlab.heads import (HeadScores, head_scores, induction_metrics, induction_scores, patterns, repeated_tokens,
-                          scores_from_patterns)
+from gptlab.heads import (
+    HeadScores,
+    head_scores,
+    induction_metrics,
+    induction_scores,
+    patterns,
+    repeated_tokens,
+    scores_from_patterns,
+)
 from gptlab.inspect import heatmaps
 from gptlab.model import GPT
 
@@ -76,7 +83,8 @@ def test_best_ranks_by_induction_unless_told_and_a_refusal_names_every_kind():
     assert scores.best() == (0, 0, 1.0) and scores.best("previous_token") == (0, 1, 1.0)
     with pytest.raises(GptlabError) as refused:
         scores.best("copying")
-    assert str(refused.value) == "unknown head score 'copying'; choose one of previous_token, duplicate_token, induction"
+    assert str(refused.value) == ("unknown head score 'copying'; choose one of previous_token, duplicate_token, "
+                                  "induction")
 
 
 @pytest.mark.parametrize("shape", [(6, 7), (7, 6), (5, 6)])

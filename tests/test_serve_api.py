@@ -22,8 +22,7 @@ from gptlab.inference.loading import prepare_for_inference
 from gptlab.model import GPT
 from gptlab.serve.api import ApiError, Limits, encode_prompts, parse_chat, parse_completion
 from gptlab.serve.app import Served, _read_json, make_app
-from gptlab.serve.responses import (answer, chat_stream, completion_id, completion_response, completion_stream,
-                                    envelope)
+from gptlab.serve.responses import answer, chat_stream, completion_id, completion_response, completion_stream, envelope
 from gptlab.serve.scheduler import Done, Failed, Job, PromptLogprobs, Token
 from gptlab.tokenizer import CharTokenizer, GPT2Tokenizer
 

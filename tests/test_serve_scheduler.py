@@ -119,7 +119,9 @@ CACHE = {"gptlab_prefix_cache_bytes": "gauge", "gptlab_prefix_cache_budget_bytes
          "gptlab_prefix_cache_blocks": "gauge", "gptlab_prefix_cache_lookup_tokens": "counter",
          "gptlab_prefix_cache_hit_tokens": "counter", "gptlab_prefix_cache_evictions": "counter",
          "gptlab_prefix_cache_hit_ratio": "gauge"}
-SPECULATION = {"gptlab_speculative_proposed_tokens": "counter", "gptlab_speculative_kept_tokens": "counter"}
+SPECULATION = {"gptlab_speculative_proposed_tokens": ("counter",
+                                                     "Tokens proposed by speculation (--speculate auto) and checked."),
+               "gptlab_speculative_kept_tokens": ("counter", "Proposed tokens kept: each the token drawn.")}
 
 
 def scraped(registry):
@@ -144,7 +146,7 @@ def test_metrics_are_prometheus_text_with_cumulative_buckets_counted_by_hand():
     families, samples = scraped(metrics_registry(metrics, object()))  # a batch without a prefix cache
     assert {name: families[name] for name in FAMILIES} == FAMILIES
     assert {name: families[name][0] for name in CACHE} == CACHE and len(families) == len(FAMILIES) + len(CACHE) + 2
-    assert {name: families[name][0] for name in SPECULATION} == SPECULATION
+    assert {name: families[name] for name in SPECULATION} == SPECULATION
     buckets = dict(zip(["0.01", "0.025", "0.05", "0.1", "0.25", "0.5", "1.0", "2.5", "5.0", "10.0", "30.0", "+Inf"],
                        [1, 1, 1, 1, 1, 3, 3, 3, 3, 3, 3, 4]))
     assert samples.pop("gptlab_time_to_first_token_seconds_sum") == pytest.approx(0.01 + 0.3 + 0.3 + 31.0)

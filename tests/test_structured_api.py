@@ -156,7 +156,7 @@ def test_a_streamed_tool_call_is_raw_chunks_of_one_id_a_role_then_the_calls_alon
     assert {(c["model"], c["object"]) for c in chunks} == {("json-run", "chat.completion.chunk")}
     for index in range(2):
         mine = [c["choices"][0] for c in chunks if c["choices"][0]["index"] == index]
-        assert [m["delta"] for m in mine][0] == {"role": "assistant"} and mine[-1]["delta"] == {}
+        assert mine[0]["delta"] == {"role": "assistant"} and mine[-1]["delta"] == {}
         assert [m["finish_reason"] for m in mine] == [None, None, "tool_calls"]
         (call,) = mine[1]["delta"].pop("tool_calls")
         assert mine[1]["delta"] == {} and call["index"] == 0 and call["type"] == "function"
