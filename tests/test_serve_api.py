@@ -22,8 +22,17 @@ from gptlab.inference.loading import prepare_for_inference
 from gptlab.model import GPT
 from gptlab.serve.api import ApiError, Limits, encode_prompts, parse_chat, parse_completion
 from gptlab.serve.app import Served, _read_json, make_app
-from gptlab.serve.responses import answer, chat_stream, completion_id, completion_response, completion_stream, envelope
+from gptlab.serve.responses import (
+    answer,
+    chat_response,
+    chat_stream,
+    completion_id,
+    completion_response,
+    completion_stream,
+    envelope,
+)
 from gptlab.serve.scheduler import Done, Failed, Job, PromptLogprobs, Token
+from gptlab.serve.structured import CALL_CLOSE, CALL_OPEN, parse_structure
 from gptlab.tokenizer import CharTokenizer, GPT2Tokenizer
 
 
@@ -681,6 +690,34 @@ def test_an_engine_error_ends_a_chat_stream_in_openais_shape_then_done():
     assert [c["choices"][0]["delta"] for c in chunks[:2]] == [{"role": "assistant"}, {"content": "a"}]
     assert chunks[-1] == {"error": {"message": "the server is shutting down", "type": "server_error", "param": None,
                                     "code": None}}
+
+
+TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}
+CALL_TEXT = CALL_OPEN + '{"name": "f", "arguments": {}}' + CALL_CLOSE
+
+
+def chat_answered(body, text, reason):
+    """chat_response's object for one choice that wrote `text` and ended with `reason`."""
+    async def run():
+        req = parse_chat({"messages": [{"role": "user", "content": "hi"}], **body}, Limits())
+        req.ids, req.structure = [[1, 2]], parse_structure(body, chat=True)  # as the chat route sets them
+        return chat_response([Token(0, text, 1, None, reason), DONE], Job(req, asyncio.get_running_loop(),
+                                                                          asyncio.Queue()), "run", frozenset({9}))
+    return asyncio.run(run())
+
+
+def test_a_chat_answer_is_a_tool_call_only_where_tools_were_given_and_it_stopped_on_a_whole_call():
+    called = chat_answered({"tools": [TOOL]}, CALL_TEXT, "stop")
+    assert re.fullmatch("chatcmpl-[0-9a-f]{24}", called["id"]) and called["object"] == "chat.completion"
+    assert called["model"] == "run" and called["usage"] == USAGE
+    (choice,) = called["choices"]
+    assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None
+    assert [c["function"] for c in choice["message"]["tool_calls"]] == [{"name": "f", "arguments": "{}"}]
+    for body, reason in (({}, "stop"), ({"tools": [TOOL], "tool_choice": "none"}, "stop"),
+                         ({"tools": [TOOL]}, "length")):  # no tools, tools refused, or cut off: the text as written
+        (choice,) = chat_answered(body, CALL_TEXT, reason)["choices"]
+        assert choice == {"index": 0, "message": {"role": "assistant", "content": CALL_TEXT}, "finish_reason": reason,
+                          "logprobs": None}, body
 
 
 # --- request bodies -------------------------------------------------------------------------------------------

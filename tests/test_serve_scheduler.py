@@ -115,10 +115,15 @@ FAMILIES = {  # /metrics' names, types and help texts, as they always were (dash
     "gptlab_batch_size": ("gauge", "Sequences decoded together at the last step."),
     "gptlab_time_to_first_token_seconds": ("histogram", "From a request's arrival to its first token."),
 }
-CACHE = {"gptlab_prefix_cache_bytes": "gauge", "gptlab_prefix_cache_budget_bytes": "gauge",
-         "gptlab_prefix_cache_blocks": "gauge", "gptlab_prefix_cache_lookup_tokens": "counter",
-         "gptlab_prefix_cache_hit_tokens": "counter", "gptlab_prefix_cache_evictions": "counter",
-         "gptlab_prefix_cache_hit_ratio": "gauge"}
+CACHE = {"gptlab_prefix_cache_bytes": ("gauge", "Bytes of keys and values the prefix cache holds."),
+         "gptlab_prefix_cache_budget_bytes": ("gauge", "The prefix cache's budget of bytes."),
+         "gptlab_prefix_cache_blocks": ("gauge", "Blocks the prefix cache holds."),
+         "gptlab_prefix_cache_lookup_tokens": ("counter", "Prompt tokens looked up in the prefix cache."),
+         "gptlab_prefix_cache_hit_tokens": ("counter", "Prompt tokens looked up whose keys and values the prefix "
+                                                       "cache served."),
+         "gptlab_prefix_cache_evictions": ("counter", "Blocks evicted from the prefix cache."),
+         "gptlab_prefix_cache_hit_ratio": ("gauge", "Prompt tokens served from the prefix cache per prompt token "
+                                                    "looked up (0 before any).")}
 SPECULATION = {"gptlab_speculative_proposed_tokens": ("counter",
                                                      "Tokens proposed by speculation (--speculate auto) and checked."),
                "gptlab_speculative_kept_tokens": ("counter", "Proposed tokens kept: each the token drawn.")}
@@ -145,7 +150,7 @@ def test_metrics_are_prometheus_text_with_cumulative_buckets_counted_by_hand():
         metrics.observe_ttft(seconds)
     families, samples = scraped(metrics_registry(metrics, object()))  # a batch without a prefix cache
     assert {name: families[name] for name in FAMILIES} == FAMILIES
-    assert {name: families[name][0] for name in CACHE} == CACHE and len(families) == len(FAMILIES) + len(CACHE) + 2
+    assert {name: families[name] for name in CACHE} == CACHE and len(families) == len(FAMILIES) + len(CACHE) + 2
     assert {name: families[name] for name in SPECULATION} == SPECULATION
     buckets = dict(zip(["0.01", "0.025", "0.05", "0.1", "0.25", "0.5", "1.0", "2.5", "5.0", "10.0", "30.0", "+Inf"],
                        [1, 1, 1, 1, 1, 3, 3, 3, 3, 3, 3, 4]))
@@ -156,7 +161,7 @@ def test_metrics_are_prometheus_text_with_cumulative_buckets_counted_by_hand():
         "gptlab_requests_cancelled_total": 1, "gptlab_queue_depth": 2, "gptlab_batch_size": 3,
         **{f'gptlab_time_to_first_token_seconds_bucket{{le="{le}"}}': n for le, n in buckets.items()},
         "gptlab_time_to_first_token_seconds_count": 4,
-        **{name + "_total" * (kind == "counter"): 0 for name, kind in CACHE.items()},  # no cache: all 0
+        **{name + "_total" * (kind == "counter"): 0 for name, (kind, _) in CACHE.items()},  # no cache: all 0
         "gptlab_speculative_proposed_tokens_total": 0, "gptlab_speculative_kept_tokens_total": 0}
 
 

@@ -241,20 +241,17 @@ def _message(text: str, reason: str | None, job: Job) -> dict[str, Any]:
 
 
 def chat_response(events: list[Event], job: Job, model: str, ends: frozenset[int]) -> dict[str, Any]:
-    """The `chat.completion` object of a job's events (all of them, up to its `Done`)."""
+    """The `chat.completion` object of a job's events (all of them, up to its `Done`, the last)."""
     req = job.request
     texts, reasons = [""] * job.size, [None] * job.size
     content: list[list[dict]] = [[] for _ in range(job.size)]
-    done = None
     for event in events:
         if isinstance(event, Token):
             c, text, token, info = event.choice, event.text, event.id, event.logprobs
             texts[c] += text
             content[c] += logprob_content(info, token, ends)
             reasons[c] = event.finish_reason or reasons[c]
-        elif isinstance(event, Done):
-            done = event
     choices = [{"index": c, **_message(texts[c], reasons[c], job),
                 "logprobs": {"content": content[c]} if req.logprobs is not None else None} for c in range(job.size)]
     return {**envelope(completion_id("chatcmpl-"), model), "object": "chat.completion", "choices": choices,
-            "usage": None if done is None else usage(done)}
+            "usage": usage(events[-1])}
