@@ -22,15 +22,8 @@ from gptlab.inference.loading import prepare_for_inference
 from gptlab.model import GPT
 from gptlab.serve.api import ApiError, Limits, encode_prompts, parse_chat, parse_completion
 from gptlab.serve.app import Served, _read_json, make_app
-from gptlab.serve.responses import (
-    answer,
-    chat_response,
-    chat_stream,
-    completion_id,
-    completion_response,
-    completion_stream,
-    envelope,
-)
+from gptlab.serve.responses import (answer, chat_response, chat_stream, completion_id, completion_response,
+                                    completion_stream, envelope, gather, usage)
 from gptlab.serve.scheduler import Done, Failed, Job, PromptLogprobs, Token
 from gptlab.serve.structured import CALL_CLOSE, CALL_OPEN, parse_structure
 from gptlab.tokenizer import CharTokenizer, GPT2Tokenizer
@@ -555,6 +548,25 @@ def test_an_engine_error_is_a_500_in_openais_shape():
 def test_a_client_that_left_is_noticed_while_nothing_arrives():
     client = Client(answers=(True,))
     assert collected({"prompt": "xy"}, [], client).status_code == 499 and client.checks == 1
+
+
+def test_gather_returns_the_events_alone_through_a_lull():
+    """Nothing arrives for a while (the wait times out, the client is asked), then two tokens and the end: the
+    events are those three, nothing for the lull."""
+    client = Client(then=[Token(0, "b", 2, None, "length"), DONE])
+
+    async def run():
+        client.job = job = job_of({"prompt": "xy"}, [Token(0, "a", 1, None, None)])
+        return await asyncio.wait_for(gather(job, client), 10), job.cancelled.is_set()
+    events, freed = asyncio.run(run())
+    assert events == [Token(0, "a", 1, None, None), Token(0, "b", 2, None, "length"), DONE] and freed
+    assert client.checks == 1
+
+
+def test_the_usage_of_a_predicted_output_counts_its_tokens_accepted_and_rejected():
+    assert usage(Done(3, 4, 2, prediction=(5, 1))) == {
+        **USAGE, "completion_tokens_details": {"accepted_prediction_tokens": 5, "rejected_prediction_tokens": 1}}
+    assert usage(DONE) == USAGE  # no prediction: no details
 
 
 def test_a_lull_in_tokens_is_waited_out_while_the_client_stays():

@@ -18,7 +18,6 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from gptlab import __version__
-from gptlab.serve.api import ApiError
 from gptlab.serve.scheduler import Done, Event, Failed, Job, PromptLogprobs, Token
 from gptlab.serve.structured import parse_calls
 
@@ -78,7 +77,7 @@ async def gather(job: Job, request: Request) -> list[Event] | Response:
             if event is None:
                 continue
             if isinstance(event, Failed):
-                return JSONResponse(ApiError(500, event.message, type="server_error").body(), 500)
+                return JSONResponse(_failure(event), 500)
             events.append(event)
             if isinstance(event, Done):
                 return events
