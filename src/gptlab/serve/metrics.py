@@ -91,6 +91,6 @@ class _Exposition:
 
 def metrics_registry(metrics: Metrics, batch: Any) -> CollectorRegistry:
     """A registry of its own (not prometheus_client's global one: one per server) whose exposition is /metrics."""
-    registry = CollectorRegistry(auto_describe=False)
+    registry = CollectorRegistry()
     registry.register(_Exposition(metrics, batch))
     return registry
