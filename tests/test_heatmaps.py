@@ -3,6 +3,11 @@ worked out by hand (the no-gap guard crossed at its edge), and what each picture
 matplotlib drew (titles, labels, colour scales, sizes) and from the PNG written; the page's cells, escaping and
 colours."""
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 from PIL import Image
@@ -222,7 +227,16 @@ def test_the_page_has_a_table_per_sweep_and_the_logit_parts_escaped_and_self_con
     assert '<p class="note">change of the metric; metric clean 1.0000' in flat and 'class="dla"' not in flat
 
 
-def test_the_page_is_written_as_utf8_into_a_folder_it_makes(tmp_path):
-    out = patch_html([sweep()], None, ["é", "中"], tmp_path / "new" / "patch.html", "ü")
-    assert out == tmp_path / "new" / "patch.html"
+def test_the_page_is_written_as_utf8_into_folders_it_makes_whatever_the_locale(tmp_path):
+    out = patch_html([sweep()], None, ["é", "中"], tmp_path / "new" / "deeper" / "patch.html", "ü")
+    assert out == tmp_path / "new" / "deeper" / "patch.html"
     assert out.read_bytes().decode("utf-8") == patch_page([sweep()], None, ["é", "中"], "ü")
+    # a process whose locale encoding is ASCII (the C locale, neither coerced nor in UTF-8 mode), as on a bare
+    # container: the page is UTF-8 still
+    script = ("import sys, torch; sys.path.insert(0, 'tests'); from test_heatmaps import sweep; "
+              "from gptlab.inspect.heatmaps import patch_html; import locale; "
+              "assert locale.getencoding() == 'ANSI_X3.4-1968', locale.getencoding(); "
+              f"patch_html([sweep()], None, ['\\u00e9', '\\u4e2d'], {str(tmp_path / 'c.html')!r}, '\\u00fc')")
+    env = {**os.environ, "LC_ALL": "C", "PYTHONCOERCECLOCALE": "0"}
+    subprocess.run([sys.executable, "-X", "utf8=0", "-c", script], env=env, check=True, cwd=Path(__file__).parent.parent)
+    assert (tmp_path / "c.html").read_bytes().decode("utf-8") == out.read_text(encoding="utf-8")
