@@ -135,6 +135,8 @@ def test_the_patch_picture_is_a_heat_map_per_sweep_centred_on_zero_with_its_colo
     heat, zero, *bars = fig.axes
     assert [b.get_ylabel() for b in bars] == ["share of the gap restored", "metric change"]
     assert [b.get_position().height / heat.get_position().height for b in bars] == pytest.approx([0.8, 0.8])
+    solids = [next(c for c in b.collections if type(c).__name__ == "QuadMesh") for b in bars]  # each bar's colours
+    assert [(c.get_cmap().name, c.get_clim()) for c in solids] == [("RdBu", (-1.0, 1.0)), ("RdBu", (-1e-9, 1e-9))]
     assert heat.get_title() == "activation: residual stream entering each block"
     assert zero.get_title() == "attribution: each head's output (all positions)"
     (image,) = heat.images
