@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import matplotlib
 import pytest
 import torch
 from PIL import Image
@@ -149,8 +150,9 @@ def test_the_patch_picture_is_a_heat_map_per_sweep_centred_on_zero_with_its_colo
     assert zero.images[0].get_clim() == (-1e-9, 1e-9)  # nothing to scale: a tiny range, not a zero one
     assert ticks(zero.get_xticklabels()) == ["H0", "H1"]
     drawn.clear()
-    patch_png([first], ["a", "b"], tmp_path / "one.png")
-    assert drawn[0]._suptitle.get_text() == "activation patching"
+    with matplotlib.rc_context({"font.size": 14}):  # a user's matplotlibrc: the title keeps its own size
+        patch_png([first], ["a", "b"], tmp_path / "one.png")
+    assert drawn[0]._suptitle.get_text() == "activation patching" and drawn[0]._suptitle.get_fontsize() == 10
     assert tuple(drawn[0].get_size_inches()) == pytest.approx((5.2, 4.6))
 
 
