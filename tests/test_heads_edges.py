@@ -14,15 +14,8 @@ from torch.nn.parallel import DistributedDataParallel
 
 from gptlab.config import ModelConfig
 from gptlab.errors import GptlabError
-from gptlab.heads import (
-    HeadScores,
-    head_scores,
-    induction_metrics,
-    induction_scores,
-    patterns,
-    repeated_tokens,
-    scores_from_patterns,
-)
+from gptlab.heads import (HeadScores, check_probe, head_scores, induction_metrics, induction_scores, patterns,
+                          repeated_tokens, scores_from_patterns)
 from gptlab.inspect import heatmaps
 from gptlab.model import GPT
 
@@ -125,3 +118,10 @@ def test_the_heads_picture_is_viridis_whatever_matplotlibs_default_colour_map_an
     assert solids.get_cmap().name == "viridis" and solids.get_clim() == (0, 1)
     widths = [ax.get_position().width for ax in maps]
     assert widths == pytest.approx([widths[0]] * 3)  # the bar takes its room from the three maps alike
+
+
+def test_only_a_probe_asked_for_needs_attention_heads():
+    assert check_probe("none", "bigram") is None and check_probe("induction", "gpt") is None
+    with pytest.raises(GptlabError) as refused:
+        check_probe("induction", "bigram")
+    assert str(refused.value) == "--probe induction reads attention heads, and arch bigram has none; drop --probe"
