@@ -24,7 +24,8 @@ from gptlab.inference.prefix_cache import PrefixCache
 from gptlab.model import GPT
 from gptlab.serve.api import CompletionRequest
 from gptlab.serve.metrics import Metrics, metrics_registry
-from gptlab.serve.scheduler import Done, Failed, Job, Scheduler, Token, prompt_logprobs, top_logprobs
+from gptlab.serve.scheduler import (Done, Failed, Job, PromptLogprobs, Scheduler, Token, prompt_logprobs,
+                                    top_logprobs)
 from gptlab.tokenizer import CharTokenizer, GPT2Tokenizer
 
 SHAPE = {"n_layer": 2, "n_head": 4, "n_embd": 64, "vocab_size": 65, "block_size": 32}  # as test_serve_batching's
@@ -298,6 +299,37 @@ def test_logprobs_are_the_plain_forwards_and_zero_gives_no_alternatives(make):
         assert list(info["top"].values()) == pytest.approx(best.values.tolist(), abs=2e-5)
         assert info0 == {**info, "top": {}, "ranked": []}
         context.append(token)
+
+
+def test_echo_with_logprobs_sends_each_prompts_logprobs_first_and_echo_alone_or_logprobs_alone_do_not(make):
+    """A job that echoes with logprobs gets a PromptLogprobs per prompt (the plain forward's log-softmax of each
+    token after the first), before its tokens, with max_tokens 0 too (then the usage alone); echo without logprobs,
+    or logprobs without echo, gets none."""
+    plain = gpt()
+    scheduler = make()
+    scheduler.start()
+    prompts = ["Hi ü", "é c"]
+    jobs = {}
+    for name, echo, logprobs, most in (("both", True, 1, 2), ("none", True, 1, 0), ("echo", True, None, 2),
+                                       ("logprobs", False, 1, 2)):
+        jobs[name] = job(prompts, logprobs=logprobs, max_new_tokens=max(most, 1))
+        jobs[name].request.echo, jobs[name].request.max_tokens = echo, most
+        assert scheduler.submit(jobs[name])
+    got = {name: events(j) for name, j in jobs.items()}
+    for name in ("both", "none"):
+        echoed = [e for e in got[name] if isinstance(e, PromptLogprobs)]
+        assert [e.prompt for e in echoed] == [0, 1] and got[name][:2] == echoed, name  # before any token
+        for e, prompt in zip(echoed, prompts):
+            ids = TOKENIZER.encode(prompt)
+            with torch.no_grad():
+                logp = torch.log_softmax(plain(torch.tensor([ids]))[0][0].double(), dim=-1)
+            expected = [float(logp[t, ids[t + 1]]) for t in range(len(ids) - 1)]
+            assert e.entries["tokens"] == [TOKENIZER.decode([i]) for i in ids]
+            assert e.entries["token_logprobs"][0] is None
+            assert e.entries["token_logprobs"][1:] == pytest.approx(expected, abs=2e-5), name
+    assert got["none"][2:] == [Done(prompt_tokens=7, completion_tokens=0)]  # the prompts' logprobs alone
+    for name in ("echo", "logprobs"):
+        assert not any(isinstance(e, PromptLogprobs) for e in got[name]) and got[name][-1].completion_tokens == 4
 
 
 def test_a_stop_string_ends_a_choice_and_is_cut(make, model):
