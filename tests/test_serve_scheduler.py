@@ -327,6 +327,10 @@ def test_echo_with_logprobs_sends_each_prompts_logprobs_first_and_echo_alone_or_
             assert e.entries["tokens"] == [TOKENIZER.decode([i]) for i in ids]
             assert e.entries["token_logprobs"][0] is None
             assert e.entries["token_logprobs"][1:] == pytest.approx(expected, abs=2e-5), name
+            best = [(TOKENIZER.decode([int(logp[t].argmax())]), float(logp[t].max())) for t in range(len(ids) - 1)]
+            assert e.entries["top_logprobs"][0] is None and len(e.entries["top_logprobs"]) == len(ids)
+            assert [list(top.items()) for top in e.entries["top_logprobs"][1:]] == \
+                [[(text, pytest.approx(value, abs=2e-5))] for text, value in best], name  # logprobs 1: the likeliest
     assert got["none"][2:] == [Done(prompt_tokens=7, completion_tokens=0)]  # the prompts' logprobs alone
     for name in ("echo", "logprobs"):
         assert not any(isinstance(e, PromptLogprobs) for e in got[name]) and got[name][-1].completion_tokens == 4
