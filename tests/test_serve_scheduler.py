@@ -336,6 +336,27 @@ def test_echo_with_logprobs_sends_each_prompts_logprobs_first_and_echo_alone_or_
         assert not any(isinstance(e, PromptLogprobs) for e in got[name]) and got[name][-1].completion_tokens == 4
 
 
+@pytest.mark.device_path("fused decode (native)")
+def test_a_predicted_output_reaches_the_batch_and_its_tokens_are_counted_in_the_usage(make, model):
+    """A job with a prediction (OpenAI's predicted output) hands it to the batch's rows: the same tokens as without
+    one, and Done counts the predicted tokens kept (some) and refused (none, the prediction being the answer)."""
+    if not model.fused:
+        pytest.skip("no fused step: predictions are proposals of the fused step's speculation")
+    scheduler = make()
+    scheduler.start()
+    plain = job(["Hi ü"], max_new_tokens=8)
+    assert scheduler.submit(plain)
+    evs = events(plain)
+    answer = [e.id for e in evs if isinstance(e, Token)]
+    predicted = job(["Hi ü"], max_new_tokens=8)
+    predicted.request.prediction_ids = answer
+    assert scheduler.submit(predicted)
+    again = events(predicted)
+    assert [e.id for e in again if isinstance(e, Token)] == answer and evs[-1].prediction is None
+    accepted, rejected = again[-1].prediction
+    assert accepted > 0 and rejected == 0
+
+
 def test_a_stop_string_ends_a_choice_and_is_cut(make, model):
     [reference] = alone(model, "ab€", SampleConfig(temperature=0.0, max_new_tokens=12))
     full = TOKENIZER.decode(reference)
