@@ -357,6 +357,21 @@ def test_a_predicted_output_reaches_the_batch_and_its_tokens_are_counted_in_the_
     assert accepted > 0 and rejected == 0
 
 
+def test_a_jobs_structure_steers_its_rows_a_logit_bias_forces_its_token(make):
+    """A job's structure (here a logit_bias of +100 on "Q") goes with its rows into the batch: every token drawn,
+    greedy or sampled, is Q; a job without one draws freely."""
+    from gptlab.serve.structured import parse_structure
+
+    scheduler = make()
+    scheduler.start()
+    q = TOKENIZER.encode("Q")[0]
+    forced, free = job(["Hi ü"], max_new_tokens=4, temperature=1.0, seed=3), job(["Hi ü"], max_new_tokens=4)
+    forced.request.structure = parse_structure({"logit_bias": {str(q): 100}}, chat=False)
+    assert scheduler.submit(forced) and scheduler.submit(free)
+    assert by_choice(events(forced), 1)[0] == ["QQQQ"]
+    assert by_choice(events(free), 1)[0] != ["QQQQ"]
+
+
 def test_a_stop_string_ends_a_choice_and_is_cut(make, model):
     [reference] = alone(model, "ab€", SampleConfig(temperature=0.0, max_new_tokens=12))
     full = TOKENIZER.decode(reference)
