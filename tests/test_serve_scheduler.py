@@ -372,6 +372,24 @@ def test_a_jobs_structure_steers_its_rows_a_logit_bias_forces_its_token(make):
     assert by_choice(events(free), 1)[0] != ["QQQQ"]
 
 
+def test_a_row_at_a_grammars_dead_end_fails_its_job_whole_and_the_others_go_on(make):
+    """A regex the tokenizer can start but not finish (no è, no à): after "ab" no token is allowed, so the job (both
+    its choices) ends Failed with the row's error, its rows leave the batch, and a job beside it finishes."""
+    from gptlab.serve.structured import compile_structure, parse_structure
+
+    scheduler = make()
+    scheduler.start()
+    stuck, beside = job(["Hi"], n=2, max_new_tokens=6), job(["Hi"], max_new_tokens=6)
+    stuck.request.structure = parse_structure({"response_format": {"type": "regex", "regex": "ab(è|à)"}}, chat=False)
+    compile_structure(stuck.request.structure, TOKENIZER)
+    assert scheduler.submit(stuck) and scheduler.submit(beside)
+    got = events(stuck)
+    assert isinstance(got[-1], Failed) and "the constraint allows no token this model has next" in got[-1].message
+    assert by_choice(got, 2)[0] == ["ab", "ab"]
+    assert events(beside)[-1] == Done(prompt_tokens=2, completion_tokens=6)
+    assert scheduler.idle.wait(10) and scheduler.batch.rows == []
+
+
 def test_a_stop_string_ends_a_choice_and_is_cut(make, model):
     [reference] = alone(model, "ab€", SampleConfig(temperature=0.0, max_new_tokens=12))
     full = TOKENIZER.decode(reference)
