@@ -355,6 +355,12 @@ def test_a_predicted_output_reaches_the_batch_and_its_tokens_are_counted_in_the_
     assert [e.id for e in again if isinstance(e, Token)] == answer and evs[-1].prediction is None
     accepted, rejected = again[-1].prediction
     assert accepted > 0 and rejected == 0
+    wrong = job(["Hi ü"], max_new_tokens=8)
+    other = next(t for t in TOKENIZER.encode("zq") if t != answer[4])
+    wrong.request.prediction_ids = answer[:4] + [other] * 4  # right, then wrong from the fifth token
+    assert scheduler.submit(wrong)
+    refused = events(wrong)
+    assert [e.id for e in refused if isinstance(e, Token)] == answer and refused[-1].prediction[1] > 0
 
 
 def test_a_jobs_structure_steers_its_rows_a_logit_bias_forces_its_token(make):
@@ -386,6 +392,12 @@ def test_a_row_at_a_grammars_dead_end_fails_its_job_whole_and_the_others_go_on(m
     got = events(stuck)
     assert isinstance(got[-1], Failed) and "the constraint allows no token this model has next" in got[-1].message
     assert by_choice(got, 2)[0] == ["ab", "ab"]
+    whole = job(["Hi"], max_new_tokens=6)  # a grammar complete before max_tokens: "stop"
+    whole.request.structure = parse_structure({"response_format": {"type": "regex", "regex": "ab"}}, chat=False)
+    compile_structure(whole.request.structure, TOKENIZER)
+    assert scheduler.submit(whole)
+    assert by_choice(events(whole), 1) == (["ab"], [[TOKENIZER.encode("a")[0], TOKENIZER.encode("b")[0]]],
+                                           [[None, "stop"]])
     assert events(beside)[-1] == Done(prompt_tokens=2, completion_tokens=6)
     assert scheduler.idle.wait(10) and scheduler.batch.rows == []
 
