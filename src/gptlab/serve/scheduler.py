@@ -109,7 +109,6 @@ class Scheduler:
     def __init__(self, model: InferenceModel | torch.nn.Module, tokenizer: Tokenizer, max_batch: int, queue: int,
                  prefix_cache: PrefixCache | None = None):
         self.batch = RunningBatch(model, prefix_cache)
-        self.model = getattr(model, "model", model)  # the nn.Module: a whole prompt's forward (prompt logprobs)
         self.tokenizer, self.max_batch, self.queue_size = tokenizer, max_batch, queue
         self.metrics = Metrics()
         self.registry = metrics_registry(self.metrics, self.batch)  # what /metrics exposes
